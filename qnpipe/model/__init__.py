@@ -1,0 +1,1 @@
+"""Qwen3-Next in MLX: model, experts by slot, checkpoint loading. Never imports trio."""

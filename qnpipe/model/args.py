@@ -1,0 +1,123 @@
+"""ModelArgs: the foreign `config.json` of a Qwen3-Next checkpoint, read leniently (known keys only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from qnpipe.errors import CheckpointError
+
+MODEL_TYPE = "qwen3_next"
+
+
+class ModelArgs(msgspec.Struct, frozen=True, kw_only=True):
+    """Shape and numerics of one Qwen3-Next model (qwen3-next.md §1)."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_value_heads: int
+    linear_num_key_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    rope_theta: float
+    partial_rotary_factor: float
+    max_position_embeddings: int = 262144
+    intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = True
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    full_attention_interval: int = 4
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def is_linear(self, layer: int) -> bool:
+        """True for Gated DeltaNet layers, False for gated full attention."""
+        return (layer + 1) % self.full_attention_interval != 0
+
+    def is_moe(self, layer: int) -> bool:
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(l for l in range(self.num_hidden_layers) if self.is_moe(l))
+
+
+_FIELDS = set(ModelArgs.__struct_fields__)
+
+
+def _required() -> set[str]:
+    n_defaults = len(ModelArgs.__struct_defaults__)
+    return set(ModelArgs.__struct_fields__[: len(ModelArgs.__struct_fields__) - n_defaults])
+
+
+def args_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelArgs:
+    """Build ModelArgs from a config dict, keeping known keys (as mlx-lm does).
+
+    Raises CheckpointError naming `source` and the key when the model type is not
+    qwen3_next, a required key is missing, or a value has the wrong type.
+    """
+    mt = raw.get("model_type")
+    if mt != MODEL_TYPE:
+        raise CheckpointError(f"{source}: model_type is {mt!r}; qnpipe runs only {MODEL_TYPE!r} models")
+    params = dict(raw)
+    # transformers >= 5 may fold rope settings into rope_parameters; accept both forms.
+    rp = raw.get("rope_parameters") or {}
+    for k in ("rope_theta", "partial_rotary_factor"):
+        if k not in params and k in rp:
+            params[k] = rp[k]
+    missing = sorted(_required() - params.keys())
+    if missing:
+        raise CheckpointError(f"{source}: missing required key(s) {', '.join(missing)}")
+    kept = {k: v for k, v in params.items() if k in _FIELDS}
+    if isinstance(kept.get("eos_token_id"), list):
+        kept["eos_token_id"] = tuple(kept["eos_token_id"])
+    try:
+        args = msgspec.convert(kept, ModelArgs)
+    except msgspec.ValidationError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+    if args.linear_num_value_heads % args.linear_num_key_heads:
+        raise CheckpointError(
+            f"{source}: linear_num_value_heads ({args.linear_num_value_heads}) must be a multiple "
+            f"of linear_num_key_heads ({args.linear_num_key_heads})"
+        )
+    if args.num_attention_heads % args.num_key_value_heads:
+        raise CheckpointError(
+            f"{source}: num_attention_heads ({args.num_attention_heads}) must be a multiple "
+            f"of num_key_value_heads ({args.num_key_value_heads})"
+        )
+    return args
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """Read `model_dir/config.json` as a dict, with errors naming the file."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not found (is {model_dir} a model directory?)")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw

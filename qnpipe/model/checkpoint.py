@@ -1,0 +1,179 @@
+"""Reading Qwen3-Next checkpoints: safetensors headers, shard indexes, and the two layouts.
+
+Layouts (qwen3-next.md §4): original Hugging Face (per-expert tensors, zero-centred norms,
+conv1d `[C, 1, K]`, `mtp.*`) and mlx-lm converted (stacked `switch_mlp`, norms stored as
+`1 + w`, conv1d `[C, K, 1]`, optionally affine-quantized). `to_mlx_names` turns the first
+into the second exactly as mlx-lm's `sanitize` does, keeping `mtp.*` aside.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+import struct
+from pathlib import Path
+
+import attrs
+import mlx.core as mx
+
+from qnpipe.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+_NORM_SUFFIXES = (
+    ".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+    ".q_norm.weight", ".k_norm.weight",
+)
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class Layout(enum.StrEnum):
+    HF = "hf"
+    MLX = "mlx"
+
+
+@attrs.frozen
+class TensorInfo:
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse and validate one safetensors header against the file's size.
+
+    Raises CheckpointError naming the file when it is truncated, its header is not
+    valid JSON, or a tensor's byte range does not fit its dtype and shape.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise CheckpointError(
+                    f"{path}: truncated safetensors file: header says {n} header bytes, file has {size - 8}"
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON)") from None
+    data_len = size - 8 - n
+    out: dict[str, TensorInfo] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from None
+        nbytes = _DTYPE_BYTES.get(dtype, 0)
+        for d in shape:
+            nbytes *= d
+        if hi - lo != nbytes:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has {hi - lo} bytes for dtype {dtype} shape {list(shape)} ({nbytes} expected)"
+            )
+        if hi > data_len:
+            raise CheckpointError(
+                f"{path}: truncated safetensors file: tensor {name!r} ends at byte {hi} of the data, "
+                f"file holds {data_len} data bytes"
+            )
+        out[name] = TensorInfo(path, dtype, shape)
+    return out
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, via its shard index when there is one."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            wmap = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index}: not a valid shard index (needs a 'weight_map' object)") from None
+        files = sorted({model_dir / f for f in wmap.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index}: lists shard {f.name}, which is missing from {model_dir}")
+        return files
+    files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no model*.safetensors weight files")
+    return files
+
+
+def scan(model_dir: Path) -> dict[str, TensorInfo]:
+    """Headers of every weight file: tensor name -> where it lives, its dtype and shape."""
+    infos: dict[str, TensorInfo] = {}
+    for f in weight_files(model_dir):
+        for name, info in read_header(f).items():
+            if name in infos:
+                raise CheckpointError(f"tensor {name!r} appears in both {infos[name].file} and {f}")
+            infos[name] = info
+    return infos
+
+
+def detect_layout(infos: dict[str, TensorInfo], model_dir: Path) -> Layout:
+    if any(_HF_EXPERT.match(n) for n in infos):
+        return Layout.HF
+    if any(".mlp.switch_mlp." in n for n in infos):
+        return Layout.MLX
+    raise CheckpointError(
+        f"{model_dir}: neither an original Hugging Face Qwen3-Next checkpoint (mlp.experts.N.*) "
+        f"nor an mlx-lm converted one (mlp.switch_mlp.*)"
+    )
+
+
+def load_tensors(infos: dict[str, TensorInfo]) -> dict[str, mx.array]:
+    """Load every tensor (headers already validated), naming the file on failure."""
+    out: dict[str, mx.array] = {}
+    for f in sorted({i.file for i in infos.values()}):
+        try:
+            out.update(mx.load(str(f)))
+        except Exception as e:  # mlx raises bare RuntimeError/ValueError for corrupt files
+            raise CheckpointError(f"{f}: cannot load safetensors data ({e})") from None
+    return out
+
+
+def to_mlx_names(
+    weights: dict[str, mx.array], num_experts: int, moe_layers: tuple[int, ...],
+    tie_word_embeddings: bool, where: dict[str, TensorInfo],
+) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+    """HF layout -> mlx-lm layout (mlx-lm's `sanitize`); returns (main weights, mtp weights in HF form)."""
+    mtp = {k: v for k, v in weights.items() if k.startswith("mtp.")}
+    w = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+    if tie_word_embeddings:
+        w.pop("lm_head.weight", None)
+    for l in moe_layers:
+        prefix = f"model.layers.{l}.mlp"
+        for proj in ("up_proj", "down_proj", "gate_proj"):
+            names = [f"{prefix}.experts.{e}.{proj}.weight" for e in range(num_experts)]
+            missing = [n for n in names if n not in w]
+            if missing:
+                raise CheckpointError(f"missing tensor {missing[0]} (layer {l} has {num_experts} experts)")
+            shapes = {w[n].shape for n in names}
+            if len(shapes) != 1:
+                bad = next(n for n in names if w[n].shape != w[names[0]].shape)
+                raise CheckpointError(
+                    f"{where[bad].file}: tensor {bad} has shape {list(w[bad].shape)}, "
+                    f"expected {list(w[names[0]].shape)} like expert 0"
+                )
+            w[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([w.pop(n) for n in names])
+    stray = [k for k in w if _HF_EXPERT.match(k)]
+    if stray:
+        raise CheckpointError(f"{where[stray[0]].file}: unexpected tensor {stray[0]} (expert id out of range?)")
+    for k, v in w.items():
+        if "conv1d.weight" in k and v.shape[-1] != 1:
+            w[k] = v.moveaxis(2, 1)
+        if any(k.endswith(s) for s in _NORM_SUFFIXES) and v.ndim == 1:
+            w[k] = v + 1.0
+    return w, mtp

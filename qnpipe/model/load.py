@@ -1,0 +1,156 @@
+"""Load a Qwen3-Next model directory (either layout, any affine quantization) into MLX."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from qnpipe.errors import CheckpointError
+from qnpipe.model.args import ModelArgs, args_from_dict, read_config
+from qnpipe.model.checkpoint import Layout, TensorInfo, detect_layout, load_tensors, scan, to_mlx_names
+from qnpipe.model.experts import PROJS, LayerExperts, ProjWeights, ResidentExperts
+from qnpipe.model.qwen3_next import Model
+
+
+@attrs.define
+class LoadedModel:
+    """A model ready to run, the pool serving its experts, and what else the directory held."""
+
+    model: Model
+    args: ModelArgs
+    experts: ResidentExperts
+    mtp_weights: dict[str, mx.array]
+    config: dict[str, Any]
+    layout: Layout
+    path: Path
+
+
+def _quant_params(path: str, qcfg: dict[str, Any] | None, scales_shape: tuple[int, ...] | None,
+                  weight_shape: tuple[int, ...], in_dims: int) -> dict[str, Any] | None:
+    """Group size / bits / mode of module `path`: the config's per-module entry, else inferred (mlx-lm's rule)."""
+    if qcfg is not None and isinstance(qcfg.get(path), dict):
+        p = qcfg[path]
+        return {"group_size": p["group_size"], "bits": p["bits"], "mode": p.get("mode", "affine")}
+    if scales_shape is None:
+        return None
+    mode = qcfg.get("mode", "affine") if qcfg else "affine"
+    return {
+        "group_size": in_dims // scales_shape[-1],
+        "bits": weight_shape[-1] * 32 // in_dims,
+        "mode": mode,
+    }
+
+
+def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any] | None,
+                    where: dict[str, TensorInfo]) -> ResidentExperts:
+    E, H, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
+    dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    layers: dict[int, LayerExperts] = {}
+    for l in args.moe_layers:
+        projs = {}
+        for proj in PROJS:
+            path = f"model.layers.{l}.mlp.switch_mlp.{proj}"
+            name = f"{path}.weight"
+            if name not in w:
+                raise CheckpointError(f"missing tensor {name} (MoE layer {l})")
+            weight = w.pop(name)
+            scales = w.pop(f"{path}.scales", None)
+            biases = w.pop(f"{path}.biases", None)
+            out_d, in_d = dims[proj]
+            file = where[name].file if name in where else "(converted)"
+            q = _quant_params(path, qcfg, None if scales is None else tuple(scales.shape), tuple(weight.shape), in_d)
+            if q is None:
+                want = (E, out_d, in_d)
+                if tuple(weight.shape) != want:
+                    raise CheckpointError(f"{file}: tensor {name} has shape {list(weight.shape)}, expected {list(want)}")
+                projs[proj] = ProjWeights(weight)
+                continue
+            if scales is None:
+                raise CheckpointError(f"{file}: missing tensor {path}.scales (config says {path} is quantized)")
+            gs, bits = q["group_size"], q["bits"]
+            want_w = (E, out_d, in_d * bits // 32)
+            want_s = (E, out_d, in_d // gs)
+            for n, arr, want in ((name, weight, want_w), (f"{path}.scales", scales, want_s),
+                                 (f"{path}.biases", biases, want_s)):
+                if arr is None:
+                    if q["mode"] == "affine":
+                        raise CheckpointError(f"{file}: missing tensor {n}")
+                    continue
+                if tuple(arr.shape) != want:
+                    raise CheckpointError(
+                        f"{file}: tensor {n} has shape {list(arr.shape)}, expected {list(want)} "
+                        f"({bits}-bit, group size {gs})"
+                    )
+            projs[proj] = ProjWeights(weight, scales, biases, gs, bits, q["mode"])
+        layers[l] = LayerExperts(**projs)
+    return ResidentExperts(layers)
+
+
+def _quantize_skeleton(model: Model, qcfg: dict[str, Any], w: dict[str, mx.array]) -> None:
+    def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
+        if path in qcfg:
+            return qcfg[path]
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in w:
+            return False
+        in_dims = module.weight.shape[-1]
+        q = _quant_params(path, None, tuple(w[f"{path}.scales"].shape), tuple(w[f"{path}.weight"].shape), in_dims)
+        assert q is not None
+        return q
+
+    nn.quantize(model, group_size=qcfg["group_size"], bits=qcfg["bits"],
+                mode=qcfg.get("mode", "affine"), class_predicate=predicate)
+
+
+def _check_and_load(model: Model, w: dict[str, mx.array], where: dict[str, TensorInfo], model_dir: Path) -> None:
+    expected = dict(tree_flatten(model.parameters()))
+    for name in sorted(w):
+        if name not in expected:
+            file = where[name].file if name in where else model_dir
+            raise CheckpointError(f"{file}: unexpected tensor {name} (not part of this model's config)")
+    for name, arr in expected.items():
+        if name not in w:
+            raise CheckpointError(f"{model_dir}: missing tensor {name}")
+        if tuple(w[name].shape) != tuple(arr.shape):
+            file = where[name].file if name in where else model_dir
+            raise CheckpointError(
+                f"{file}: tensor {name} has shape {list(w[name].shape)}, expected {list(arr.shape)}"
+            )
+    model.load_weights(list(w.items()), strict=True)
+
+
+def load_model(model_dir: str | Path) -> LoadedModel:
+    """Load `model_dir` (original HF or mlx-lm layout) with every expert resident.
+
+    Raises CheckpointError naming the file and tensor for a wrong model_type, missing or
+    unexpected tensors, shape mismatches and truncated or corrupt safetensors files.
+    """
+    model_dir = Path(model_dir)
+    config = read_config(model_dir)
+    args = args_from_dict(config, str(model_dir / "config.json"))
+    infos = scan(model_dir)
+    layout = detect_layout(infos, model_dir)
+    weights = load_tensors(infos)
+    if layout is Layout.HF:
+        weights, mtp = to_mlx_names(weights, args.num_experts, args.moe_layers, args.tie_word_embeddings, infos)
+    else:
+        mtp = {k: weights.pop(k) for k in list(weights) if k.startswith("mtp.")}
+        if args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+    qcfg = config.get("quantization") or config.get("quantization_config")
+    if qcfg is not None and "bits" not in qcfg:
+        raise CheckpointError(f"{model_dir / 'config.json'}: quantization section has no default 'bits'")
+    experts = _expert_weights(args, weights, qcfg, infos)
+    model = Model(args)
+    if qcfg is not None:
+        _quantize_skeleton(model, qcfg, weights)
+    _check_and_load(model, weights, infos, model_dir)
+    model.eval()
+    model.attach_experts(experts)
+    mx.eval(model.parameters(), [a for le in experts.layers.values() for p in (le.gate_proj, le.up_proj, le.down_proj)
+                                 for a in (p.weight, p.scales, p.biases) if a is not None])
+    return LoadedModel(model, args, experts, mtp, config, layout, model_dir)
