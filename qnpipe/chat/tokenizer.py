@@ -1,0 +1,50 @@
+"""Load a model directory's tokenizer and chat template (through mlx-lm's TokenizerWrapper)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from qnpipe.errors import TokenizerError
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """mlx-lm `TokenizerWrapper` for `model_dir`: HF tokenizer + streaming detokenizer + eos ids.
+
+    Raises TokenizerError naming the directory when it has no tokenizer or it cannot be parsed.
+    """
+    from mlx_lm.tokenizer_utils import load
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        raise TokenizerError(f"{model_dir}: no tokenizer.json or tokenizer_config.json")
+    eos: list[int] = []
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            e = json.loads(gen.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as err:
+            raise TokenizerError(f"{gen}: not valid JSON ({err})") from None
+        eos = [e] if isinstance(e, int) else list(e or [])
+    try:
+        return load(model_dir, eos_token_ids=eos or None)
+    except Exception as e:  # transformers raises many unrelated types for a broken tokenizer
+        raise TokenizerError(f"{model_dir}: cannot load tokenizer ({type(e).__name__}: {e})") from None
+
+
+def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                add_generation_prompt: bool = True) -> str:
+    """The prompt text of `messages` under the model's chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise TokenizerError("this tokenizer has no chat_template")
+    return tokenizer.apply_chat_template(
+        list(messages), tools=list(tools) if tools else None,
+        add_generation_prompt=add_generation_prompt, tokenize=False,
+    )
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of `text`, special tokens matched, no BOS added (Qwen adds none)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))

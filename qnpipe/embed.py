@@ -1,0 +1,175 @@
+"""The embedded API: `Engine` (sync facade) and `open_engine` (trio-native).
+
+Both run every MLX call on the engine's own MLX thread; the caller's thread (or trio
+loop) only waits for results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+from qnpipe.config import Config
+from qnpipe.mlx_thread import MLXThread
+from qnpipe.stats import EngineStats, GenerateResult
+
+Prompt = str | Sequence[int]
+
+
+def _resolve(cfg: Config | None, overrides: dict[str, Any]) -> Config:
+    from qnpipe import config as config_mod
+
+    if cfg is None:
+        return config_mod.load(overrides=overrides)
+    return config_mod.with_overrides(cfg, **overrides) if overrides else cfg
+
+
+class _Core:
+    """State shared by both facades; its methods run on the MLX thread."""
+
+    def __init__(self, model_dir: Path, cfg: Config):
+        from qnpipe.model.runner import Runner
+
+        self.cfg = cfg
+        self.runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens)
+        self.totals = EngineStats(resident_expert_bytes=self.runner.loaded.experts.nbytes)
+
+    def ids(self, prompt: Prompt) -> list[int]:
+        return self.runner.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+
+    def generate(self, prompt: Prompt, kw: dict[str, Any], on_text: Callable[[str], None] | None) -> GenerateResult:
+        res = self.runner.generate(self.ids(prompt), on_text=on_text, **kw)
+        self.totals = self.totals.add(res.stats)
+        return res
+
+    def logits(self, prompt: Prompt) -> np.ndarray:
+        return self.runner.logits(self.ids(prompt))
+
+
+def _gen_kwargs(max_tokens: int, temperature: float, top_p: float, seed: int | None) -> dict[str, Any]:
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+
+
+class Engine:
+    """Synchronous engine: `with qnpipe.Engine(model_dir, **overrides) as eng: ...`.
+
+    `overrides` are configuration fields by name (`expert_slots=32`, `prefill_chunk_tokens=0`)
+    applied on top of defaults, the TOML file and the environment (see docs/config.md).
+    """
+
+    def __init__(self, model_dir: str | Path, cfg: Config | None = None, **overrides: Any):
+        self.cfg = _resolve(cfg, overrides)
+        self.model_dir = Path(model_dir)
+        self._thread = MLXThread()
+        try:
+            self._core: _Core = self._thread.call(_Core, self.model_dir, self.cfg)
+        except BaseException:
+            self._thread.close()
+            raise
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._thread.close()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._core.runner.tokenizer
+
+    @property
+    def args(self) -> Any:
+        """The model's ModelArgs (sizes, layer kinds)."""
+        return self._core.runner.loaded.args
+
+    def encode(self, text: str) -> list[int]:
+        return self._thread.call(self._core.runner.encode, text)
+
+    def logits(self, prompt: Prompt) -> np.ndarray:
+        """Logits `(len, vocab)` float32 of `prompt` (text or token ids) as a fresh sequence."""
+        return self._thread.call(self._core.logits, prompt)
+
+    def generate(self, prompt: Prompt, *, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None, on_text: Callable[[str], None] | None = None) -> GenerateResult:
+        """Generate after `prompt` (text or token ids); greedy when temperature is 0.
+
+        Stops at an EOS token or after `max_tokens`. `on_text` receives detokenized text
+        pieces as they are produced (called on the engine's MLX thread).
+        """
+        kw = _gen_kwargs(max_tokens, temperature, top_p, seed)
+        return self._thread.call(self._core.generate, prompt, kw, on_text)
+
+    def stats(self) -> EngineStats:
+        return self._core.totals
+
+
+async def _on_thread(thread: MLXThread, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run `fn(*args)` on `thread`, waiting in trio without blocking the loop."""
+    done = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    fut = thread.submit(fn, *args)
+    fut.add_done_callback(lambda _: token.run_sync_soon(done.set))
+    await done.wait()
+    return fut.result()
+
+
+class AsyncEngine:
+    """Trio-native engine handle; get one from `open_engine`."""
+
+    def __init__(self, thread: MLXThread, core: _Core):
+        self._thread = thread
+        self._core = core
+        self.cfg = core.cfg
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await _on_thread(self._thread, fn, *args)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._core.runner.tokenizer
+
+    async def logits(self, prompt: Prompt) -> np.ndarray:
+        return await self._run(self._core.logits, prompt)
+
+    async def generate(self, prompt: Prompt, *, max_tokens: int = 64, temperature: float = 0.0,
+                       top_p: float = 1.0, seed: int | None = None,
+                       on_text: Callable[[str], None] | None = None) -> GenerateResult:
+        """As `Engine.generate`; `on_text` is called in the trio thread, in order."""
+        kw = _gen_kwargs(max_tokens, temperature, top_p, seed)
+        cb = None
+        if on_text is not None:
+            token = trio.lowlevel.current_trio_token()
+
+            def cb(piece: str) -> None:
+                token.run_sync_soon(on_text, piece)
+
+        return await self._run(self._core.generate, prompt, kw, cb)
+
+    def stats(self) -> EngineStats:
+        return self._core.totals
+
+
+@asynccontextmanager
+async def open_engine(model_dir: str | Path, cfg: Config | None = None, **overrides: Any) -> AsyncIterator[AsyncEngine]:
+    """`async with open_engine(model_dir, cfg) as eng:` — the engine, closed on exit."""
+    cfg = _resolve(cfg, overrides)
+    thread = MLXThread()
+    try:
+        core = await _on_thread(thread, _Core, Path(model_dir), cfg)
+        yield AsyncEngine(thread, core)
+    finally:
+        await trio.to_thread.run_sync(thread.close)

@@ -1,0 +1,74 @@
+"""Typed, frozen statistics snapshots returned by the engine."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class FinishReason(enum.StrEnum):
+    EOS = "eos"
+    LENGTH = "length"
+
+
+class GenerateStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Figures of one `generate` call. Times in seconds, memory in bytes."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_s: float
+    decode_s: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    peak_memory_bytes: int
+    finish_reason: FinishReason
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Totals since the engine opened.
+
+    `expert_source` says how experts are served; with "resident" every expert is in
+    memory, so there are no expert reads or misses to count.
+    """
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decoded_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tok_s: float = 0.0
+    peak_memory_bytes: int = 0
+    expert_source: str = "resident"
+    resident_expert_bytes: int = 0
+    expert_bytes_read: int = 0
+    expert_misses_by_cause: dict[str, int] = msgspec.field(default_factory=dict)
+
+    def add(self, g: GenerateStats) -> EngineStats:
+        decode_s = self.decode_s + g.decode_s
+        # The first token of each request comes out of prefill; decode makes the rest.
+        decoded = self.decoded_tokens + max(g.generated_tokens - 1, 0)
+        return msgspec.structs.replace(
+            self,
+            requests=self.requests + 1,
+            prompt_tokens=self.prompt_tokens + g.prompt_tokens,
+            generated_tokens=self.generated_tokens + g.generated_tokens,
+            decoded_tokens=decoded,
+            prefill_s=self.prefill_s + g.prefill_s,
+            decode_s=decode_s,
+            decode_tok_s=_rate(decoded, decode_s),
+            peak_memory_bytes=max(self.peak_memory_bytes, g.peak_memory_bytes),
+        )
+
+
+def _rate(n: int, s: float) -> float:
+    return n / s if s > 0 else 0.0
+
+
+class GenerateResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What `generate` returns: the new tokens, their text, and the call's stats."""
+
+    tokens: tuple[int, ...]
+    text: str
+    stats: GenerateStats
