@@ -51,14 +51,16 @@ class _Core:
         return self.runner.logits(self.ids(prompt))
 
 
-def _gen_kwargs(max_tokens: int, temperature: float, top_p: float, seed: int | None) -> dict[str, Any]:
+def _gen_kwargs(max_tokens: int, temperature: float, top_p: float, seed: int | None,
+                stop_at_eos: bool) -> dict[str, Any]:
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+            "stop_at_eos": stop_at_eos}
 
 
 class Engine:
@@ -104,13 +106,14 @@ class Engine:
         return self._thread.call(self._core.logits, prompt)
 
     def generate(self, prompt: Prompt, *, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, on_text: Callable[[str], None] | None = None) -> GenerateResult:
+                 seed: int | None = None, stop_at_eos: bool = True,
+                 on_text: Callable[[str], None] | None = None) -> GenerateResult:
         """Generate after `prompt` (text or token ids); greedy when temperature is 0.
 
-        Stops at an EOS token or after `max_tokens`. `on_text` receives detokenized text
+        Stops at an EOS token (unless `stop_at_eos` is False) or after `max_tokens`. `on_text` receives detokenized text
         pieces as they are produced (called on the engine's MLX thread).
         """
-        kw = _gen_kwargs(max_tokens, temperature, top_p, seed)
+        kw = _gen_kwargs(max_tokens, temperature, top_p, seed, stop_at_eos)
         return self._thread.call(self._core.generate, prompt, kw, on_text)
 
     def stats(self) -> EngineStats:
@@ -146,10 +149,10 @@ class AsyncEngine:
         return await self._run(self._core.logits, prompt)
 
     async def generate(self, prompt: Prompt, *, max_tokens: int = 64, temperature: float = 0.0,
-                       top_p: float = 1.0, seed: int | None = None,
+                       top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
                        on_text: Callable[[str], None] | None = None) -> GenerateResult:
         """As `Engine.generate`; `on_text` is called in the trio thread, in order."""
-        kw = _gen_kwargs(max_tokens, temperature, top_p, seed)
+        kw = _gen_kwargs(max_tokens, temperature, top_p, seed, stop_at_eos)
         cb = None
         if on_text is not None:
             token = trio.lowlevel.current_trio_token()

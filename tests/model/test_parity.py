@@ -67,7 +67,7 @@ def test_greedy_32_tokens_identical_to_mlx_lm(tiny_hf: Path) -> None:
     toks = _prompt(12, 1024, seed=3)
     ref = _ref_greedy(tiny_hf, toks, 32)
     with qnpipe.Engine(tiny_hf) as eng:
-        res = eng._core.runner.generate(toks, max_tokens=32, stop_at_eos=False)
+        res = eng.generate(toks, max_tokens=32, stop_at_eos=False)
     assert list(res.tokens) == ref
     assert res.stats.generated_tokens == 32
 
@@ -94,5 +94,5 @@ def test_other_shapes_match_mlx_lm(tmp_path: Path, over: dict) -> None:
     ref = _ref_logits(d, toks)
     assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
     with qnpipe.Engine(d) as eng:
-        res = eng._core.runner.generate(toks, max_tokens=12, stop_at_eos=False)
+        res = eng.generate(toks, max_tokens=12, stop_at_eos=False)
     assert list(res.tokens) == _ref_greedy(d, toks, 12)
