@@ -21,12 +21,15 @@ from qnpipe.stats import EngineStats, GenerateResult
 Prompt = str | Sequence[int]
 
 
-def _resolve(cfg: Config | None, overrides: dict[str, Any]) -> Config:
+def _resolve(model_dir: str | Path | None, cfg: Config | None, overrides: dict[str, Any]) -> Config:
+    """The engine's Config: `cfg` (or defaults < TOML < environment) + `overrides` + `model_dir`."""
     from qnpipe import config as config_mod
 
+    if model_dir is not None:
+        overrides = {**overrides, "model.model_dir": str(model_dir)}
     if cfg is None:
         return config_mod.load(overrides=overrides)
-    return config_mod.with_overrides(cfg, **overrides) if overrides else cfg
+    return config_mod.with_overrides(cfg, overrides) if overrides else cfg
 
 
 class _Core:
@@ -67,12 +70,13 @@ class Engine:
     """Synchronous engine: `with qnpipe.Engine(model_dir, **overrides) as eng: ...`.
 
     `overrides` are configuration fields by name (`expert_slots=32`, `prefill_chunk_tokens=0`)
-    applied on top of defaults, the TOML file and the environment (see docs/config.md).
+    applied on top of defaults, the TOML file and the environment (see docs/config.md);
+    `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name).
     """
 
-    def __init__(self, model_dir: str | Path, cfg: Config | None = None, **overrides: Any):
-        self.cfg = _resolve(cfg, overrides)
-        self.model_dir = Path(model_dir)
+    def __init__(self, model_dir: str | Path | None = None, cfg: Config | None = None, **overrides: Any):
+        self.cfg = _resolve(model_dir, cfg, overrides)
+        self.model_dir = Path(self.cfg.model.model_dir)
         self._thread = MLXThread()
         try:
             self._core: _Core = self._thread.call(_Core, self.model_dir, self.cfg)
@@ -167,12 +171,16 @@ class AsyncEngine:
 
 
 @asynccontextmanager
-async def open_engine(model_dir: str | Path, cfg: Config | None = None, **overrides: Any) -> AsyncIterator[AsyncEngine]:
-    """`async with open_engine(model_dir, cfg) as eng:` — the engine, closed on exit."""
-    cfg = _resolve(cfg, overrides)
+async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = None,
+                      **overrides: Any) -> AsyncIterator[AsyncEngine]:
+    """`async with open_engine(model_dir, cfg) as eng:` — the engine, closed on exit.
+
+    `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name).
+    """
+    cfg = _resolve(model_dir, cfg, overrides)
     thread = MLXThread()
     try:
-        core = await _on_thread(thread, _Core, Path(model_dir), cfg)
+        core = await _on_thread(thread, _Core, Path(cfg.model.model_dir), cfg)
         yield AsyncEngine(thread, core)
     finally:
         await trio.to_thread.run_sync(thread.close)

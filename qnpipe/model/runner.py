@@ -81,14 +81,14 @@ class Runner:
             out.append(tok)
             if detok is not None:
                 detok.add_token(tok)
-                if on_text is not None and detok.last_segment:
-                    on_text(detok.last_segment)
+                if on_text is not None and (seg := detok.last_segment):  # reading it consumes it
+                    on_text(seg)
         t_end = time.perf_counter()
         text = ""
         if detok is not None:
             detok.finalize()
-            if on_text is not None and detok.last_segment:
-                on_text(detok.last_segment)
+            if on_text is not None and (seg := detok.last_segment):
+                on_text(seg)
             text = detok.text
         prefill_s = (t_first if out or reason is FinishReason.EOS else t_end) - t0
         decode_s = t_end - t_first if out else 0.0

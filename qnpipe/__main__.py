@@ -1,0 +1,5 @@
+import sys
+
+from qnpipe.cli import main
+
+sys.exit(main())

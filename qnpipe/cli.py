@@ -1,0 +1,264 @@
+"""The `qnpipe` command: the only argv parser. Turns flags into config overrides and calls the API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from qnpipe.errors import QnpipeError
+
+EPILOG = """\
+examples:
+  qnpipe demo                                   generate from the built-in tiny model
+  qnpipe generate MODEL_DIR -p "def fib(n):" -n 64
+  qnpipe generate MODEL_DIR --chat -p "Hi" --temperature 0.7 --top-p 0.8 --seed 1
+  qnpipe chat MODEL_DIR --system "You are terse."
+  qnpipe make-tiny ./tiny --layout mlx --bits 4
+
+Configuration: defaults < --config FILE.toml < QNPIPE_* / legacy environment names < flags.
+Any setting can be given with --set SECTION.FIELD=VALUE (see docs/config.md).
+"""
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("configuration")
+    g.add_argument("--config", metavar="FILE.toml", help="TOML file of settings (see docs/config.md)")
+    g.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="sets",
+                   help="override one setting, e.g. --set forward.prefill_chunk_tokens=0 (repeatable)")
+    g.add_argument("--prefill-chunk", type=int, metavar="N",
+                   help="prefill N prompt tokens per forward (0 = whole prompt); PREFILL_CHUNK")
+
+
+def _add_gen_flags(p: argparse.ArgumentParser, default_tokens: int) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("-n", "--max-tokens", type=int, default=default_tokens, metavar="N",
+                   help=f"stop after N new tokens (default {default_tokens}); generation also stops at EOS")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass, (0, 1] (default 1)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling (reproducible output)")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of text")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in args.sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise QnpipeError(f"--set expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = value
+    if getattr(args, "prefill_chunk", None) is not None:
+        out["forward.prefill_chunk_tokens"] = args.prefill_chunk
+    return out
+
+
+def _load_config(args: argparse.Namespace) -> Any:
+    from qnpipe import config
+
+    return config.load(args.config, overrides=_overrides(args))
+
+
+def _print_stats(stats: Any) -> None:
+    s = stats
+    print(
+        f"\n[{s.prompt_tokens} prompt tokens in {s.prefill_s:.2f}s ({s.prefill_tok_s:.1f} tok/s); "
+        f"{s.generated_tokens} generated, decode {s.decode_tok_s:.1f} tok/s; "
+        f"peak memory {s.peak_memory_bytes / 2**20:.0f} MiB; stop: {s.finish_reason}]",
+        file=sys.stderr,
+    )
+
+
+def _run_generate(eng: Any, prompt: str | list[int], args: argparse.Namespace) -> int:
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    res = eng.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                       seed=args.seed, on_text=None if args.json else show)
+    if args.json:
+        print(msgspec.json.encode({"text": res.text, "tokens": res.tokens, "stats": res.stats}).decode())
+    else:
+        print()
+        _print_stats(res.stats)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from qnpipe import config
+    from qnpipe.embed import Engine
+
+    model_dir = Path(args.model) if args.model else demo_model_dir(config.cache_dir())
+    if not args.json:
+        print(f"model: {model_dir}", file=sys.stderr)
+    cfg = _load_config(args)
+    with Engine(model_dir, cfg) as eng:
+        prompt = args.prompt
+        if eng.tokenizer is not None and getattr(eng.tokenizer, "chat_template", None) and not args.raw:
+            from qnpipe.chat.tokenizer import render_chat
+
+            prompt = render_chat(eng.tokenizer, [{"role": "user", "content": args.prompt}])
+        if not args.json:
+            print(f"prompt: {args.prompt!r}\n", file=sys.stderr)
+        return _run_generate(eng, prompt, args)
+
+
+def demo_model_dir(cache: Path) -> Path:
+    """The demo model, made on first use under `cache` (a deterministic random tiny model)."""
+    from qnpipe.tiny import make_tiny
+
+    d = cache / "demo-tiny-v1"
+    if not (d / "config.json").is_file():
+        print(f"creating the demo model in {d} (first run only)...", file=sys.stderr)
+        make_tiny(d, layout="hf", seed=0, force=True)
+    return d
+
+
+def _read_tokens(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise QnpipeError(f"--tokens expects integers separated by commas or spaces, got {text!r}") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from qnpipe.embed import Engine
+
+    if (args.prompt is None) == (args.tokens is None):
+        raise QnpipeError("give exactly one of --prompt TEXT or --tokens IDS")
+    cfg = _load_config(args)
+    with Engine(args.model_dir, cfg) as eng:
+        prompt: str | list[int]
+        if args.tokens is not None:
+            prompt = _read_tokens(args.tokens)
+        elif args.chat:
+            from qnpipe.chat.tokenizer import render_chat
+
+            msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": args.prompt}]
+            prompt = render_chat(eng.tokenizer, msgs)
+        else:
+            prompt = args.prompt
+        return _run_generate(eng, prompt, args)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from qnpipe.chat.tokenizer import render_chat
+    from qnpipe.embed import Engine
+
+    cfg = _load_config(args)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
+    with Engine(args.model_dir, cfg) as eng:
+        print("chat: type a message; /reset clears the conversation, /quit or Ctrl-D leaves.", file=sys.stderr)
+        while True:
+            try:
+                line = input("you> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return 0
+            if line.strip() in ("/quit", "/exit"):
+                return 0
+            if line.strip() == "/reset":
+                messages = messages[:1] if args.system else []
+                continue
+            messages.append({"role": "user", "content": line})
+            sys.stdout.write("assistant> ")
+            res = eng.generate(render_chat(eng.tokenizer, messages), max_tokens=args.max_tokens,
+                               temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                               on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+            print()
+            if args.verbose:
+                _print_stats(res.stats)
+            messages.append({"role": "assistant", "content": res.text})
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from qnpipe.tiny import make_tiny
+
+    if args.layout == "hf" and args.bits is not None:
+        raise QnpipeError("--bits needs --layout mlx (the original HF layout is never quantized)")
+    out = make_tiny(Path(args.out), layout=args.layout, bits=args.bits, group_size=args.group_size,
+                    seed=args.seed, force=args.force)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="qnpipe", formatter_class=fmt, epilog=EPILOG,
+        description="Run mixture-of-experts models (Qwen3-Next) whose experts do not fit in memory.",
+    )
+    from qnpipe import __version__
+
+    p.add_argument("--version", action="version", version=f"qnpipe {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    d = sub.add_parser("demo", help="generate from the built-in tiny model (no download)", formatter_class=fmt,
+                       description="Generate from the built-in tiny model: checks that qnpipe works on this machine.\n"
+                       "The model is random (its text is gibberish) until a trained one ships; the stats are real.")
+    d.add_argument("--model", metavar="DIR", help="use this model directory instead of the built-in one")
+    d.add_argument("-p", "--prompt", default="Write a Python function that adds two numbers.")
+    d.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    _add_gen_flags(d, 48)
+    _add_config_flags(d)
+    d.set_defaults(func=cmd_demo)
+
+    g = sub.add_parser("generate", help="generate text from a prompt", formatter_class=fmt,
+                       description="Generate a continuation of --prompt (or of --tokens) and print it as it comes,\n"
+                       "then the stats on stderr.",
+                       epilog="example:\n  qnpipe generate ./tiny -p 'def fib(n):' -n 32 --json")
+    g.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (original HF or mlx-lm layout)")
+    g.add_argument("-p", "--prompt", help="prompt text")
+    g.add_argument("--tokens", metavar="IDS", help="prompt as token ids, e.g. '1,2,3'")
+    g.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template as a user turn")
+    g.add_argument("--system", help="system message (with --chat)")
+    _add_gen_flags(g, 128)
+    _add_config_flags(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template", formatter_class=fmt,
+                       description="Multi-turn chat on the terminal. /reset clears the history; /quit leaves.")
+    c.add_argument("model_dir", metavar="MODEL_DIR")
+    c.add_argument("--system", help="system message")
+    c.add_argument("-v", "--verbose", action="store_true", help="print stats after each answer")
+    _add_gen_flags(c, 512)
+    _add_config_flags(c)
+    c.set_defaults(func=cmd_chat)
+
+    t = sub.add_parser("make-tiny", help="write a deterministic random tiny Qwen3-Next model (for tests)",
+                       formatter_class=fmt,
+                       description="Write a tiny Qwen3-Next (hidden 128, 8 layers, 64 experts, top-4, vocab 1024)\n"
+                       "with random weights, MTP tensors, a small real tokenizer and a Qwen chat template.")
+    t.add_argument("out", metavar="OUT", help="directory to create")
+    t.add_argument("--layout", choices=["hf", "mlx"], default="hf",
+                   help="hf = original Hugging Face layout (default); mlx = mlx-lm converted")
+    t.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8], help="quantize (mlx layout only)")
+    t.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="quantization group size")
+    t.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
+    t.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    t.set_defaults(func=cmd_make_tiny)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except QnpipeError as e:
+        print(f"qnpipe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (FileExistsError, FileNotFoundError) as e:
+        print(f"qnpipe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nqnpipe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The `qnpipe` command: help texts, make-tiny, generate, demo, and error reporting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qnpipe.cli import build_parser, main
+
+
+@pytest.mark.parametrize("cmd", ["demo", "generate", "chat", "make-tiny"])
+def test_every_command_has_help_with_description(cmd: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert f"usage: qnpipe {cmd}" in out
+    assert len(out.splitlines()) > 8
+
+
+def test_top_level_help_lists_commands_and_examples() -> None:
+    text = build_parser().format_help()
+    for cmd in ("demo", "generate", "chat", "make-tiny"):
+        assert cmd in text
+    assert "examples:" in text
+
+
+def test_generate_json_from_token_ids(tiny_hf: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", str(tiny_hf), "--tokens", "5,6,7,8", "-n", "6", "--json", "--prefill-chunk", "0"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["stats"]["prompt_tokens"] == 4
+    assert 1 <= res["stats"]["generated_tokens"] <= 6
+    assert len(res["tokens"]) <= 6
+
+
+def test_generate_streams_text_then_stats(tiny_hf: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", str(tiny_hf), "-p", "def add(a, b):", "-n", "8", "--json"]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    assert main(["generate", str(tiny_hf), "-p", "def add(a, b):", "-n", "8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == text + "\n"  # streamed pieces add up to the whole text
+    assert "prompt tokens" in captured.err and "decode" in captured.err
+    assert main(["generate", str(tiny_hf), "-p", "def add(a, b):", "-n", "8", "--chat", "--system", "Be brief."]) == 0
+
+
+def test_generate_bad_input_is_a_clear_error(tiny_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", str(tiny_hf), "--tokens", "1,x"]) == 2
+    assert "--tokens expects integers" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "missing"), "-p", "hi"]) == 2
+    assert "config.json: not found" in capsys.readouterr().err
+    assert main(["generate", str(tiny_hf), "-p", "hi", "--set", "forward.prefill_chunk_tokens=-3"]) == 2
+    assert "prefill_chunk_tokens" in capsys.readouterr().err
+
+
+def test_make_tiny_and_demo_on_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "t"
+    assert main(["make-tiny", str(out), "--layout", "mlx", "--bits", "4"]) == 0
+    assert (out / "config.json").is_file()
+    assert main(["make-tiny", str(out)]) == 2  # exists, no --force
+    assert "exists" in capsys.readouterr().err
+    assert main(["demo", "--model", str(out), "-n", "4", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["stats"]["generated_tokens"] >= 1
+
+
+def test_module_entry_point_runs() -> None:
+    r = subprocess.run([sys.executable, "-m", "qnpipe", "--version"], capture_output=True, text=True, check=True)
+    assert r.stdout.startswith("qnpipe ")

@@ -1,0 +1,108 @@
+"""The embedded API: sync Engine and trio-native open_engine on one MLX thread."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import qnpipe
+from qnpipe.model.runner import Runner
+from qnpipe.stats import FinishReason
+
+PROMPT = [5, 17, 300, 42, 9, 77]
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_hf: Path):
+    with qnpipe.Engine(tiny_hf) as e:
+        yield e
+
+
+async def test_open_engine_matches_sync_engine_and_streams_in_order(tiny_hf: Path, eng: qnpipe.Engine) -> None:
+    want = eng.generate(PROMPT, max_tokens=10, stop_at_eos=False)
+    pieces: list[str] = []
+    callers: set[int] = set()
+
+    def on_text(s: str) -> None:
+        callers.add(threading.get_ident())
+        pieces.append(s)
+
+    async with qnpipe.open_engine(tiny_hf) as aeng:
+        got = await aeng.generate(PROMPT, max_tokens=10, stop_at_eos=False, on_text=on_text)
+        logits = await aeng.logits(PROMPT)
+        assert aeng.stats().requests == 1
+    assert got.tokens == want.tokens
+    assert "".join(pieces) == got.text
+    assert callers == {threading.get_ident()}  # on_text ran in the trio thread
+    assert np.array_equal(logits, eng.logits(PROMPT))
+
+
+def test_mlx_work_runs_on_one_dedicated_thread(eng: qnpipe.Engine) -> None:
+    seen: set[str] = set()
+    eng.generate(PROMPT, max_tokens=3, on_text=lambda s: seen.add(threading.current_thread().name))
+    eng.generate(PROMPT, max_tokens=3, on_text=lambda s: seen.add(threading.current_thread().name))
+    assert seen <= {"qnpipe-mlx"}
+
+
+def test_seeded_sampling_is_reproducible(eng: qnpipe.Engine) -> None:
+    a = eng.generate(PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=11, stop_at_eos=False)
+    b = eng.generate(PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=11, stop_at_eos=False)
+    c = eng.generate(PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=12, stop_at_eos=False)
+    greedy = eng.generate(PROMPT, max_tokens=12, stop_at_eos=False)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens or a.tokens != greedy.tokens
+
+
+def test_stops_at_eos_and_excludes_it(eng: qnpipe.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    free = eng.generate(PROMPT, max_tokens=10, stop_at_eos=False).tokens
+    stop = free[3]
+    monkeypatch.setattr(Runner, "eos_ids", property(lambda self: {stop}))
+    res = eng.generate(PROMPT, max_tokens=10)
+    assert res.tokens == free[: free.index(stop)]
+    assert res.stats.finish_reason is FinishReason.EOS
+    assert res.stats.generated_tokens == len(res.tokens) + 1
+
+
+def test_max_tokens_and_stats(eng: qnpipe.Engine) -> None:
+    before = eng.stats()
+    res = eng.generate(PROMPT, max_tokens=7, stop_at_eos=False)
+    assert len(res.tokens) == 7 and res.stats.finish_reason is FinishReason.LENGTH
+    assert res.stats.prompt_tokens == len(PROMPT)
+    assert res.stats.decode_tok_s > 0 and res.stats.peak_memory_bytes > 0
+    after = eng.stats()
+    assert after.requests == before.requests + 1
+    assert after.generated_tokens == before.generated_tokens + 7
+    assert after.resident_expert_bytes > 0
+    assert eng.generate(PROMPT, max_tokens=0).tokens == ()
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [({"max_tokens": -1}, "max_tokens"), ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"),
+     ({"top_p": 1.5}, "top_p")],
+)
+def test_bad_generation_arguments(eng: qnpipe.Engine, kw: dict, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        eng.generate(PROMPT, **kw)
+
+
+def test_bad_prompts(eng: qnpipe.Engine) -> None:
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.logits([])
+    with pytest.raises(ValueError, match="token id 5000 out of range for vocabulary size 1024"):
+        eng.generate([1, 5000])
+
+
+def test_text_prompt_uses_the_tokenizer(eng: qnpipe.Engine) -> None:
+    ids = eng.encode("def f(x):\n    return x")
+    assert np.array_equal(eng.logits("def f(x):\n    return x"), eng.logits(ids))
+
+
+def test_model_dir_from_config(tiny_hf: Path) -> None:
+    cfg = qnpipe.config.load(env={"MODEL": str(tiny_hf)})
+    with qnpipe.Engine(cfg=cfg) as e:
+        assert e.model_dir == tiny_hf
+        assert e.cfg.model.model_dir == str(tiny_hf)
