@@ -70,7 +70,7 @@ def main() -> int:
         ratios = [a / b for a, b in zip(ours, theirs)]
         print(json.dumps({
             "bench": "decode",
-            "model": str(args.model) if args.model else f"tiny-{args.size}-{args.bits}bit",
+            "model": str(args.model) if args.model else f"made:{args.size}-{args.bits}bit",
             "tokens_per_round": args.tokens,
             "rounds": args.rounds,
             "qnpipe_tok_s": round(statistics.median(ours), 2),
