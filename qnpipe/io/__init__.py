@@ -1,0 +1,1 @@
+"""Expert store layout, the real SSD reader and (later) the simulated SSD."""
