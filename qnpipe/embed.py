@@ -66,6 +66,14 @@ def _gen_kwargs(max_tokens: int, temperature: float, top_p: float, seed: int | N
             "stop_at_eos": stop_at_eos}
 
 
+def _release(core: _Core) -> None:
+    """Drop the core's model on the MLX thread and return MLX's cached buffers."""
+    import mlx.core as mx
+
+    core.runner = None  # type: ignore[assignment]
+    mx.clear_cache()
+
+
 class Engine:
     """Synchronous engine: `with qnpipe.Engine(model_dir, **overrides) as eng: ...`.
 
@@ -77,12 +85,8 @@ class Engine:
     def __init__(self, model_dir: str | Path | None = None, cfg: Config | None = None, **overrides: Any):
         self.cfg = _resolve(model_dir, cfg, overrides)
         self.model_dir = Path(self.cfg.model.model_dir)
-        self._thread = MLXThread()
-        try:
-            self._core: _Core = self._thread.call(_Core, self.model_dir, self.cfg)
-        except BaseException:
-            self._thread.close()
-            raise
+        self._thread = MLXThread.shared()
+        self._core: _Core = self._thread.call(_Core, self.model_dir, self.cfg)
 
     def __enter__(self) -> Engine:
         return self
@@ -91,23 +95,31 @@ class Engine:
         self.close()
 
     def close(self) -> None:
-        self._thread.close()
+        """Release the model (its memory is freed once no result refers to it)."""
+        if self._core.runner is not None:
+            self._thread.call(_release, self._core)
+
+    @property
+    def core(self) -> _Core:
+        if self._core.runner is None:
+            raise RuntimeError("this Engine is closed")
+        return self._core
 
     @property
     def tokenizer(self) -> Any:
-        return self._core.runner.tokenizer
+        return self.core.runner.tokenizer
 
     @property
     def args(self) -> Any:
         """The model's ModelArgs (sizes, layer kinds)."""
-        return self._core.runner.loaded.args
+        return self.core.runner.loaded.args
 
     def encode(self, text: str) -> list[int]:
-        return self._thread.call(self._core.runner.encode, text)
+        return self._thread.call(self.core.runner.encode, text)
 
     def logits(self, prompt: Prompt) -> np.ndarray:
         """Logits `(len, vocab)` float32 of `prompt` (text or token ids) as a fresh sequence."""
-        return self._thread.call(self._core.logits, prompt)
+        return self._thread.call(self.core.logits, prompt)
 
     def generate(self, prompt: Prompt, *, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop_at_eos: bool = True,
@@ -118,9 +130,10 @@ class Engine:
         pieces as they are produced (called on the engine's MLX thread).
         """
         kw = _gen_kwargs(max_tokens, temperature, top_p, seed, stop_at_eos)
-        return self._thread.call(self._core.generate, prompt, kw, on_text)
+        return self._thread.call(self.core.generate, prompt, kw, on_text)
 
     def stats(self) -> EngineStats:
+        """Totals since the engine opened (still readable after close)."""
         return self._core.totals
 
 
@@ -178,9 +191,10 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
     `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name).
     """
     cfg = _resolve(model_dir, cfg, overrides)
-    thread = MLXThread()
+    thread = MLXThread.shared()
+    core = await _on_thread(thread, _Core, Path(cfg.model.model_dir), cfg)
     try:
-        core = await _on_thread(thread, _Core, Path(cfg.model.model_dir), cfg)
         yield AsyncEngine(thread, core)
     finally:
-        await trio.to_thread.run_sync(thread.close)
+        with trio.CancelScope(shield=True):
+            await _on_thread(thread, _release, core)

@@ -1,7 +1,11 @@
-"""One long-lived thread that runs every MLX call of an engine.
+"""The one long-lived thread that runs every MLX call of the process.
 
 MLX streams are thread-local and trio's worker threads are pooled and reused by SSD
-reads, so an engine gets its own thread, started once and fed through a queue.
+reads, so MLX work goes to a dedicated thread, started once and fed through a queue.
+The thread is shared by all engines and never exits: with mlx 0.32 on the CPU backend,
+a thread that ran `mx.fast.scaled_dot_product_attention` and then ends aborts the
+process at exit ("terminate called without an active exception"); a parked daemon
+thread does not.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-_STOP = object()
+_lock = threading.Lock()
+_shared: MLXThread | None = None
 
 
 class MLXThread:
@@ -24,12 +29,18 @@ class MLXThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @classmethod
+    def shared(cls) -> MLXThread:
+        """The process-wide MLX thread, started on first use."""
+        global _shared
+        with _lock:
+            if _shared is None:
+                _shared = cls()
+            return _shared
+
     def _run(self) -> None:
         while True:
-            item = self._q.get()
-            if item is _STOP:
-                return
-            fut, fn, args = item
+            fut, fn, args = self._q.get()
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
@@ -38,8 +49,6 @@ class MLXThread:
                 fut.set_exception(e)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        if not self._thread.is_alive():
-            raise RuntimeError("the engine's MLX thread has stopped (engine closed?)")
         fut: Future[T] = Future()
         self._q.put((fut, fn, args))
         return fut
@@ -49,12 +58,6 @@ class MLXThread:
         if threading.current_thread() is self._thread:
             return fn(*args)
         return self.submit(fn, *args).result()
-
-    def close(self) -> None:
-        """Finish queued work, then stop the thread."""
-        if self._thread.is_alive():
-            self._q.put(_STOP)
-            self._thread.join()
 
     @property
     def thread(self) -> threading.Thread:

@@ -106,3 +106,26 @@ def test_model_dir_from_config(tiny_hf: Path) -> None:
     with qnpipe.Engine(cfg=cfg) as e:
         assert e.model_dir == tiny_hf
         assert e.cfg.model.model_dir == str(tiny_hf)
+
+
+def test_process_exits_cleanly_after_engine_use(tiny_hf: Path) -> None:
+    # A thread that ran MLX's CPU attention and then ended used to abort the process at exit.
+    import subprocess
+    import sys
+
+    code = ("import sys, qnpipe\n"
+            "with qnpipe.Engine(sys.argv[1]) as e:\n"
+            "    e.generate([5, 6, 7], max_tokens=3)\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tiny_hf)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok" and "terminate called" not in r.stderr
+
+
+def test_closed_engine_refuses_work_but_keeps_stats(tiny_hf: Path) -> None:
+    e = qnpipe.Engine(tiny_hf)
+    e.generate(PROMPT, max_tokens=2)
+    e.close()
+    assert e.stats().requests == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        e.generate(PROMPT, max_tokens=2)
