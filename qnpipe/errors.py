@@ -17,3 +17,24 @@ class CheckpointError(QnpipeError):
 
 class TokenizerError(QnpipeError):
     """The tokenizer or chat template of a model directory cannot be loaded."""
+
+
+class ReadError(QnpipeError):
+    """An expert record could not be read intact (I/O error, short read, or checksum mismatch).
+
+    Raised after one retry. The message and the attributes name the expert (`layer`,
+    `expert`), the file (`path`) and the byte range (`offset`, `nbytes`); `reason` says
+    what went wrong. The destination buffer's contents are undefined after this error.
+    """
+
+    def __init__(self, reason: str, *, layer: int, expert: int, path: str, offset: int, nbytes: int) -> None:
+        self.reason = reason
+        self.layer = layer
+        self.expert = expert
+        self.path = path
+        self.offset = offset
+        self.nbytes = nbytes
+        super().__init__(
+            f"cannot read expert {expert} of layer {layer}: {reason} "
+            f"(file {path}, offset {offset}, {nbytes} bytes)"
+        )
