@@ -38,3 +38,10 @@ class ReadError(QnpipeError):
             f"cannot read expert {expert} of layer {layer}: {reason} "
             f"(file {path}, offset {offset}, {nbytes} bytes)"
         )
+
+
+class StoreError(QnpipeError):
+    """An expert store (`experts/` of a qnpipe model directory) is missing, corrupt, or from another model.
+
+    The message names the file and, for a bad record, the layer, expert and byte offset.
+    """

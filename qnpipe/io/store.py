@@ -1,0 +1,357 @@
+"""Access to the expert store of a qnpipe model directory (`experts/`; layout in docs/store-format.md).
+
+`ExpertStore.open` validates `experts/index.json` (format, version, model id, record geometry)
+and every layer file's size before anything is read, so a truncated or foreign store fails at
+open. After that it answers where a record lives (`record_location`, for the fast reader),
+reads one synchronously (`read_record`, optionally checking its crc32), and turns a record
+buffer into numpy views of its tensors (`record_tensors`, no copy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from qnpipe.errors import CheckpointError, StoreError
+from qnpipe.io.store_format import ALIGN, FORMAT, INDEX_FILE, TENSOR_ALIGN, VERSION, LayerFile, StoreIndex, TensorSlot
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from qnpipe.model.args import ModelArgs
+
+__all__ = [
+    "EXPERTS_DIR", "NP_DTYPES", "SHAPE_KEYS", "ExpertStore", "as_mx", "layer_file_name", "model_id",
+    "config_model_id", "read_index", "record_layout", "round_up", "write_index",
+]
+
+EXPERTS_DIR = "experts"
+
+# Index dtype name -> numpy storage dtype. numpy has no bfloat16: its records come out as the
+# uint16 bit patterns (`as_mx` turns them back into mx.bfloat16 without changing a bit).
+NP_DTYPES: dict[str, str] = {
+    "uint32": "<u4", "uint16": "<u2", "uint8": "|u1", "int32": "<i4",
+    "float32": "<f4", "float16": "<f2", "bfloat16": "<u2",
+}
+
+# ModelArgs fields that decide the shape of some tensor; their sha256 is the store's model id.
+SHAPE_KEYS = (
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "intermediate_size", "vocab_size", "full_attention_interval",
+    "decoder_sparse_step", "mlp_only_layers", "tie_word_embeddings",
+)
+
+
+def round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def model_id(config: ModelArgs | Mapping[str, Any]) -> str:
+    """sha256 (hex) of the model's shape keys (`SHAPE_KEYS`), from ModelArgs or a config.json dict.
+
+    Two checkpoints of the same architecture and size share it; a store built for a model of
+    another shape does not.
+    """
+    from qnpipe.model.args import ModelArgs, args_from_dict
+
+    args = config if isinstance(config, ModelArgs) else args_from_dict(dict(config))
+    keys = {k: getattr(args, k) for k in SHAPE_KEYS}
+    keys["mlp_only_layers"] = sorted(keys["mlp_only_layers"])
+    return hashlib.sha256(json.dumps(keys, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def layer_file_name(layer: int) -> str:
+    return f"layer_{layer:03d}.bin"
+
+
+def record_layout(tensors: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[tuple[TensorSlot, ...], int, int]:
+    """Place one expert's tensors `(name, dtype, shape)` in a record, in the given order.
+
+    Each tensor starts at a multiple of TENSOR_ALIGN; returns (slots, record_nbytes, stride)
+    with stride = record_nbytes rounded up to ALIGN.
+    """
+    slots = []
+    offset = 0
+    for name, dtype, shape in tensors:
+        nbytes = math.prod(shape) * np.dtype(NP_DTYPES[dtype]).itemsize
+        offset = round_up(offset, TENSOR_ALIGN)
+        slots.append(TensorSlot(name=name, dtype=dtype, shape=tuple(shape), offset=offset, nbytes=nbytes))
+        offset += nbytes
+    return tuple(slots), offset, round_up(max(offset, 1), ALIGN)
+
+
+def write_index(experts_dir: Path, index: StoreIndex) -> Path:
+    """Write `experts_dir/index.json` (indented JSON); returns its path."""
+    path = Path(experts_dir) / INDEX_FILE
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(index), indent=1) + b"\n")
+    return path
+
+
+def _experts_dir(path: str | os.PathLike[str]) -> Path:
+    """`path` itself when it is the experts directory, else `path/experts`."""
+    p = Path(path)
+    if (p / INDEX_FILE).is_file() or (p.name == EXPERTS_DIR and not (p / EXPERTS_DIR).is_dir()):
+        return p
+    return p / EXPERTS_DIR
+
+
+def _check_layer(lf: LayerFile, index_path: Path, align: int) -> None:
+    def bad(what: str) -> StoreError:
+        return StoreError(f"{index_path}: layer {lf.layer} ({lf.file}): {what}")
+
+    if not lf.file or "/" in lf.file or "\\" in lf.file or lf.file.startswith("."):
+        raise bad(f"file name {lf.file!r} must be a plain name inside the experts directory")
+    if lf.num_experts < 1 or lf.record_nbytes < 1:
+        raise bad(f"num_experts {lf.num_experts} and record_nbytes {lf.record_nbytes} must be positive")
+    if lf.stride % align or lf.stride < lf.record_nbytes:
+        raise bad(f"stride {lf.stride} must be a multiple of {align} and >= record_nbytes {lf.record_nbytes}")
+    if lf.file_nbytes != lf.num_experts * lf.stride:
+        raise bad(f"file_nbytes {lf.file_nbytes} != num_experts {lf.num_experts} x stride {lf.stride}")
+    if len(lf.checksums) != lf.num_experts:
+        raise bad(f"{len(lf.checksums)} checksums for {lf.num_experts} experts")
+    for t in lf.tensors:
+        if t.dtype not in NP_DTYPES:
+            raise bad(f"tensor {t.name} has unknown dtype {t.dtype!r} (known: {', '.join(NP_DTYPES)})")
+        want = math.prod(t.shape) * np.dtype(NP_DTYPES[t.dtype]).itemsize
+        if t.nbytes != want or t.offset < 0 or t.offset % TENSOR_ALIGN or t.offset + t.nbytes > lf.record_nbytes:
+            raise bad(
+                f"tensor {t.name} ({t.dtype} {list(t.shape)}, {t.nbytes} bytes at offset {t.offset}) does not fit "
+                f"the record ({lf.record_nbytes} bytes; {want} bytes expected, offsets multiples of {TENSOR_ALIGN})"
+            )
+
+
+def read_index(path: str | os.PathLike[str], *, expected_model_id: str | None = None) -> tuple[Path, StoreIndex]:
+    """Decode and check `index.json` of a model or experts directory; returns (experts dir, index).
+
+    Checks format, version, model id (when `expected_model_id` is given) and each layer's
+    record geometry, but not the layer files (see `ExpertStore.open`). Raises StoreError
+    naming the index file.
+    """
+    root = _experts_dir(path)
+    index_path = root / INDEX_FILE
+    try:
+        raw = index_path.read_bytes()
+    except FileNotFoundError:
+        raise StoreError(f"{index_path}: missing expert store index (is {path} a `qnpipe convert` output?)") from None
+    except OSError as e:
+        raise StoreError(f"{index_path}: cannot read ({e.strerror})") from None
+    try:
+        head = msgspec.json.decode(raw, type=dict[str, Any])
+    except msgspec.DecodeError as e:
+        raise StoreError(f"{index_path}: not valid JSON ({e})") from None
+    if head.get("format") != FORMAT:
+        raise StoreError(f"{index_path}: format is {head.get('format')!r}, expected {FORMAT!r}")
+    if head.get("version") != VERSION:
+        raise StoreError(
+            f"{index_path}: store format version {head.get('version')!r}; this qnpipe reads version {VERSION} "
+            f"(re-run `qnpipe convert`)"
+        )
+    try:
+        index = msgspec.convert(head, StoreIndex)
+    except msgspec.ValidationError as e:
+        raise StoreError(f"{index_path}: invalid index ({e})") from None
+    if expected_model_id is not None and index.model_id != expected_model_id:
+        raise StoreError(
+            f"{index_path}: expert store belongs to another model (model_id {index.model_id[:16]}..., "
+            f"this model's config.json gives {expected_model_id[:16]}...)"
+        )
+    if index.checksum != "crc32":
+        raise StoreError(f"{index_path}: unknown checksum {index.checksum!r} (expected 'crc32')")
+    if index.align < 512 or index.align & (index.align - 1):
+        raise StoreError(f"{index_path}: align {index.align} must be a power of two >= 512")
+    seen: set[int] = set()
+    for lf in index.layers:
+        if lf.layer in seen:
+            raise StoreError(f"{index_path}: layer {lf.layer} listed twice")
+        seen.add(lf.layer)
+        _check_layer(lf, index_path, index.align)
+    return root, index
+
+
+def as_mx(a: np.ndarray, dtype: str) -> mx.array:
+    """An mx.array (a copy) of a record tensor view, with the index's `dtype` (bfloat16 restored from bits)."""
+    import mlx.core as mx
+
+    out = mx.array(np.ascontiguousarray(a))
+    return out.view(mx.bfloat16) if dtype == "bfloat16" else out
+
+
+class ExpertStore:
+    """An open, validated expert store. Use `ExpertStore.open`; close it (or use `with`) when done."""
+
+    def __init__(self, root: Path, index: StoreIndex, fds: dict[int, int]) -> None:
+        self.root = root
+        self.index = index
+        self._layers = {lf.layer: lf for lf in index.layers}
+        self._fds = fds
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, expected_model_id: str | None = None) -> ExpertStore:
+        """Open the store of a model directory or of its `experts/` directory.
+
+        Validates the index (`read_index`) and that every layer file exists with exactly the
+        size the index gives. Raises StoreError naming the file (and the expected and actual
+        sizes for a truncated or oversized one).
+        """
+        root, index = read_index(path, expected_model_id=expected_model_id)
+        fds: dict[int, int] = {}
+        try:
+            for lf in index.layers:
+                fpath = root / lf.file
+                try:
+                    fd = os.open(fpath, os.O_RDONLY)
+                except FileNotFoundError:
+                    raise StoreError(f"{fpath}: missing expert file of layer {lf.layer}") from None
+                except OSError as e:
+                    raise StoreError(f"{fpath}: cannot open ({e.strerror})") from None
+                fds[lf.layer] = fd
+                size = os.fstat(fd).st_size
+                if size != lf.file_nbytes:
+                    what = "truncated" if size < lf.file_nbytes else "larger than the index says"
+                    raise StoreError(
+                        f"{fpath}: {what}: {size} bytes, the index expects {lf.file_nbytes} "
+                        f"(layer {lf.layer}: {lf.num_experts} experts x {lf.stride} bytes)"
+                    )
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            raise
+        return cls(root, index, fds)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def __enter__(self) -> ExpertStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The MoE layers in the store, ascending."""
+        return tuple(sorted(self._layers))
+
+    def layer_file(self, layer: int) -> LayerFile:
+        try:
+            return self._layers[layer]
+        except KeyError:
+            raise StoreError(f"{self.root / INDEX_FILE}: no layer {layer} in this store "
+                             f"(layers {list(self.layers)})") from None
+
+    def _check_expert(self, lf: LayerFile, expert: int) -> None:
+        if not 0 <= expert < lf.num_experts:
+            raise StoreError(f"{self.root / lf.file}: expert {expert} out of range (layer {lf.layer} "
+                             f"has {lf.num_experts})")
+
+    def record_location(self, layer: int, expert: int) -> tuple[Path, int, int]:
+        """(file path, byte offset, record_nbytes) of one expert's record.
+
+        The offset is a multiple of the index's `align`; rounding the length up to `align`
+        stays inside the file (records are padded to `stride`), so the range can be read
+        with direct I/O.
+        """
+        lf = self.layer_file(layer)
+        self._check_expert(lf, expert)
+        return self.root / lf.file, expert * lf.stride, lf.record_nbytes
+
+    def _fd(self, layer: int) -> int:
+        if layer not in self._fds:
+            raise StoreError(f"{self.root}: store is closed")
+        return self._fds[layer]
+
+    def read_record(self, layer: int, expert: int, *, verify: bool = False) -> bytes:
+        """Read one record with os.pread; with `verify`, check its crc32 against the index.
+
+        Raises StoreError naming layer, expert, file and offset on a short read or a bad checksum.
+        """
+        path, offset, nbytes = self.record_location(layer, expert)
+        try:
+            buf = os.pread(self._fd(layer), nbytes, offset)
+        except OSError as e:
+            raise StoreError(f"{path}: cannot read layer {layer} expert {expert} at offset {offset} "
+                             f"({e.strerror})") from None
+        if len(buf) != nbytes:
+            raise StoreError(f"{path}: short read of layer {layer} expert {expert} at offset {offset}: "
+                             f"{len(buf)} of {nbytes} bytes")
+        if verify:
+            want = self._layers[layer].checksums[expert]
+            got = zlib.crc32(buf)
+            if got != want:
+                raise StoreError(
+                    f"{path}: checksum mismatch for layer {layer} expert {expert} at offset {offset} "
+                    f"({nbytes} bytes): crc32 {got:08x}, index says {want:08x}"
+                )
+        return buf
+
+    def record_tensors(self, layer: int, buf: Any) -> dict[str, np.ndarray]:
+        """Numpy views (no copy) of the tensors in record buffer `buf` of `layer`.
+
+        `buf` is any buffer of at least `record_nbytes` bytes (bytes, bytearray, memoryview,
+        numpy uint8 array) holding one record from its first byte. Names are like
+        "gate_proj.weight"; shapes are per expert; bfloat16 tensors come as uint16 bits (see `as_mx`).
+        """
+        lf = self.layer_file(layer)
+        size = memoryview(buf).nbytes
+        if size < lf.record_nbytes:
+            raise ValueError(f"record buffer of layer {layer} has {size} bytes, needs {lf.record_nbytes}")
+        return {
+            t.name: np.frombuffer(buf, dtype=NP_DTYPES[t.dtype], count=math.prod(t.shape), offset=t.offset)
+            .reshape(t.shape)
+            for t in lf.tensors
+        }
+
+    def read_layer(self, layer: int, *, verify: bool = False) -> dict[str, np.ndarray]:
+        """Every record of `layer` with one read: name -> strided view `[num_experts, *shape]`.
+
+        With `verify`, every record's crc32 is checked first (StoreError names the first bad one).
+        """
+        lf = self.layer_file(layer)
+        path = self.root / lf.file
+        buf = np.empty(lf.file_nbytes, dtype=np.uint8)
+        try:
+            n = os.preadv(self._fd(layer), [buf], 0)
+        except OSError as e:
+            raise StoreError(f"{path}: cannot read layer {layer} ({e.strerror})") from None
+        if n != lf.file_nbytes:
+            raise StoreError(f"{path}: short read of layer {layer}: {n} of {lf.file_nbytes} bytes")
+        if verify:
+            for e in range(lf.num_experts):
+                rec = buf[e * lf.stride: e * lf.stride + lf.record_nbytes]
+                if (got := zlib.crc32(rec)) != lf.checksums[e]:
+                    raise StoreError(
+                        f"{path}: checksum mismatch for layer {layer} expert {e} at offset {e * lf.stride} "
+                        f"({lf.record_nbytes} bytes): crc32 {got:08x}, index says {lf.checksums[e]:08x}"
+                    )
+        out = {}
+        for t in lf.tensors:
+            dt = np.dtype(NP_DTYPES[t.dtype])
+            inner = tuple(int(np.prod(t.shape[i + 1:], dtype=np.int64)) * dt.itemsize for i in range(len(t.shape)))
+            out[t.name] = np.ndarray((lf.num_experts, *t.shape), dtype=dt, buffer=buf, offset=t.offset,
+                                     strides=(lf.stride, *inner))
+        return out
+
+
+def config_model_id(model_dir: Path) -> str | None:
+    """The model id from `model_dir/config.json`, or None when there is no readable config there."""
+    from qnpipe.model.args import read_config
+
+    if not (Path(model_dir) / "config.json").is_file():
+        return None
+    try:
+        return model_id(read_config(Path(model_dir)))
+    except CheckpointError as e:
+        raise StoreError(str(e)) from None
