@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import re
 import struct
 from pathlib import Path
+from typing import Any
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from qnpipe.errors import CheckpointError
 
@@ -23,6 +26,11 @@ INDEX_FILE = "model.safetensors.index.json"
 _DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
     "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+# safetensors dtype -> numpy storage dtype (bfloat16 travels as its uint16 bits).
+ST_NUMPY = {
+    "BOOL": "|b1", "U8": "|u1", "I8": "|i1", "I16": "<i2", "U16": "<u2", "F16": "<f2", "BF16": "<u2",
+    "I32": "<i4", "U32": "<u4", "F32": "<f4", "I64": "<i8", "U64": "<u8", "F64": "<f8",
 }
 _NORM_SUFFIXES = (
     ".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
@@ -34,6 +42,7 @@ _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj
 class Layout(enum.StrEnum):
     HF = "hf"
     MLX = "mlx"
+    QNPIPE = "qnpipe"  # `qnpipe convert` output: non-expert safetensors + experts/ store
 
 
 @attrs.frozen
@@ -41,6 +50,8 @@ class TensorInfo:
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0  # absolute byte offset of the tensor's data in `file`
+    nbytes: int = 0
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -88,7 +99,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 f"{path}: truncated safetensors file: tensor {name!r} ends at byte {hi} of the data, "
                 f"file holds {data_len} data bytes"
             )
-        out[name] = TensorInfo(path, dtype, shape)
+        out[name] = TensorInfo(path, dtype, shape, 8 + n + lo, nbytes)
     return out
 
 
@@ -120,6 +131,34 @@ def scan(model_dir: Path) -> dict[str, TensorInfo]:
                 raise CheckpointError(f"tensor {name!r} appears in both {infos[name].file} and {f}")
             infos[name] = info
     return infos
+
+
+def is_qnpipe_dir(model_dir: Path, config: dict[str, Any]) -> bool:
+    """True for a `qnpipe convert` output: a `qnpipe` section in config.json or an `experts/index.json`."""
+    return isinstance(config.get("qnpipe"), dict) or (Path(model_dir) / "experts" / "index.json").is_file()
+
+
+def read_tensor(info: TensorInfo) -> np.ndarray:
+    """One tensor's raw data with one pread, as numpy in its storage dtype (BF16 as uint16 bits).
+
+    Raises CheckpointError naming the file when the read comes up short or the dtype is unknown.
+    """
+    np_dtype = ST_NUMPY.get(info.dtype)
+    if np_dtype is None:
+        raise CheckpointError(f"{info.file}: unsupported tensor dtype {info.dtype}")
+    try:
+        fd = os.open(info.file, os.O_RDONLY)
+        try:
+            buf = os.pread(fd, info.nbytes, info.offset)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise CheckpointError(f"{info.file}: cannot read ({e.strerror})") from None
+    if len(buf) != info.nbytes:
+        raise CheckpointError(
+            f"{info.file}: truncated: {info.nbytes} bytes at offset {info.offset} expected, got {len(buf)}"
+        )
+    return np.frombuffer(buf, dtype=np_dtype).reshape(info.shape)
 
 
 def detect_layout(infos: dict[str, TensorInfo], model_dir: Path) -> Layout:

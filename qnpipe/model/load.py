@@ -10,9 +10,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from qnpipe.errors import CheckpointError
+from qnpipe.errors import CheckpointError, StoreError
 from qnpipe.model.args import ModelArgs, args_from_dict, read_config
-from qnpipe.model.checkpoint import Layout, TensorInfo, detect_layout, load_tensors, scan, to_mlx_names
+from qnpipe.model.checkpoint import (
+    Layout, TensorInfo, detect_layout, is_qnpipe_dir, load_tensors, read_header, scan, to_mlx_names,
+)
 from qnpipe.model.experts import PROJS, LayerExperts, ProjWeights, ResidentExperts
 from qnpipe.model.qwen3_next import Model
 
@@ -91,6 +93,51 @@ def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any
     return ResidentExperts(layers)
 
 
+def _store_experts(args: ModelArgs, model_dir: Path, qcfg: dict[str, Any] | None) -> ResidentExperts:
+    """Every expert of a qnpipe directory's store, stacked `[E, ...]` per projection (slot == expert id)."""
+    from qnpipe.io.store import ExpertStore, as_mx, model_id
+
+    E, H, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
+    dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    with ExpertStore.open(model_dir, expected_model_id=model_id(args)) as store:
+        index_path = store.root / "index.json"
+        if set(store.layers) != set(args.moe_layers):
+            raise StoreError(f"{index_path}: store holds layers {list(store.layers)}, the model's MoE layers are "
+                             f"{list(args.moe_layers)}")
+        layers: dict[int, LayerExperts] = {}
+        for l in args.moe_layers:
+            lf = store.layer_file(l)
+            if lf.num_experts != E:
+                raise StoreError(f"{store.root / lf.file}: {lf.num_experts} experts, config.json says {E}")
+            arrays = store.read_layer(l)
+            dtypes = {t.name: t.dtype for t in lf.tensors}
+            projs = {}
+            for proj in PROJS:
+                if f"{proj}.weight" not in arrays:
+                    raise StoreError(f"{index_path}: layer {l} records have no {proj}.weight")
+                w = as_mx(arrays[f"{proj}.weight"], dtypes[f"{proj}.weight"])
+                q = (lf.quant or {}).get(proj)
+                if q is None:
+                    projs[proj] = ProjWeights(w)
+                    continue
+                path = f"model.layers.{l}.mlp.switch_mlp.{proj}"
+                if qcfg is not None:  # the config's quantization must agree with the store's
+                    cq = _quant_params(path, qcfg, (E, dims[proj][0], dims[proj][1] // q.group_size),
+                                       (E, dims[proj][0], dims[proj][1] * q.bits // 32), dims[proj][1])
+                    if cq is not None and (cq["bits"], cq["group_size"]) != (q.bits, q.group_size):
+                        raise StoreError(f"{index_path}: layer {l} {proj} is {q.bits}-bit/group {q.group_size}, "
+                                         f"config.json says {cq['bits']}-bit/group {cq['group_size']}")
+                scales, biases = (as_mx(arrays[f"{proj}.{n}"], dtypes[f"{proj}.{n}"]) if f"{proj}.{n}" in arrays
+                                  else None for n in ("scales", "biases"))
+                if scales is None or (biases is None and q.mode == "affine"):
+                    raise StoreError(f"{index_path}: layer {l} {proj} is quantized but its records lack "
+                                     f"scales or biases")
+                projs[proj] = ProjWeights(w, scales, biases, q.group_size, q.bits, q.mode)
+            layers[l] = LayerExperts(**projs)
+            del arrays
+    return ResidentExperts(layers)
+
+
 def _quantize_skeleton(model: Model, qcfg: dict[str, Any], w: dict[str, mx.array]) -> None:
     def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
         if path in qcfg:
@@ -124,27 +171,42 @@ def _check_and_load(model: Model, w: dict[str, mx.array], where: dict[str, Tenso
 
 
 def load_model(model_dir: str | Path) -> LoadedModel:
-    """Load `model_dir` (original HF or mlx-lm layout) with every expert resident.
+    """Load `model_dir` (original HF, mlx-lm, or qnpipe layout) with every expert resident.
 
     Raises CheckpointError naming the file and tensor for a wrong model_type, missing or
-    unexpected tensors, shape mismatches and truncated or corrupt safetensors files.
+    unexpected tensors, shape mismatches and truncated or corrupt safetensors files;
+    StoreError for a qnpipe directory whose expert store is missing, truncated or from
+    another model.
     """
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     args = args_from_dict(config, str(model_dir / "config.json"))
-    infos = scan(model_dir)
-    layout = detect_layout(infos, model_dir)
-    weights = load_tensors(infos)
-    if layout is Layout.HF:
-        weights, mtp = to_mlx_names(weights, args.num_experts, args.moe_layers, args.tie_word_embeddings, infos)
-    else:
-        mtp = {k: weights.pop(k) for k in list(weights) if k.startswith("mtp.")}
-        if args.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
     qcfg = config.get("quantization") or config.get("quantization_config")
     if qcfg is not None and "bits" not in qcfg:
         raise CheckpointError(f"{model_dir / 'config.json'}: quantization section has no default 'bits'")
-    experts = _expert_weights(args, weights, qcfg, infos)
+    infos = scan(model_dir)
+    if is_qnpipe_dir(model_dir, config):
+        layout = Layout.QNPIPE
+        weights = load_tensors(infos)
+        stray = [k for k in weights if k.startswith("mtp.") or ".mlp.switch_mlp." in k or ".mlp.experts." in k]
+        if stray:
+            raise CheckpointError(f"{infos[stray[0]].file}: unexpected tensor {stray[0]} in a qnpipe directory "
+                                  f"(experts belong in experts/, MTP in mtp.safetensors)")
+        if args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        mtp_file = model_dir / "mtp.safetensors"
+        mtp = load_tensors(read_header(mtp_file)) if mtp_file.is_file() else {}
+        experts = _store_experts(args, model_dir, qcfg)
+    else:
+        layout = detect_layout(infos, model_dir)
+        weights = load_tensors(infos)
+        if layout is Layout.HF:
+            weights, mtp = to_mlx_names(weights, args.num_experts, args.moe_layers, args.tie_word_embeddings, infos)
+        else:
+            mtp = {k: weights.pop(k) for k in list(weights) if k.startswith("mtp.")}
+            if args.tie_word_embeddings:
+                weights.pop("lm_head.weight", None)
+        experts = _expert_weights(args, weights, qcfg, infos)
     model = Model(args)
     if qcfg is not None:
         _quantize_skeleton(model, qcfg, weights)
