@@ -23,3 +23,27 @@ def tiny_mlx4(tmp_path_factory: pytest.TempPathFactory, tiny_hf: Path) -> Path:
     out = tmp_path_factory.mktemp("models") / "tiny-mlx4"
     convert(hf_path=str(tiny_hf), mlx_path=str(out), quantize=True, q_bits=4, q_group_size=64, dtype="bfloat16")
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_mlx8(tmp_path_factory: pytest.TempPathFactory, tiny_hf: Path) -> Path:
+    """`tiny_hf` converted by mlx-lm's own `convert` to 8-bit / group 64, bf16 scales."""
+    import contextlib
+    import io
+
+    from mlx_lm import convert
+
+    out = tmp_path_factory.mktemp("models") / "tiny-mlx8"
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(hf_path=str(tiny_hf), mlx_path=str(out), quantize=True, q_bits=8, q_group_size=64, dtype="bfloat16")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qn4(tmp_path_factory: pytest.TempPathFactory, tiny_mlx4: Path, tiny_hf: Path) -> Path:
+    """`tiny_mlx4` converted by `qnpipe convert` (MTP from `tiny_hf`): a qnpipe model directory. Read-only."""
+    from qnpipe.convert import convert
+
+    out = tmp_path_factory.mktemp("models") / "tiny-qn4"
+    convert(tiny_mlx4, out, mtp_from=tiny_hf)
+    return out

@@ -116,8 +116,11 @@ def _check_layer(lf: LayerFile, index_path: Path, align: int) -> None:
         raise bad(f"num_experts {lf.num_experts} and record_nbytes {lf.record_nbytes} must be positive")
     if lf.stride % align or lf.stride < lf.record_nbytes:
         raise bad(f"stride {lf.stride} must be a multiple of {align} and >= record_nbytes {lf.record_nbytes}")
-    if lf.file_nbytes != lf.num_experts * lf.stride:
-        raise bad(f"file_nbytes {lf.file_nbytes} != num_experts {lf.num_experts} x stride {lf.stride}")
+    # Writers pad the last record to `stride` (qnpipe convert does); an unpadded last record is valid too.
+    lo, hi = (lf.num_experts - 1) * lf.stride + lf.record_nbytes, lf.num_experts * lf.stride
+    if not lo <= lf.file_nbytes <= hi:
+        raise bad(f"file_nbytes {lf.file_nbytes} must be in [{lo}, {hi}] for {lf.num_experts} records "
+                  f"of {lf.record_nbytes} bytes, {lf.stride} apart")
     if len(lf.checksums) != lf.num_experts:
         raise bad(f"{len(lf.checksums)} checksums for {lf.num_experts} experts")
     for t in lf.tensors:
@@ -221,7 +224,7 @@ class ExpertStore:
                     what = "truncated" if size < lf.file_nbytes else "larger than the index says"
                     raise StoreError(
                         f"{fpath}: {what}: {size} bytes, the index expects {lf.file_nbytes} "
-                        f"(layer {lf.layer}: {lf.num_experts} experts x {lf.stride} bytes)"
+                        f"(layer {lf.layer}: {lf.num_experts} records, {lf.stride} bytes apart)"
                     )
         except BaseException:
             for fd in fds.values():
@@ -260,9 +263,10 @@ class ExpertStore:
     def record_location(self, layer: int, expert: int) -> tuple[Path, int, int]:
         """(file path, byte offset, record_nbytes) of one expert's record.
 
-        The offset is a multiple of the index's `align`; rounding the length up to `align`
-        stays inside the file (records are padded to `stride`), so the range can be read
-        with direct I/O.
+        The offset is a multiple of the index's `align`. Rounding the length up to `align`
+        stays inside the file when the last record is padded to `stride` (qnpipe convert
+        pads; a store whose `file_nbytes` stops at the last record's end needs a short
+        final read there).
         """
         lf = self.layer_file(layer)
         self._check_expert(lf, expert)
