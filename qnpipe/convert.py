@@ -43,12 +43,13 @@ from qnpipe.model.checkpoint import (
     _DTYPE_BYTES, _HF_EXPERT, _NORM_SUFFIXES, INDEX_FILE, Layout, TensorInfo, detect_layout, is_qnpipe_dir, read_tensor, scan,
 )
 
-__all__ = ["CHUNK_BYTES", "MAX_SHARD_BYTES", "MODEL_FORMAT", "MODEL_VERSION", "ConvertReport", "convert"]
+__all__ = ["CHUNK_BYTES", "MAX_SHARD_BYTES", "ROW_BLOCK_BYTES", "MODEL_FORMAT", "MODEL_VERSION", "ConvertReport", "convert"]
 
 MODEL_FORMAT = "qnpipe-model"
 MODEL_VERSION = 1
 MAX_SHARD_BYTES = 5 << 30  # like mlx-lm's save_model
 CHUNK_BYTES = 256 << 20  # source bytes of experts transformed at once
+ROW_BLOCK_BYTES = 64 << 20  # source bytes of a large non-expert matrix transformed at once
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 DTYPES = ("float16", "bfloat16", "float32")
@@ -155,7 +156,7 @@ class _Job:
     """Output tensors computed together (a quantized weight gives weight, scales, biases)."""
 
     outs: tuple[_Out, ...]
-    run: Callable[[], list[np.ndarray]]
+    run: Callable[[], Iterator[tuple[int, int, np.ndarray]]]  # yields (output index, byte offset in it, data)
 
 
 @attrs.frozen
@@ -188,9 +189,24 @@ def _tensor_job(name: str, info: TensorInfo, *, sanitize: bool, cast: str | None
     else:
         outs = (_Out(name, fdt, shape),)
 
-    def run() -> list[np.ndarray]:
-        return _transform(read_tensor(info), info.dtype, sanitize_name=name if sanitize else None,
-                          cast=cast if fdt != info.dtype else None, quant=quant)
+    kw: dict[str, Any] = {"sanitize_name": name if sanitize else None,
+                          "cast": cast if fdt != info.dtype else None, "quant": quant}
+
+    def run() -> Iterator[tuple[int, int, np.ndarray]]:
+        if len(info.shape) != 2 or info.nbytes <= ROW_BLOCK_BYTES:
+            for i, a in enumerate(_transform(read_tensor(info), info.dtype, **kw)):
+                yield i, 0, a
+            return
+        # Rows are independent under cast and quantization (groups run along a row), so a large
+        # matrix (embedding, lm_head) goes through in row blocks and never sits whole in memory.
+        rows = info.shape[0]
+        row_bytes = info.nbytes // rows
+        per = max(1, ROW_BLOCK_BYTES // row_bytes)
+        for r0 in range(0, rows, per):
+            n = min(per, rows - r0)
+            part = TensorInfo(info.file, info.dtype, (n, info.shape[1]), info.offset + r0 * row_bytes, n * row_bytes)
+            for i, a in enumerate(_transform(read_tensor(part), info.dtype, **kw)):
+                yield i, r0 * (outs[i].nbytes // rows), a
 
     return _Job(outs, run)
 
@@ -493,19 +509,31 @@ def _safetensors_bytes(jobs: Sequence[_Job]) -> int:
 
 
 def _write_safetensors(path: Path, jobs: Sequence[_Job], advance: Callable[[int], None]) -> None:
+    """Stream `jobs` into one safetensors file whose header is known from the plan."""
     outs = [o for j in jobs for o in j.outs]
-    with open(path, "wb") as f:
-        f.write(_safetensors_header(outs))
+    header = _safetensors_header(outs)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, header, 0)
+        pos = len(header)
         for j in jobs:
-            arrays = j.run()
-            for o, a in zip(j.outs, arrays, strict=True):
-                if tuple(a.shape) != o.shape or a.nbytes != o.nbytes:
-                    raise QnpipeError(f"internal error: {o.name} came out {a.dtype}{list(a.shape)}, planned "
-                                      f"{o.st_dtype}{list(o.shape)}")
-                f.write(np.ascontiguousarray(a).data)
-                advance(o.nbytes)
-        f.flush()
-        os.fsync(f.fileno())
+            written = [0] * len(j.outs)
+            starts = [pos + sum(o.nbytes for o in j.outs[:i]) for i in range(len(j.outs))]
+            for i, off, a in j.run():
+                data = np.ascontiguousarray(a)
+                if data.dtype.itemsize != _DTYPE_BYTES[j.outs[i].st_dtype] or off + data.nbytes > j.outs[i].nbytes:
+                    raise QnpipeError(f"internal error: {j.outs[i].name} came out {a.dtype}{list(a.shape)}, "
+                                      f"planned {j.outs[i].st_dtype}{list(j.outs[i].shape)}")
+                os.pwrite(fd, data.data, starts[i] + off)
+                written[i] += data.nbytes
+                advance(data.nbytes)
+            for o, n in zip(j.outs, written, strict=True):
+                if n != o.nbytes:
+                    raise QnpipeError(f"internal error: {o.name}: {n} bytes written, {o.nbytes} planned")
+            pos += sum(o.nbytes for o in j.outs)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_model_shards(out: Path, jobs: Sequence[_Job], advance: Callable[[int], None]) -> None:

@@ -65,8 +65,10 @@ def _assert_same_as_mlx(qn: Path, ref: Path) -> None:
 # --------------------------------------------------------------------------- round trips
 
 
-def test_hf_float_round_trip_from_shards(tmp_path: Path, tiny_hf: Path) -> None:
+def test_hf_float_round_trip_from_shards(tmp_path: Path, tiny_hf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from qnpipe.tiny import make_tiny
+
+    monkeypatch.setattr(cv, "ROW_BLOCK_BYTES", 20_000)  # large matrices go through in row blocks
 
     src = make_tiny(tmp_path / "hf3", layout="hf", seed=0, shards=3)  # same weights as tiny_hf, 3 shards
     out = tmp_path / "qn"
@@ -92,8 +94,12 @@ def test_hf_float_round_trip_from_shards(tmp_path: Path, tiny_hf: Path) -> None:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_hf_quantized_equals_mlx_lm_convert(tmp_path: Path, tiny_hf: Path, bits: int, request) -> None:
+def test_hf_quantized_equals_mlx_lm_convert(tmp_path: Path, tiny_hf: Path, bits: int, request,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     ref = request.getfixturevalue(f"tiny_mlx{bits}")  # mlx_lm.convert -q --q-bits bits of the same source
+    if bits == 4:
+        monkeypatch.setattr(cv, "ROW_BLOCK_BYTES", 20_000)  # row blocks quantize exactly like the whole matrix
+        monkeypatch.setattr(cv, "CHUNK_BYTES", 100_000)  # experts in several chunks per layer
     out = tmp_path / "qn"
     report = cv.convert(tiny_hf, out, bits=bits, dtype="bfloat16")
     assert report.quantization == {"bits": bits, "group_size": 64, "mode": "affine"}
