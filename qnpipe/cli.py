@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate a continuation of --prompt (or of --tokens) and print it as it comes,\n"
                        "then the stats on stderr.",
                        epilog="example:\n  qnpipe generate ./tiny -p 'def fib(n):' -n 32 --json")
-    g.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (original HF or mlx-lm layout)")
+    g.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (original HF, mlx-lm, or qnpipe convert layout)")
     g.add_argument("-p", "--prompt", help="prompt text")
     g.add_argument("--tokens", metavar="IDS", help="prompt as token ids, e.g. '1,2,3'")
     g.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template as a user turn")
