@@ -757,12 +757,14 @@ def convert(
     need = expert_bytes + main_bytes + mtp_bytes + small
 
     parent = out_p.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale(parent, out_p.name, log)
-    free = shutil.disk_usage(parent).free
+    existing = next(p for p in (parent, *parent.parents) if p.exists())
+    if parent.exists():
+        _clean_stale(parent, out_p.name, log)
+    free = shutil.disk_usage(existing).free
     if free < need:
-        raise QnpipeError(f"not enough free disk space in {parent}: the conversion needs {need} bytes "
+        raise QnpipeError(f"not enough free disk space in {existing}: the conversion needs {need} bytes "
                           f"({_human(need)}), {free} bytes ({_human(free)}) are available")
+    parent.mkdir(parents=True, exist_ok=True)
 
     tmp = parent / f".{out_p.name}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     lock_fd = -1

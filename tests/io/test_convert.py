@@ -198,7 +198,9 @@ def test_bad_options_and_sources(tmp_path: Path, tiny_mlx4: Path, tiny_qn4: Path
     (broken / "config.json").write_text(json.dumps({**cfg, "moe_intermediate_size": 32}))
     with pytest.raises(CheckpointError, match=r"experts\.0\.gate_proj\.weight has shape \[64, 128\], expected \[32, 128\]"):
         cv.convert(broken, tmp_path / "d")
-    assert not any((tmp_path / n).exists() for n in "abcd") and not _leftovers(tmp_path)
+    with pytest.raises(CheckpointError, match=r"hf/config\.json: --mtp-from is a checkpoint of another model"):
+        cv.convert(tiny_mlx4, tmp_path / "e", mtp_from=broken)
+    assert not any((tmp_path / n).exists() for n in "abcde") and not _leftovers(tmp_path)
 
 
 def test_insufficient_disk_space(tmp_path: Path, tiny_mlx4: Path, monkeypatch: pytest.MonkeyPatch) -> None:
