@@ -283,3 +283,12 @@ def test_sigkill_leaves_only_the_temp_dir_and_the_next_convert_removes_it(tmp_pa
         w = as_mx(store.record_tensors(3, buf)["up_proj.weight"], "uint32")
         assert np.array_equal(np.array(w), np.array(mx.load(str(tiny_mlx4 / "model.safetensors"))[
             "model.layers.3.mlp.switch_mlp.up_proj.weight"][7]))
+
+
+@pytest.mark.parametrize("cmd", ["convert", "verify-store"])
+def test_help_has_description_and_examples(cmd: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert f"usage: qnpipe {cmd}" in out and "examples:" in out and "--json" in out
