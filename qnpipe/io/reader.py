@@ -9,24 +9,33 @@ of `(file, offset, nbytes)` ranges to land in them. The real device is `io/ssd.p
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import numpy as np
 
-from qnpipe.io.store_format import ALIGN
+from qnpipe.io.store_format import ALIGN, TensorSlot
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
 __all__ = [
-    "ALIGN", "aligned_len", "alloc_aligned", "buffer_address", "ExpertReader", "mlx_aligned_buffer",
-    "CacheMode", "ReaderStats", "ReadRequest", "ReadResult",
+    "ALIGN",
+    "CacheMode",
+    "ExpertReader",
+    "ReadRequest",
+    "ReadResult",
+    "ReaderStats",
+    "aligned_len",
+    "alloc_aligned",
+    "buffer_address",
+    "mlx_aligned_buffer",
+    "scatter_buffers",
 ]
 
-# Any writable, C-contiguous object with the buffer protocol: bytearray, mmap, numpy array,
-# memoryview, or the host view of an evaluated mx.array (`np.asarray(arr)`).
+# Any writable, C-contiguous object with the buffer protocol (bytearray, mmap, numpy array,
+# memoryview, the host view of an evaluated mx.array: `np.asarray(arr)`), or a tuple of them.
 WritableBuffer = Any
 
 
@@ -39,12 +48,15 @@ class CacheMode(enum.StrEnum):
 
 
 class ReadRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """Read `nbytes` bytes at byte `offset` of file `path` into `buf[:nbytes]`.
+    """Read `nbytes` bytes at byte `offset` of file `path` into `buf`.
 
-    `buf` is caller-owned and writable, at least `nbytes` long. For the zero-copy path
-    under direct I/O, `offset` and the address of `buf` are multiples of `ALIGN` and `buf`
-    holds `aligned_len(nbytes)` bytes (the read is rounded up; bytes past `nbytes` are
-    scratch); otherwise the reader reads through an aligned bounce buffer and copies once
+    `buf` is caller-owned and writable: one buffer of at least `nbytes` bytes, or a tuple
+    of buffers that the bytes fill in order (a scatter read, one `preadv`: e.g. a record's
+    tensors straight into their slots of the pool's stacked arrays). Under direct I/O the
+    bytes land in place when `offset` is a multiple of `ALIGN` and the buffers, up to
+    `aligned_len(nbytes)` bytes in total (the read is rounded up; bytes past `nbytes` are
+    scratch), each start at a multiple of `ALIGN` and hold a multiple of `ALIGN` bytes;
+    otherwise the reader reads into an aligned bounce buffer and copies once
     (`ReaderStats.bounced_reads`). `layer` and `expert` name the record in errors (-1 =
     not an expert). `crc32` is the expected `zlib.crc32` of the `nbytes` bytes, checked
     when the reader verifies on read.
@@ -60,7 +72,7 @@ class ReadRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 
 class ReadResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """One completed request: its bytes are in the request's `buf[:nbytes]`.
+    """One completed request: its `nbytes` bytes are in the request's buffer(s).
 
     `attempts` is 1, or 2 when the first read failed and the retry succeeded. `mode` is how
     the file was read; `bounced` says whether the bytes went through a bounce buffer.
@@ -164,3 +176,35 @@ def mlx_aligned_buffer(nbytes: int, *, align: int = ALIGN) -> tuple[mx.array, np
     if not host.flags.writeable or buffer_address(host) % align:
         raise RuntimeError(f"this MLX build does not expose writable aligned array memory (start={start})")
     return arr, host
+
+
+def scatter_buffers(
+    tensors: Sequence[TensorSlot], record_nbytes: int, dest: Mapping[str, WritableBuffer]
+) -> tuple[WritableBuffer, ...]:
+    """The `ReadRequest.buf` tuple that scatters one record into per-tensor destinations.
+
+    `dest[name]` receives tensor `name` (`TensorSlot.nbytes` bytes, e.g. the host view of
+    one slot of the pool's stacked array for that tensor). Gaps between tensors get scratch
+    buffers, and so does the tail up to `aligned_len(record_nbytes)`, so the tuple covers the
+    whole direct-I/O read. When every tensor size is a multiple of `ALIGN` (the 80B model's
+    records: 512 KiB and 32 KiB tensors) and the destinations are aligned, the read lands in
+    place with no copy; otherwise the reader bounces and copies once.
+    """
+    out: list[WritableBuffer] = []
+    pos = 0
+    for t in sorted(tensors, key=lambda t: t.offset):
+        if t.offset < pos:
+            raise ValueError(f"tensor {t.name} at offset {t.offset} overlaps the previous one (ends at {pos})")
+        if t.offset > pos:
+            out.append(bytearray(t.offset - pos))
+        buf = dest[t.name]
+        if memoryview(buf).nbytes < t.nbytes:
+            raise ValueError(f"destination of {t.name} holds {memoryview(buf).nbytes} bytes < {t.nbytes}")
+        out.append(memoryview(buf).cast("B")[: t.nbytes])
+        pos = t.offset + t.nbytes
+    if pos > record_nbytes:
+        raise ValueError(f"tensors end at {pos}, past record_nbytes {record_nbytes}")
+    if aligned_len(record_nbytes) > pos:
+        tail = aligned_len(record_nbytes) - pos
+        out.append(alloc_aligned(tail) if pos % ALIGN == 0 else bytearray(tail))
+    return tuple(out)

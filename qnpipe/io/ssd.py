@@ -25,13 +25,20 @@ import numpy as np
 
 from qnpipe.errors import ReadError
 from qnpipe.io.reader import (
-    ALIGN, CacheMode, ReaderStats, ReadRequest, ReadResult, aligned_len, alloc_aligned, buffer_address,
+    ALIGN,
+    CacheMode,
+    ReaderStats,
+    ReadRequest,
+    ReadResult,
+    aligned_len,
+    alloc_aligned,
+    buffer_address,
 )
 
 if TYPE_CHECKING:
     from qnpipe.config import ReadCfg
 
-__all__ = ["Backend", "c_extension_available", "nocache_mode", "PreadFn", "SsdReader"]
+__all__ = ["Backend", "PreadvFn", "SsdReader", "c_extension_available", "nocache_mode"]
 
 try:
     from qnpipe import _preadx
@@ -40,9 +47,9 @@ except ImportError:  # the optional extension was not built (no compiler at inst
 
 _F_NOCACHE_DARWIN = 48  # <sys/fcntl.h>; Python's fcntl module has no name for it before 3.13
 
-# pread(fd, buf, offset) -> bytes read; raises OSError. The Python backend's hook (tests
-# inject faults with it).
-PreadFn = Callable[[int, memoryview, int], int]
+# os.preadv's signature: (fd, buffers, offset) -> bytes read; raises OSError. The Python
+# backend's hook (tests inject faults with it).
+PreadvFn = Callable[[int, list[memoryview], int], int]
 
 
 class Backend(enum.StrEnum):
@@ -69,8 +76,14 @@ def nocache_mode(nocache: bool, platform: str = sys.platform) -> CacheMode:
     return CacheMode.PAGE_CACHE
 
 
-def _preadv(fd: int, buf: memoryview, offset: int) -> int:
-    return os.preadv(fd, (buf,), offset)
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    """`bufs` without their first `n` bytes (after a partial read)."""
+    out = list(bufs)
+    while out and n >= out[0].nbytes:
+        n -= out.pop(0).nbytes
+    if out and n:
+        out[0] = out[0][n:]
+    return out
 
 
 class _OpenFile(msgspec.Struct, frozen=True, gc=False):
@@ -78,9 +91,10 @@ class _OpenFile(msgspec.Struct, frozen=True, gc=False):
     mode: CacheMode
 
 
-# One pread: (fd, offset, length, need, destination). Read up to `length` bytes, done once
-# `need` arrived. Result: bytes read, or -errno.
-_Op = tuple[int, int, int, int, memoryview]
+# One read: (fd, offset, need, buffers). Fill `buffers` (one memoryview, or a tuple of them
+# for a scatter read) from `offset`; done once `need` bytes arrived. Result: bytes read, or
+# -errno. The C extension takes exactly these tuples.
+_Op = tuple[int, int, int, "memoryview | tuple[memoryview, ...]"]
 
 
 class _Runner(Protocol):
@@ -101,25 +115,27 @@ class _CRunner:
 
 
 class _PyRunner:
-    def __init__(self, workers: int, pread: PreadFn) -> None:
+    def __init__(self, workers: int, preadv: PreadvFn) -> None:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="qnpipe-pread")
-        self._pread = pread
+        self._preadv = preadv
 
     def run(self, ops: Sequence[_Op]) -> list[int]:
         futures = [self._pool.submit(self._one, op) for op in ops]
         return [f.result() for f in futures]
 
     def _one(self, op: _Op) -> int:
-        fd, offset, length, need, buf = op
+        fd, offset, need, buffers = op
+        bufs = list(buffers) if isinstance(buffers, tuple) else [buffers]
         got = 0
-        while got < need:
+        while got < need and bufs:
             try:
-                n = self._pread(fd, buf[got:length], offset + got)
+                n = self._preadv(fd, bufs, offset + got)
             except OSError as exc:
                 return -(exc.errno or errno.EIO)
             if n <= 0:
                 break  # EOF
             got += n
+            bufs = _advance(bufs, n)
         return got
 
     def close(self) -> None:
@@ -127,10 +143,10 @@ class _PyRunner:
 
 
 class _Plan(msgspec.Struct, gc=False):
-    """How one request is read: straight into its buffer, or via an aligned bounce buffer."""
+    """How one request is read: straight into its buffer(s), or via an aligned bounce buffer."""
 
     op: _Op
-    dest: memoryview  # the caller's buffer, bytes
+    dest: tuple[memoryview, ...]  # the caller's buffer(s) as bytes, trimmed to nbytes in total
     skip: int  # bytes of the read before the request's first byte (bounce only)
     bounce: np.ndarray | None
     mode: CacheMode
@@ -142,7 +158,7 @@ class SsdReader:
     `workers` preads are in flight at most (shared by concurrent `read_batch` calls, which
     queue FIFO). `nocache` bypasses the page cache (O_DIRECT / F_NOCACHE). `verify_crc32`
     checks each request that carries a `crc32` after reading. `backend` picks the C
-    extension or the Python thread pool (`AUTO`: C when built). `pread` replaces the Python
+    extension or the Python thread pool (`AUTO`: C when built). `preadv` replaces the Python
     backend's `os.preadv` (fault injection in tests) and implies `Backend.PYTHON`.
     Thread-safe; `close()` (or the context manager) releases files and threads.
     """
@@ -154,21 +170,21 @@ class SsdReader:
         nocache: bool = True,
         verify_crc32: bool = False,
         backend: Backend | str = Backend.AUTO,
-        pread: PreadFn | None = None,
+        preadv: PreadvFn | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         backend = Backend(backend)
-        if pread is not None:
+        if preadv is not None:
             if backend is Backend.C:
-                raise ValueError("pread= is a hook of the Python backend; it cannot be used with backend='c'")
+                raise ValueError("preadv= is a hook of the Python backend; it cannot be used with backend='c'")
             backend = Backend.PYTHON
         if backend is Backend.AUTO:
             backend = Backend.C if _preadx is not None else Backend.PYTHON
         if backend is Backend.C and _preadx is None:
             raise ValueError("backend='c' but the C extension qnpipe._preadx is not built")
         self._runner: _Runner = (
-            _CRunner(workers) if backend is Backend.C else _PyRunner(workers, pread or _preadv)
+            _CRunner(workers) if backend is Backend.C else _PyRunner(workers, preadv or os.preadv)
         )
         self._mode = nocache_mode(nocache)
         self._verify = verify_crc32
@@ -212,7 +228,7 @@ class SsdReader:
                     if i in failed or r.crc32 is None:
                         continue
                     verified += 1
-                    got = zlib.crc32(plans[i].dest[: r.nbytes])
+                    got = _crc32(plans[i].dest)
                     if got != r.crc32:
                         crc_failures += 1
                         failed[i] = f"crc32 mismatch: the index says {r.crc32:#010x}, the bytes read give {got:#010x}"
@@ -326,24 +342,23 @@ class SsdReader:
     def _plan(self, r: ReadRequest) -> _Plan:
         if r.offset < 0 or r.nbytes <= 0:
             raise ValueError(f"bad read request: offset {r.offset}, nbytes {r.nbytes} ({r.path})")
-        try:
-            dest = memoryview(r.buf).cast("B")
-        except TypeError as exc:
-            raise ValueError(f"request buffer for {r.path}@{r.offset} is not a contiguous buffer: {exc}") from None
-        if dest.readonly:
-            raise ValueError(f"request buffer for {r.path}@{r.offset} is read-only")
-        if dest.nbytes < r.nbytes:
-            raise ValueError(f"request buffer for {r.path}@{r.offset} holds {dest.nbytes} bytes < nbytes {r.nbytes}")
+        segs = _segments(r)
         f = self._file(r.path)
         if f.mode is not CacheMode.O_DIRECT:
-            return _Plan((f.fd, r.offset, r.nbytes, r.nbytes, dest), dest, 0, None, f.mode)
+            dest = _trim(segs, r.nbytes)
+            return _Plan((f.fd, r.offset, r.nbytes, _one_or_tuple(dest)), dest, 0, None, f.mode)
+        # Direct I/O reads whole 4096-byte blocks into 4096-aligned memory: read in place when
+        # every buffer (trimmed to the rounded-up length) is a whole number of aligned blocks.
         length = aligned_len(r.nbytes)
-        if r.offset % ALIGN == 0 and dest.nbytes >= length and buffer_address(dest) % ALIGN == 0:
-            return _Plan((f.fd, r.offset, length, r.nbytes, dest), dest, 0, None, f.mode)
+        if r.offset % ALIGN == 0 and sum(m.nbytes for m in segs) >= length:
+            direct = _trim(segs, length)
+            if all(m.nbytes % ALIGN == 0 and buffer_address(m) % ALIGN == 0 for m in direct):
+                return _Plan((f.fd, r.offset, r.nbytes, _one_or_tuple(direct)), _trim(segs, r.nbytes), 0, None,
+                             f.mode)
         skip = r.offset % ALIGN
         bounce = alloc_aligned(skip + r.nbytes)
-        op = (f.fd, r.offset - skip, bounce.nbytes, skip + r.nbytes, memoryview(bounce))
-        return _Plan(op, dest, skip, bounce, f.mode)
+        op = (f.fd, r.offset - skip, skip + r.nbytes, memoryview(bounce))
+        return _Plan(op, _trim(segs, r.nbytes), skip, bounce, f.mode)
 
     def _execute(self, plans: list[_Plan], which: Sequence[int], requests: Sequence[ReadRequest]) -> dict[int, str]:
         """Run the preads of `plans[which]` and copy bounced bytes home; {index: why} of failures."""
@@ -357,10 +372,13 @@ class SsdReader:
                 refused.append(i)
             elif res < 0:
                 failed[i] = f"{errno.errorcode.get(-res, 'errno ' + str(-res))}: {os.strerror(-res)}"
-            elif res < p.op[3]:
+            elif res < p.op[2]:
                 failed[i] = f"short read: {max(res - p.skip, 0)} of {nbytes} bytes, then end of file"
             elif p.bounce is not None:
-                p.dest[:nbytes] = p.bounce[p.skip : p.skip + nbytes].data
+                pos = p.skip
+                for m in p.dest:  # scatter the bounced bytes home
+                    m[:] = p.bounce[pos : pos + m.nbytes].data
+                    pos += m.nbytes
         if refused:
             # The file system took O_DIRECT at open but refuses it at read: go buffered.
             for i in refused:
@@ -382,3 +400,43 @@ class SsdReader:
                 bounced_reads=s.bounced_reads + bounced, verified_reads=s.verified_reads + verified,
                 checksum_failures=s.checksum_failures + crc_failures,
             )
+
+
+def _segments(r: ReadRequest) -> list[memoryview]:
+    """The request's destination buffer(s) as writable byte views; ValueError if unusable."""
+    bufs = r.buf if isinstance(r.buf, tuple | list) else (r.buf,)
+    out = []
+    for b in bufs:
+        try:
+            m = memoryview(b).cast("B")
+        except TypeError as exc:
+            raise ValueError(f"request buffer for {r.path}@{r.offset} is not a contiguous buffer: {exc}") from None
+        if m.readonly:
+            raise ValueError(f"request buffer for {r.path}@{r.offset} is read-only")
+        out.append(m)
+    room = sum(m.nbytes for m in out)
+    if not out or room < r.nbytes:
+        raise ValueError(f"request buffers for {r.path}@{r.offset} hold {room} bytes < nbytes {r.nbytes}")
+    return out
+
+
+def _trim(segs: list[memoryview], n: int) -> tuple[memoryview, ...]:
+    """The first `n` bytes of `segs`, as views (empty tails dropped)."""
+    out = []
+    for m in segs:
+        if n <= 0:
+            break
+        out.append(m[:n] if m.nbytes > n else m)
+        n -= out[-1].nbytes
+    return tuple(out)
+
+
+def _one_or_tuple(segs: tuple[memoryview, ...]) -> memoryview | tuple[memoryview, ...]:
+    return segs[0] if len(segs) == 1 else segs
+
+
+def _crc32(segs: tuple[memoryview, ...]) -> int:
+    crc = 0
+    for m in segs:
+        crc = zlib.crc32(m, crc)
+    return crc
