@@ -19,7 +19,14 @@ import pytest
 from qnpipe.errors import ReadError
 from qnpipe.io import ssd
 from qnpipe.io.reader import (
-    ALIGN, CacheMode, ReadRequest, aligned_len, alloc_aligned, buffer_address, mlx_aligned_buffer,
+    ALIGN,
+    CacheMode,
+    ReadRequest,
+    aligned_len,
+    alloc_aligned,
+    buffer_address,
+    mlx_aligned_buffer,
+    scatter_buffers,
 )
 from qnpipe.io.ssd import Backend, SsdReader, nocache_mode
 from qnpipe.io.store_format import INDEX_FILE, LayerFile, Quant, StoreIndex, TensorSlot
@@ -42,8 +49,22 @@ TINY4_TENSORS = tuple(
 TINY4_RECORD = 3 * 4608  # 13824: not a multiple of 4096, stride 16384
 
 
+# An 80B-like record, scaled down: every tensor a multiple of 4096 bytes (the 80B's are 512 KiB
+# and 32 KiB), so a record scatters into per-tensor slot arrays with direct I/O in place.
+BIG_TENSORS = tuple(
+    TensorSlot(name=f"{proj}.{part}", dtype=dt, shape=shape, offset=k * 16384 + off, nbytes=nb)
+    for k, proj in enumerate(("gate_proj", "up_proj", "down_proj"))
+    for part, dt, shape, off, nb in (
+        ("weight", "uint32", (64, 32), 0, 8192),
+        ("scales", "bfloat16", (64, 32), 8192, 4096),
+        ("biases", "bfloat16", (64, 32), 12288, 4096),
+    )
+)
+BIG_RECORD = 3 * 16384
+
+
 def write_store(root: Path, *, layers: int = 3, experts: int = 8, record_nbytes: int = TINY4_RECORD,
-                seed: int = 0) -> StoreIndex:
+                seed: int = 0, tensors: tuple[TensorSlot, ...] | None = None) -> StoreIndex:
     """Write `root/experts/` following store_format.py: one file per layer, expert e at
     e * stride, random record bytes, crc32 per record, index.json. The last record of a
     layer file is not padded, so the file ends unaligned."""
@@ -60,7 +81,7 @@ def write_store(root: Path, *, layers: int = 3, experts: int = 8, record_nbytes:
         files.append(LayerFile(
             layer=layer, file=name, num_experts=experts, stride=stride, record_nbytes=record_nbytes,
             file_nbytes=len(blob),
-            tensors=TINY4_TENSORS if record_nbytes == TINY4_RECORD else (),
+            tensors=tensors if tensors is not None else TINY4_TENSORS if record_nbytes == TINY4_RECORD else (),
             quant={p: Quant(bits=4, group_size=64) for p in ("gate_proj", "up_proj", "down_proj")},
             checksums=tuple(zlib.crc32(r) for r in records),
         ))
@@ -101,26 +122,28 @@ def all_keys(index: StoreIndex) -> list[tuple[int, int]]:
 
 
 class Recorder:
-    """A pread hook (Python backend) that records every call and can inject faults."""
+    """A preadv hook (Python backend) that records every call and can inject faults.
+
+    `fault(fd, bufs, offset)` returns None to do the real read, or a byte count / raises."""
 
     def __init__(self, fault=None) -> None:
-        self.calls: list[tuple[int, int, int, int]] = []  # fd, offset, length, buffer address
+        self.calls: list[tuple[int, int, list[tuple[int, int]]]] = []  # fd, offset, [(address, length)]
         self.fault = fault
         self.lock = threading.Lock()
         self.in_flight = 0
         self.max_in_flight = 0
 
-    def __call__(self, fd: int, buf: memoryview, offset: int) -> int:
+    def __call__(self, fd: int, bufs: list[memoryview], offset: int) -> int:
         with self.lock:
-            self.calls.append((fd, offset, buf.nbytes, buffer_address(buf)))
+            self.calls.append((fd, offset, [(buffer_address(b), b.nbytes) for b in bufs]))
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             if self.fault is not None:
-                r = self.fault(fd, buf, offset)
+                r = self.fault(fd, bufs, offset)
                 if r is not None:
                     return r
-            return os.preadv(fd, (buf,), offset)
+            return os.preadv(fd, bufs, offset)
         finally:
             with self.lock:
                 self.in_flight -= 1
@@ -194,7 +217,7 @@ def test_python_backend_keeps_at_most_workers_reads_in_flight(store) -> None:
     root, index = store
     keys = all_keys(index)
     hook = Recorder()
-    with SsdReader(workers=3, pread=hook) as reader:
+    with SsdReader(workers=3, preadv=hook) as reader:
         reader.read_batch(requests_for(root, index, keys, [alloc_aligned(TINY4_RECORD) for _ in keys]))
     assert len(hook.calls) == len(keys)
     assert 1 <= hook.max_in_flight <= 3
@@ -230,14 +253,14 @@ def test_direct_reads_are_aligned_and_misaligned_requests_bounce(store) -> None:
         ReadRequest(path=path, offset=last * lf.stride, nbytes=TINY4_RECORD,
                     buf=alloc_aligned(TINY4_RECORD), layer=1, expert=last),
     ]
-    with SsdReader(workers=2, pread=hook) as reader:
+    with SsdReader(workers=2, preadv=hook) as reader:
         results = reader.read_batch(reqs)
         stats = reader.statistics()
     assert [r.mode for r in results] == [CacheMode.O_DIRECT] * 5
     assert [r.bounced for r in results] == [False, True, True, True, False]
     assert stats.bounced_reads == 3 and stats.direct_fallbacks == 0
-    for _fd, offset, length, address in hook.calls:
-        assert offset % ALIGN == 0 and length % ALIGN == 0 and address % ALIGN == 0
+    for _fd, offset, bufs in hook.calls:
+        assert offset % ALIGN == 0 and all(a % ALIGN == 0 and n % ALIGN == 0 for a, n in bufs)
     assert bytes(aligned[:TINY4_RECORD]) == expected(root, lf, 2)
     assert bytes(misaligned_buf) == expected(root, lf, 3)
     assert bytes(short_buf) == expected(root, lf, last)
@@ -283,7 +306,7 @@ def test_buffered_fallback_when_open_refuses_o_direct(store, monkeypatch) -> Non
 def test_buffered_fallback_when_a_direct_read_is_refused(store) -> None:
     root, index = store
 
-    def einval_on_direct(fd, buf, offset):  # a file system that opens O_DIRECT but refuses the reads
+    def einval_on_direct(fd, bufs, offset):  # a file system that opens O_DIRECT but refuses the reads
         if _is_direct(fd):
             raise OSError(errno.EINVAL, "Invalid argument")
         return None
@@ -291,7 +314,7 @@ def test_buffered_fallback_when_a_direct_read_is_refused(store) -> None:
     hook = Recorder(einval_on_direct)
     keys = [(1, 0), (1, 5)]
     bufs = [alloc_aligned(TINY4_RECORD) for _ in keys]
-    with SsdReader(workers=2, pread=hook) as reader:
+    with SsdReader(workers=2, preadv=hook) as reader:
         results = reader.read_batch(requests_for(root, index, keys, bufs))
         stats = reader.statistics()
     assert [r.mode for r in results] == [CacheMode.PAGE_CACHE] * 2
@@ -361,7 +384,7 @@ def test_eio_is_retried_once_then_succeeds(store) -> None:
     target = 5 * lf.stride
     failed = []
 
-    def eio_once(fd, buf, offset):
+    def eio_once(fd, bufs, offset):
         if offset == target and not failed:
             failed.append(offset)
             raise OSError(errno.EIO, "Input/output error")
@@ -369,7 +392,7 @@ def test_eio_is_retried_once_then_succeeds(store) -> None:
 
     keys = [(2, 4), (2, 5), (2, 6)]
     bufs = [alloc_aligned(TINY4_RECORD) for _ in keys]
-    with SsdReader(workers=2, pread=Recorder(eio_once)) as reader:
+    with SsdReader(workers=2, preadv=Recorder(eio_once)) as reader:
         results = reader.read_batch(requests_for(root, index, keys, bufs))
         stats = reader.statistics()
     assert [r.attempts for r in results] == [1, 2, 1]
@@ -384,14 +407,14 @@ def test_persistent_eio_raises_naming_the_expert(store) -> None:
     target = 5 * lf.stride
     seen = []
 
-    def eio_always(fd, buf, offset):
+    def eio_always(fd, bufs, offset):
         if offset == target:
             seen.append(offset)
             raise OSError(errno.EIO, "Input/output error")
         return None
 
     keys = [(2, 4), (2, 5)]
-    with SsdReader(workers=2, pread=Recorder(eio_always)) as reader:
+    with SsdReader(workers=2, preadv=Recorder(eio_always)) as reader:
         with pytest.raises(ReadError, match=r"cannot read expert 5 of layer 2: EIO") as info:
             reader.read_batch(requests_for(root, index, keys, [alloc_aligned(TINY4_RECORD) for _ in keys]))
         assert reader.statistics().retries == 1
@@ -404,14 +427,14 @@ def test_short_read_is_retried_then_raised(store) -> None:
     lf = index.layers[0]
     calls = []
 
-    def truncated(fd, buf, offset):  # the file seems to end 4096 bytes into expert 3
+    def truncated(fd, bufs, offset):  # the file seems to end 4096 bytes into expert 3
         calls.append(offset)
         if offset == 3 * lf.stride:
-            return os.preadv(fd, (buf[:4096],), offset)
+            return os.preadv(fd, [bufs[0][:4096]], offset)
         return 0 if offset > 3 * lf.stride else None
 
     keys = [(0, 3)]
-    with SsdReader(workers=1, pread=Recorder(truncated)) as reader:
+    with SsdReader(workers=1, preadv=Recorder(truncated)) as reader:
         with pytest.raises(ReadError, match=r"expert 3 of layer 0: short read: \d+ of 13824 bytes") as info:
             reader.read_batch(requests_for(root, index, keys, [alloc_aligned(TINY4_RECORD)]))
     assert info.value.offset == 3 * lf.stride
@@ -421,12 +444,12 @@ def test_short_read_is_retried_then_raised(store) -> None:
 def test_partial_reads_are_resumed_without_a_retry(store) -> None:
     root, index = store
 
-    def dribble(fd, buf, offset):  # at most one page per call, like a signal-interrupted read
-        return os.preadv(fd, (buf[:4096],), offset)
+    def dribble(fd, bufs, offset):  # at most one page per call, like a signal-interrupted read
+        return os.preadv(fd, [bufs[0][:4096]], offset)
 
     keys = all_keys(index)[:5]
     bufs = [alloc_aligned(TINY4_RECORD) for _ in keys]
-    with SsdReader(workers=2, pread=Recorder(dribble)) as reader:
+    with SsdReader(workers=2, preadv=Recorder(dribble)) as reader:
         results = reader.read_batch(requests_for(root, index, keys, bufs))
         assert reader.statistics().retries == 0
     assert all(r.attempts == 1 for r in results)
@@ -441,7 +464,7 @@ def test_missing_file_and_bad_requests(tmp_path, backend) -> None:
             reader.read_batch([ReadRequest(path=str(tmp_path / "nope.bin"), offset=0, nbytes=10, buf=bytearray(10))])
         (tmp_path / "f.bin").write_bytes(b"\1" * 8192)
         path = str(tmp_path / "f.bin")
-        with pytest.raises(ValueError, match="holds 5 bytes"):
+        with pytest.raises(ValueError, match="hold 5 bytes"):
             reader.read_batch([ReadRequest(path=path, offset=0, nbytes=10, buf=bytearray(5))])
         with pytest.raises(ValueError, match="read-only"):
             reader.read_batch([ReadRequest(path=path, offset=0, nbytes=10, buf=bytes(10))])
@@ -463,7 +486,7 @@ def test_without_the_extension_the_python_backend_is_chosen(monkeypatch) -> None
     with pytest.raises(ValueError, match="not built"):
         SsdReader(backend="c")
     with pytest.raises(ValueError, match="Python backend"):
-        SsdReader(backend="c", pread=os.preadv)
+        SsdReader(backend="c", preadv=os.preadv)
 
 
 def test_auto_prefers_the_extension_when_built() -> None:
@@ -512,20 +535,25 @@ def test_c_and_python_runners_report_the_same_results(tmp_path) -> None:
     bad_fd = os.open(path, os.O_RDONLY)
     os.close(bad_fd)
     try:
-        specs = [  # offset, length, need
-            (0, 8192, 8192), (4096, 4096, 100), (4 * 4096, 8192, 4096 + 10), (4 * 4096, 8192, 8192), (10**6, 4096, 1),
+        specs = [  # offset, buffer sizes, need
+            (0, (8192,), 8192), (4096, (4096,), 100), (4 * 4096, (8192,), 4096 + 10), (4 * 4096, (8192,), 8192),
+            (10**6, (4096,), 1), (100, (10, 4096, 3), 4109), (5 * 4096 - 7, (4, 4), 8),
         ]
         results = {}
-        for name, runner in (("c", ssd._CRunner(2)), ("py", ssd._PyRunner(2, ssd._preadv))):
-            bufs = [bytearray(length) for _, length, _ in specs]
-            ops = [(fd, off, length, need, memoryview(b)) for (off, length, need), b in zip(specs, bufs, strict=True)]
-            ops.append((bad_fd, 0, 10, 10, memoryview(bytearray(10))))
-            results[name] = (runner.run(ops), [bytes(b) for b in bufs])
+        for name, runner in (("c", ssd._CRunner(2)), ("py", ssd._PyRunner(2, os.preadv))):
+            bufs = [tuple(bytearray(n) for n in sizes) for _, sizes, _ in specs]
+            ops = [
+                (fd, off, need, tuple(memoryview(b) for b in bs) if len(bs) > 1 else memoryview(bs[0]))
+                for (off, _, need), bs in zip(specs, bufs, strict=True)
+            ]
+            ops.append((bad_fd, 0, 10, memoryview(bytearray(10))))
+            results[name] = (runner.run(ops), [b"|".join(bytes(x) for x in bs) for bs in bufs])
             runner.close()
     finally:
         os.close(fd)
     assert results["c"] == results["py"]
-    assert results["c"][0] == [8192, 4096, 4096 + 10, 4096 + 10, 0, -errno.EBADF]
+    assert results["c"][0] == [8192, 4096, 4096 + 10, 4096 + 10, 0, 4109, 8, -errno.EBADF]
+    assert results["c"][1][5] == b"|".join((data[100:110], data[110:4206], data[4206:4209]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -538,3 +566,152 @@ def test_record_past_the_end_of_file_is_a_read_error(tmp_path, backend) -> None:
             reader.read_batch([req])
         s = reader.statistics()
     assert (s.retries, s.errors, s.reads) == (1, 1, 0)
+
+
+# ---------------------------------------------------------------------------- scatter into slot arrays
+
+
+def _pool(lf: LayerFile, slots: int) -> dict[str, np.ndarray]:
+    """A pool layer as the model holds it: one stacked array per tensor, [slots, tensor bytes]."""
+    return {t.name: alloc_aligned(slots * t.nbytes)[: slots * t.nbytes].reshape(slots, t.nbytes) for t in lf.tensors}
+
+
+def _scatter_requests(root: Path, index: StoreIndex, keys: list[tuple[int, int]], pools, slots: list[int]):
+    reqs = []
+    for (layer, expert), slot in zip(keys, slots, strict=True):
+        lf = index.layers[layer]
+        dest = {name: stack[slot] for name, stack in pools[layer].items()}
+        reqs.append(ReadRequest(
+            path=str(root / "experts" / lf.file), offset=expert * lf.stride, nbytes=lf.record_nbytes,
+            buf=scatter_buffers(lf.tensors, lf.record_nbytes, dest), layer=layer, expert=expert,
+            crc32=lf.checksums[expert],
+        ))
+    return reqs
+
+
+def _check_slots(root, index, keys, pools, slots) -> None:
+    for (layer, expert), slot in zip(keys, slots, strict=True):
+        lf = index.layers[layer]
+        rec = expected(root, lf, expert)
+        for t in lf.tensors:
+            assert bytes(pools[layer][t.name][slot]) == rec[t.offset : t.offset + t.nbytes], (layer, expert, t.name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("nocache", [True, False])
+def test_scatter_a_record_into_slot_arrays_in_place(tmp_path, backend, nocache) -> None:
+    index = write_store(tmp_path, layers=2, experts=6, record_nbytes=BIG_RECORD, tensors=BIG_TENSORS)
+    pools = [_pool(lf, 4) for lf in index.layers]
+    keys = [(0, 5), (1, 0), (0, 2), (1, 3), (0, 0)]
+    slots = [3, 0, 1, 2, 0]
+    with SsdReader(workers=2, backend=backend, nocache=nocache, verify_crc32=True) as reader:
+        results = reader.read_batch(_scatter_requests(tmp_path, index, keys, pools, slots))
+        stats = reader.statistics()
+    _check_slots(tmp_path, index, keys, pools, slots)
+    assert not any(r.bounced for r in results) and stats.bounced_reads == 0
+    assert stats.verified_reads == len(keys) and stats.checksum_failures == 0
+
+
+@pytest.mark.skipif(nocache_mode(True) is not CacheMode.O_DIRECT, reason="O_DIRECT is Linux-only")
+def test_scatter_is_one_aligned_preadv_per_record(tmp_path) -> None:
+    index = write_store(tmp_path, layers=1, experts=3, record_nbytes=BIG_RECORD, tensors=BIG_TENSORS)
+    pools = [_pool(index.layers[0], 2)]
+    hook = Recorder()
+    with SsdReader(workers=2, preadv=hook) as reader:
+        reader.read_batch(_scatter_requests(tmp_path, index, [(0, 1), (0, 2)], pools, [1, 0]))
+    assert len(hook.calls) == 2
+    for _fd, offset, bufs in hook.calls:
+        assert len(bufs) == 9 and offset % ALIGN == 0
+        assert all(a % ALIGN == 0 and n % ALIGN == 0 for a, n in bufs)
+    _check_slots(tmp_path, index, [(0, 1), (0, 2)], pools, [1, 0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scatter_of_unaligned_tensors_bounces_once(store, backend) -> None:
+    root, index = store  # the tiny 4-bit layout: 4096 + 256 + 256 byte tensors
+    pools = [_pool(lf, 3) for lf in index.layers]
+    keys = [(2, 7), (0, 1), (2, 0)]
+    slots = [0, 2, 1]
+    with SsdReader(workers=2, backend=backend) as reader:
+        results = reader.read_batch(_scatter_requests(root, index, keys, pools, slots))
+    _check_slots(root, index, keys, pools, slots)
+    if nocache_mode(True) is CacheMode.O_DIRECT:
+        assert all(r.bounced for r in results)
+
+
+def test_scatter_buffers_fill_gaps_and_tail() -> None:
+    tensors = (
+        TensorSlot(name="a", dtype="uint8", shape=(100,), offset=0, nbytes=100),
+        TensorSlot(name="b", dtype="uint8", shape=(50,), offset=128, nbytes=50),
+    )
+    dest = {"a": bytearray(100), "b": bytearray(60)}
+    bufs = scatter_buffers(tensors, 178, dest)
+    assert [memoryview(b).nbytes for b in bufs] == [100, 28, 50, ALIGN - 178]
+    with pytest.raises(ValueError, match="holds 10 bytes"):
+        scatter_buffers(tensors, 178, {"a": bytearray(10), "b": bytearray(60)})
+
+
+def test_scatter_into_mlx_stacked_arrays_without_a_copy(tmp_path) -> None:
+    mx = pytest.importorskip("mlx.core")
+    index = write_store(tmp_path, layers=1, experts=5, record_nbytes=BIG_RECORD, tensors=BIG_TENSORS)
+    lf = index.layers[0]
+    slots = 3
+    dtypes = {"uint32": (mx.uint32, np.uint32), "bfloat16": (mx.bfloat16, np.uint16)}
+    stacks, hosts = {}, {}
+    for t in lf.tensors:  # the pool's [slots, *shape] arrays, in memory MLX owns
+        raw, host = mlx_aligned_buffer(slots * t.nbytes)
+        stacks[t.name] = raw[: slots * t.nbytes].view(dtypes[t.dtype][0]).reshape(slots, *t.shape)
+        hosts[t.name] = host[: slots * t.nbytes].reshape(slots, t.nbytes)
+    keys, where = [(0, 4), (0, 1)], [2, 0]
+    with SsdReader(workers=2) as reader:
+        results = reader.read_batch(_scatter_requests(tmp_path, index, keys, [hosts], where))
+    assert not any(r.bounced for r in results)
+    for t in lf.tensors:  # the stacked arrays are views of the memory the reader wrote
+        bits = stacks[t.name].view(mx.uint16) if t.dtype == "bfloat16" else stacks[t.name]  # numpy has no bf16
+        mx.eval(bits)
+        assert buffer_address(np.asarray(bits)) == buffer_address(hosts[t.name])
+    for (_, expert), slot in zip(keys, where, strict=True):
+        rec = expected(tmp_path, lf, expert)
+        for t in lf.tensors:
+            got = stacks[t.name][slot]
+            if t.dtype == "bfloat16":
+                got = got.view(mx.uint16)
+            want = np.frombuffer(rec[t.offset : t.offset + t.nbytes], dtype=dtypes[t.dtype][1]).reshape(t.shape)
+            np.testing.assert_array_equal(np.asarray(got), want)
+
+
+# ---------------------------------------------------------------------------- a store from `qnpipe convert`
+
+
+def test_reads_a_converted_store_via_record_location(tiny_qn4) -> None:
+    from qnpipe.io.store import ExpertStore
+
+    with ExpertStore.open(tiny_qn4) as store, SsdReader(workers=4, verify_crc32=True) as reader:
+        keys = []
+        for layer in store.layers:
+            n = store.layer_file(layer).num_experts
+            keys += [(layer, 0), (layer, n - 1), (layer, n // 2)]
+        reqs, pools = [], {}
+        for i, (layer, expert) in enumerate(keys):
+            path, offset, nbytes = store.record_location(layer, expert)
+            lf = store.layer_file(layer)
+            buf = alloc_aligned(nbytes) if i % 2 else scatter_buffers(
+                lf.tensors, nbytes, pools.setdefault((layer, expert), {t.name: bytearray(t.nbytes) for t in lf.tensors})
+            )
+            reqs.append(ReadRequest(path=str(path), offset=offset, nbytes=nbytes, buf=buf, layer=layer, expert=expert,
+                                    crc32=lf.checksums[expert]))
+        results = reader.read_batch(reqs)
+        assert reader.statistics().verified_reads == len(keys)
+        for i, ((layer, expert), req) in enumerate(zip(keys, reqs, strict=True)):
+            want = store.read_record(layer, expert, verify=True)
+            want_t = store.record_tensors(layer, want)
+            if i % 2:
+                assert bytes(req.buf[: req.nbytes]) == want
+                got_t = store.record_tensors(layer, req.buf)
+            else:
+                got_t = {name: np.frombuffer(b, dtype=want_t[name].dtype).reshape(want_t[name].shape)
+                         for name, b in pools[(layer, expert)].items()}
+            assert got_t.keys() == want_t.keys()
+            for name in want_t:
+                np.testing.assert_array_equal(got_t[name], want_t[name])
+        assert all(r.attempts == 1 for r in results)
