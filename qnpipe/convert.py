@@ -14,18 +14,11 @@ one left behind.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import math
 import os
-import resource
 import shutil
-import signal
-import sys
-import threading
 import time
-import uuid
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -36,6 +29,7 @@ import msgspec
 import numpy as np
 
 from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
+from qnpipe.outdir import ByteProgress, Log, atomic_dir, clean_stale, fsync_dir, human_bytes, peak_rss
 from qnpipe.io import store as st
 from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, LayerFile, Quant, StoreIndex
 from qnpipe.model.args import ModelArgs, args_from_dict, read_config
@@ -58,8 +52,6 @@ TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json",
                    "chat_template*", "generation_config.json")
 _ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint32": "U32"}
 _FROM_ST = {v: k for k, v in _ST.items()}
-_TMP_TAG = ".qnpipe-tmp-"
-Log = Callable[[str], None]
 
 
 class ConvertReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -594,98 +586,6 @@ def _layer_quant(el: _ExpertLayer, proj: str) -> Quant:
 # --------------------------------------------------------------------------- the directory, atomically
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def _clean_stale(parent: Path, name: str, log: Log) -> None:
-    """Remove temporary directories of interrupted converts of `name` (their lock is free)."""
-    for d in parent.glob(f".{name}{_TMP_TAG}*"):
-        if not d.is_dir():
-            continue
-        lock = d / ".lock"
-        try:
-            fd = os.open(lock, os.O_RDWR)
-        except FileNotFoundError:
-            if time.time() - d.stat().st_mtime < 60:  # just created, not locked yet
-                continue
-            fd = -1
-        try:
-            if fd >= 0:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # another convert is writing it
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        log(f"removing {d} (left by an interrupted convert)")
-        shutil.rmtree(d, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    """SIGTERM raises SystemExit(143) (SIGINT already raises KeyboardInterrupt), so `finally` cleans up."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-@contextlib.contextmanager
-def _signals_blocked() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def _peak_rss() -> int:
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(r if sys.platform == "darwin" else r * 1024)
-
-
-class _Progress:
-    def __init__(self, enabled: bool, total: int, what: str) -> None:
-        self.p: Any = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                       TransferSpeedColumn)
-
-            self.p = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                              TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True))
-            self.task = self.p.add_task(what, total=total)
-            self.p.start()
-
-    def advance(self, n: int) -> None:
-        if self.p is not None:
-            self.p.advance(self.task, n)
-
-    def describe(self, what: str) -> None:
-        if self.p is not None:
-            self.p.update(self.task, description=what)
-
-    def stop(self) -> None:
-        if self.p is not None:
-            self.p.stop()
-
-
 def _check_paths(src: Path, out: Path, mtp_from: Path | None, force: bool) -> None:
     if not src.is_dir():
         raise CheckpointError(f"{src}: not a directory")
@@ -759,41 +659,23 @@ def convert(
     parent = out_p.parent
     existing = next(p for p in (parent, *parent.parents) if p.exists())
     if parent.exists():
-        _clean_stale(parent, out_p.name, log)
+        clean_stale(parent, out_p.name, log)
     free = shutil.disk_usage(existing).free
     if free < need:
         raise QnpipeError(f"not enough free disk space in {existing}: the conversion needs {need} bytes "
-                          f"({_human(need)}), {free} bytes ({_human(free)}) are available")
+                          f"({human_bytes(need)}), {free} bytes ({human_bytes(free)}) are available")
     parent.mkdir(parents=True, exist_ok=True)
 
-    tmp = parent / f".{out_p.name}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    lock_fd = -1
-    done = False
-    with _signals_raise():
-        bar = _Progress(progress, expert_bytes + main_bytes + mtp_bytes, "non-expert weights")
-        try:
-            tmp.mkdir()
-            lock_fd = os.open(tmp / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)  # a later convert removes tmp only once this is released
-            build = tmp / "model"
+    bar = ByteProgress(progress, expert_bytes + main_bytes + mtp_bytes, "non-expert weights")
+    try:
+        with atomic_dir(out_p) as build:
             index = _write_all(build, plan, records, args, bar)
             cfg = dict(plan.config)
             cfg["qnpipe"] = _qnpipe_section(layout, plan, index, mtp_p)
             (build / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
             bar.stop()
-            with _signals_blocked():
-                if out_p.exists():
-                    out_p.rename(tmp / "old")
-                build.rename(out_p)
-                done = True
-                _fsync_dir(parent)
-        finally:
-            with _signals_blocked():  # a second Ctrl-C must not interrupt the cleanup
-                bar.stop()
-                if lock_fd >= 0:
-                    os.close(lock_fd)
-                shutil.rmtree(tmp, ignore_errors=True)
-    assert done
+    finally:
+        bar.stop()
     seconds = time.perf_counter() - t0
     written = expert_bytes + main_bytes + mtp_bytes
     q0 = index.layers[0].quant
@@ -801,15 +683,15 @@ def convert(
         out=str(out_p), source_layout=str(layout), moe_layers=len(index.layers), num_experts=args.num_experts,
         quantization=msgspec.to_builtins(q0["gate_proj"]) if q0 else None, dtype=plan.float_dtype,
         mtp=bool(plan.mtp), bytes_written=written, expert_bytes=expert_bytes, seconds=seconds,
-        bytes_per_s=written / seconds if seconds > 0 else 0.0, peak_rss_bytes=_peak_rss(),
+        bytes_per_s=written / seconds if seconds > 0 else 0.0, peak_rss_bytes=peak_rss(),
         warnings=tuple(plan.warnings),
     )
 
 
 def _write_all(build: Path, plan: _Plan, records: list[list[tuple[str, str, tuple[int, ...]]]], args: ModelArgs,
-               bar: _Progress) -> StoreIndex:
+               bar: ByteProgress) -> StoreIndex:
     """Every file of the model directory except config.json, into `build`; returns the store index."""
-    (build / st.EXPERTS_DIR).mkdir(parents=True)
+    (build / st.EXPERTS_DIR).mkdir()
     _write_model_shards(build, plan.main, bar.advance)
     if plan.mtp:
         bar.describe("MTP weights")
@@ -821,7 +703,7 @@ def _write_all(build: Path, plan: _Plan, records: list[list[tuple[str, str, tupl
         _clear_mlx_cache()
     index = StoreIndex(model_id=st.model_id(args), layers=tuple(layer_files))
     st.write_index(build / st.EXPERTS_DIR, index)
-    _fsync_dir(build / st.EXPERTS_DIR)
+    fsync_dir(build / st.EXPERTS_DIR)
     for f in plan.extra_files:
         shutil.copyfile(f, build / f.name)
     return index
@@ -831,14 +713,6 @@ def _clear_mlx_cache() -> None:
     import mlx.core as mx
 
     mx.clear_cache()
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _qnpipe_section(layout: Layout, plan: _Plan, index: StoreIndex, mtp_from: Path | None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import msgspec
 import numpy as np
 
 from qnpipe.io.store import config_model_id, read_index
+from qnpipe.outdir import ByteProgress
 
 __all__ = ["BadRecord", "VerifyReport", "describe", "verify_store"]
 
@@ -59,24 +60,14 @@ def verify_store(path: str | os.PathLike[str], *, progress: bool = False) -> Ver
     expected = config_model_id(p) if (p / "config.json").is_file() else None
     root, index = read_index(p, expected_model_id=expected)
     total = sum(lf.num_experts * lf.record_nbytes for lf in index.layers)
-    bar = None
-    if progress:
-        from rich.console import Console
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
-
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                       TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True))
-        task = bar.add_task("verifying", total=total)
-        bar.start()
+    bar = ByteProgress(progress, total, "verifying")
     bad: list[BadRecord] = []
     file_errors: list[str] = []
     checked = nbytes = 0
     try:
         for lf in index.layers:
             fpath = root / lf.file
-            if bar is not None:
-                bar.update(task, description=f"layer {lf.layer}")
+            bar.describe(f"layer {lf.layer}")
 
             def record(e: int, reason: str, actual: int | None = None, lf=lf, fpath=fpath) -> BadRecord:
                 return BadRecord(layer=lf.layer, expert=e, file=str(fpath), offset=e * lf.stride,
@@ -113,13 +104,11 @@ def verify_store(path: str | os.PathLike[str], *, progress: bool = False) -> Ver
                         nbytes += lf.record_nbytes
                         if crc != lf.checksums[e]:
                             bad.append(record(e, "checksum mismatch", crc))
-                    if bar is not None:
-                        bar.advance(task, (e1 - e0) * lf.record_nbytes)
+                    bar.advance((e1 - e0) * lf.record_nbytes)
             finally:
                 os.close(fd)
     finally:
-        if bar is not None:
-            bar.stop()
+        bar.stop()
     seconds = time.perf_counter() - t0
     return VerifyReport(store=str(root), model_id=index.model_id, layers=len(index.layers), records_checked=checked,
                         bytes_checked=nbytes, seconds=seconds, bytes_per_s=nbytes / seconds if seconds > 0 else 0.0,

@@ -16,6 +16,7 @@ import pytest
 
 import qnpipe
 import qnpipe.convert as cv
+from qnpipe.outdir import TMP_TAG
 from qnpipe.cli import main
 from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
 from qnpipe.io.store import ExpertStore, as_mx
@@ -42,7 +43,7 @@ def _weights(d: Path, pattern: str = "model*.safetensors") -> dict[str, mx.array
 
 
 def _leftovers(parent: Path) -> list[Path]:
-    return sorted(parent.glob(f"*{cv._TMP_TAG}*"))
+    return sorted(parent.glob(f"*{TMP_TAG}*"))
 
 
 def _assert_same_as_mlx(qn: Path, ref: Path) -> None:
@@ -231,6 +232,7 @@ def test_failure_midway_leaves_nothing(tmp_path: Path, tiny_mlx4: Path, monkeypa
 _SLOW_CONVERT = """
 import sys, time
 import qnpipe.convert as cv
+from qnpipe.outdir import TMP_TAG
 real = cv._expert_chunk
 def slow(*a, **k):
     time.sleep(0.25)
@@ -247,7 +249,7 @@ def _start_and_signal(src: Path, out: Path, sig: int) -> int:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
-        while not list(out.parent.glob(f".{out.name}{cv._TMP_TAG}*/model/experts/layer_001.bin")):
+        while not list(out.parent.glob(f".{out.name}{TMP_TAG}*/model/experts/layer_001.bin")):
             assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
             assert time.monotonic() < deadline, "convert never started writing experts"
             time.sleep(0.02)
@@ -272,11 +274,11 @@ def test_sigkill_leaves_only_the_temp_dir_and_the_next_convert_removes_it(tmp_pa
     assert _start_and_signal(tiny_mlx4, out, signal.SIGKILL) == -signal.SIGKILL
     assert not out.exists()
     left = _leftovers(tmp_path)
-    assert len(left) == 1 and left[0].name.startswith(".qn" + cv._TMP_TAG)
+    assert len(left) == 1 and left[0].name.startswith(".qn" + TMP_TAG)
     assert sorted(p.name for p in tmp_path.iterdir()) == [left[0].name]
     messages: list[str] = []
     cv.convert(tiny_mlx4, out, log=messages.append)
-    assert any("interrupted convert" in m for m in messages)
+    assert any("interrupted run" in m for m in messages)
     assert not _leftovers(tmp_path) and (out / "experts" / "index.json").is_file()
     with ExpertStore.open(out) as store:
         buf = store.read_record(3, 7, verify=True)
