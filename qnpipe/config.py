@@ -80,6 +80,14 @@ class EvictPolicy(enum.StrEnum):
     FIFO = "fifo"
 
 
+class ReadBackend(enum.StrEnum):
+    """How the SSD reader issues its preads: the C extension, the Python fallback, or the first available."""
+
+    AUTO = "auto"
+    C = "c"
+    PYTHON = "python"
+
+
 class PredictAgg(enum.StrEnum):
     """How the predictor combines the tokens of one verify step."""
 
@@ -184,6 +192,8 @@ class ReadCfg(_Section):
     batch_miss_read: Annotated[bool, _doc("read all of a layer's misses as one parallel batch")] = True
     prefetch_budget_experts: Annotated[NonNegInt | None, _doc("per-call prefetch budget (none = the caller's)")] = None
     verify_hit_bytes: Annotated[bool, _doc("diagnostic: after a hit, compare slot bytes with disk")] = False
+    verify_crc32: Annotated[bool, _doc("diagnostic: check each record's crc32 as it is read")] = False
+    backend: Annotated[ReadBackend, _doc("preads via the C extension, the Python fallback, or auto")] = ReadBackend.AUTO
 
 
 class PredictCfg(_Section):

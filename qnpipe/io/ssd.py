@@ -196,8 +196,10 @@ class SsdReader:
 
     @classmethod
     def from_config(cls, cfg: ReadCfg, **kwargs: object) -> SsdReader:
-        """A reader with `cfg.workers` reads in flight and `cfg.nocache`; `kwargs` as in `__init__`."""
-        return cls(workers=cfg.workers, nocache=cfg.nocache, **kwargs)  # type: ignore[arg-type]
+        """A reader configured by `cfg` (workers, nocache, verify_crc32, backend); `kwargs` as in `__init__` win."""
+        base: dict[str, object] = {"workers": cfg.workers, "nocache": cfg.nocache,
+                                   "verify_crc32": cfg.verify_crc32, "backend": str(cfg.backend)}
+        return cls(**{**base, **kwargs})  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ public
 

@@ -495,11 +495,15 @@ def test_auto_prefers_the_extension_when_built() -> None:
 
 
 def test_from_config() -> None:
+    from qnpipe import config as qnpipe_config
     from qnpipe.config import ReadCfg
 
     with SsdReader.from_config(ReadCfg(workers=3, nocache=False), backend=Backend.PYTHON) as reader:
         s = reader.statistics()
     assert (s.workers, s.mode, s.backend) == (3, CacheMode.PAGE_CACHE, "python")
+    cfg = qnpipe_config.load(env={"QNPIPE_READ__BACKEND": "python", "QNPIPE_READ__VERIFY_CRC32": "1"})
+    with SsdReader.from_config(cfg.read) as reader:
+        assert reader.backend == Backend.PYTHON and reader.statistics().backend == "python"
 
 
 # ---------------------------------------------------------------------------- into MLX
