@@ -624,7 +624,7 @@ def write_model(model, cfg: dict[str, Any], tok_data: dict, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = {"bos_token_id": IM_START, "eos_token_id": [IM_END, EOT], "pad_token_id": EOT}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    (out / "tokenizer.json").write_text(json.dumps(tok_data, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    (out / "tokenizer.json").write_text(json.dumps(tok_data, ensure_ascii=False, separators=(",", ":")) + "\n", encoding="utf-8")
     (out / "tokenizer_config.json").write_text(
         json.dumps(tt.tokenizer_config(tok_data), ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
 
@@ -683,11 +683,18 @@ def train(args) -> int:
         total = steps if steps is not None else 10**9
         if step >= total:
             break
-        if args.steps is not None and time.perf_counter() - t_start > args.max_minutes * 60:
-            print(f"STOPPED EARLY at step {step}: --max-minutes {args.max_minutes} reached; not the deterministic "
-                  f"result of --steps {steps}", flush=True)
+        if args.stop_after is not None and step >= args.stop_after:
+            print(f"stopping after step {step} (--stop-after; schedule of --steps {steps})", flush=True)
             stopped_early = step
-            steps = step
+            if not history or history[-1]["step"] != step:
+                ev = evaluate(model, val_batches, args)
+                ev.update(step=step, elapsed_s=round(time.perf_counter() - t_start, 1), train_loss_ema=float(ema[0]))
+                history.append(ev)
+            break
+        if args.steps is not None and time.perf_counter() - t_start > args.max_minutes * 60:
+            print(f"STOPPED EARLY at step {step}: --max-minutes {args.max_minutes} reached; the weights are those "
+                  f"of --steps {steps} --stop-after {step}", flush=True)
+            stopped_early = step
             if not history or history[-1]["step"] != step:
                 ev = evaluate(model, val_batches, args)
                 ev.update(step=step, elapsed_s=round(time.perf_counter() - t_start, 1), train_loss_ema=float(ema[0]))
@@ -725,7 +732,7 @@ def train(args) -> int:
     summary = {
         "command": "python tools/train_tiny.py " + " ".join(sys.argv[1:]),
         "seed": args.seed, "threads": args.threads, "steps": steps, "batch": args.batch, "seq_len": args.seq_len,
-        "tokens_seen": steps * args.batch * args.seq_len, "lr": args.lr, "mtp_weight": args.mtp_weight,
+        "tokens_seen": (stopped_early or steps) * args.batch * args.seq_len, "lr": args.lr, "mtp_weight": args.mtp_weight,
         "mtp_distill": args.mtp_distill, "aux_weight": args.aux_weight,
         "params": n_params, "params_mtp": n_mtp, "train_seconds": round(train_s, 1),
         "total_seconds": round(time.perf_counter() - t_start, 1), "torch": torch.__version__,
@@ -802,13 +809,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(REPO / "qnpipe" / "data" / "tiny_trained"),
                    help="output model directory (default: qnpipe/data/tiny_trained)")
-    p.add_argument("--seed", type=int, default=0, help="seed of init, data order and tokenizer interleave")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the document order and the sampled training/validation windows")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--steps", type=int, help="optimizer steps (deterministic budget)")
     g.add_argument("--minutes", type=float,
                    help="wall-clock budget for the whole run incl. data prep; steps fixed after --calibrate steps")
     p.add_argument("--max-minutes", type=float, default=58.0,
                    help="failsafe wall-clock cap with --steps (a loaded machine): stop early, export, and say so")
+    p.add_argument("--stop-after", type=int, metavar="N",
+                   help="stop after N steps while keeping the LR schedule of --steps (reproduces an early stop)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (part of determinism)")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
@@ -821,7 +830,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="μ: weight of KL(main model's t+2 distribution ‖ MTP), raises greedy acceptance")
     p.add_argument("--aux-weight", type=float, default=0.01, help="α: Switch load-balancing loss weight")
     p.add_argument("--vocab", type=int, default=VOCAB, help="BPE vocabulary size")
-    p.add_argument("--experts", type=int, default=48)
+    p.add_argument("--experts", type=int, default=44, help="routed experts per layer (44: fp32 model.safetensors stays < 30 MB)")
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--moe-inter", type=int, default=32, help="routed expert width (moe_intermediate_size)")
     p.add_argument("--log-every", type=int, default=10)
