@@ -70,3 +70,13 @@ def test_make_tiny_and_demo_on_it(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_module_entry_point_runs() -> None:
     r = subprocess.run([sys.executable, "-m", "qnpipe", "--version"], capture_output=True, text=True, check=True)
     assert r.stdout.startswith("qnpipe ")
+
+
+def test_demo_runs_the_shipped_trained_model_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    from qnpipe.cli import DEMO_MODEL_DIR
+
+    assert (DEMO_MODEL_DIR / "model.safetensors").is_file()
+    assert main(["demo", "-n", "40", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["stats"]["prompt_tokens"] > 5 and res["stats"]["generated_tokens"] >= 1
+    assert res["text"].strip()
