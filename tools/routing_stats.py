@@ -189,7 +189,6 @@ def held_out_text() -> list[str]:
 
 def run(model_dir: Path, texts: list[str], n_tokens: int, seq_len: int) -> dict[str, Any]:
     import mlx.core as mx
-    from safetensors.numpy import load_file
     from tokenizers import Tokenizer
 
     from qnpipe.model.load import load_model
