@@ -10,32 +10,36 @@ so the peak is about one chunk of experts (`CHUNK_BYTES` of source data), never 
 Atomicity: everything is written into a locked temporary sibling of the output and renamed
 at the end; errors, SIGINT and SIGTERM remove it, and a later convert removes what a killed
 one left behind.
+
+Here: the entry point, the report and the expert-layer writer. The plan (what is written and
+how each tensor is transformed) is `qnpipe.convert_plan`; the streaming safetensors writer is
+`qnpipe.io.safetensors_out`; the atomic output directory and progress bar are `qnpipe.outdir`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
 import msgspec
 import numpy as np
 
+from qnpipe.convert_plan import (
+    BITS, DTYPES, GROUP_SIZES, PROJS, _ExpertLayer, _out_float, _plan, _Plan, _record_tensors, _transform,
+)
 from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
-from qnpipe.outdir import ByteProgress, Log, atomic_dir, clean_stale, fsync_dir, human_bytes, peak_rss
 from qnpipe.io import store as st
+from qnpipe.io.safetensors_out import _safetensors_bytes, _shards, _write_model_shards, _write_safetensors
 from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, LayerFile, Quant, StoreIndex
 from qnpipe.model.args import ModelArgs, args_from_dict, read_config
-from qnpipe.model.checkpoint import (
-    _DTYPE_BYTES, _HF_EXPERT, _NORM_SUFFIXES, INDEX_FILE, Layout, TensorInfo, detect_layout, is_qnpipe_dir, read_tensor, scan,
-)
+from qnpipe.model.checkpoint import Layout, detect_layout, is_qnpipe_dir, scan
+from qnpipe.outdir import ByteProgress, Log, atomic_dir, clean_stale, fsync_dir, human_bytes, peak_rss
 
 __all__ = ["CHUNK_BYTES", "MAX_SHARD_BYTES", "ROW_BLOCK_BYTES", "MODEL_FORMAT", "MODEL_VERSION", "ConvertReport", "convert"]
 
@@ -44,14 +48,8 @@ MODEL_VERSION = 1
 MAX_SHARD_BYTES = 5 << 30  # like mlx-lm's save_model
 CHUNK_BYTES = 256 << 20  # source bytes of experts transformed at once
 ROW_BLOCK_BYTES = 64 << 20  # source bytes of a large non-expert matrix transformed at once
-BITS = (2, 3, 4, 5, 6, 8)
-GROUP_SIZES = (32, 64, 128)
-DTYPES = ("float16", "bfloat16", "float32")
-PROJS = ("gate_proj", "up_proj", "down_proj")
-TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
-                   "chat_template*", "generation_config.json")
-_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint32": "U32"}
-_FROM_ST = {v: k for k, v in _ST.items()}
+# The sizes above are read from this module when `convert` runs and passed down to the plan and
+# the writers, so setting them here (as the tests do) takes effect.
 
 
 class ConvertReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,270 +70,7 @@ class ConvertReport(msgspec.Struct, frozen=True, kw_only=True):
     warnings: tuple[str, ...] = ()
 
 
-# --------------------------------------------------------------------------- tensors in MLX
-
-
-def _to_mx(a: np.ndarray, st_dtype: str) -> Any:
-    import mlx.core as mx
-
-    out = mx.array(a)
-    return out.view(mx.bfloat16) if st_dtype == "BF16" else out
-
-
-def _to_np(a: Any) -> np.ndarray:
-    import mlx.core as mx
-
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    return np.array(a, copy=False)
-
-
-def _mx_dtype(name: str) -> Any:
-    import mlx.core as mx
-
-    return getattr(mx, name)
-
-
-def _is_float(st_dtype: str) -> bool:
-    return st_dtype in ("F32", "F16", "BF16", "F64")
-
-
-@attrs.frozen
-class _Quant:
-    bits: int
-    group_size: int
-
-    def shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return (*shape[:-1], shape[-1] * self.bits // 32), (*shape[:-1], shape[-1] // self.group_size)
-
-
-def _transform(raw: np.ndarray, st_dtype: str, *, sanitize_name: str | None = None, cast: str | None = None,
-               quant: _Quant | None = None) -> list[np.ndarray]:
-    """Source tensor -> output tensor(s), in mlx-lm's order: sanitize, cast, quantize."""
-    import mlx.core as mx
-
-    if sanitize_name is None and cast is None and quant is None:
-        return [raw]
-    a = _to_mx(raw, st_dtype)
-    if sanitize_name is not None:  # mlx-lm's sanitize (checkpoint.to_mlx_names), on one tensor
-        if "conv1d.weight" in sanitize_name and a.shape[-1] != 1:
-            a = a.moveaxis(2, 1)
-        if any(sanitize_name.endswith(s) for s in _NORM_SUFFIXES) and a.ndim == 1:
-            a = a + 1.0
-    if cast is not None and _is_float(st_dtype):
-        a = a.astype(_mx_dtype(cast))
-    outs = list(mx.quantize(a, quant.group_size, quant.bits)) if quant is not None else [a]
-    mx.eval(outs)
-    return [_to_np(o) for o in outs]
-
-
-# --------------------------------------------------------------------------- the plan
-
-
-@attrs.frozen
-class _Out:
-    name: str
-    st_dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _DTYPE_BYTES[self.st_dtype]
-
-
-@attrs.frozen
-class _Job:
-    """Output tensors computed together (a quantized weight gives weight, scales, biases)."""
-
-    outs: tuple[_Out, ...]
-    run: Callable[[], Iterator[tuple[int, int, np.ndarray]]]  # yields (output index, byte offset in it, data)
-
-
-@attrs.frozen
-class _ExpertLayer:
-    layer: int
-    read: Callable[[int, int], dict[str, np.ndarray]]  # (e0, e1) -> proj -> stacked source arrays
-    src_st: dict[str, str]  # proj -> source st dtype of its weight
-    quant_in: dict[str, Quant | None]  # source quantization per proj
-    quant_out: dict[str, _Quant | None]  # per proj: quantize a float source
-    cast: str | None
-    src_bytes_per_expert: int
-
-
-def _out_float(st_dtype: str, cast: str | None) -> str:
-    return _ST[cast] if cast is not None and _is_float(st_dtype) else st_dtype
-
-
-def _tensor_job(name: str, info: TensorInfo, *, sanitize: bool, cast: str | None, quant: _Quant | None) -> _Job:
-    if info.dtype not in _FROM_ST:
-        raise CheckpointError(f"{info.file}: tensor {name} has dtype {info.dtype}; qnpipe converts "
-                              f"{', '.join(sorted(_FROM_ST))} tensors")
-    shape = info.shape
-    if sanitize and "conv1d.weight" in name and shape[-1] != 1:
-        shape = (shape[0], shape[2], shape[1])
-    fdt = _out_float(info.dtype, cast)
-    if quant is not None:
-        base = name.removesuffix(".weight")
-        wq, sq = quant.shapes(shape)
-        outs = (_Out(f"{base}.weight", "U32", wq), _Out(f"{base}.scales", fdt, sq), _Out(f"{base}.biases", fdt, sq))
-    else:
-        outs = (_Out(name, fdt, shape),)
-
-    kw: dict[str, Any] = {"sanitize_name": name if sanitize else None,
-                          "cast": cast if fdt != info.dtype else None, "quant": quant}
-
-    def run() -> Iterator[tuple[int, int, np.ndarray]]:
-        if len(info.shape) != 2 or info.nbytes <= ROW_BLOCK_BYTES:
-            for i, a in enumerate(_transform(read_tensor(info), info.dtype, **kw)):
-                yield i, 0, a
-            return
-        # Rows are independent under cast and quantization (groups run along a row), so a large
-        # matrix (embedding, lm_head) goes through in row blocks and never sits whole in memory.
-        rows = info.shape[0]
-        row_bytes = info.nbytes // rows
-        per = max(1, ROW_BLOCK_BYTES // row_bytes)
-        for r0 in range(0, rows, per):
-            n = min(per, rows - r0)
-            part = TensorInfo(info.file, info.dtype, (n, info.shape[1]), info.offset + r0 * row_bytes, n * row_bytes)
-            for i, a in enumerate(_transform(read_tensor(part), info.dtype, **kw)):
-                yield i, r0 * (outs[i].nbytes // rows), a
-
-    return _Job(outs, run)
-
-
-def _quantizable(name: str, shape: tuple[int, ...], group_size: int) -> bool:
-    """mlx-lm's rule on qwen3_next: Linear / Embedding / SwitchLinear weights whose input dim divides."""
-    return name.endswith(".weight") and (len(shape) == 2 or ".switch_mlp." in name) and shape[-1] % group_size == 0
-
-
-def _mlx_lm_quant(path: str, bits: int, group_size: int) -> tuple[_Quant, dict[str, int] | None]:
-    """mlx-lm's `Model.quant_predicate` for qwen3_next: router and shared-expert gate at 8 bits / 64."""
-    if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
-        return _Quant(8, 64), {"group_size": 64, "bits": 8}
-    return _Quant(bits, group_size), None
-
-
-@attrs.define
-class _Plan:
-    main: list[_Job] = attrs.Factory(list)
-    mtp: list[_Job] = attrs.Factory(list)
-    experts: list[_ExpertLayer] = attrs.Factory(list)
-    config: dict[str, Any] = attrs.Factory(dict)
-    qcfg: dict[str, Any] | None = None
-    mtp_qcfg: dict[str, Any] | None = None
-    float_dtype: str | None = None
-    extra_files: list[Path] = attrs.Factory(list)
-    warnings: list[str] = attrs.Factory(list)
-
-
-def _source_quant(config: dict[str, Any]) -> dict[str, Any] | None:
-    q = config.get("quantization") or config.get("quantization_config")
-    return q if isinstance(q, dict) and "bits" in q else None
-
-
-def _plan_hf_experts(args: ModelArgs, infos: dict[str, TensorInfo], cast: str | None,
-                     quant: _Quant | None) -> list[_ExpertLayer]:
-    E, H, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
-    dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
-    layers = []
-    for l in args.moe_layers:
-        src_st: dict[str, str] = {}
-        for proj in PROJS:
-            for e in range(E):
-                name = f"model.layers.{l}.mlp.experts.{e}.{proj}.weight"
-                if name not in infos:
-                    raise CheckpointError(f"missing tensor {name} (layer {l} has {E} experts)")
-                info = infos[name]
-                if info.shape != dims[proj]:
-                    raise CheckpointError(f"{info.file}: tensor {name} has shape {list(info.shape)}, "
-                                          f"expected {list(dims[proj])}")
-                if info.dtype not in ("F32", "F16", "BF16") or src_st.setdefault(proj, info.dtype) != info.dtype:
-                    raise CheckpointError(f"{info.file}: tensor {name} has dtype {info.dtype}, expected "
-                                          f"{src_st.get(proj, 'a float type')} like expert 0")
-
-        def read(e0: int, e1: int, l: int = l) -> dict[str, np.ndarray]:
-            return {p: np.stack([read_tensor(infos[f"model.layers.{l}.mlp.experts.{e}.{p}.weight"])
-                                 for e in range(e0, e1)]) for p in PROJS}
-
-        nbytes = sum(infos[f"model.layers.{l}.mlp.experts.0.{p}.weight"].nbytes for p in PROJS)
-        # mlx-lm leaves a SwitchLinear float when its input dim is not a multiple of the group size.
-        qout = {p: quant if quant is not None and dims[p][1] % quant.group_size == 0 else None for p in PROJS}
-        layers.append(_ExpertLayer(l, read, src_st, dict.fromkeys(PROJS), qout, cast, nbytes))
-    return layers
-
-
-def _plan_mlx_experts(args: ModelArgs, infos: dict[str, TensorInfo], qcfg: dict[str, Any] | None,
-                      cast: str | None) -> list[_ExpertLayer]:
-    from qnpipe.model.load import _quant_params
-
-    E, H, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
-    dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
-    layers = []
-    for l in args.moe_layers:
-        src: dict[str, TensorInfo] = {}
-        quant_in: dict[str, Quant | None] = {}
-        src_st: dict[str, str] = {}
-        for proj in PROJS:
-            path = f"model.layers.{l}.mlp.switch_mlp.{proj}"
-            if f"{path}.weight" not in infos:
-                raise CheckpointError(f"missing tensor {path}.weight (MoE layer {l})")
-            w = infos[f"{path}.weight"]
-            s = infos.get(f"{path}.scales")
-            out_d, in_d = dims[proj]
-            q = _quant_params(path, qcfg, None if s is None else s.shape, w.shape, in_d)
-            if q is None:
-                wants = {"weight": (E, out_d, in_d)}
-            else:
-                if q["mode"] != "affine":
-                    raise CheckpointError(f"{w.file}: {path} uses quantization mode {q['mode']!r}; "
-                                          f"qnpipe converts affine quantization only")
-                gs, bits = q["group_size"], q["bits"]
-                wants = {"weight": (E, out_d, in_d * bits // 32), "scales": (E, out_d, in_d // gs),
-                         "biases": (E, out_d, in_d // gs)}
-                quant_in[proj] = Quant(bits=bits, group_size=gs)
-            quant_in.setdefault(proj, None)
-            for part, want in wants.items():
-                name = f"{path}.{part}"
-                if name not in infos:
-                    raise CheckpointError(f"{w.file}: missing tensor {name}")
-                if infos[name].shape != want:
-                    raise CheckpointError(f"{infos[name].file}: tensor {name} has shape {list(infos[name].shape)}, "
-                                          f"expected {list(want)}")
-                src[f"{proj}.{part}"] = infos[name]
-            src_st[proj] = w.dtype
-            if "scales" in wants:
-                src_st[f"{proj}.scales"] = infos[f"{path}.scales"].dtype
-
-        def read(e0: int, e1: int, src: dict[str, TensorInfo] = src) -> dict[str, np.ndarray]:
-            out = {}
-            for key, info in src.items():
-                per = info.nbytes // E
-                part = TensorInfo(info.file, info.dtype, (e1 - e0, *info.shape[1:]), info.offset + e0 * per,
-                                  (e1 - e0) * per)
-                out[key] = read_tensor(part)
-            return out
-
-        nbytes = sum(i.nbytes for i in src.values()) // E
-        layers.append(_ExpertLayer(l, read, src_st, quant_in, dict.fromkeys(PROJS), cast, nbytes))
-    return layers
-
-
-def _record_tensors(el: _ExpertLayer, args: ModelArgs) -> list[tuple[str, str, tuple[int, ...]]]:
-    H, I = args.hidden_size, args.moe_intermediate_size
-    dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
-    out = []
-    for proj in PROJS:
-        fdt = _FROM_ST[_out_float(el.src_st[proj], el.cast)]
-        qo = el.quant_out[proj]
-        q = el.quant_in[proj] or (Quant(bits=qo.bits, group_size=qo.group_size) if qo else None)
-        if q is None:
-            out.append((f"{proj}.weight", fdt, dims[proj]))
-            continue
-        if el.quant_in[proj] is not None:  # already quantized: scales keep (or cast) the source dtype
-            fdt = _FROM_ST[_out_float(el.src_st.get(f"{proj}.scales", el.src_st[proj]), el.cast)]
-        wq, sq = _Quant(q.bits, q.group_size).shapes(dims[proj])
-        out += [(f"{proj}.weight", "uint32", wq), (f"{proj}.scales", fdt, sq), (f"{proj}.biases", fdt, sq)]
-    return out
+# --------------------------------------------------------------------------- the expert layers
 
 
 def _expert_chunk(el: _ExpertLayer, e0: int, e1: int) -> dict[str, np.ndarray]:
@@ -357,192 +92,6 @@ def _expert_chunk(el: _ExpertLayer, e0: int, e1: int) -> dict[str, np.ndarray]:
         names = ("weight", "scales", "biases") if el.quant_out[proj] else ("weight",)
         out.update({f"{proj}.{n}": r for n, r in zip(names, res, strict=True)})
     return out
-
-
-def _check_main(args: ModelArgs, jobs: Sequence[_Job], src: Path) -> None:
-    """The planned non-expert tensors are exactly the model's parameters (names; shapes of float ones)."""
-    from mlx.utils import tree_flatten
-
-    from qnpipe.model.qwen3_next import Model
-
-    expected = {k: tuple(v.shape) for k, v in tree_flatten(Model(args).parameters())}
-    planned = {o.name: o for j in jobs for o in j.outs}
-    for name, o in planned.items():
-        base = name.rsplit(".", 1)[0]
-        if name not in expected and not (name.endswith((".scales", ".biases")) and f"{base}.weight" in expected):
-            raise CheckpointError(f"{src}: unexpected tensor {name} (not part of this model's config)")
-    for name, shape in expected.items():
-        if name not in planned:
-            raise CheckpointError(f"{src}: missing tensor {name}")
-        quantized = f"{name.rsplit('.', 1)[0]}.scales" in planned
-        if not quantized and planned[name].shape != shape:
-            raise CheckpointError(f"{src}: tensor {name} has shape {list(planned[name].shape)}, expected {list(shape)}")
-
-
-def _mtp_source(src_layout: Layout, infos: dict[str, TensorInfo], mtp_from: Path | None, args: ModelArgs,
-                plan: _Plan) -> dict[str, TensorInfo]:
-    if mtp_from is not None:
-        cfg = read_config(mtp_from)
-        if st.model_id(cfg) != st.model_id(args):
-            raise CheckpointError(f"{mtp_from / 'config.json'}: --mtp-from is a checkpoint of another model "
-                                  f"(its shape keys differ from the source's)")
-        mtp = {k: v for k, v in scan(mtp_from).items() if k.startswith("mtp.")}
-        if not mtp:
-            raise CheckpointError(f"{mtp_from}: --mtp-from has no mtp.* tensors")
-        return mtp
-    mtp = {k: v for k, v in infos.items() if k.startswith("mtp.")}
-    if src_layout is Layout.MLX and mtp:
-        plan.warnings.append("the mlx-lm source has mtp.* tensors; they are ignored (give the original "
-                             "checkpoint with --mtp-from)")
-        mtp = {}
-    if not mtp:
-        hint = " (pass --mtp-from HF_DIR, the original checkpoint)" if src_layout is Layout.MLX else ""
-        plan.warnings.append(f"no MTP weights: the converted model cannot use MTP speculation{hint}")
-    return mtp
-
-
-def _plan(src: Path, config: dict[str, Any], args: ModelArgs, infos: dict[str, TensorInfo], layout: Layout, *,
-          bits: int | None, group_size: int, dtype: str | None, mtp_bits: int, mtp_from: Path | None) -> _Plan:
-    plan = _Plan()
-    src_q = _source_quant(config) if layout is Layout.MLX else None
-    if layout is Layout.MLX and src_q is None and any(k.endswith(".scales") for k in infos):
-        src_q = {}  # quantized without a config section: parameters are inferred per tensor
-    if bits is not None and src_q is not None:
-        raise ConfigError(f"{src} is already quantized ({src_q.get('bits', '?')}-bit); --bits applies to "
-                          f"unquantized sources only (convert the original checkpoint instead)")
-    cast = dtype
-    if cast is None and layout is Layout.HF:
-        td = config.get("torch_dtype") or config.get("dtype")
-        cast = td if td in DTYPES else None  # what mlx_lm.convert does without --dtype
-    quant = _Quant(bits, group_size) if bits is not None else None
-    qcfg: dict[str, Any] | None = dict(src_q) if src_q else None
-    if quant is not None:
-        qcfg = {"group_size": group_size, "bits": bits, "mode": "affine"}
-
-    main_names = [n for n in infos if not n.startswith("mtp.") and not _HF_EXPERT.match(n)
-                  and ".mlp.switch_mlp." not in n]
-    if args.tie_word_embeddings and "lm_head.weight" in main_names:
-        main_names.remove("lm_head.weight")
-    for name in main_names:
-        info = infos[name]
-        q = None
-        if quant is not None and _is_float(info.dtype) and _quantizable(name, info.shape, group_size):
-            q, override = _mlx_lm_quant(name.removesuffix(".weight"), bits, group_size)  # type: ignore[arg-type]
-            if override is not None:
-                assert qcfg is not None
-                qcfg[name.removesuffix(".weight")] = override
-        plan.main.append(_tensor_job(name, info, sanitize=layout is Layout.HF, cast=cast, quant=q))
-    _check_main(args, plan.main, src)
-    norm = infos.get("model.norm.weight")
-    plan.float_dtype = cast or (_FROM_ST.get(norm.dtype) if norm is not None else None)
-
-    if layout is Layout.HF:
-        plan.experts = _plan_hf_experts(args, infos, cast, quant)
-    else:
-        plan.experts = _plan_mlx_experts(args, infos, src_q, cast)
-
-    mtp = _mtp_source(layout, infos, mtp_from, args, plan)
-    if mtp:
-        mq = _Quant(mtp_bits, group_size) if mtp_bits else None
-        mqcfg: dict[str, Any] | None = {"group_size": group_size, "bits": mtp_bits, "mode": "affine"} if mq else None
-        mcast = plan.float_dtype
-        for name in sorted(mtp):
-            info = mtp[name]
-            q = None
-            if mq is not None and _is_float(info.dtype) and _quantizable(name, info.shape, group_size):
-                q, override = _mlx_lm_quant(name.removesuffix(".weight"), mtp_bits, group_size)
-                if override is not None:
-                    assert mqcfg is not None
-                    mqcfg[name.removesuffix(".weight")] = override
-            plan.mtp.append(_tensor_job(name, info, sanitize=False, cast=mcast, quant=q))
-        plan.mtp_qcfg = mqcfg
-    plan.qcfg = qcfg
-    plan.config = dict(config)
-    plan.config.pop("_name_or_path", None)
-    if quant is not None:
-        plan.config["quantization"] = qcfg
-        plan.config["quantization_config"] = qcfg
-    for pattern in TOKENIZER_GLOBS:
-        plan.extra_files += [p for p in sorted(src.glob(pattern)) if p.is_file() and p not in plan.extra_files]
-    if not any(p.name.startswith("tokenizer") for p in plan.extra_files):
-        plan.warnings.append(f"{src} has no tokenizer files; the converted model needs token ids")
-    return plan
-
-
-# --------------------------------------------------------------------------- writing
-
-
-def _safetensors_header(outs: Sequence[_Out]) -> bytes:
-    header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
-    offset = 0
-    for o in outs:
-        header[o.name] = {"dtype": o.st_dtype, "shape": list(o.shape), "data_offsets": [offset, offset + o.nbytes]}
-        offset += o.nbytes
-    h = json.dumps(header, separators=(",", ":")).encode()
-    return len(h + b" " * (-len(h) % 8)).to_bytes(8, "little") + h + b" " * (-len(h) % 8)
-
-
-def _shards(jobs: Sequence[_Job], max_bytes: int) -> list[list[_Job]]:
-    shards: list[list[_Job]] = [[]]
-    size = 0
-    for j in jobs:
-        n = sum(o.nbytes for o in j.outs)
-        if shards[-1] and size + n > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(j)
-        size += n
-    return shards
-
-
-def _safetensors_bytes(jobs: Sequence[_Job]) -> int:
-    outs = [o for j in jobs for o in j.outs]
-    return len(_safetensors_header(outs)) + sum(o.nbytes for o in outs)
-
-
-def _write_safetensors(path: Path, jobs: Sequence[_Job], advance: Callable[[int], None]) -> None:
-    """Stream `jobs` into one safetensors file whose header is known from the plan."""
-    outs = [o for j in jobs for o in j.outs]
-    header = _safetensors_header(outs)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.pwrite(fd, header, 0)
-        pos = len(header)
-        for j in jobs:
-            written = [0] * len(j.outs)
-            starts = [pos + sum(o.nbytes for o in j.outs[:i]) for i in range(len(j.outs))]
-            for i, off, a in j.run():
-                data = np.ascontiguousarray(a)
-                if data.dtype.itemsize != _DTYPE_BYTES[j.outs[i].st_dtype] or off + data.nbytes > j.outs[i].nbytes:
-                    raise QnpipeError(f"internal error: {j.outs[i].name} came out {a.dtype}{list(a.shape)}, "
-                                      f"planned {j.outs[i].st_dtype}{list(j.outs[i].shape)}")
-                os.pwrite(fd, data.data, starts[i] + off)
-                written[i] += data.nbytes
-                advance(data.nbytes)
-            for o, n in zip(j.outs, written, strict=True):
-                if n != o.nbytes:
-                    raise QnpipeError(f"internal error: {o.name}: {n} bytes written, {o.nbytes} planned")
-            pos += sum(o.nbytes for o in j.outs)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_model_shards(out: Path, jobs: Sequence[_Job], advance: Callable[[int], None]) -> None:
-    shards = _shards(jobs, MAX_SHARD_BYTES)
-    if len(shards) == 1:
-        _write_safetensors(out / "model.safetensors", shards[0], advance)
-        return
-    wmap: dict[str, str] = {}
-    total = 0
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(out / name, shard, advance)
-        for o in (o for j in shard for o in j.outs):
-            wmap[o.name] = name
-            total += o.nbytes
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=4) + "\n")
 
 
 def _write_expert_layer(experts_dir: Path, el: _ExpertLayer, tensors: list[tuple[str, str, tuple[int, ...]]],
@@ -646,7 +195,7 @@ def convert(
         raise CheckpointError(f"{src_p / 'config.json'}: the model has no MoE layers (num_experts "
                               f"{args.num_experts}); there are no experts to store")
     plan = _plan(src_p, config, args, infos, layout, bits=bits, group_size=group_size, dtype=dtype,
-                 mtp_bits=mtp_bits, mtp_from=mtp_p)
+                 mtp_bits=mtp_bits, mtp_from=mtp_p, row_block_bytes=ROW_BLOCK_BYTES)
     for w in plan.warnings:
         log(f"warning: {w}")
     records = [_record_tensors(el, args) for el in plan.experts]
@@ -692,7 +241,7 @@ def _write_all(build: Path, plan: _Plan, records: list[list[tuple[str, str, tupl
                bar: ByteProgress) -> StoreIndex:
     """Every file of the model directory except config.json, into `build`; returns the store index."""
     (build / st.EXPERTS_DIR).mkdir()
-    _write_model_shards(build, plan.main, bar.advance)
+    _write_model_shards(build, plan.main, MAX_SHARD_BYTES, bar.advance)
     if plan.mtp:
         bar.describe("MTP weights")
         _write_safetensors(build / "mtp.safetensors", plan.mtp, bar.advance)
