@@ -671,6 +671,14 @@ def train(args) -> int:
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog)))
 
     history: list[dict[str, Any]] = []
+
+    def eval_once_at(step: int) -> None:
+        """Evaluate at `step` unless the last evaluation was already there."""
+        if not history or history[-1]["step"] != step:
+            ev = evaluate(model, val_batches, args)
+            ev.update(step=step, elapsed_s=round(time.perf_counter() - t_start, 1), train_loss_ema=float(ema[0]))
+            history.append(ev)
+
     stopped_early = None
     t_train = time.perf_counter()
     step = 0
@@ -686,19 +694,13 @@ def train(args) -> int:
         if args.stop_after is not None and step >= args.stop_after:
             print(f"stopping after step {step} (--stop-after; schedule of --steps {steps})", flush=True)
             stopped_early = step
-            if not history or history[-1]["step"] != step:
-                ev = evaluate(model, val_batches, args)
-                ev.update(step=step, elapsed_s=round(time.perf_counter() - t_start, 1), train_loss_ema=float(ema[0]))
-                history.append(ev)
+            eval_once_at(step)
             break
         if args.steps is not None and time.perf_counter() - t_start > args.max_minutes * 60:
             print(f"STOPPED EARLY at step {step}: --max-minutes {args.max_minutes} reached; the weights are those "
                   f"of --steps {steps} --stop-after {step}", flush=True)
             stopped_early = step
-            if not history or history[-1]["step"] != step:
-                ev = evaluate(model, val_batches, args)
-                ev.update(step=step, elapsed_s=round(time.perf_counter() - t_start, 1), train_loss_ema=float(ema[0]))
-                history.append(ev)
+            eval_once_at(step)
             break
         for gi in opt.param_groups:
             gi["lr"] = lr_at(step, steps if steps is not None else args.calibrate * 100)
