@@ -80,3 +80,35 @@ def test_demo_runs_the_shipped_trained_model_by_default(capsys: pytest.CaptureFi
     res = json.loads(capsys.readouterr().out)
     assert res["stats"]["prompt_tokens"] > 5 and res["stats"]["generated_tokens"] >= 1
     assert res["text"].strip()
+
+
+def test_chat_keeps_history_and_resets(tiny_hf: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from qnpipe.chat import tokenizer as tok_mod
+
+    prompts: list[str] = []
+    real_render = tok_mod.render_chat
+
+    def spy(tokenizer, messages, tools=None, add_generation_prompt=True):
+        text = real_render(tokenizer, messages, tools, add_generation_prompt)
+        prompts.append(text)
+        return text
+
+    monkeypatch.setattr(tok_mod, "render_chat", spy)
+    lines = iter(["first question", "second question", "/reset", "third question", "/quit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", str(tiny_hf), "--system", "Be brief.", "-n", "4", "-v"]) == 0
+    assert len(prompts) == 3
+    assert "first question" in prompts[1] and "second question" in prompts[1]  # history kept
+    assert "first question" not in prompts[2] and "Be brief." in prompts[2]  # /reset keeps the system turn
+    out = capsys.readouterr()
+    assert out.out.count("assistant> ") == 3
+    assert "prompt tokens" in out.err  # -v prints stats
+
+
+def test_chat_ends_on_eof(tiny_hf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def eof(prompt: str = "") -> str:
+        raise EOFError
+
+    monkeypatch.setattr("builtins.input", eof)
+    assert main(["chat", str(tiny_hf)]) == 0
