@@ -79,13 +79,60 @@ def _print_stats(stats: Any) -> None:
     )
 
 
+class _PrefillBar:
+    """A transient progress bar on stderr while a long prompt (>= MIN_TOKENS) is prefilled."""
+
+    MIN_TOKENS = 256
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.progress: Any = None
+        self.task: Any = None
+
+    def __enter__(self) -> _PrefillBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled or total < self.MIN_TOKENS:
+            return
+        if self.progress is None and done < total:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                                     TimeRemainingColumn(), transient=True, console=Console(stderr=True))
+            self.task = self.progress.add_task("prefill", total=total)
+            self.progress.start()
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done)
+            if done >= total:
+                self.close()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def then(self, fn: Any) -> Any:
+        """`fn`, called after the bar is gone (text must not interleave with it)."""
+        def call(*a: Any) -> Any:
+            self.close()
+            return fn(*a)
+
+        return call
+
+
 def _run_generate(eng: Any, prompt: str | list[int], args: argparse.Namespace) -> int:
     def show(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    res = eng.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                       seed=args.seed, on_text=None if args.json else show)
+    with _PrefillBar(enabled=not args.json and sys.stderr.isatty()) as bar:
+        res = eng.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                           seed=args.seed, on_text=None if args.json else bar.then(show), on_prefill=bar.update)
     if args.json:
         print(msgspec.json.encode({"text": res.text, "tokens": res.tokens, "stats": res.stats}).decode())
     else:

@@ -45,8 +45,9 @@ class _Core:
     def ids(self, prompt: Prompt) -> list[int]:
         return self.runner.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
 
-    def generate(self, prompt: Prompt, kw: dict[str, Any], on_text: Callable[[str], None] | None) -> GenerateResult:
-        res = self.runner.generate(self.ids(prompt), on_text=on_text, **kw)
+    def generate(self, prompt: Prompt, kw: dict[str, Any], on_text: Callable[[str], None] | None,
+                 on_prefill: Callable[[int, int], None] | None = None) -> GenerateResult:
+        res = self.runner.generate(self.ids(prompt), on_text=on_text, on_prefill=on_prefill, **kw)
         self.totals = self.totals.add(res.stats)
         return res
 
@@ -123,14 +124,16 @@ class Engine:
 
     def generate(self, prompt: Prompt, *, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop_at_eos: bool = True,
-                 on_text: Callable[[str], None] | None = None) -> GenerateResult:
+                 on_text: Callable[[str], None] | None = None,
+                 on_prefill: Callable[[int, int], None] | None = None) -> GenerateResult:
         """Generate after `prompt` (text or token ids); greedy when temperature is 0.
 
-        Stops at an EOS token (unless `stop_at_eos` is False) or after `max_tokens`. `on_text` receives detokenized text
-        pieces as they are produced (called on the engine's MLX thread).
+        Stops at an EOS token (unless `stop_at_eos` is False) or after `max_tokens`. `on_text`
+        receives detokenized text pieces as they are produced and `on_prefill(done, total)`
+        the prompt tokens processed after each prefill chunk (both called on the MLX thread).
         """
         kw = _gen_kwargs(max_tokens, temperature, top_p, seed, stop_at_eos)
-        return self._thread.call(self.core.generate, prompt, kw, on_text)
+        return self._thread.call(self.core.generate, prompt, kw, on_text, on_prefill)
 
     def stats(self) -> EngineStats:
         """Totals since the engine opened (still readable after close)."""

@@ -129,3 +129,10 @@ def test_closed_engine_refuses_work_but_keeps_stats(tiny_hf: Path) -> None:
     assert e.stats().requests == 1
     with pytest.raises(RuntimeError, match="closed"):
         e.generate(PROMPT, max_tokens=2)
+
+
+def test_prefill_progress_reports_each_chunk(tiny_hf: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    with qnpipe.Engine(tiny_hf, prefill_chunk_tokens=4) as e:
+        e.generate(list(range(3, 13)), max_tokens=2, on_prefill=lambda d, t: seen.append((d, t)))
+    assert seen == [(4, 10), (8, 10), (10, 10)]

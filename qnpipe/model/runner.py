@@ -54,8 +54,12 @@ class Runner:
 
     def generate(self, tokens: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
-                 on_text: TextCallback | None = None) -> GenerateResult:
-        """Sample up to `max_tokens` tokens after `tokens`; stops early at an EOS token."""
+                 on_text: TextCallback | None = None,
+                 on_prefill: Callable[[int, int], None] | None = None) -> GenerateResult:
+        """Sample up to `max_tokens` tokens after `tokens`; stops early at an EOS token.
+
+        `on_prefill(done, total)` is called after each prefill chunk (prompt tokens processed).
+        """
         self._check_tokens(tokens)
         if seed is not None:
             mx.random.seed(seed)
@@ -64,7 +68,7 @@ class Runner:
         mx.reset_peak_memory()
         t0 = time.perf_counter()
         cache = model.make_cache()
-        first = prefill(model, cache, tokens, self.prefill_chunk)
+        first = prefill(model, cache, tokens, self.prefill_chunk, on_prefill)
         detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
         if detok is not None:
             detok.reset()
