@@ -140,6 +140,18 @@ class Engine:
         return self._core.totals
 
 
+def _to_trio(fn: Callable[..., None] | None) -> Callable[..., None] | None:
+    """`fn` wrapped to run in the current trio thread when called from the MLX thread (FIFO order)."""
+    if fn is None:
+        return None
+    token = trio.lowlevel.current_trio_token()
+
+    def call(*args: Any) -> None:
+        token.run_sync_soon(fn, *args)
+
+    return call
+
+
 async def _on_thread(thread: MLXThread, fn: Callable[..., Any], *args: Any) -> Any:
     """Run `fn(*args)` on `thread`, waiting in trio without blocking the loop."""
     done = trio.Event()
@@ -170,17 +182,11 @@ class AsyncEngine:
 
     async def generate(self, prompt: Prompt, *, max_tokens: int = 64, temperature: float = 0.0,
                        top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
-                       on_text: Callable[[str], None] | None = None) -> GenerateResult:
-        """As `Engine.generate`; `on_text` is called in the trio thread, in order."""
+                       on_text: Callable[[str], None] | None = None,
+                       on_prefill: Callable[[int, int], None] | None = None) -> GenerateResult:
+        """As `Engine.generate`; `on_text` and `on_prefill` are called in the trio thread, in order."""
         kw = _gen_kwargs(max_tokens, temperature, top_p, seed, stop_at_eos)
-        cb = None
-        if on_text is not None:
-            token = trio.lowlevel.current_trio_token()
-
-            def cb(piece: str) -> None:
-                token.run_sync_soon(on_text, piece)
-
-        return await self._run(self._core.generate, prompt, kw, cb)
+        return await self._run(self._core.generate, prompt, kw, _to_trio(on_text), _to_trio(on_prefill))
 
     def stats(self) -> EngineStats:
         return self._core.totals

@@ -30,13 +30,17 @@ async def test_open_engine_matches_sync_engine_and_streams_in_order(tiny_hf: Pat
         callers.add(threading.get_ident())
         pieces.append(s)
 
+    prefill: list[tuple[int, int, int]] = []
     async with qnpipe.open_engine(tiny_hf) as aeng:
-        got = await aeng.generate(PROMPT, max_tokens=10, stop_at_eos=False, on_text=on_text)
+        got = await aeng.generate(PROMPT, max_tokens=10, stop_at_eos=False, on_text=on_text,
+                                  on_prefill=lambda d, t: prefill.append((d, t, threading.get_ident())))
         logits = await aeng.logits(PROMPT)
         assert aeng.stats().requests == 1
     assert got.tokens == want.tokens
     assert "".join(pieces) == got.text
     assert callers == {threading.get_ident()}  # on_text ran in the trio thread
+    assert [(d, t) for d, t, _ in prefill][-1] == (len(PROMPT), len(PROMPT))
+    assert {i for _, _, i in prefill} == {threading.get_ident()}
     assert np.array_equal(logits, eng.logits(PROMPT))
 
 
