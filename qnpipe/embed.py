@@ -39,7 +39,8 @@ class _Core:
         from qnpipe.model.runner import Runner
 
         self.cfg = cfg
-        self.runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens)
+        self.runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
+                             expert_dir=cfg.model.expert_dir or None)
         self.totals = EngineStats(resident_expert_bytes=self.runner.loaded.experts.nbytes)
 
     def ids(self, prompt: Prompt) -> list[int]:

@@ -93,13 +93,13 @@ def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any
     return ResidentExperts(layers)
 
 
-def _store_experts(args: ModelArgs, model_dir: Path, qcfg: dict[str, Any] | None) -> ResidentExperts:
-    """Every expert of a qnpipe directory's store, stacked `[E, ...]` per projection (slot == expert id)."""
+def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None) -> ResidentExperts:
+    """Every expert of a store (a model dir or its experts dir), stacked `[E, ...]` per projection (slot == expert id)."""
     from qnpipe.io.store import ExpertStore, as_mx, model_id
 
     E, H, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
     dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
-    with ExpertStore.open(model_dir, expected_model_id=model_id(args)) as store:
+    with ExpertStore.open(store_dir, expected_model_id=model_id(args)) as store:
         index_path = store.root / "index.json"
         if set(store.layers) != set(args.moe_layers):
             raise StoreError(f"{index_path}: store holds layers {list(store.layers)}, the model's MoE layers are "
@@ -170,8 +170,12 @@ def _check_and_load(model: Model, w: dict[str, mx.array], where: dict[str, Tenso
     model.load_weights(list(w.items()), strict=True)
 
 
-def load_model(model_dir: str | Path) -> LoadedModel:
+def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None) -> LoadedModel:
     """Load `model_dir` (original HF, mlx-lm, or qnpipe layout) with every expert resident.
+
+    `expert_dir` is where a qnpipe directory's expert store lives when not in
+    `model_dir/experts` (config `model.expert_dir`, the `EXPERT_DIR` name); the store's
+    model id must match `model_dir`'s config.
 
     Raises CheckpointError naming the file and tensor for a wrong model_type, missing or
     unexpected tensors, shape mismatches and truncated or corrupt safetensors files;
@@ -196,7 +200,7 @@ def load_model(model_dir: str | Path) -> LoadedModel:
             weights.pop("lm_head.weight", None)
         mtp_file = model_dir / "mtp.safetensors"
         mtp = load_tensors(read_header(mtp_file)) if mtp_file.is_file() else {}
-        experts = _store_experts(args, model_dir, qcfg)
+        experts = _store_experts(args, Path(expert_dir) if expert_dir else model_dir, qcfg)
     else:
         layout = detect_layout(infos, model_dir)
         weights = load_tensors(infos)

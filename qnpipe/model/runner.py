@@ -21,8 +21,9 @@ TextCallback = Callable[[str], None]
 class Runner:
     """Owns the MLX model of one engine; every method must run on the engine's MLX thread."""
 
-    def __init__(self, model_dir: str | Path, *, prefill_chunk: int, tokenizer: bool = True):
-        self.loaded: LoadedModel = load_model(model_dir)
+    def __init__(self, model_dir: str | Path, *, prefill_chunk: int, tokenizer: bool = True,
+                 expert_dir: str | Path | None = None):
+        self.loaded: LoadedModel = load_model(model_dir, expert_dir=expert_dir)
         self.prefill_chunk = prefill_chunk
         self.tokenizer: Any = None
         if tokenizer:

@@ -191,3 +191,23 @@ def test_index_is_the_documented_struct_with_crc_per_record(tiny_qn4: Path) -> N
         assert data[e * lf.stride + lf.record_nbytes: (e + 1) * lf.stride] == b"\0" * (lf.stride - lf.record_nbytes)
     assert {p: (q.bits, q.group_size, q.mode) for p, q in (lf.quant or {}).items()} == {
         p: (4, 64, "affine") for p in ("gate_proj", "up_proj", "down_proj")}
+
+
+def test_expert_store_elsewhere_via_config(tmp_path: Path, tiny_qn4: Path) -> None:
+    import qnpipe
+
+    d = tmp_path / "model"
+    shutil.copytree(tiny_qn4, d)
+    elsewhere = tmp_path / "ssd" / "experts"
+    elsewhere.parent.mkdir()
+    (d / "experts").rename(elsewhere)
+    toks = [5, 17, 300, 42, 9]
+    with qnpipe.Engine(tiny_qn4) as ref:
+        want = ref.logits(toks)
+    with qnpipe.Engine(d, expert_dir=str(elsewhere)) as eng:  # config model.expert_dir (EXPERT_DIR)
+        assert np.array_equal(eng.logits(toks), want)
+    cfg = qnpipe.config.load(env={"EXPERT_DIR": str(elsewhere)})
+    with qnpipe.Engine(d, cfg) as eng:
+        assert np.array_equal(eng.logits(toks), want)
+    with pytest.raises(StoreError, match="index"):
+        qnpipe.Engine(d)
