@@ -179,8 +179,8 @@ def _source_quant(config: dict[str, Any]) -> dict[str, Any] | None:
 
 def _plan_hf_experts(args: ModelArgs, infos: dict[str, TensorInfo], cast: str | None,
                      quant: _Quant | None) -> list[_ExpertLayer]:
-    E, H, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
-    dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    E = args.num_experts
+    dims = args.expert_dims
     layers = []
     for l in args.moe_layers:
         src_st: dict[str, str] = {}
@@ -210,10 +210,10 @@ def _plan_hf_experts(args: ModelArgs, infos: dict[str, TensorInfo], cast: str | 
 
 def _plan_mlx_experts(args: ModelArgs, infos: dict[str, TensorInfo], qcfg: dict[str, Any] | None,
                       cast: str | None) -> list[_ExpertLayer]:
-    from qnpipe.model.load import _quant_params
+    from qnpipe.model.load import quant_params
 
-    E, H, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
-    dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    E = args.num_experts
+    dims = args.expert_dims
     layers = []
     for l in args.moe_layers:
         src: dict[str, TensorInfo] = {}
@@ -226,7 +226,7 @@ def _plan_mlx_experts(args: ModelArgs, infos: dict[str, TensorInfo], qcfg: dict[
             w = infos[f"{path}.weight"]
             s = infos.get(f"{path}.scales")
             out_d, in_d = dims[proj]
-            q = _quant_params(path, qcfg, None if s is None else s.shape, w.shape, in_d)
+            q = quant_params(path, qcfg, None if s is None else s.shape, w.shape, in_d)
             if q is None:
                 wants = {"weight": (E, out_d, in_d)}
             else:
@@ -265,8 +265,7 @@ def _plan_mlx_experts(args: ModelArgs, infos: dict[str, TensorInfo], qcfg: dict[
 
 
 def _record_tensors(el: _ExpertLayer, args: ModelArgs) -> list[tuple[str, str, tuple[int, ...]]]:
-    H, I = args.hidden_size, args.moe_intermediate_size
-    dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    dims = args.expert_dims
     out = []
     for proj in PROJS:
         fdt = _FROM_ST[_out_float(el.src_st[proj], el.cast)]

@@ -59,6 +59,12 @@ class ModelArgs(msgspec.Struct, frozen=True, kw_only=True):
         )
 
     @property
+    def expert_dims(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each routed-expert projection: gate/up [I, H], down [H, I]."""
+        H, I = self.hidden_size, self.moe_intermediate_size
+        return {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+
+    @property
     def moe_layers(self) -> tuple[int, ...]:
         return tuple(l for l in range(self.num_hidden_layers) if self.is_moe(l))
 

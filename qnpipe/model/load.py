@@ -32,7 +32,7 @@ class LoadedModel:
     path: Path
 
 
-def _quant_params(path: str, qcfg: dict[str, Any] | None, scales_shape: tuple[int, ...] | None,
+def quant_params(path: str, qcfg: dict[str, Any] | None, scales_shape: tuple[int, ...] | None,
                   weight_shape: tuple[int, ...], in_dims: int) -> dict[str, Any] | None:
     """Group size / bits / mode of module `path`: the config's per-module entry, else inferred (mlx-lm's rule)."""
     if qcfg is not None and isinstance(qcfg.get(path), dict):
@@ -50,8 +50,8 @@ def _quant_params(path: str, qcfg: dict[str, Any] | None, scales_shape: tuple[in
 
 def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any] | None,
                     where: dict[str, TensorInfo]) -> ResidentExperts:
-    E, H, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
-    dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    E = args.num_experts
+    dims = args.expert_dims
     layers: dict[int, LayerExperts] = {}
     for l in args.moe_layers:
         projs = {}
@@ -65,7 +65,7 @@ def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any
             biases = w.pop(f"{path}.biases", None)
             out_d, in_d = dims[proj]
             file = where[name].file if name in where else "(converted)"
-            q = _quant_params(path, qcfg, None if scales is None else tuple(scales.shape), tuple(weight.shape), in_d)
+            q = quant_params(path, qcfg, None if scales is None else tuple(scales.shape), tuple(weight.shape), in_d)
             if q is None:
                 want = (E, out_d, in_d)
                 if tuple(weight.shape) != want:
@@ -97,8 +97,8 @@ def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None
     """Every expert of a store (a model dir or its experts dir), stacked `[E, ...]` per projection (slot == expert id)."""
     from qnpipe.io.store import ExpertStore, as_mx, model_id
 
-    E, H, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
-    dims = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    E = args.num_experts
+    dims = args.expert_dims
     with ExpertStore.open(store_dir, expected_model_id=model_id(args)) as store:
         index_path = store.root / "index.json"
         if set(store.layers) != set(args.moe_layers):
@@ -122,7 +122,7 @@ def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None
                     continue
                 path = f"model.layers.{l}.mlp.switch_mlp.{proj}"
                 if qcfg is not None:  # the config's quantization must agree with the store's
-                    cq = _quant_params(path, qcfg, (E, dims[proj][0], dims[proj][1] // q.group_size),
+                    cq = quant_params(path, qcfg, (E, dims[proj][0], dims[proj][1] // q.group_size),
                                        (E, dims[proj][0], dims[proj][1] * q.bits // 32), dims[proj][1])
                     if cq is not None and (cq["bits"], cq["group_size"]) != (q.bits, q.group_size):
                         raise StoreError(f"{index_path}: layer {l} {proj} is {q.bits}-bit/group {q.group_size}, "
@@ -145,7 +145,7 @@ def _quantize_skeleton(model: Model, qcfg: dict[str, Any], w: dict[str, mx.array
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in w:
             return False
         in_dims = module.weight.shape[-1]
-        q = _quant_params(path, None, tuple(w[f"{path}.scales"].shape), tuple(w[f"{path}.weight"].shape), in_dims)
+        q = quant_params(path, None, tuple(w[f"{path}.scales"].shape), tuple(w[f"{path}.weight"].shape), in_dims)
         assert q is not None
         return q
 
