@@ -40,6 +40,7 @@ class EvictPolicy(enum.StrEnum):
     LFU = "lfu"
     LRU = "lru"
     FIFO = "fifo"
+    LRFU = "lrfu"  # frequency with recency; measured on real traces in docs/pool.md
 
 
 class ReadBackend(enum.StrEnum):

@@ -1,22 +1,29 @@
 """The embedded API: `Engine` (sync facade) and `open_engine` (trio-native).
 
-Both run every MLX call on the engine's own MLX thread; the caller's thread (or trio
-loop) only waits for results.
+Both run the same pipeline (qnpipe.engine): the forward's step loop and the pool and
+read-scheduler actors in trio, every MLX call on the process's one MLX thread. The sync
+facade runs its trio loop on a thread of its own; a KeyboardInterrupt in the caller
+stops the generation in progress at its next layer and leaves the engine usable.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+import concurrent.futures
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import trio
 
+from qnpipe import decoding
 from qnpipe.config import Config
-from qnpipe.mlx_thread import MLXThread
-from qnpipe.stats import EngineStats, GenerateResult
+from qnpipe.engine import Core, Pipeline, build_core, open_core_pipeline
+from qnpipe.mlx_thread import MLXThread, run_on
+from qnpipe.stats import EngineStats, GenerateResult, LayerPoolStats, PoolStats
 
 Prompt = str | Sequence[int]
 
@@ -32,30 +39,6 @@ def _resolve(model_dir: str | Path | None, cfg: Config | None, overrides: dict[s
     return config_mod.with_overrides(cfg, overrides) if overrides else cfg
 
 
-class _Core:
-    """State shared by both facades; its methods run on the MLX thread."""
-
-    def __init__(self, model_dir: Path, cfg: Config):
-        from qnpipe.model.runner import Runner
-
-        self.cfg = cfg
-        self.runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
-                             expert_dir=cfg.model.expert_dir or None)
-        self.totals = EngineStats(resident_expert_bytes=self.runner.loaded.experts.nbytes)
-
-    def ids(self, prompt: Prompt) -> list[int]:
-        return self.runner.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-
-    def generate(self, prompt: Prompt, kw: dict[str, Any], on_text: Callable[[str], None] | None,
-                 on_prefill: Callable[[int, int], None] | None = None) -> GenerateResult:
-        res = self.runner.generate(self.ids(prompt), on_text=on_text, on_prefill=on_prefill, **kw)
-        self.totals = self.totals.add(res.stats)
-        return res
-
-    def logits(self, prompt: Prompt) -> np.ndarray:
-        return self.runner.logits(self.ids(prompt))
-
-
 def _gen_kwargs(max_tokens: int, temperature: float, top_p: float, seed: int | None,
                 stop_at_eos: bool) -> dict[str, Any]:
     if max_tokens < 0:
@@ -68,12 +51,145 @@ def _gen_kwargs(max_tokens: int, temperature: float, top_p: float, seed: int | N
             "stop_at_eos": stop_at_eos}
 
 
-def _release(core: _Core) -> None:
-    """Drop the core's model on the MLX thread and return MLX's cached buffers."""
+def _release(core: Core) -> None:
+    """Drop the core's model and pool memory on the MLX thread and return MLX's cached buffers."""
     import mlx.core as mx
 
+    if core.streaming is not None:
+        core.streaming.close()
+        core.streaming = None
     core.runner = None  # type: ignore[assignment]
+    core.backend = None  # type: ignore[assignment]
     mx.clear_cache()
+
+
+class _Runtime:
+    """One engine's trio side: its pipeline, one request at a time, and the totals."""
+
+    def __init__(self, core: Core, thread: MLXThread, pipe: Pipeline) -> None:
+        self.core = core
+        self.thread = thread
+        self.pipe = pipe
+        self.lock = trio.Lock()
+        resident = core.runner.loaded.experts.nbytes
+        self.totals = EngineStats(resident_expert_bytes=resident,
+                                  expert_source="resident" if core.streaming is None else "pool")
+
+    def ids(self, prompt: Prompt) -> list[int]:
+        runner = self.core.runner
+        ids = runner.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        runner.check_tokens(ids)
+        return ids
+
+    async def generate(self, prompt: Prompt, kw: dict[str, Any], on_text: Callable[[str], None] | None,
+                       on_prefill: Callable[[int, int], None] | None,
+                       partial: list[int] | None = None) -> GenerateResult:
+        async with self.lock:
+            runner = self.core.runner
+            ids = await run_on(self.thread, self.ids, prompt)
+            res = await decoding.generate(
+                self.pipe.forward, self.thread, runner.loaded.model, runner.tokenizer, ids,
+                max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_p=kw["top_p"], seed=kw["seed"],
+                eos=runner.eos_ids if kw["stop_at_eos"] else set(), chunk=self.core.cfg.forward.prefill_chunk_tokens,
+                on_text=on_text, on_prefill=on_prefill, partial=partial)
+            self.totals = self.totals.add(res.stats)
+            return res
+
+    async def logits(self, prompt: Prompt) -> np.ndarray:
+        async with self.lock:
+            ids = await run_on(self.thread, self.ids, prompt)
+            return await decoding.logits(self.pipe.forward, self.thread, self.core.runner.loaded.model, ids,
+                                         self.core.cfg.forward.prefill_chunk_tokens)
+
+    def stats(self) -> EngineStats:
+        pol = self.pipe.policy
+        if pol is None:
+            return self.totals
+        fs = self.pipe.forward.stats
+        rs = self.pipe.read_stats
+        assert rs is not None
+        counters = pol.counters
+        hits = sum(c.hits for c in counters.values())
+        misses = sum(c.misses for c in counters.values())
+        by_cause = {"cold": sum(c.cold for c in counters.values()),
+                    "capacity": sum(c.capacity for c in counters.values())}
+        st = self.core.streaming
+        layers = tuple(LayerPoolStats(layer=layer, capacity=t.capacity, occupancy=t.occupancy,
+                                      hits=counters[layer].hits, misses=counters[layer].misses,
+                                      evictions=counters[layer].evictions)
+                       for layer, t in sorted(pol.tables.items()))
+        pool = PoolStats(hits=hits, misses=misses, misses_by_cause=by_cause,
+                         hit_rate=hits / (hits + misses) if hits + misses else 0.0, reads=rs.reads,
+                         bytes_read=rs.bytes_read, merged_reads=rs.merged, peak_reads_in_flight=rs.peak_in_flight,
+                         device_s=rs.device_s, stall_s=fs.stall_s, steps=fs.steps, layer_steps=fs.layer_steps,
+                         split_layer_steps=fs.split_layer_steps,
+                         slot_bytes=sum(s.nbytes for s in st.slots.values()) if st is not None else 0,
+                         layers=layers)
+        return msgspec.structs.replace(self.totals, expert_bytes_read=rs.bytes_read,
+                                       expert_misses_by_cause=by_cause, pool=pool)
+
+
+class AsyncEngine:
+    """Trio-native engine handle; get one from `open_engine`."""
+
+    def __init__(self, rt: _Runtime) -> None:
+        self._rt = rt
+        self.cfg = rt.core.cfg
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._rt.core.runner.tokenizer
+
+    @property
+    def args(self) -> Any:
+        """The model's ModelArgs (sizes, layer kinds)."""
+        return self._rt.core.args
+
+    async def encode(self, text: str) -> list[int]:
+        return await run_on(self._rt.thread, self._rt.core.runner.encode, text)
+
+    async def logits(self, prompt: Prompt) -> np.ndarray:
+        """Logits `(len, vocab)` float32 of `prompt` (text or token ids) as a fresh sequence."""
+        return await self._rt.logits(prompt)
+
+    async def generate(self, prompt: Prompt, *, max_tokens: int = 64, temperature: float = 0.0,
+                       top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
+                       on_text: Callable[[str], None] | None = None,
+                       on_prefill: Callable[[int, int], None] | None = None,
+                       partial: list[int] | None = None) -> GenerateResult:
+        """Generate after `prompt` (text or token ids); greedy when temperature is 0.
+
+        Stops at an EOS token (unless `stop_at_eos` is False) or after `max_tokens`.
+        `on_text` receives detokenized text pieces as they are produced and
+        `on_prefill(done, total)` the prompt tokens processed after each prefill chunk, both
+        in the trio thread, in order. `partial` (a list) collects the tokens as they come,
+        which is what is left after a cancellation. Cancelling stops the work at the next
+        layer; the engine stays usable.
+        """
+        kw = _gen_kwargs(max_tokens, temperature, top_p, seed, stop_at_eos)
+        return await self._rt.generate(prompt, kw, on_text, on_prefill, partial)
+
+    def stats(self) -> EngineStats:
+        """Totals since the engine opened, with the pool's figures when experts stream."""
+        return self._rt.stats()
+
+
+@asynccontextmanager
+async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = None,
+                      **overrides: Any) -> AsyncIterator[AsyncEngine]:
+    """`async with open_engine(model_dir, cfg) as eng:` — the engine, its actors stopped on exit.
+
+    `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name).
+    """
+    cfg = _resolve(model_dir, cfg, overrides)
+    thread = MLXThread.shared()
+    core = await run_on(thread, build_core, Path(cfg.model.model_dir), cfg)
+    try:
+        async with open_core_pipeline(core, thread) as pipe:
+            yield AsyncEngine(_Runtime(core, thread, pipe))
+    finally:
+        with trio.CancelScope(shield=True):
+            await run_on(thread, _release, core)
 
 
 class Engine:
@@ -81,14 +197,41 @@ class Engine:
 
     `overrides` are configuration fields by name (`expert_slots=32`, `prefill_chunk_tokens=0`)
     applied on top of defaults, the TOML file and the environment (see docs/config.md);
-    `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name).
+    `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name). The
+    pipeline runs in a trio loop on a thread of the engine's own.
     """
 
     def __init__(self, model_dir: str | Path | None = None, cfg: Config | None = None, **overrides: Any):
         self.cfg = _resolve(model_dir, cfg, overrides)
         self.model_dir = Path(self.cfg.model.model_dir)
-        self._thread = MLXThread.shared()
-        self._core: _Core = self._thread.call(_Core, self.model_dir, self.cfg)
+        self._aeng: AsyncEngine | None = None
+        self._last_stats = EngineStats()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._closing: trio.Event | None = None
+        self._nursery: trio.Nursery | None = None
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._serve, args=(started,), name="qnpipe-engine", daemon=True)
+        self._thread.start()
+        started.result()
+
+    def _serve(self, started: concurrent.futures.Future[None]) -> None:
+        async def main() -> None:
+            try:
+                async with open_engine(cfg=self.cfg) as eng, trio.open_nursery() as nursery:
+                    self._aeng, self._nursery = eng, nursery
+                    self._token = trio.lowlevel.current_trio_token()
+                    self._closing = trio.Event()
+                    started.set_result(None)
+                    await self._closing.wait()
+                    self._last_stats = eng.stats()
+                    nursery.cancel_scope.cancel()
+            except BaseException as e:
+                if not started.done():
+                    started.set_exception(e)
+                    return
+                raise
+
+        trio.run(main)
 
     def __enter__(self) -> Engine:
         return self
@@ -97,114 +240,92 @@ class Engine:
         self.close()
 
     def close(self) -> None:
-        """Release the model (its memory is freed once no result refers to it)."""
-        if self._core.runner is not None:
-            self._thread.call(_release, self._core)
+        """Stop the actors and release the model (its memory is freed once no result refers to it)."""
+        if self._aeng is None:
+            return
+        closing, token = self._closing, self._token
+        assert closing is not None and token is not None
+        token.run_sync_soon(closing.set)
+        self._thread.join()
+        self._aeng = None
 
     @property
-    def core(self) -> _Core:
-        if self._core.runner is None:
+    def _eng(self) -> AsyncEngine:
+        if self._aeng is None:
             raise RuntimeError("this Engine is closed")
-        return self._core
+        return self._aeng
+
+    def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Run `await fn(*args)` in the engine's loop; a KeyboardInterrupt here cancels it first."""
+        eng, token, nursery = self._eng, self._token, self._nursery
+        assert token is not None and nursery is not None
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        scope = trio.CancelScope()
+
+        async def job() -> None:
+            try:
+                with scope:
+                    res = await fn(*args)
+            except Exception as e:
+                fut.set_exception(e)
+                return
+            if scope.cancelled_caught:
+                fut.set_exception(KeyboardInterrupt())
+            else:
+                fut.set_result(res)
+
+        del eng
+        token.run_sync_soon(nursery.start_soon, job)  # non-blocking: also safe from another trio thread
+        try:
+            return fut.result()
+        except KeyboardInterrupt:
+            if not fut.done():
+                token.run_sync_soon(scope.cancel)
+                concurrent.futures.wait([fut])
+            raise
 
     @property
     def tokenizer(self) -> Any:
-        return self.core.runner.tokenizer
+        return self._eng.tokenizer
 
     @property
     def args(self) -> Any:
         """The model's ModelArgs (sizes, layer kinds)."""
-        return self.core.runner.loaded.args
+        return self._eng.args
 
     def encode(self, text: str) -> list[int]:
-        return self._thread.call(self.core.runner.encode, text)
+        return self._call(self._eng.encode, text)
 
     def logits(self, prompt: Prompt) -> np.ndarray:
         """Logits `(len, vocab)` float32 of `prompt` (text or token ids) as a fresh sequence."""
-        return self._thread.call(self.core.logits, prompt)
+        return self._call(self._eng.logits, prompt)
 
     def generate(self, prompt: Prompt, *, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop_at_eos: bool = True,
                  on_text: Callable[[str], None] | None = None,
-                 on_prefill: Callable[[int, int], None] | None = None) -> GenerateResult:
-        """Generate after `prompt` (text or token ids); greedy when temperature is 0.
+                 on_prefill: Callable[[int, int], None] | None = None,
+                 partial: list[int] | None = None) -> GenerateResult:
+        """As `AsyncEngine.generate`; the callbacks run on the engine's loop thread.
 
-        Stops at an EOS token (unless `stop_at_eos` is False) or after `max_tokens`. `on_text`
-        receives detokenized text pieces as they are produced and `on_prefill(done, total)`
-        the prompt tokens processed after each prefill chunk (both called on the MLX thread).
+        A KeyboardInterrupt while waiting stops the generation at its next layer, then
+        propagates; `partial` then holds the tokens generated so far.
         """
-        kw = _gen_kwargs(max_tokens, temperature, top_p, seed, stop_at_eos)
-        return self._thread.call(self.core.generate, prompt, kw, on_text, on_prefill)
+        _gen_kwargs(max_tokens, temperature, top_p, seed, stop_at_eos)
+        eng = self._eng
+
+        async def run() -> GenerateResult:
+            return await eng.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                      seed=seed, stop_at_eos=stop_at_eos, on_text=on_text,
+                                      on_prefill=on_prefill, partial=partial)
+
+        return self._call(run)
 
     def stats(self) -> EngineStats:
         """Totals since the engine opened (still readable after close)."""
-        return self._core.totals
+        if self._aeng is None:
+            return self._last_stats
 
+        async def snap() -> EngineStats:
+            return self._eng.stats()
 
-def _to_trio(fn: Callable[..., None] | None) -> Callable[..., None] | None:
-    """`fn` wrapped to run in the current trio thread when called from the MLX thread (FIFO order)."""
-    if fn is None:
-        return None
-    token = trio.lowlevel.current_trio_token()
-
-    def call(*args: Any) -> None:
-        token.run_sync_soon(fn, *args)
-
-    return call
-
-
-async def _on_thread(thread: MLXThread, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run `fn(*args)` on `thread`, waiting in trio without blocking the loop."""
-    done = trio.Event()
-    token = trio.lowlevel.current_trio_token()
-    fut = thread.submit(fn, *args)
-    fut.add_done_callback(lambda _: token.run_sync_soon(done.set))
-    await done.wait()
-    return fut.result()
-
-
-class AsyncEngine:
-    """Trio-native engine handle; get one from `open_engine`."""
-
-    def __init__(self, thread: MLXThread, core: _Core):
-        self._thread = thread
-        self._core = core
-        self.cfg = core.cfg
-
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await _on_thread(self._thread, fn, *args)
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._core.runner.tokenizer
-
-    async def logits(self, prompt: Prompt) -> np.ndarray:
-        return await self._run(self._core.logits, prompt)
-
-    async def generate(self, prompt: Prompt, *, max_tokens: int = 64, temperature: float = 0.0,
-                       top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
-                       on_text: Callable[[str], None] | None = None,
-                       on_prefill: Callable[[int, int], None] | None = None) -> GenerateResult:
-        """As `Engine.generate`; `on_text` and `on_prefill` are called in the trio thread, in order."""
-        kw = _gen_kwargs(max_tokens, temperature, top_p, seed, stop_at_eos)
-        return await self._run(self._core.generate, prompt, kw, _to_trio(on_text), _to_trio(on_prefill))
-
-    def stats(self) -> EngineStats:
-        return self._core.totals
-
-
-@asynccontextmanager
-async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = None,
-                      **overrides: Any) -> AsyncIterator[AsyncEngine]:
-    """`async with open_engine(model_dir, cfg) as eng:` — the engine, closed on exit.
-
-    `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name).
-    """
-    cfg = _resolve(model_dir, cfg, overrides)
-    thread = MLXThread.shared()
-    core = await _on_thread(thread, _Core, Path(cfg.model.model_dir), cfg)
-    try:
-        yield AsyncEngine(thread, core)
-    finally:
-        with trio.CancelScope(shield=True):
-            await _on_thread(thread, _release, core)
+        return self._call(snap)

@@ -45,3 +45,15 @@ class StoreError(QnpipeError):
 
     The message names the file and, for a bad record, the layer, expert and byte offset.
     """
+
+
+class CapacityError(QnpipeError, ValueError):
+    """A layer's expert pool cannot hold what is asked of it (the message names the layer and the numbers)."""
+
+
+class RouteError(QnpipeError, AssertionError):
+    """Route verification failed: a token read a slot that does not hold the expert it routed to."""
+
+
+class PipelineError(QnpipeError, RuntimeError):
+    """The expert pipeline stopped (an actor failed); the engine must be reopened."""

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import trio
+
 T = TypeVar("T")
 _lock = threading.Lock()
 _shared: MLXThread | None = None
@@ -62,3 +64,18 @@ class MLXThread:
     @property
     def thread(self) -> threading.Thread:
         return self._thread
+
+
+async def run_on(thread: MLXThread, fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn(*args)` on `thread` and wait in trio without blocking the loop.
+
+    A cancellation waits for `fn` to finish (MLX work cannot be interrupted, and every
+    call is one layer or one chunk long), then takes effect at the caller's next checkpoint.
+    """
+    done = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    fut = thread.submit(fn, *args)
+    fut.add_done_callback(lambda _: token.run_sync_soon(done.set))
+    with trio.CancelScope(shield=True):
+        await done.wait()
+    return fut.result()

@@ -25,11 +25,49 @@ class GenerateStats(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: FinishReason
 
 
+class LayerPoolStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One MoE layer's pool: capacity, slots in use, and what its steps found."""
+
+    layer: int
+    capacity: int
+    occupancy: int
+    hits: int
+    misses: int
+    evictions: int
+
+
+class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The streaming pool since the engine opened.
+
+    `misses` counts experts a step needed that were not resident (`misses_by_cause`:
+    "cold" = first use in that layer, "capacity" = evicted earlier); `reads` the records
+    read (merged duplicates read once); `stall_s` the time the forward waited for grants
+    that had misses; `split_layer_steps` the layer-steps whose experts did not fit at once
+    and ran in parts.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    misses_by_cause: dict[str, int] = msgspec.field(default_factory=dict)
+    hit_rate: float = 0.0
+    reads: int = 0
+    bytes_read: int = 0
+    merged_reads: int = 0
+    peak_reads_in_flight: int = 0
+    device_s: float = 0.0
+    stall_s: float = 0.0
+    steps: int = 0
+    layer_steps: int = 0
+    split_layer_steps: int = 0
+    slot_bytes: int = 0
+    layers: tuple[LayerPoolStats, ...] = ()
+
+
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Totals since the engine opened.
 
-    `expert_source` says how experts are served; with "resident" every expert is in
-    memory, so there are no expert reads or misses to count.
+    `expert_source` says how experts are served: "resident" (every expert in memory, no
+    reads or misses to count) or "pool" (streamed; `pool` has the figures).
     """
 
     requests: int = 0
@@ -44,6 +82,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     resident_expert_bytes: int = 0
     expert_bytes_read: int = 0
     expert_misses_by_cause: dict[str, int] = msgspec.field(default_factory=dict)
+    pool: PoolStats | None = None
 
     def add(self, g: GenerateStats) -> EngineStats:
         decode_s = self.decode_s + g.decode_s

@@ -44,11 +44,22 @@ async def test_open_engine_matches_sync_engine_and_streams_in_order(tiny_hf: Pat
     assert np.array_equal(logits, eng.logits(PROMPT))
 
 
-def test_mlx_work_runs_on_one_dedicated_thread(eng: qnpipe.Engine) -> None:
+def test_mlx_work_runs_on_one_dedicated_thread(eng: qnpipe.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    from qnpipe.model.stepper import MlxBackend
+
+    mlx_threads: set[str] = set()
+    begin = MlxBackend.begin
+
+    def spy(self, *a):  # type: ignore[no-untyped-def]
+        mlx_threads.add(threading.current_thread().name)
+        return begin(self, *a)
+
+    monkeypatch.setattr(MlxBackend, "begin", spy)
     seen: set[str] = set()
     eng.generate(PROMPT, max_tokens=3, on_text=lambda s: seen.add(threading.current_thread().name))
     eng.generate(PROMPT, max_tokens=3, on_text=lambda s: seen.add(threading.current_thread().name))
-    assert seen <= {"qnpipe-mlx"}
+    assert mlx_threads == {"qnpipe-mlx"}  # every step of both calls
+    assert seen == {"qnpipe-engine"}  # callbacks run in the engine's trio loop, not on the MLX thread
 
 
 def test_seeded_sampling_is_reproducible(eng: qnpipe.Engine) -> None:

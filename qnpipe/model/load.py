@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import mlx.core as mx
@@ -17,6 +17,9 @@ from qnpipe.model.checkpoint import (
 )
 from qnpipe.model.experts import PROJS, LayerExperts, ProjWeights, ResidentExperts
 from qnpipe.model.qwen3_next import Model
+
+if TYPE_CHECKING:
+    from qnpipe.io.store import ExpertStore
 
 
 @attrs.define
@@ -93,22 +96,41 @@ def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any
     return ResidentExperts(layers)
 
 
-def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None) -> ResidentExperts:
-    """Every expert of a store (a model dir or its experts dir), stacked `[E, ...]` per projection (slot == expert id)."""
-    from qnpipe.io.store import ExpertStore, as_mx, model_id
+def open_store(args: ModelArgs, store_dir: Path) -> ExpertStore:
+    """The expert store of a model (a model dir or its experts dir), checked against its config.
 
-    E = args.num_experts
-    dims = args.expert_dims
-    with ExpertStore.open(store_dir, expected_model_id=model_id(args)) as store:
-        index_path = store.root / "index.json"
+    Raises StoreError for a store of another model, other layers or another expert count.
+    """
+    from qnpipe.io.store import ExpertStore, model_id
+
+    store = ExpertStore.open(store_dir, expected_model_id=model_id(args))
+    index_path = store.root / "index.json"
+    try:
         if set(store.layers) != set(args.moe_layers):
             raise StoreError(f"{index_path}: store holds layers {list(store.layers)}, the model's MoE layers are "
                              f"{list(args.moe_layers)}")
+        for layer in args.moe_layers:
+            lf = store.layer_file(layer)
+            if lf.num_experts != args.num_experts:
+                raise StoreError(f"{store.root / lf.file}: {lf.num_experts} experts, "
+                                 f"config.json says {args.num_experts}")
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None) -> ResidentExperts:
+    """Every expert of a store (a model dir or its experts dir), stacked `[E, ...]` per projection (slot == expert id)."""
+    from qnpipe.io.store import as_mx
+
+    E = args.num_experts
+    dims = args.expert_dims
+    with open_store(args, store_dir) as store:
+        index_path = store.root / "index.json"
         layers: dict[int, LayerExperts] = {}
         for l in args.moe_layers:
             lf = store.layer_file(l)
-            if lf.num_experts != E:
-                raise StoreError(f"{store.root / lf.file}: {lf.num_experts} experts, config.json says {E}")
             arrays = store.read_layer(l)
             dtypes = {t.name: t.dtype for t in lf.tensors}
             projs = {}
@@ -170,8 +192,12 @@ def _check_and_load(model: Model, w: dict[str, mx.array], where: dict[str, Tenso
     model.load_weights(list(w.items()), strict=True)
 
 
-def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None) -> LoadedModel:
+def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None,
+               resident_experts: bool = True) -> LoadedModel:
     """Load `model_dir` (original HF, mlx-lm, or qnpipe layout) with every expert resident.
+
+    `resident_experts` False (qnpipe layout only) loads everything but the routed experts,
+    which then stream from the store through the pool; `LoadedModel.experts` is empty.
 
     `expert_dir` is where a qnpipe directory's expert store lives when not in
     `model_dir/experts` (config `model.expert_dir`, the `EXPERT_DIR` name); the store's
@@ -200,7 +226,12 @@ def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None) -
             weights.pop("lm_head.weight", None)
         mtp_file = model_dir / "mtp.safetensors"
         mtp = load_tensors(read_header(mtp_file)) if mtp_file.is_file() else {}
-        experts = _store_experts(args, Path(expert_dir) if expert_dir else model_dir, qcfg)
+        store_dir = Path(expert_dir) if expert_dir else model_dir
+        if resident_experts:
+            experts = _store_experts(args, store_dir, qcfg)
+        else:
+            open_store(args, store_dir).close()
+            experts = ResidentExperts({})
     else:
         layout = detect_layout(infos, model_dir)
         weights = load_tensors(infos)

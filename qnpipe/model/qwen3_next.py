@@ -185,7 +185,10 @@ class SparseMoeBlock(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         inds, scores = self.route(x)
         assert self._experts is not None, "no ExpertSource attached (load the model with qnpipe.model.load)"
-        y = self._experts(self.layer, x, inds)
+        return self.combine(x, self._experts(self.layer, x, inds), scores)
+
+    def combine(self, x: mx.array, y: mx.array, scores: mx.array) -> mx.array:
+        """The block's output from the routed experts' outputs `y [..., k, H]` and the shared expert."""
         y = (y * scores[..., None]).sum(axis=-2)
         shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y + shared
@@ -207,9 +210,13 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(args.hidden_size, args.intermediate_size)
 
     def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = x + mixer(self.input_layernorm(x), mask, cache)
+        h = self.mix(x, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def mix(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
+        """The token mixer's residual step (attention or Gated DeltaNet), before the MLP."""
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        return x + mixer(self.input_layernorm(x), mask, cache)
 
 
 class Qwen3NextModel(nn.Module):
@@ -227,11 +234,16 @@ class Qwen3NextModel(nn.Module):
         h = self.embed_tokens(inputs)
         if cache is None:
             cache = [None] * len(self.layers)
-        fa_mask = create_attention_mask(h, cache[self.fa_idx]) if self.fa_idx is not None else None
-        ssm_mask = create_ssm_mask(h, cache[self.ssm_idx]) if self.ssm_idx is not None else None
+        fa_mask, ssm_mask = self.masks(h, cache)
         for layer, c in zip(self.layers, cache):
             h = layer(h, ssm_mask if layer.is_linear else fa_mask, c)
         return self.norm(h)
+
+    def masks(self, h: mx.array, cache: list[Any]) -> tuple[Any, Any]:
+        """The (full-attention, linear-attention) masks for embedded inputs `h`."""
+        fa_mask = create_attention_mask(h, cache[self.fa_idx]) if self.fa_idx is not None else None
+        ssm_mask = create_ssm_mask(h, cache[self.ssm_idx]) if self.ssm_idx is not None else None
+        return fa_mask, ssm_mask
 
 
 class Model(nn.Module):
@@ -258,7 +270,7 @@ class Model(nn.Module):
         return self.model.layers
 
     def make_cache(self) -> list[Any]:
-        return [ArraysCache(size=2) if l.is_linear else KVCache() for l in self.layers]
+        return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
 
     def attach_experts(self, source: ExpertSource) -> None:
         """Route every MoE block's expert calls to `source`."""

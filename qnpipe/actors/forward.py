@@ -1,0 +1,150 @@
+"""The forward actor's step loop: drive the model layer by layer, acquiring experts from the pool.
+
+For each MoE layer the backend reports the router's ids (`LayerRoute`); the forward
+splits the step's tokens into parts that fit the layer (qnpipe.policy.parts), sends
+`Acquire` for each part's experts, waits for `Granted`, maps every token's experts to
+their slots and lets the backend run them. It releases a grant as soon as the backend
+returns from the part: the backend only returns after an evaluation that depends on
+that part's expert outputs, so the slots may then be rewritten (qnpipe.model.slots).
+
+The backend is the seam: the MLX model on its thread here, a recorded routing log with
+a cost model in replay. Cancellation stops the step at the next layer, releases what
+the step held, and leaves the pipeline ready for the next one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+import trio
+
+from qnpipe.actors.stamp import Stamper
+from qnpipe.errors import PipelineError
+from qnpipe.messages import Acquire, ForwardDone, Granted, PoolInbox, Release
+from qnpipe.model.stepper import Event, LayerRoute, PartGrant, StepDone, Tail
+from qnpipe.policy.parts import plan_parts
+
+
+class Backend(Protocol):
+    """What the forward drives: one step of the model, yielding at each MoE router."""
+
+    async def begin(self, inputs: Any, cache: Any, tail: Tail) -> Event: ...
+
+    async def resume(self, grant: PartGrant) -> Event: ...
+
+    async def abort(self) -> None: ...
+
+
+@attrs.define
+class ForwardStats:
+    steps: int = 0
+    layer_steps: int = 0
+    parts: int = 0
+    split_layer_steps: int = 0  # layer-steps that needed more than one part
+    stall_s: float = 0.0  # waiting for grants that had misses
+    hits: int = 0
+    misses: int = 0
+
+
+@attrs.define(eq=False)
+class Forward:
+    """The step loop over a `Backend`; `to_pool`/`grants` are None when every expert is resident."""
+
+    backend: Backend
+    to_pool: trio.MemorySendChannel[PoolInbox] | None
+    grants: trio.MemoryReceiveChannel[Granted] | None
+    capacities: dict[int, int]
+    num_experts: int
+    route_verify: bool = False
+    failure: list[BaseException] = attrs.field(factory=list)  # set by the engine when an actor died
+    stats: ForwardStats = attrs.field(factory=ForwardStats)
+    _step: int = 0
+    _open: tuple[int, int, int] | None = None  # acquired, not yet released
+    _st: Stamper = attrs.field(factory=Stamper)
+
+    async def run(self, inputs: Any, cache: Any, tail: Tail) -> Any:
+        """Run one step; returns its tail's value. Raises the actor's error if the pipeline died."""
+        self._raise_failure()
+        self._step += 1
+        try:
+            ev = await self.backend.begin(inputs, cache, tail)
+            while isinstance(ev, LayerRoute):
+                ev = await self._layer(ev)
+            assert isinstance(ev, StepDone), ev
+            if self.to_pool is not None:
+                await self.to_pool.send(ForwardDone(**self._st.stamp(), step=self._step))
+        except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._cleanup()
+            self._raise_failure()
+            raise PipelineError("the expert pipeline stopped") from None
+        except BaseException:
+            await self._cleanup()
+            raise
+        self.stats.steps += 1
+        return ev.value
+
+    async def abandon(self) -> None:
+        """Drop the step the backend may still hold (after a step whose value is not wanted)."""
+        with trio.CancelScope(shield=True):
+            await self.backend.abort()
+
+    async def _layer(self, route: LayerRoute) -> Event:
+        assert self.to_pool is not None and self.grants is not None
+        layer = route.layer
+        parts = plan_parts(route.ids, self.capacities[layer], layer=layer)
+        self.stats.layer_steps += 1
+        self.stats.parts += len(parts)
+        self.stats.split_layer_steps += len(parts) > 1
+        lut = np.full(self.num_experts, -1, dtype=np.int64)
+        ev: Event | None = None
+        for p, (lo, hi, experts) in enumerate(parts):
+            key = (self._step, layer, p)
+            t0 = trio.current_time()
+            self._open = key
+            await self.to_pool.send(Acquire(**self._st.stamp(), step=key[0], layer=layer, part=p, experts=experts))
+            g = await self._grant(key)
+            self.stats.hits += g.hits
+            self.stats.misses += g.misses
+            if g.misses:
+                self.stats.stall_s += trio.current_time() - t0
+            lut[list(g.experts)] = g.slots
+            ids = route.ids[lo:hi]
+            slots = lut[ids]
+            ev = await self.backend.resume(PartGrant(lo, hi, slots, p == len(parts) - 1))
+            if self.route_verify:
+                rel = Release(**self._st.stamp(), step=key[0], layer=layer, part=p,
+                              token_experts=tuple(ids.reshape(-1).tolist()),
+                              token_slots=tuple(slots.reshape(-1).tolist()))
+            else:
+                rel = Release(**self._st.stamp(), step=key[0], layer=layer, part=p)
+            self._open = None
+            await self.to_pool.send(rel)
+        assert ev is not None
+        return ev
+
+    async def _cleanup(self) -> None:
+        with trio.CancelScope(shield=True):
+            await self.backend.abort()
+            if self._open is not None and self.to_pool is not None:
+                step, layer, part = self._open
+                self._open = None
+                try:
+                    await self.to_pool.send(Release(**self._st.stamp(), step=step, layer=layer, part=part))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+
+    async def _grant(self, key: tuple[int, int, int]) -> Granted:
+        assert self.grants is not None
+        while True:
+            g = await self.grants.receive()
+            if (g.step, g.layer, g.part) == key:
+                return g
+            # A grant completed just as its step was cancelled: the pool has had its Release.
+            if g.step >= key[0]:
+                raise AssertionError(f"grant {(g.step, g.layer, g.part)} while waiting for {key}")
+
+    def _raise_failure(self) -> None:
+        if self.failure:
+            raise self.failure[0]

@@ -1,0 +1,76 @@
+"""The read scheduler: the one queue over the device.
+
+Owns a `ReadQueue` (qnpipe.policy.read_queue): requests are merged when duplicate,
+ordered by class, and put on the device as the in-flight budget allows, a batch at a
+time; each finished read goes back to the pool as `ReadDone`. A failed read
+(`ReadError`) ends the actor with that error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import trio
+
+from qnpipe.actors.stamp import Stamper
+from qnpipe.io.device import ExpertDevice
+from qnpipe.messages import PoolInbox, ReadDone, ReadExpert
+from qnpipe.policy.read_queue import Job, ReadQueue
+
+
+@attrs.define
+class ReadSchedulerStats:
+    """Counters of the read scheduler (device time sums batch wall times, which may overlap)."""
+
+    requests: int = 0
+    merged: int = 0
+    batches: int = 0
+    reads: int = 0
+    bytes_read: int = 0
+    device_s: float = 0.0
+    peak_in_flight: int = 0
+
+
+async def read_scheduler(
+    inbox: trio.MemoryReceiveChannel[ReadExpert],
+    to_pool: trio.MemorySendChannel[PoolInbox],
+    *,
+    device: ExpertDevice,
+    queue: ReadQueue,
+    stats: ReadSchedulerStats,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve read requests until `inbox` closes and every read in flight has finished."""
+    st = Stamper()
+    issued: dict[tuple[int, int], float] = {}
+
+    async def run(jobs: Sequence[Job]) -> None:
+        started = trio.current_time()
+        nbytes = await device.read(jobs)
+        stats.batches += 1
+        stats.device_s += trio.current_time() - started
+        for job, n in zip(jobs, nbytes, strict=True):
+            queue.done(job)
+            stats.reads += 1
+            stats.bytes_read += n
+            await to_pool.send(ReadDone(**st.stamp(), layer=job.layer, expert=job.expert, slot=job.slot, nbytes=n,
+                                        issued_t=issued.pop(job.key), started_t=started))
+        dispatch()
+
+    async with inbox, to_pool, trio.open_nursery() as nursery:
+
+        def dispatch() -> None:
+            while jobs := queue.take():
+                stats.peak_in_flight = max(stats.peak_in_flight, queue.peak_in_flight)
+                nursery.start_soon(run, jobs)
+
+        task_status.started()
+        async for msg in inbox:
+            stats.requests += 1
+            job = Job(msg.layer, msg.expert, msg.slot, msg.cls)
+            if queue.push(job):
+                issued[job.key] = msg.t
+            else:
+                stats.merged += 1
+            dispatch()

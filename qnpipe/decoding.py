@@ -1,0 +1,151 @@
+"""Prefill, decode and logits as step loops over the forward actor (trio side).
+
+Each step of the model goes through `Forward.run`; the MLX work of a step's end (the LM
+head, sampling) is its tail, run on the MLX thread. The decode loop keeps mlx-lm's
+pipelining: a step's tail samples the next token and queues it with `async_eval`, and
+its value is read only at the next step's first synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import trio
+from mlx_lm.sample_utils import make_sampler
+
+from qnpipe.actors.forward import Forward
+from qnpipe.mlx_thread import MLXThread, run_on
+from qnpipe.model.qwen3_next import Model
+from qnpipe.stats import FinishReason, GenerateResult, GenerateStats
+
+TextCallback = Callable[[str], None]
+
+
+def chunks(n: int, chunk: int) -> list[tuple[int, int]]:
+    step = n if chunk <= 0 else chunk
+    return [(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+async def logits(fwd: Forward, thread: MLXThread, model: Model, tokens: Sequence[int], chunk: int) -> np.ndarray:
+    """Logits `(L, V)` float32 of a fresh sequence, prefilled `chunk` tokens at a time (0 = all)."""
+    cache = await run_on(thread, model.make_cache)
+    ids = await run_on(thread, _ids, tokens)
+
+    def tail(h: mx.array) -> np.ndarray:
+        return np.array(model.head(h)[0].astype(mx.float32))
+
+    out = [await fwd.run(_span(ids, lo, hi), cache, tail) for lo, hi in chunks(len(tokens), chunk)]
+    return np.concatenate(out, axis=0) if len(out) > 1 else out[0]
+
+
+def _ids(tokens: Sequence[int]) -> mx.array:
+    return mx.array(list(tokens), dtype=mx.uint32)[None]
+
+
+# Inputs are built on the MLX thread: an MLX op made on another thread is bound to that thread's stream.
+def _span(ids: mx.array, lo: int, hi: int) -> Callable[[], mx.array]:
+    return lambda: ids[:, lo:hi]
+
+
+def _next_input(y: mx.array) -> Callable[[], mx.array]:
+    return lambda: y.reshape(1, 1)
+
+
+class _Sampling:
+    """The sampler and the tails that use it (MLX thread)."""
+
+    def __init__(self, model: Model, cache: list[Any], temperature: float, top_p: float, seed: int | None):
+        if seed is not None:
+            mx.random.seed(seed)
+        self.model = model
+        self.cache = cache
+        self.sampler = make_sampler(temp=temperature, top_p=top_p if 0.0 < top_p < 1.0 else 0.0)
+
+    def sample(self, h: mx.array) -> mx.array:
+        """The next token from the last position of `h`, queued, not waited for."""
+        logits = self.model.head(h[:, -1, :])[0]
+        y = self.sampler(logits - mx.logsumexp(logits, keepdims=True))
+        mx.async_eval(y)
+        return y
+
+    def settle(self, h: mx.array) -> None:
+        mx.eval(h, [c.state for c in self.cache])
+
+
+def _item(y: mx.array) -> int:
+    return int(y.item())
+
+
+def _start(model: Model, temperature: float, top_p: float, seed: int | None) -> _Sampling:
+    mx.reset_peak_memory()
+    return _Sampling(model, model.make_cache(), temperature, top_p, seed)
+
+
+async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any, tokens: Sequence[int], *,
+                   max_tokens: int, temperature: float, top_p: float, seed: int | None, eos: set[int],
+                   chunk: int, on_text: TextCallback | None = None,
+                   on_prefill: Callable[[int, int], None] | None = None,
+                   partial: list[int] | None = None) -> GenerateResult:
+    """Sample up to `max_tokens` tokens after `tokens`; stops at a token in `eos`.
+
+    `partial`, when given, receives each token as it is produced (what a caller still
+    has after a cancellation).
+    """
+    t0 = trio.current_time()
+    s = await run_on(thread, _start, model, temperature, top_p, seed)
+    ids = await run_on(thread, _ids, tokens)
+    spans = chunks(len(tokens), chunk)
+    y: mx.array | None = None
+    for i, (lo, hi) in enumerate(spans):
+        y = await fwd.run(_span(ids, lo, hi), s.cache, s.sample if i == len(spans) - 1 else s.settle)
+        if on_prefill is not None:
+            on_prefill(hi, len(tokens))
+    assert y is not None
+    detok = tokenizer.detokenizer if tokenizer is not None else None
+    if detok is not None:
+        detok.reset()
+    out: list[int] = [] if partial is None else partial
+    reason = FinishReason.LENGTH
+    t_first = t0
+    n = 0
+    # All resident, the next step is queued before this token is read (mlx-lm's pipelining);
+    # streamed, every layer synchronises anyway, so the token is read first.
+    ahead = fwd.to_pool is None
+    while n < max_tokens:
+        more = n + 1 < max_tokens
+        nxt = await fwd.run(_next_input(y), s.cache, s.sample) if ahead and more else None
+        tok = await run_on(thread, _item, y)
+        if n == 0:
+            t_first = trio.current_time()
+        n += 1
+        if tok in eos:
+            reason = FinishReason.EOS
+            break
+        out.append(tok)
+        if detok is not None:
+            detok.add_token(tok)
+            if on_text is not None and (seg := detok.last_segment):  # reading it consumes it
+                on_text(seg)
+        if not more:
+            break
+        y = nxt if nxt is not None else await fwd.run(_next_input(y), s.cache, s.sample)
+    t_end = trio.current_time()
+    text = ""
+    if detok is not None:
+        detok.finalize()
+        if on_text is not None and (seg := detok.last_segment):
+            on_text(seg)
+        text = detok.text
+    prefill_s = (t_first if n else t_end) - t0
+    decode_s = t_end - t_first if n else 0.0
+    peak = await run_on(thread, mx.get_peak_memory)
+    stats = GenerateStats(
+        prompt_tokens=len(tokens), generated_tokens=n, prefill_s=prefill_s, decode_s=decode_s,
+        prefill_tok_s=len(tokens) / prefill_s if prefill_s > 0 else 0.0,
+        decode_tok_s=(n - 1) / decode_s if decode_s > 0 and n > 1 else 0.0,
+        peak_memory_bytes=int(peak), finish_reason=reason,
+    )
+    return GenerateResult(tokens=tuple(out), text=text, stats=stats)

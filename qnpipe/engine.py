@@ -1,0 +1,233 @@
+"""The wiring: load the model, build the pool, open the channels, start the actors.
+
+`build_core` runs on the MLX thread and makes what MLX owns: the model (without its
+routed experts when they stream), the slot arrays, and the reader over the expert
+store. `open_pipeline` starts the pool and read-scheduler actors in one nursery and
+returns the forward that drives them:
+
+    forward ──Acquire/Release/ForwardDone──▶ pool ──ReadExpert──▶ read_scheduler ──▶ device
+       ▲                                      │  ▲                      │
+       └──────────────Granted─────────────────┘  └──────ReadDone────────┘
+
+When every expert is resident (`pool.eager_load`, or a model directory without an
+expert store) there are no actors: the forward runs the model straight through.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from qnpipe.actors.forward import Forward
+from qnpipe.actors.pool import pool
+from qnpipe.actors.read_scheduler import ReadSchedulerStats, read_scheduler
+from qnpipe.config import Config, PoolCfg
+from qnpipe.errors import CapacityError, ConfigError
+from qnpipe.io.device import ExpertDevice, StoreDevice
+from qnpipe.io.reader import ExpertReader
+from qnpipe.io.store import ExpertStore
+from qnpipe.messages import Granted, PoolInbox, ReadExpert
+from qnpipe.mlx_thread import MLXThread, run_on
+from qnpipe.model.args import ModelArgs
+from qnpipe.model.checkpoint import Layout
+from qnpipe.model.runner import Runner
+from qnpipe.model.slots import LayerSlots, make_layer_slots
+from qnpipe.model.stepper import Event, MlxBackend, PartGrant, Tail
+from qnpipe.policy.eviction import make_eviction
+from qnpipe.policy.pool import PoolPolicy
+from qnpipe.policy.read_queue import ReadQueue
+
+
+@attrs.define
+class Streaming:
+    """What a streamed model adds: the store, the reader, and the slot arrays per MoE layer."""
+
+    store: ExpertStore
+    reader: ExpertReader
+    slots: dict[int, LayerSlots]
+    capacities: dict[int, int]
+
+    def close(self) -> None:
+        self.reader.close()
+        self.store.close()
+
+
+@attrs.define
+class Core:
+    """The engine's MLX-side state (touched only on the MLX thread)."""
+
+    cfg: Config
+    runner: Runner
+    streaming: Streaming | None
+    backend: MlxBackend
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.runner.loaded.args
+
+
+def layer_capacities(cfg: Config, args: ModelArgs) -> dict[int, int]:
+    """Slots per MoE layer: `pool.expert_slots`, or the profile file's `layer_caps`, at most every expert.
+
+    Raises ConfigError for an unreadable profile or a capacity below top-k, naming the layer.
+    """
+    caps = {layer: cfg.pool.expert_slots for layer in args.moe_layers}
+    path = cfg.pool.capacity_profile_path
+    if path:
+        try:
+            raw = json.loads(Path(path).read_text(encoding="utf-8"))
+            given = {int(k): int(v) for k, v in raw["layer_caps"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"pool.capacity_profile_path={path}: not a capacity profile "
+                              f'{{"layer_caps": {{"0": n, ...}}}} ({e})') from None
+        for layer, cap in given.items():
+            if layer in caps:
+                caps[layer] = cap
+    out = {}
+    for layer, cap in caps.items():
+        if cap < args.num_experts_per_tok:
+            where = f"pool.capacity_profile_path={path}" if path else f"pool.expert_slots={cfg.pool.expert_slots}"
+            raise ConfigError(f"{where}: layer {layer} gets {cap} slots, below the model's top-k "
+                              f"({args.num_experts_per_tok} experts per token)")
+        out[layer] = min(cap, args.num_experts)
+    return out
+
+
+def build_core(model_dir: Path, cfg: Config) -> Core:
+    """Load the model and, when its experts stream, the pool's memory and reader. MLX thread only."""
+    from qnpipe.io.ssd import SsdReader
+    from qnpipe.model.checkpoint import is_qnpipe_dir
+    from qnpipe.model.args import read_config
+
+    stream = not cfg.pool.eager_load and is_qnpipe_dir(model_dir, read_config(model_dir))
+    runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
+                    expert_dir=cfg.model.expert_dir or None, resident_experts=not stream)
+    if not stream:
+        asked = cfg.pool.expert_slots != PoolCfg().expert_slots or cfg.pool.capacity_profile_path
+        if asked and not cfg.pool.eager_load and runner.loaded.layout is not Layout.QNPIPE:
+            warnings.warn(f"{model_dir} has no expert store: every expert is resident "
+                          f"(`qnpipe convert` makes a directory whose experts stream)", stacklevel=2)
+        return Core(cfg, runner, None, MlxBackend(runner.loaded.model, None))
+    args = runner.loaded.args
+    store = ExpertStore.open(cfg.model.expert_dir or model_dir)
+    try:
+        caps = layer_capacities(cfg, args)
+        slots = {layer: make_layer_slots(store.layer_file(layer), cap) for layer, cap in caps.items()}
+        reader = SsdReader.from_config(cfg.read)
+    except BaseException:
+        store.close()
+        raise
+    streaming = Streaming(store, reader, slots, caps)
+    backend = MlxBackend(runner.loaded.model, {layer: s.experts for layer, s in slots.items()})
+    return Core(cfg, runner, streaming, backend)
+
+
+class ThreadedBackend:
+    """The forward's `Backend` over an `MlxBackend` on the MLX thread."""
+
+    def __init__(self, thread: MLXThread, backend: MlxBackend) -> None:
+        self._thread = thread
+        self._b = backend
+
+    async def begin(self, inputs: Any, cache: Any, tail: Tail) -> Event:
+        return await run_on(self._thread, self._b.begin, inputs, cache, tail)
+
+    async def resume(self, grant: PartGrant) -> Event:
+        return await run_on(self._thread, self._b.resume, grant)
+
+    async def abort(self) -> None:
+        await run_on(self._thread, self._b.abort)
+
+
+@attrs.define
+class Pipeline:
+    """A running pipeline: the forward to drive, and the actors' state to report on."""
+
+    forward: Forward
+    policy: PoolPolicy | None = None
+    read_stats: ReadSchedulerStats | None = None
+    device: ExpertDevice | None = None
+
+
+def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int, int]) -> PoolPolicy:
+    evictions = {layer: make_eviction(cfg.pool.evict_policy,
+                                      lfu_decay_interval=cfg.pool.lfu_decay_interval_forwards)
+                 for layer in capacities}
+    return PoolPolicy.build(capacities, evictions, record_nbytes)
+
+
+@asynccontextmanager
+async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capacities: dict[int, int] | None,
+                        device: ExpertDevice | None, record_nbytes: dict[int, int] | None = None,
+                        ) -> AsyncIterator[Pipeline]:
+    """Start the actors (none when `capacities` is None: all resident) and yield the pipeline.
+
+    An actor that fails stops the others; the forward then raises its error (e.g.
+    `ReadError`) to whoever is generating. Leaving the block stops every actor.
+    """
+    if capacities is None:
+        yield Pipeline(Forward(backend, None, None, {}, num_experts))
+        return
+    assert device is not None and record_nbytes is not None
+    total = sum(capacities.values())
+    # Every outstanding read holds a distinct (layer, slot), so no edge carries more than
+    # `total` messages (+ the forward's Acquire/Release/ForwardDone); bounds are proven, not hoped.
+    pool_tx, pool_rx = trio.open_memory_channel[PoolInbox](total + 4)
+    read_tx, read_rx = trio.open_memory_channel[ReadExpert](total)
+    grant_tx, grant_rx = trio.open_memory_channel[Granted](2)
+    policy = make_policy(cfg, capacities, record_nbytes)
+    rstats = ReadSchedulerStats()
+    fwd = Forward(backend, pool_tx, grant_rx, capacities, num_experts, route_verify=cfg.diag.route_verify)
+    scopes: list[trio.CancelScope] = []
+    async with trio.open_nursery() as nursery:
+
+        async def supervised(actor: Callable[..., Awaitable[None]], *,
+                             task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            # Not the nursery's scope: that would cancel the caller's code inside the block too.
+            with trio.CancelScope() as scope:
+                scopes.append(scope)
+                try:
+                    await actor(task_status=task_status)
+                except Exception as e:  # handed to the forward; the other actors stop with it
+                    fwd.failure.append(e)
+                    for sc in scopes:
+                        sc.cancel()
+
+        await nursery.start(supervised, partial(pool, pool_rx, read_tx, grant_tx, policy=policy))
+        await nursery.start(supervised, partial(read_scheduler, read_rx, pool_tx.clone(), device=device,
+                                                queue=ReadQueue(cfg.read.workers, batch=cfg.read.batch_miss_read),
+                                                stats=rstats))
+        try:
+            yield Pipeline(fwd, policy, rstats, device)
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pipeline]:
+    """`open_pipeline` for a loaded `Core`: the live device over its store and slot arrays."""
+    backend = ThreadedBackend(thread, core.backend)
+    st = core.streaming
+    if st is None:
+        async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=None,
+                                 device=None) as p:
+            yield p
+        return
+    device = StoreDevice(st.store, st.reader, lambda layer, slot: st.slots[layer].dest(slot),
+                         verify_crc32=core.cfg.read.verify_crc32)
+    nbytes = {layer: st.store.layer_file(layer).record_nbytes for layer in st.capacities}
+    async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=st.capacities,
+                             device=device, record_nbytes=nbytes) as p:
+        yield p
+
+
+__all__ = ["CapacityError", "Core", "Pipeline", "Streaming", "build_core", "layer_capacities", "open_pipeline",
+           "open_core_pipeline"]

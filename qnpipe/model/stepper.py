@@ -1,0 +1,139 @@
+"""The model forward, one MoE layer at a time: the MLX side of the forward actor.
+
+`forward_steps` is Qwen3NextModel.__call__ cut at every MoE router: it evaluates the
+router's ids, yields them (`LayerRoute`) and waits for the slots that hold those
+experts (`PartGrant`), then runs them from the layer's slot arrays with the same kernels
+as the all-resident model (qnpipe.model.experts.switch_glu). When one step's experts do
+not fit a layer at once, the forward sends several parts, each a range of tokens whose
+experts fit; a part that is not the last is evaluated before the next is granted
+(`PartDone`), so its slots can be rewritten.
+
+`MlxBackend` wraps it for the trio side: `begin` / `resume` each run on the MLX thread
+until the next yield. Every yield follows an `mx.eval` that depends on all expert work
+granted before it (the next router reads the layer's output), so when `resume` returns,
+nothing queued can still read the slots it was given: the forward may release them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from qnpipe.model.experts import LayerExperts, switch_glu
+from qnpipe.model.qwen3_next import Model, SparseMoeBlock
+
+
+@attrs.frozen
+class LayerRoute:
+    """MoE layer `layer` needs experts `ids [N, k]` (row = token of the step, router's order)."""
+
+    layer: int
+    ids: np.ndarray
+
+
+@attrs.frozen
+class PartGrant:
+    """Run tokens `lo:hi` of the layer from slots `slots [hi-lo, k]`; `last` = no part follows."""
+
+    lo: int
+    hi: int
+    slots: np.ndarray
+    last: bool
+
+
+@attrs.frozen
+class PartDone:
+    """A part that is not the last was computed and evaluated."""
+
+
+@attrs.frozen
+class StepDone:
+    """The step's forward ended; `value` is what its tail made of the final hidden states."""
+
+    value: Any
+
+
+Event = LayerRoute | PartDone | StepDone
+Tail = Callable[[mx.array], Any]
+
+
+def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: mx.array,
+                  cache: list[Any]) -> Generator[LayerRoute | PartDone, PartGrant, mx.array]:
+    """Post-final-norm hidden states `[B, L, H]` of `inputs [B, L]`, yielding at each MoE router.
+
+    `slots` None: the experts attached to the model run in place (all resident, no yields).
+    """
+    m = model.model
+    h = m.embed_tokens(inputs)
+    fa_mask, ssm_mask = m.masks(h, cache)
+    for i, (layer, c) in enumerate(zip(m.layers, cache, strict=True)):
+        h = layer.mix(h, ssm_mask if layer.is_linear else fa_mask, c)
+        moe = layer.mlp
+        if slots is None or not isinstance(moe, SparseMoeBlock):
+            h = h + moe(layer.post_attention_layernorm(h))
+            continue
+        x = layer.post_attention_layernorm(h)
+        inds, scores = moe.route(x)
+        mx.eval(inds)
+        k = inds.shape[-1]
+        grant = yield LayerRoute(i, np.array(inds).reshape(-1, k))
+        y = yield from _run_parts(slots[i], x, inds.shape, grant)
+        h = h + moe.combine(x, y, scores)
+    return m.norm(h)
+
+
+def _run_parts(w: LayerExperts, x: mx.array, shape: tuple[int, ...],
+               grant: PartGrant) -> Generator[PartDone, PartGrant, mx.array]:
+    if grant.last and grant.lo == 0:
+        # One part: the very shapes the all-resident block uses, so results match it bit for bit.
+        return switch_glu(w, x, mx.array(grant.slots.reshape(shape), dtype=mx.uint32))
+    flat = x.reshape(-1, x.shape[-1])
+    outs = []
+    while True:
+        y = switch_glu(w, flat[grant.lo:grant.hi], mx.array(grant.slots, dtype=mx.uint32))
+        outs.append(y)
+        if grant.last:
+            break
+        mx.eval(y)
+        grant = yield PartDone()
+    return mx.concatenate(outs, axis=0).reshape(*shape, x.shape[-1])
+
+
+class MlxBackend:
+    """One step at a time of `forward_steps`, driven from trio. MLX thread only."""
+
+    def __init__(self, model: Model, slots: dict[int, LayerExperts] | None) -> None:
+        self.model = model
+        self.slots = slots
+        self._gen: Generator[LayerRoute | PartDone, PartGrant, mx.array] | None = None
+        self._tail: Tail | None = None
+
+    def begin(self, inputs: Callable[[], mx.array], cache: list[Any], tail: Tail) -> Event:
+        """Start a step on `inputs() [B, L]` (uint32, built here) and run it to its first yield."""
+        self.abort()
+        self._gen = forward_steps(self.model, self.slots, inputs(), cache)
+        self._tail = tail
+        return self._advance(None)
+
+    def resume(self, grant: PartGrant) -> Event:
+        """Continue the step with the slots of the part it asked for."""
+        return self._advance(grant)
+
+    def _advance(self, grant: PartGrant | None) -> Event:
+        assert self._gen is not None and self._tail is not None, "no step in progress"
+        try:
+            ev = next(self._gen) if grant is None else self._gen.send(grant)
+        except StopIteration as stop:
+            self._gen = None
+            return StepDone(self._tail(stop.value))
+        return ev
+
+    def abort(self) -> None:
+        """Drop a step in progress (its cache updates so far stay: start a fresh cache after this)."""
+        if self._gen is not None:
+            self._gen.close()
+            self._gen = None

@@ -1,0 +1,162 @@
+"""Eviction policies: which resident expert of a layer gives up its slot.
+
+Each policy keeps a score per resident expert and evicts the lowest score among the
+candidates the slot table offers (never held, pinned or loading ones: the table filters).
+Time is the table's access counter, so a policy is deterministic and clock-free.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Protocol
+
+import attrs
+
+from qnpipe.config import EvictPolicy
+
+
+class Eviction(Protocol):
+    """The interface of one layer's eviction policy."""
+
+    def inserted(self, expert: int, tick: int) -> None:
+        """`expert` was given a slot at `tick` (counts as its first access)."""
+        ...
+
+    def accessed(self, expert: int, tick: int) -> None:
+        """A step used resident `expert` at `tick`."""
+        ...
+
+    def removed(self, expert: int) -> None:
+        """`expert` left the pool."""
+        ...
+
+    def victim(self, candidates: Iterable[int]) -> int:
+        """The candidate to evict (candidates is never empty)."""
+        ...
+
+    def forward_done(self) -> None:
+        """One forward step of the model finished (LFU decay counts these)."""
+        ...
+
+
+@attrs.define(slots=True)
+class LRU:
+    """Least recently used."""
+
+    last: dict[int, int] = attrs.field(factory=dict)
+
+    def inserted(self, expert: int, tick: int) -> None:
+        self.last[expert] = tick
+
+    def accessed(self, expert: int, tick: int) -> None:
+        self.last[expert] = tick
+
+    def removed(self, expert: int) -> None:
+        del self.last[expert]
+
+    def victim(self, candidates: Iterable[int]) -> int:
+        return min(candidates, key=self.last.__getitem__)
+
+    def forward_done(self) -> None:
+        pass
+
+
+@attrs.define(slots=True)
+class FIFO:
+    """First in, first out: the oldest insertion leaves, whatever its use."""
+
+    born: dict[int, int] = attrs.field(factory=dict)
+
+    def inserted(self, expert: int, tick: int) -> None:
+        self.born[expert] = tick
+
+    def accessed(self, expert: int, tick: int) -> None:
+        pass
+
+    def removed(self, expert: int) -> None:
+        del self.born[expert]
+
+    def victim(self, candidates: Iterable[int]) -> int:
+        return min(candidates, key=self.born.__getitem__)
+
+    def forward_done(self) -> None:
+        pass
+
+
+@attrs.define(slots=True)
+class LFU:
+    """Least frequently used, ties to the least recent; counts halve every `decay_interval` forwards.
+
+    Counts persist while an expert is out of the pool (a returning hot expert keeps its
+    history): the previous system's behaviour, and what its measured default assumes.
+    """
+
+    decay_interval: int = 0
+    count: dict[int, int] = attrs.field(factory=dict)
+    last: dict[int, int] = attrs.field(factory=dict)
+    forwards: int = 0
+
+    def inserted(self, expert: int, tick: int) -> None:
+        self.accessed(expert, tick)
+
+    def accessed(self, expert: int, tick: int) -> None:
+        self.count[expert] = self.count.get(expert, 0) + 1
+        self.last[expert] = tick
+
+    def removed(self, expert: int) -> None:
+        del self.last[expert]
+
+    def victim(self, candidates: Iterable[int]) -> int:
+        return min(candidates, key=lambda e: (self.count[e], self.last[e]))
+
+    def forward_done(self) -> None:
+        self.forwards += 1
+        if self.decay_interval and self.forwards % self.decay_interval == 0:
+            self.count = {e: c >> 1 for e, c in self.count.items() if c > 1 or e in self.last}
+
+
+@attrs.define(slots=True)
+class LRFU:
+    """Frequency with recency (Lee et al.'s LRFU): score = sum over accesses of 2^(-lam * age).
+
+    lam -> 0 is LFU, lam = 1 is close to LRU. Kept in the log domain
+    (key = log2(crf) + lam * last_tick) so no global decay pass is needed. Like LFU, the
+    history of an expert outlives its stay in the pool.
+    """
+
+    lam: float = 0.05
+    key: dict[int, float] = attrs.field(factory=dict)
+    resident: set[int] = attrs.field(factory=set)
+
+    def inserted(self, expert: int, tick: int) -> None:
+        self.resident.add(expert)
+        self.accessed(expert, tick)
+
+    def accessed(self, expert: int, tick: int) -> None:
+        now = self.lam * tick
+        old = self.key.get(expert)
+        # crf(t) = 1 + crf(last) * 2^(-lam (t - last)), in log2 terms relative to `now`.
+        self.key[expert] = now + (0.0 if old is None else math.log2(1.0 + 2.0 ** (old - now)))
+
+    def removed(self, expert: int) -> None:
+        self.resident.discard(expert)
+
+    def victim(self, candidates: Iterable[int]) -> int:
+        return min(candidates, key=lambda e: (self.key[e], e))
+
+    def forward_done(self) -> None:
+        pass
+
+
+def make_eviction(kind: EvictPolicy, *, lfu_decay_interval: int = 0, lrfu_lambda: float = 0.05) -> Eviction:
+    """A fresh policy object of `kind` for one layer."""
+    match kind:
+        case EvictPolicy.LRU:
+            return LRU()
+        case EvictPolicy.LFU:
+            return LFU(decay_interval=lfu_decay_interval)
+        case EvictPolicy.FIFO:
+            return FIFO()
+        case EvictPolicy.LRFU:
+            return LRFU(lam=lrfu_lambda)

@@ -1,0 +1,130 @@
+"""The pool's decisions over every layer: grants, the reads they need, and the counters.
+
+`PoolPolicy` is what the pool actor (qnpipe.actors.pool) drives: `acquire` plans a
+grant and names the reads to issue; `read_done` says which grants became complete;
+`release` ends a grant (and checks the route when asked). It never waits and never
+touches a clock: times come in as arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from qnpipe.errors import RouteError
+from qnpipe.policy.eviction import Eviction
+from qnpipe.policy.slot_table import Load, MissCause, SlotTable
+
+GrantKey = tuple[int, int, int]  # (step, layer, part)
+
+
+@attrs.define(slots=True)
+class Grant:
+    """A grant being assembled or held: `slots[i]` holds `experts[i]`."""
+
+    key: GrantKey
+    experts: tuple[int, ...]
+    slots: list[int]
+    generations: list[int]
+    missing: set[int]  # experts whose read is not done yet
+    hits: int
+    misses: int
+    asked_t: float
+
+
+@attrs.define(slots=True)
+class LayerCounters:
+    hits: int = 0
+    misses: int = 0
+    cold: int = 0
+    capacity: int = 0
+    evictions: int = 0
+
+
+@attrs.define
+class PoolPolicy:
+    """Slot tables of every MoE layer and the grants in progress."""
+
+    tables: dict[int, SlotTable]
+    record_nbytes: Mapping[int, int]
+    pending: dict[GrantKey, Grant] = attrs.field(factory=dict)
+    held: dict[GrantKey, Grant] = attrs.field(factory=dict)
+    waiters: dict[tuple[int, int], list[GrantKey]] = attrs.field(factory=dict)
+    counters: dict[int, LayerCounters] = attrs.field(init=False)
+    reads: int = 0
+    bytes_read: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        self.counters = {layer: LayerCounters() for layer in self.tables}
+
+    @classmethod
+    def build(cls, capacities: Mapping[int, int], evictions: Mapping[int, Eviction],
+              record_nbytes: Mapping[int, int]) -> PoolPolicy:
+        tables = {layer: SlotTable(layer, cap, evictions[layer]) for layer, cap in capacities.items()}
+        return cls(tables, record_nbytes)
+
+    def acquire(self, key: GrantKey, experts: Sequence[int], now: float) -> tuple[list[Load], Grant | None]:
+        """Plan the grant `key` of `experts`; returns the reads to issue and the grant if complete."""
+        if key in self.pending or key in self.held:
+            raise AssertionError(f"grant {key} asked for twice")
+        table = self.tables[key[1]]
+        plan = table.acquire(experts)
+        slot_of = dict(plan.hits) | dict(plan.waiting) | {ld.expert: ld.slot for ld in plan.loads}
+        slots = [slot_of[e] for e in experts]
+        c = self.counters[key[1]]
+        c.hits += len(plan.hits)
+        c.misses += len(plan.loads) + len(plan.waiting)
+        for ld in plan.loads:
+            if ld.cause is MissCause.COLD:
+                c.cold += 1
+            else:
+                c.capacity += 1
+            c.evictions += ld.evicted >= 0
+        grant = Grant(key, tuple(experts), slots, [table.generation[s] for s in slots],
+                      {e for e, _ in plan.waiting} | {ld.expert for ld in plan.loads},
+                      len(plan.hits), len(plan.loads) + len(plan.waiting), now)
+        for e in grant.missing:
+            self.waiters.setdefault((key[1], e), []).append(key)
+        if grant.missing:
+            self.pending[key] = grant
+            return list(plan.loads), None
+        self.held[key] = grant
+        return list(plan.loads), grant
+
+    def read_done(self, layer: int, expert: int, slot: int) -> list[Grant]:
+        """The read of (`layer`, `expert`) into `slot` finished; the grants it completed."""
+        self.tables[layer].loaded(expert, slot)
+        self.reads += 1
+        self.bytes_read += self.record_nbytes[layer]
+        done = []
+        for key in self.waiters.pop((layer, expert), []):
+            g = self.pending.get(key)
+            if g is None:  # released (cancelled) before it was complete
+                continue
+            g.missing.discard(expert)
+            if not g.missing:
+                del self.pending[key]
+                self.held[key] = g
+                done.append(g)
+        return done
+
+    def release(self, key: GrantKey, token_experts: Sequence[int] = (), token_slots: Sequence[int] = ()) -> None:
+        """End grant `key` (complete, or still pending when its step was cancelled).
+
+        With `token_experts` / `token_slots`, first check that every pair is what the grant
+        gave and the table still holds (route verification); RouteError if not.
+        """
+        g = self.held.pop(key, None) or self.pending.pop(key, None)
+        if g is None:
+            raise AssertionError(f"release of unknown grant {key}")
+        table = self.tables[key[1]]
+        if token_experts:
+            gens = dict(zip(g.slots, g.generations, strict=True))
+            if (err := table.verify(token_experts, token_slots, gens)) is not None:
+                raise RouteError(f"route verification failed at step {key[0]}: {err}")
+        table.release(g.experts)
+
+    def forward_done(self) -> None:
+        for t in self.tables.values():
+            t.forward_done()

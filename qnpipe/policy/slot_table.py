@@ -1,0 +1,198 @@
+"""One MoE layer's slot table: which expert each slot holds, pins, holds, and misses.
+
+The pool actor asks `acquire` for the experts one step needs at this layer and gets
+the hits, the misses it must read (each with the slot it goes to and the expert that
+slot gives up), and the experts already on their way. Rules (hypothesis-tested in
+tests/policy/test_slot_table.py):
+
+- at most `capacity` experts are resident or loading;
+- a held expert (granted to a step that has not released it) is never evicted, nor is
+  a pinned one, nor one whose read is still in flight;
+- every slot write bumps the slot's generation, so a grant can be checked later
+  (route verification) against the slot still holding what it held.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from qnpipe.errors import CapacityError
+from qnpipe.policy.eviction import Eviction
+
+FREE = -1
+
+
+class MissCause(enum.StrEnum):
+    """Why an expert was not resident when a step needed it."""
+
+    COLD = "cold"  # never in this layer's pool before
+    CAPACITY = "capacity"  # was resident, evicted to make room
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    LOADING = 1
+    READY = 2
+
+
+@attrs.frozen(slots=True)
+class Load:
+    """A miss: read `expert` into `slot`; `evicted` is the expert the slot held (FREE = none)."""
+
+    expert: int
+    slot: int
+    evicted: int
+    cause: MissCause
+
+
+@attrs.frozen(slots=True)
+class AcquirePlan:
+    """The answer to `acquire`: hits (expert, slot), loads to issue, and experts already loading."""
+
+    hits: tuple[tuple[int, int], ...]
+    loads: tuple[Load, ...]
+    waiting: tuple[tuple[int, int], ...]  # (expert, slot) whose read is in flight
+
+    @property
+    def ready(self) -> bool:
+        return not self.loads and not self.waiting
+
+
+@attrs.define(slots=True)
+class SlotTable:
+    """The slot table of MoE layer `layer` with `capacity` slots."""
+
+    layer: int
+    capacity: int
+    eviction: Eviction
+    expert_of: list[int] = attrs.field(init=False)
+    state: list[SlotState] = attrs.field(init=False)
+    generation: list[int] = attrs.field(init=False)
+    slot_of: dict[int, int] = attrs.field(init=False, factory=dict)
+    held: dict[int, int] = attrs.field(init=False, factory=dict)  # expert -> number of holds
+    pinned: set[int] = attrs.field(init=False, factory=set)
+    seen: set[int] = attrs.field(init=False, factory=set)
+    tick: int = attrs.field(init=False, default=0)
+    _free: list[int] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.capacity < 1:
+            raise CapacityError(f"layer {self.layer}: capacity {self.capacity}, need at least 1 slot")
+        self.expert_of = [FREE] * self.capacity
+        self.state = [SlotState.FREE] * self.capacity
+        self.generation = [0] * self.capacity
+        self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out slot 0 first
+
+    # ----------------------------------------------------------------- queries
+
+    def resident(self) -> dict[int, int]:
+        """expert -> slot of every READY expert."""
+        return {e: s for e, s in self.slot_of.items() if self.state[s] is SlotState.READY}
+
+    @property
+    def occupancy(self) -> int:
+        """Slots resident or loading."""
+        return len(self.slot_of)
+
+    def available_for(self, experts: Iterable[int]) -> int:
+        """Slots a step needing `experts` can use: capacity minus pins and holds it does not share."""
+        need = set(experts)
+        blocked = {e for e in self.pinned if e not in need} | {e for e in self.held if e not in need}
+        return self.capacity - len(blocked)
+
+    # ----------------------------------------------------------------- decisions
+
+    def acquire(self, experts: Sequence[int]) -> AcquirePlan:
+        """Plan a step's use of `experts` (distinct ids) and hold them until `release`.
+
+        Raises CapacityError (nothing changed) when they cannot all be resident at once.
+        """
+        if len(experts) > (room := self.available_for(experts)):
+            raise CapacityError(
+                f"layer {self.layer}: a step needs {len(experts)} distinct experts, "
+                f"{room} of {self.capacity} slots are usable (the rest are pinned or held)"
+            )
+        hits: list[tuple[int, int]] = []
+        waiting: list[tuple[int, int]] = []
+        missing: list[int] = []
+        for e in experts:
+            s = self.slot_of.get(e)
+            if s is None:
+                missing.append(e)
+                continue
+            self.tick += 1
+            self.eviction.accessed(e, self.tick)
+            (hits if self.state[s] is SlotState.READY else waiting).append((e, s))
+        for e in experts:
+            self.held[e] = self.held.get(e, 0) + 1
+        loads = tuple(self._load(e) for e in missing)
+        return AcquirePlan(tuple(hits), loads, tuple(waiting))
+
+    def _load(self, expert: int) -> Load:
+        evicted = FREE
+        if self._free:
+            slot = self._free.pop()
+        else:
+            candidates = [e for e, s in self.slot_of.items()
+                          if self.state[s] is SlotState.READY and e not in self.held and e not in self.pinned]
+            # acquire() checked room, so a candidate exists; an empty list is a table bug.
+            evicted = self.eviction.victim(candidates)
+            slot = self.slot_of.pop(evicted)
+            self.eviction.removed(evicted)
+        cause = MissCause.CAPACITY if expert in self.seen else MissCause.COLD
+        self.seen.add(expert)
+        self.slot_of[expert] = slot
+        self.expert_of[slot] = expert
+        self.state[slot] = SlotState.LOADING
+        self.generation[slot] += 1
+        self.tick += 1
+        self.eviction.inserted(expert, self.tick)
+        return Load(expert, slot, evicted, cause)
+
+    def loaded(self, expert: int, slot: int) -> None:
+        """The read of `expert` into `slot` completed."""
+        if self.slot_of.get(expert) != slot or self.state[slot] is not SlotState.LOADING:
+            raise AssertionError(f"layer {self.layer}: read done for expert {expert} in slot {slot}, "
+                                 f"which the table does not expect")
+        self.state[slot] = SlotState.READY
+
+    def release(self, experts: Iterable[int]) -> None:
+        """Drop one hold on each of `experts` (acquired before)."""
+        for e in experts:
+            n = self.held[e] - 1
+            if n:
+                self.held[e] = n
+            else:
+                del self.held[e]
+
+    def pin(self, expert: int) -> None:
+        """Keep `expert` resident until `unpin` (it must be resident or loading)."""
+        if expert not in self.slot_of:
+            raise ValueError(f"layer {self.layer}: cannot pin expert {expert}: not in the pool")
+        self.pinned.add(expert)
+
+    def unpin(self, expert: int) -> None:
+        self.pinned.discard(expert)
+
+    def forward_done(self) -> None:
+        self.eviction.forward_done()
+
+    # ----------------------------------------------------------------- checks
+
+    def verify(self, token_experts: Sequence[int], token_slots: Sequence[int],
+               generations: dict[int, int]) -> str | None:
+        """Route verification: each slot read holds the routed expert, unchanged since the grant.
+
+        Returns a description of the first violation, or None.
+        """
+        for e, s in zip(token_experts, token_slots, strict=True):
+            if not 0 <= s < self.capacity or self.expert_of[s] != e or self.state[s] is not SlotState.READY:
+                held = self.expert_of[s] if 0 <= s < self.capacity else "nothing"
+                return f"layer {self.layer}: a token routed to expert {e} read slot {s}, which holds {held}"
+            if generations.get(s) != self.generation[s]:
+                return (f"layer {self.layer}: slot {s} (expert {e}) was rewritten while a step read it "
+                        f"(generation {generations.get(s)} at grant, {self.generation[s]} now)")
+        return None
