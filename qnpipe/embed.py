@@ -22,6 +22,7 @@ import trio
 from qnpipe import decoding
 from qnpipe.config import Config
 from qnpipe.engine import Core, Pipeline, build_core, open_core_pipeline
+from qnpipe.io.reader import ExpertReader
 from qnpipe.mlx_thread import MLXThread, run_on
 from qnpipe.stats import EngineStats, GenerateResult, LayerPoolStats, PoolStats
 
@@ -175,15 +176,16 @@ class AsyncEngine:
 
 
 @asynccontextmanager
-async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = None,
-                      **overrides: Any) -> AsyncIterator[AsyncEngine]:
+async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = None, *,
+                      reader: ExpertReader | None = None, **overrides: Any) -> AsyncIterator[AsyncEngine]:
     """`async with open_engine(model_dir, cfg) as eng:` — the engine, its actors stopped on exit.
 
-    `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name).
+    `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name). `reader`
+    replaces the SSD reader of a streamed model (an `ExpertReader`; the engine closes it).
     """
     cfg = _resolve(model_dir, cfg, overrides)
     thread = MLXThread.shared()
-    core = await run_on(thread, build_core, Path(cfg.model.model_dir), cfg)
+    core = await run_on(thread, build_core, Path(cfg.model.model_dir), cfg, reader)
     try:
         async with open_core_pipeline(core, thread) as pipe:
             yield AsyncEngine(_Runtime(core, thread, pipe))
@@ -201,8 +203,10 @@ class Engine:
     pipeline runs in a trio loop on a thread of the engine's own.
     """
 
-    def __init__(self, model_dir: str | Path | None = None, cfg: Config | None = None, **overrides: Any):
+    def __init__(self, model_dir: str | Path | None = None, cfg: Config | None = None, *,
+                 reader: ExpertReader | None = None, **overrides: Any):
         self.cfg = _resolve(model_dir, cfg, overrides)
+        self._reader = reader
         self.model_dir = Path(self.cfg.model.model_dir)
         self._aeng: AsyncEngine | None = None
         self._last_stats = EngineStats()
@@ -217,7 +221,7 @@ class Engine:
     def _serve(self, started: concurrent.futures.Future[None]) -> None:
         async def main() -> None:
             try:
-                async with open_engine(cfg=self.cfg) as eng, trio.open_nursery() as nursery:
+                async with open_engine(cfg=self.cfg, reader=self._reader) as eng, trio.open_nursery() as nursery:
                     self._aeng, self._nursery = eng, nursery
                     self._token = trio.lowlevel.current_trio_token()
                     self._closing = trio.Event()

@@ -101,8 +101,12 @@ def layer_capacities(cfg: Config, args: ModelArgs) -> dict[int, int]:
     return out
 
 
-def build_core(model_dir: Path, cfg: Config) -> Core:
-    """Load the model and, when its experts stream, the pool's memory and reader. MLX thread only."""
+def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None) -> Core:
+    """Load the model and, when its experts stream, the pool's memory and reader. MLX thread only.
+
+    `reader` replaces the SSD reader made from `cfg.read` (fault injection, slow devices);
+    the engine closes it with the store.
+    """
     from qnpipe.io.ssd import SsdReader
     from qnpipe.model.checkpoint import is_qnpipe_dir
     from qnpipe.model.args import read_config
@@ -121,7 +125,7 @@ def build_core(model_dir: Path, cfg: Config) -> Core:
     try:
         caps = layer_capacities(cfg, args)
         slots = {layer: make_layer_slots(store.layer_file(layer), cap) for layer, cap in caps.items()}
-        reader = SsdReader.from_config(cfg.read)
+        reader = reader if reader is not None else SsdReader.from_config(cfg.read)
     except BaseException:
         store.close()
         raise
