@@ -168,6 +168,14 @@ def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int
     return PoolPolicy.build(capacities, evictions, record_nbytes)
 
 
+def _root_cause(e: BaseException) -> BaseException:
+    """The first real error inside an actor's nursery groups (what a caller can act on)."""
+    while isinstance(e, BaseExceptionGroup):
+        real = [x for x in e.exceptions if not isinstance(x, trio.Cancelled)]
+        e = (real or list(e.exceptions))[0]
+    return e
+
+
 @asynccontextmanager
 async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capacities: dict[int, int] | None,
                         device: ExpertDevice | None, record_nbytes: dict[int, int] | None = None,
@@ -201,7 +209,7 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
                 try:
                     await actor(task_status=task_status)
                 except Exception as e:  # handed to the forward; the other actors stop with it
-                    fwd.failure.append(e)
+                    fwd.failure.append(_root_cause(e))
                     for sc in scopes:
                         sc.cancel()
 

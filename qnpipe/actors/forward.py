@@ -75,10 +75,10 @@ class Forward:
             assert isinstance(ev, StepDone), ev
             if self.to_pool is not None:
                 await self.to_pool.send(ForwardDone(**self._st.stamp(), step=self._step))
-        except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError):
+        except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             await self._cleanup()
             self._raise_failure()
-            raise PipelineError("the expert pipeline stopped") from None
+            raise PipelineError(f"the expert pipeline stopped ({type(e).__name__})") from None
         except BaseException:
             await self._cleanup()
             raise
@@ -102,8 +102,9 @@ class Forward:
         for p, (lo, hi, experts) in enumerate(parts):
             key = (self._step, layer, p)
             t0 = trio.current_time()
-            self._open = key
+            # A send that raises Cancelled did not deliver (trio's rule), so `_open` follows delivery.
             await self.to_pool.send(Acquire(**self._st.stamp(), step=key[0], layer=layer, part=p, experts=experts))
+            self._open = key
             g = await self._grant(key)
             self.stats.hits += g.hits
             self.stats.misses += g.misses
@@ -119,8 +120,9 @@ class Forward:
                               token_slots=tuple(slots.reshape(-1).tolist()))
             else:
                 rel = Release(**self._st.stamp(), step=key[0], layer=layer, part=p)
+            with trio.CancelScope(shield=True):  # must-deliver: the pool holds the slots until it
+                await self.to_pool.send(rel)
             self._open = None
-            await self.to_pool.send(rel)
         assert ev is not None
         return ev
 

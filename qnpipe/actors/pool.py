@@ -12,6 +12,7 @@ import trio
 from qnpipe.actors.stamp import Stamper
 from qnpipe.messages import Acquire, ForwardDone, Granted, PoolInbox, ReadDone, ReadExpert, Release
 from qnpipe.policy.pool import Grant, PoolPolicy
+from qnpipe.policy.slot_table import Load
 
 
 async def pool(
@@ -32,18 +33,28 @@ async def pool(
                                       slots=tuple(g.slots), generations=tuple(g.generations), hits=g.hits,
                                       misses=g.misses, waited_s=now - g.asked_t))
 
+    async def read(layer: int, loads: list[Load]) -> None:
+        # All of a step's misses reach the scheduler before it runs, so they go out as one batch.
+        for ld in loads:
+            req = ReadExpert(**st.stamp(), layer=layer, expert=ld.expert, slot=ld.slot)
+            try:
+                to_reads.send_nowait(req)
+            except trio.WouldBlock:
+                await to_reads.send(req)
+
     async with inbox, to_reads, to_forward:
         task_status.started()
         async for msg in inbox:
             match msg:
                 case Acquire(step=step, layer=layer, part=part, experts=experts):
                     loads, ready = policy.acquire((step, layer, part), experts, msg.t)
-                    for ld in loads:
-                        await to_reads.send(ReadExpert(**st.stamp(), layer=layer, expert=ld.expert, slot=ld.slot))
+                    await read(layer, loads)
                     if ready is not None:
                         await grant(ready)
                 case ReadDone(layer=layer, expert=expert, slot=slot):
-                    for g in policy.read_done(layer, expert, slot):
+                    loads, grants = policy.read_done(layer, expert, slot)
+                    await read(layer, loads)
+                    for g in grants:
                         await grant(g)
                 case Release(step=step, layer=layer, part=part):
                     policy.release((step, layer, part), msg.token_experts, msg.token_slots)

@@ -66,11 +66,19 @@ async def read_scheduler(
                 nursery.start_soon(run, jobs)
 
         task_status.started()
-        async for msg in inbox:
-            stats.requests += 1
-            job = Job(msg.layer, msg.expert, msg.slot, msg.cls)
-            if queue.push(job):
-                issued[job.key] = msg.t
-            else:
-                stats.merged += 1
+        async for first in inbox:
+            # Take everything already waiting, so one step's misses are one batch on the device.
+            batch = [first]
+            while True:
+                try:
+                    batch.append(inbox.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            for msg in batch:
+                stats.requests += 1
+                job = Job(msg.layer, msg.expert, msg.slot, msg.cls)
+                if queue.push(job):
+                    issued[job.key] = msg.t
+                else:
+                    stats.merged += 1
             dispatch()

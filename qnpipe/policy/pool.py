@@ -51,6 +51,7 @@ class PoolPolicy:
     pending: dict[GrantKey, Grant] = attrs.field(factory=dict)
     held: dict[GrantKey, Grant] = attrs.field(factory=dict)
     waiters: dict[tuple[int, int], list[GrantKey]] = attrs.field(factory=dict)
+    deferred: dict[GrantKey, tuple[tuple[int, ...], float]] = attrs.field(factory=dict)
     counters: dict[int, LayerCounters] = attrs.field(init=False)
     reads: int = 0
     bytes_read: int = 0
@@ -65,10 +66,17 @@ class PoolPolicy:
         return cls(tables, record_nbytes)
 
     def acquire(self, key: GrantKey, experts: Sequence[int], now: float) -> tuple[list[Load], Grant | None]:
-        """Plan the grant `key` of `experts`; returns the reads to issue and the grant if complete."""
-        if key in self.pending or key in self.held:
+        """Plan the grant `key` of `experts`; returns the reads to issue and the grant if complete.
+
+        When the slots it needs are still loading for a cancelled step, the acquire waits
+        (no reads, no grant) and `read_done` takes it up again.
+        """
+        if key in self.pending or key in self.held or key in self.deferred:
             raise AssertionError(f"grant {key} asked for twice")
         table = self.tables[key[1]]
+        if table.available_for(experts) >= len(experts) and not table.can_acquire_now(experts):
+            self.deferred[key] = (tuple(experts), now)
+            return [], None
         plan = table.acquire(experts)
         slot_of = dict(plan.hits) | dict(plan.waiting) | {ld.expert: ld.slot for ld in plan.loads}
         slots = [slot_of[e] for e in experts]
@@ -92,8 +100,20 @@ class PoolPolicy:
         self.held[key] = grant
         return list(plan.loads), grant
 
-    def read_done(self, layer: int, expert: int, slot: int) -> list[Grant]:
-        """The read of (`layer`, `expert`) into `slot` finished; the grants it completed."""
+    def read_done(self, layer: int, expert: int, slot: int) -> tuple[list[Load], list[Grant]]:
+        """The read of (`layer`, `expert`) into `slot` finished: the reads and grants that follows."""
+        done = self._read_done(layer, expert, slot)
+        loads: list[Load] = []
+        for key, (experts, asked) in list(self.deferred.items()):
+            if key[1] == layer and self.tables[layer].can_acquire_now(experts):
+                del self.deferred[key]
+                more, g = self.acquire(key, experts, asked)
+                loads += more
+                if g is not None:
+                    done.append(g)
+        return loads, done
+
+    def _read_done(self, layer: int, expert: int, slot: int) -> list[Grant]:
         self.tables[layer].loaded(expert, slot)
         self.reads += 1
         self.bytes_read += self.record_nbytes[layer]
@@ -115,6 +135,8 @@ class PoolPolicy:
         With `token_experts` / `token_slots`, first check that every pair is what the grant
         gave and the table still holds (route verification); RouteError if not.
         """
+        if self.deferred.pop(key, None) is not None:
+            return
         g = self.held.pop(key, None) or self.pending.pop(key, None)
         if g is None:
             raise AssertionError(f"release of unknown grant {key}")

@@ -103,6 +103,20 @@ class SlotTable:
         blocked = {e for e in self.pinned if e not in need} | {e for e in self.held if e not in need}
         return self.capacity - len(blocked)
 
+    def can_acquire_now(self, experts: Sequence[int]) -> bool:
+        """Whether `acquire(experts)` finds a slot for each miss without waiting.
+
+        False when the only slots left are still loading for a step that was cancelled:
+        they become evictable when their reads finish.
+        """
+        need = set(experts)
+        missing = sum(e not in self.slot_of for e in need)
+        if missing <= len(self._free):
+            return True
+        evictable = sum(1 for e, s in self.slot_of.items() if self.state[s] is SlotState.READY
+                        and e not in self.held and e not in self.pinned and e not in need)
+        return missing <= len(self._free) + evictable
+
     # ----------------------------------------------------------------- decisions
 
     def acquire(self, experts: Sequence[int]) -> AcquirePlan:

@@ -1,0 +1,147 @@
+"""The pool and read-scheduler actors on trio's MockClock with a fake device: exact virtual times."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from qnpipe.config import Config
+from qnpipe.engine import open_pipeline
+from qnpipe.errors import ReadError
+from qnpipe.messages import Acquire, Granted, Release
+from qnpipe.policy.read_queue import Job
+
+
+@attrs.define
+class FakeDevice:
+    """Each batch takes `latency_s` + `per_read_s` per job; records the reads in flight."""
+
+    latency_s: float = 0.001
+    per_read_s: float = 0.0
+    fail_on: tuple[int, int] | None = None
+    in_flight: int = 0
+    peak: int = 0
+    log: list[tuple[float, tuple[int, int]]] = attrs.field(factory=list)
+
+    async def read(self, jobs: Sequence[Job]) -> list[int]:
+        self.in_flight += len(jobs)
+        self.peak = max(self.peak, self.in_flight)
+        await trio.sleep(self.latency_s + self.per_read_s * len(jobs))
+        self.in_flight -= len(jobs)
+        for j in jobs:
+            if self.fail_on == (j.layer, j.expert):
+                raise ReadError("injected EIO", layer=j.layer, expert=j.expert, path="fake", offset=0, nbytes=1)
+            self.log.append((trio.current_time(), j.key))
+        return [100] * len(jobs)
+
+    def statistics(self) -> None:
+        return None
+
+
+def _cfg(workers: int = 8, batch: bool = True) -> Config:
+    return Config().replace(**{"read.workers": workers, "read.batch_miss_read": batch})
+
+
+async def _acquire(fwd, step: int, layer: int, experts: tuple[int, ...], part: int = 0) -> Granted:
+    await fwd.to_pool.send(Acquire(t=trio.current_time(), seq=0, step=step, layer=layer, part=part,
+                                   experts=experts))
+    return await fwd.grants.receive()
+
+
+async def _release(fwd, step: int, layer: int, part: int = 0) -> None:
+    await fwd.to_pool.send(Release(t=trio.current_time(), seq=0, step=step, layer=layer, part=part))
+
+
+def _run(scenario, *a):
+    return trio.run(scenario, *a, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_scripted_sequence_has_exact_virtual_times() -> None:
+    dev = FakeDevice(latency_s=0.001, per_read_s=0.0005)
+
+    async def scenario() -> list[tuple[float, int, int]]:
+        out = []
+        async with open_pipeline(_cfg(), None, num_experts=8, capacities={0: 3, 1: 3}, device=dev,
+                                 record_nbytes={0: 100, 1: 100}) as p:
+            fwd = p.forward
+            g = await _acquire(fwd, 1, 0, (1, 2))  # two cold misses: one batch of 2 reads
+            out.append((trio.current_time(), g.misses, g.hits))
+            await _release(fwd, 1, 0)
+            g = await _acquire(fwd, 1, 1, (5,))
+            out.append((trio.current_time(), g.misses, g.hits))
+            await _release(fwd, 1, 1)
+            g = await _acquire(fwd, 2, 0, (1, 2))  # all hits: granted at once
+            out.append((trio.current_time(), g.misses, g.hits))
+            await _release(fwd, 2, 0)
+            g = await _acquire(fwd, 2, 0, (3, 4), part=1)  # 3 slots: one of 1, 2 is evicted
+            out.append((trio.current_time(), g.misses, g.hits))
+            assert p.policy is not None
+            assert p.policy.counters[0].evictions == 1
+        return out
+
+    got = _run(scenario)
+    assert got == [(pytest.approx(0.002), 2, 0), (pytest.approx(0.0035), 1, 0), (pytest.approx(0.0035), 0, 2),
+                   (pytest.approx(0.0055), 2, 0)]
+
+
+def test_duplicate_waits_merge_into_one_read_and_budget_holds() -> None:
+    dev = FakeDevice(latency_s=0.001)
+
+    async def scenario() -> tuple[int, int]:
+        async with open_pipeline(_cfg(workers=2), None, num_experts=64, capacities={0: 64}, device=dev,
+                                 record_nbytes={0: 100}) as p:
+            g = await _acquire(p.forward, 1, 0, tuple(range(10)))
+            assert g.misses == 10
+            # 10 reads through a budget of 2: 5 batches of 1 ms
+            assert trio.current_time() == pytest.approx(0.005)
+            assert p.read_stats is not None
+            return dev.peak, p.read_stats.reads
+
+    peak, reads = _run(scenario)
+    assert peak == 2 and reads == 10
+
+
+def test_full_load_cycle_does_not_deadlock() -> None:
+    """Many layers, every access a miss at capacity == top-k: the pool <-> reads cycle at full load."""
+    dev = FakeDevice(latency_s=0.0001)
+    layers = 16
+
+    async def scenario() -> int:
+        steps = 0
+        async with open_pipeline(_cfg(workers=3, batch=False), None, num_experts=64,
+                                 capacities=dict.fromkeys(range(layers), 4), device=dev,
+                                 record_nbytes=dict.fromkeys(range(layers), 100)) as p:
+            with trio.fail_after(60):
+                for step in range(1, 40):
+                    for layer in range(layers):
+                        experts = tuple(sorted({(step * 7 + layer * 3 + i * 11) % 64 for i in range(4)}))
+                        g = await _acquire(p.forward, step, layer, experts)
+                        assert set(g.experts) == set(experts)
+                        await _release(p.forward, step, layer)
+                        steps += 1
+        return steps
+
+    assert _run(scenario) == 39 * layers
+    assert dev.peak <= 3
+
+
+def test_read_error_reaches_the_forward_and_stops_the_actors() -> None:
+    dev = FakeDevice(fail_on=(0, 3))
+
+    async def scenario() -> None:
+        async with open_pipeline(_cfg(), None, num_experts=8, capacities={0: 4}, device=dev,
+                                 record_nbytes={0: 100}) as p:
+            fwd = p.forward
+            await _acquire(fwd, 1, 0, (1, 2))
+            await _release(fwd, 1, 0)
+            await fwd.to_pool.send(Acquire(t=0.0, seq=0, step=2, layer=0, part=0, experts=(3,)))
+            with pytest.raises(trio.EndOfChannel):
+                await fwd.grants.receive()
+            assert len(fwd.failure) == 1 and isinstance(fwd.failure[0], ReadError)
+            assert "expert 3 of layer 0" in str(fwd.failure[0])
+
+    _run(scenario)
