@@ -3,7 +3,8 @@
 The read scheduler pushes jobs as the pool asks for them and pulls batches to put on the
 device. Demand reads (a step is waiting) always go before prefetches; within a class,
 first come first served. A job for an expert already queued or in flight is merged into
-it (read once, every asker told). At most `max_in_flight` reads are on the device at once.
+it (read once, every asker told); a demand merged into a queued prefetch promotes it to
+the back of the demand queue. At most `max_in_flight` reads are on the device at once.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class ReadQueue:
                 raise AssertionError(f"layer {job.layer} expert {job.expert}: asked into slot {job.slot} "
                                      f"while its read into slot {known.slot} is pending")
             self.merged += 1
+            if job.cls < known.cls and job.key in self.queued:  # a step now waits on a queued prefetch
+                self.queues[known.cls].remove(known)
+                self.queued[job.key] = promoted = attrs.evolve(known, cls=job.cls)
+                self.queues[job.cls].append(promoted)
             return False
         self.queued[job.key] = job
         self.queues[job.cls].append(job)

@@ -98,9 +98,11 @@ class SlotTable:
         return len(self.slot_of)
 
     def available_for(self, experts: Iterable[int]) -> int:
-        """Slots a step needing `experts` can use: capacity minus pins and holds it does not share."""
+        """Slots a step needing `experts` can use: capacity minus pins, holds and reads in flight it does not share."""
         need = set(experts)
         blocked = {e for e in self.pinned if e not in need} | {e for e in self.held if e not in need}
+        # A read still in flight with no hold (its step was released early) keeps its slot too.
+        blocked |= {e for e, s in self.slot_of.items() if self.state[s] is SlotState.LOADING and e not in need}
         return self.capacity - len(blocked)
 
     def can_acquire_now(self, experts: Sequence[int]) -> bool:
@@ -127,7 +129,7 @@ class SlotTable:
         if len(experts) > (room := self.available_for(experts)):
             raise CapacityError(
                 f"layer {self.layer}: a step needs {len(experts)} distinct experts, "
-                f"{room} of {self.capacity} slots are usable (the rest are pinned or held)"
+                f"{room} of {self.capacity} slots are usable (the rest are pinned, held or loading)"
             )
         hits: list[tuple[int, int]] = []
         waiting: list[tuple[int, int]] = []

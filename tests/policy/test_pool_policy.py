@@ -1,0 +1,158 @@
+"""PoolPolicy (qnpipe/policy/pool.py) over two layers, driven by a RuleBasedStateMachine.
+
+Grants complete only when all their reads are done, released pending grants never
+complete, every miss is read once, the counters add up, and route verification passes
+for what a grant gave and fails for anything else.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from qnpipe.config import EvictPolicy
+from qnpipe.errors import CapacityError, RouteError
+from qnpipe.policy.eviction import make_eviction
+from qnpipe.policy.pool import GrantKey, PoolPolicy
+
+LAYERS = (0, 5)
+N_EXPERTS = 10
+
+
+class PoolMachine(RuleBasedStateMachine):
+    @initialize(caps=st.tuples(st.integers(1, 5), st.integers(1, 5)),
+                kind=st.sampled_from([EvictPolicy.LRU, EvictPolicy.LFU, EvictPolicy.FIFO, EvictPolicy.LRFU]))
+    def setup(self, caps: tuple[int, int], kind: EvictPolicy) -> None:
+        capacities = dict(zip(LAYERS, caps, strict=True))
+        self.policy = PoolPolicy.build(capacities, {layer: make_eviction(kind) for layer in LAYERS},
+                                       {layer: 100 + layer for layer in LAYERS})
+        self.step = 0
+        self.reads: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot: issued, not done
+        self.waits: dict[GrantKey, set[int]] = {}  # model: experts each pending grant waits for
+        self.complete: set[GrantKey] = set()  # grants handed out (complete, not released)
+        self.released: set[GrantKey] = set()
+        self.experts: dict[GrantKey, tuple[int, ...]] = {}
+        self.loads = {layer: 0 for layer in LAYERS}
+        self.requested = {layer: 0 for layer in LAYERS}
+        self.reads_done = 0
+        self.bytes = 0
+
+    @rule(layer=st.sampled_from(LAYERS),
+          experts=st.lists(st.integers(0, N_EXPERTS - 1), min_size=1, max_size=3, unique=True))
+    def acquire(self, layer: int, experts: list[int]) -> None:
+        self.step += 1
+        key = (self.step, layer, 0)
+        try:
+            loads, grant = self.policy.acquire(key, experts, now=float(self.step))
+        except CapacityError:
+            table = self.policy.tables[layer]
+            assert len(experts) > table.available_for(experts)
+            return
+        self.requested[layer] += len(experts)
+        self.loads[layer] += len(loads)
+        for ld in loads:
+            assert (layer, ld.expert) not in self.reads, "a second read of an expert already being read"
+            self.reads[(layer, ld.expert)] = ld.slot
+        in_flight = {e for (lay, e) in self.reads if lay == layer}
+        missing = {e for e in experts if e in in_flight}
+        self.experts[key] = tuple(experts)
+        if grant is None:
+            assert missing, "a grant with every expert resident was not complete"
+            self.waits[key] = missing
+        else:
+            assert not missing, "a grant was complete while one of its reads was in flight"
+            assert grant.key == key and grant.experts == tuple(experts)
+            self.complete.add(key)
+
+    @precondition(lambda self: bool(self.reads))
+    @rule(data=st.data())
+    def read_done(self, data: st.DataObject) -> None:
+        layer, expert = data.draw(st.sampled_from(sorted(self.reads)))
+        slot = self.reads.pop((layer, expert))
+        done = self.policy.read_done(layer, expert, slot)
+        self.reads_done += 1
+        self.bytes += 100 + layer
+        expect = set()
+        for key, w in list(self.waits.items()):
+            if key[1] == layer:
+                w.discard(expert)
+                if not w:
+                    expect.add(key)
+                    del self.waits[key]
+        got = {g.key for g in done}
+        assert len(got) == len(done)
+        assert not (got & self.released), "a released pending grant completed"
+        assert got == expect, "grants completed != grants whose reads are all done"
+        self.complete |= got
+
+    @precondition(lambda self: bool(self.complete))
+    @rule(data=st.data(), verify=st.booleans())
+    def release_complete(self, data: st.DataObject, verify: bool) -> None:
+        key = data.draw(st.sampled_from(sorted(self.complete)))
+        g = self.policy.held[key]
+        if verify:
+            # tokens use any subset of the grant's (expert, slot) pairs: verification passes
+            pairs = data.draw(st.lists(st.sampled_from(list(zip(g.experts, g.slots, strict=True))), min_size=1))
+            self.policy.release(key, [e for e, _ in pairs], [s for _, s in pairs])
+        else:
+            self.policy.release(key)
+        self.complete.discard(key)
+        self.released.add(key)
+
+    @precondition(lambda self: bool(self.complete))
+    @rule(data=st.data())
+    def bad_route_is_caught(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.complete)))
+        g = self.policy.held[key]
+        cap = self.policy.tables[key[1]].capacity
+        i = data.draw(st.integers(0, len(g.slots) - 1))
+        bad = data.draw(st.integers(0, cap).filter(lambda s: s != g.slots[i]))
+        slots = list(g.slots)
+        slots[i] = bad
+        with pytest.raises(RouteError):
+            self.policy.release(key, list(g.experts), slots)
+        self.complete.discard(key)  # the grant is gone (popped) before the check failed
+        self.released.add(key)
+        # the failed release left its holds: drop them as the engine's crash path would
+        self.policy.tables[key[1]].release(g.experts)
+
+    @precondition(lambda self: bool(self.waits))
+    @rule(data=st.data())
+    def cancel_pending(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.waits)))
+        self.policy.release(key)
+        del self.waits[key]
+        self.released.add(key)
+
+    @rule()
+    def forward_done(self) -> None:
+        self.policy.forward_done()
+
+    @invariant()
+    def books_balance(self) -> None:
+        p = self.policy
+        assert set(p.pending) == set(self.waits)
+        assert set(p.held) == self.complete
+        for key, g in p.pending.items():
+            assert g.missing == self.waits[key]
+        for layer in LAYERS:
+            c = p.counters[layer]
+            assert c.cold + c.capacity == self.loads[layer], "each load has exactly one cause"
+            assert c.hits + c.misses == self.requested[layer]
+            assert p.tables[layer].occupancy <= p.tables[layer].capacity
+        assert p.reads == self.reads_done and p.bytes_read == self.bytes
+
+    def teardown(self) -> None:
+        if not hasattr(self, "policy"):
+            return
+        # liveness: once every read is done, nothing that was not released is still pending
+        for (layer, expert), slot in sorted(self.reads.items()):
+            for g in self.policy.read_done(layer, expert, slot):
+                assert g.key not in self.released
+        assert not self.policy.pending
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
