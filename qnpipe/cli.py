@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,7 +49,11 @@ def _add_gen_flags(p: argparse.ArgumentParser, default_tokens: int) -> None:
                    help="sampling temperature; 0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass, (0, 1] (default 1)")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling (reproducible output)")
-    g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, stats) instead of text")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, tokens, stats, engine stats) instead of text")
+    g.add_argument("--stats", action="store_true",
+                   help="print the engine's figures on stderr: expert source, pool hits and misses by cause, "
+                        "reads, bytes read, stall time, per-layer occupancy")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,11 +139,27 @@ def _run_generate(eng: Any, prompt: str | list[int], args: argparse.Namespace) -
         res = eng.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                            seed=args.seed, on_text=None if args.json else bar.then(show), on_prefill=bar.update)
     if args.json:
-        print(msgspec.json.encode({"text": res.text, "tokens": res.tokens, "stats": res.stats}).decode())
+        print(msgspec.json.encode({"text": res.text, "tokens": res.tokens, "stats": res.stats,
+                                   "engine": eng.stats()}).decode())
     else:
         print()
         _print_stats(res.stats)
+        if getattr(args, "stats", False):
+            _print_engine_stats(eng.stats())
     return 0
+
+
+def _print_engine_stats(st: Any) -> None:
+    p = st.pool
+    if p is None:
+        print(f"[experts: {st.expert_source}, {st.resident_expert_bytes / 2**20:.1f} MiB in memory]", file=sys.stderr)
+        return
+    causes = ", ".join(f"{k} {v}" for k, v in sorted(p.misses_by_cause.items()))
+    occ = " ".join(f"{ly.layer}:{ly.occupancy}/{ly.capacity}" for ly in p.layers)
+    print(f"[experts: pool, {p.slot_bytes / 2**20:.1f} MiB of slots; hits {p.hits}, misses {p.misses} ({causes}), "
+          f"hit rate {p.hit_rate:.3f}; {p.reads} reads, {p.bytes_read / 2**20:.1f} MiB read, "
+          f"stall {p.stall_s:.3f}s; {p.split_layer_steps} layer-steps in parts]\n[occupancy {occ}]",
+          file=sys.stderr)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -369,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # A shell without job control starts background jobs with SIGINT ignored; `kill -INT` must still stop us.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return int(args.func(args) or 0)
     except QnpipeError as e:

@@ -74,7 +74,7 @@ class PoolPolicy:
         if key in self.pending or key in self.held or key in self.deferred:
             raise AssertionError(f"grant {key} asked for twice")
         table = self.tables[key[1]]
-        if table.available_for(experts) >= len(experts) and not table.can_acquire_now(experts):
+        if table.room_ever(experts) >= len(experts) and not table.can_acquire_now(experts):
             self.deferred[key] = (tuple(experts), now)
             return [], None
         plan = table.acquire(experts)

@@ -7,6 +7,8 @@ for what a grant gave and fails for anything else.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -34,6 +36,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.complete: set[GrantKey] = set()  # grants handed out (complete, not released)
         self.released: set[GrantKey] = set()
         self.experts: dict[GrantKey, tuple[int, ...]] = {}
+        self.deferred: dict[GrantKey, tuple[int, ...]] = {}
         self.loads = {layer: 0 for layer in LAYERS}
         self.requested = {layer: 0 for layer in LAYERS}
         self.reads_done = 0
@@ -48,8 +51,17 @@ class PoolMachine(RuleBasedStateMachine):
             loads, grant = self.policy.acquire(key, experts, now=float(self.step))
         except CapacityError:
             table = self.policy.tables[layer]
-            assert len(experts) > table.available_for(experts)
+            assert len(experts) > table.room_ever(experts)
             return
+        if key in self.policy.deferred:  # its slots are still loading for a cancelled step: it waits
+            assert not loads and grant is None
+            assert not self.policy.tables[layer].can_acquire_now(experts)
+            self.deferred[key] = tuple(experts)
+            return
+        self._acquired(key, experts, loads, grant)
+
+    def _acquired(self, key: GrantKey, experts: Sequence[int], loads: list, grant: object) -> None:
+        layer = key[1]
         self.requested[layer] += len(experts)
         self.loads[layer] += len(loads)
         for ld in loads:
@@ -63,15 +75,18 @@ class PoolMachine(RuleBasedStateMachine):
             self.waits[key] = missing
         else:
             assert not missing, "a grant was complete while one of its reads was in flight"
-            assert grant.key == key and grant.experts == tuple(experts)
+            assert grant.key == key and grant.experts == tuple(experts)  # type: ignore[attr-defined]
             self.complete.add(key)
 
     @precondition(lambda self: bool(self.reads))
     @rule(data=st.data())
     def read_done(self, data: st.DataObject) -> None:
         layer, expert = data.draw(st.sampled_from(sorted(self.reads)))
+        self._read_done(layer, expert)
+
+    def _read_done(self, layer: int, expert: int) -> None:
         slot = self.reads.pop((layer, expert))
-        done = self.policy.read_done(layer, expert, slot)
+        loads, done = self.policy.read_done(layer, expert, slot)
         self.reads_done += 1
         self.bytes += 100 + layer
         expect = set()
@@ -81,8 +96,18 @@ class PoolMachine(RuleBasedStateMachine):
                 if not w:
                     expect.add(key)
                     del self.waits[key]
-        got = {g.key for g in done}
-        assert len(got) == len(done)
+        # Deferred acquires taken up now: as if they had just been made.
+        resumed = [k for k in self.deferred if k not in self.policy.deferred]
+        resumed_done = {g.key for g in done if g.key in resumed}
+        by_key = {k: [ld for ld in loads] for k in resumed}
+        for k in resumed:
+            experts = self.deferred.pop(k)
+            mine = [ld for ld in by_key[k] if ld.expert in experts]
+            self._acquired(k, experts, mine, next((g for g in done if g.key == k), None))
+            loads = [ld for ld in loads if ld not in mine]
+        assert not loads, "reads issued for no acquire"
+        got = {g.key for g in done} - resumed_done
+        assert len({g.key for g in done}) == len(done)
         assert not (got & self.released), "a released pending grant completed"
         assert got == expect, "grants completed != grants whose reads are all done"
         self.complete |= got
@@ -118,12 +143,13 @@ class PoolMachine(RuleBasedStateMachine):
         # the failed release left its holds: drop them as the engine's crash path would
         self.policy.tables[key[1]].release(g.experts)
 
-    @precondition(lambda self: bool(self.waits))
+    @precondition(lambda self: bool(self.waits) or bool(self.deferred))
     @rule(data=st.data())
     def cancel_pending(self, data: st.DataObject) -> None:
-        key = data.draw(st.sampled_from(sorted(self.waits)))
+        key = data.draw(st.sampled_from(sorted(self.waits | self.deferred)))
         self.policy.release(key)
-        del self.waits[key]
+        self.waits.pop(key, None)
+        self.deferred.pop(key, None)
         self.released.add(key)
 
     @rule()
@@ -134,6 +160,7 @@ class PoolMachine(RuleBasedStateMachine):
     def books_balance(self) -> None:
         p = self.policy
         assert set(p.pending) == set(self.waits)
+        assert set(p.deferred) == set(self.deferred)
         assert set(p.held) == self.complete
         for key, g in p.pending.items():
             assert g.missing == self.waits[key]
@@ -148,10 +175,9 @@ class PoolMachine(RuleBasedStateMachine):
         if not hasattr(self, "policy"):
             return
         # liveness: once every read is done, nothing that was not released is still pending
-        for (layer, expert), slot in sorted(self.reads.items()):
-            for g in self.policy.read_done(layer, expert, slot):
-                assert g.key not in self.released
-        assert not self.policy.pending
+        while self.reads:
+            self._read_done(*min(self.reads))
+        assert not self.policy.pending and not self.policy.deferred
 
 
 TestPoolMachine = PoolMachine.TestCase
