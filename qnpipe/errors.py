@@ -45,3 +45,7 @@ class StoreError(QnpipeError):
 
     The message names the file and, for a bad record, the layer, expert and byte offset.
     """
+
+
+class OutputError(QnpipeError):
+    """An output directory (`convert --out`, `make-tiny OUT`) cannot be created or written; names path and reason."""
