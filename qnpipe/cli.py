@@ -124,6 +124,22 @@ def _load_config(args: argparse.Namespace) -> Any:
     return config.load(args.config, overrides=overrides)
 
 
+def _precheck_model(model_dir: str | Path, cfg: Any) -> None:
+    """The cheap checks of a model directory, before MLX is imported or anything loads.
+
+    config.json (sizes, model type), the tokenizer files, and settings that depend on the
+    model (forward.moe_topk_override against num_experts). The loader repeats them.
+    """
+    from qnpipe.chat.tokenizer import check_tokenizer_files
+    from qnpipe.model.args import args_from_dict, read_config
+    from qnpipe.validate import check_topk_override
+
+    model_dir = Path(model_dir)
+    margs = args_from_dict(read_config(model_dir), str(model_dir / "config.json"))
+    check_tokenizer_files(model_dir)
+    check_topk_override(cfg.forward.moe_topk_override, margs.num_experts)
+
+
 def _warn(args: argparse.Namespace, msg: str) -> None:
     print(f"qnpipe {args.command}: warning: {msg}", file=sys.stderr)
 
@@ -212,12 +228,13 @@ def _run_generate(eng: Any, prompt: str | list[int], args: argparse.Namespace) -
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from qnpipe.embed import Engine
-
     model_dir = Path(args.model) if args.model else DEMO_MODEL_DIR
     if not args.json:
         print(f"model: {model_dir}", file=sys.stderr)
     cfg = _load_config(args)
+    _precheck_model(model_dir, cfg)
+    from qnpipe.embed import Engine
+
     with Engine(model_dir, cfg) as eng:
         prompt = args.prompt
         if eng.tokenizer is not None and getattr(eng.tokenizer, "chat_template", None) and not args.raw:
@@ -242,14 +259,15 @@ def _read_tokens(text: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from qnpipe.embed import Engine
-
     if (args.prompt is None) == (args.tokens is None):
         raise QnpipeError("give exactly one of --prompt TEXT or --tokens IDS")
     tokens = _read_tokens(args.tokens) if args.tokens is not None else None
     if tokens is not None and args.chat:
         raise QnpipeError("--chat needs --prompt TEXT (token ids are sent as they are)")
     cfg = _load_config(args)
+    _precheck_model(args.model_dir, cfg)
+    from qnpipe.embed import Engine
+
     with Engine(args.model_dir, cfg) as eng:
         prompt: str | list[int]
         if tokens is not None:
@@ -266,10 +284,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    cfg = _load_config(args)
+    _precheck_model(args.model_dir, cfg)
     from qnpipe.chat.tokenizer import render_chat
     from qnpipe.embed import Engine
 
-    cfg = _load_config(args)
     messages: list[dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
     with Engine(args.model_dir, cfg) as eng:
         print("chat: type a message; /reset clears the conversation, /quit or Ctrl-D leaves "

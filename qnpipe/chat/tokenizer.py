@@ -13,6 +13,22 @@ from qnpipe.errors import TokenizerError
 _VOCAB_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt")
 
 
+def check_tokenizer_files(model_dir: str | Path) -> list[str]:
+    """The vocabulary files of `model_dir` (cheap: no tokenizer library is imported).
+
+    Raises TokenizerError naming the missing file when there is no tokenizer, or only a
+    tokenizer_config.json (which configures a vocabulary but holds none).
+    """
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        raise TokenizerError(f"{model_dir}: no tokenizer.json or tokenizer_config.json")
+    vocab_files = [f for f in _VOCAB_FILES if (model_dir / f).is_file()]
+    if not vocab_files:
+        raise TokenizerError(f"{model_dir / 'tokenizer.json'}: missing; tokenizer_config.json alone has no "
+                             f"vocabulary (copy tokenizer.json from the original checkpoint)")
+    return vocab_files
+
+
 def load_tokenizer(model_dir: str | Path) -> Any:
     """mlx-lm `TokenizerWrapper` for `model_dir`: HF tokenizer + streaming detokenizer + eos ids.
 
@@ -21,12 +37,7 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     from mlx_lm.tokenizer_utils import load
 
     model_dir = Path(model_dir)
-    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
-        raise TokenizerError(f"{model_dir}: no tokenizer.json or tokenizer_config.json")
-    vocab_files = [f for f in _VOCAB_FILES if (model_dir / f).is_file()]
-    if not vocab_files:
-        raise TokenizerError(f"{model_dir / 'tokenizer.json'}: missing; tokenizer_config.json alone has no "
-                             f"vocabulary (copy tokenizer.json from the original checkpoint)")
+    vocab_files = check_tokenizer_files(model_dir)
     eos: list[int] = []
     gen = model_dir / "generation_config.json"
     if gen.is_file():
