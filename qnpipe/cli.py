@@ -31,48 +31,6 @@ Any setting can be given with --set SECTION.FIELD=VALUE (see docs/config.md).
 """
 
 
-def _checked(check: Any) -> Any:
-    """An argparse `type=` that parses with `check` (qnpipe.validate), so bad values exit 2 before loading."""
-    def parse(text: str) -> Any:
-        try:
-            return check(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    parse.__name__ = getattr(check, "__name__", "value")
-    return parse
-
-
-def _int_arg(check: Any) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"expected an integer, got {text!r}") from None
-        return check(value, name="value")
-    return _checked(parse)
-
-
-def _float_arg(check: Any) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(f"expected a number, got {text!r}") from None
-        return check(value, name="value")
-    return _checked(parse)
-
-
-def _text_arg(allow_empty: bool = False) -> Any:
-    from qnpipe.validate import check_text
-
-    def parse(text: str) -> str:
-        if not text and not allow_empty:
-            raise ValueError("empty text: give at least one character")
-        return check_text(text, "value")
-    return _checked(parse)
-
-
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("configuration")
     g.add_argument("--config", metavar="FILE.toml", help="TOML file of settings (see docs/config.md)")
@@ -124,20 +82,71 @@ def _load_config(args: argparse.Namespace) -> Any:
     return config.load(args.config, overrides=overrides)
 
 
+def _checked(check: Any) -> Any:
+    """An argparse `type=` that parses with `check` (qnpipe.validate), so bad values exit 2 before loading."""
+    def parse(text: str) -> Any:
+        try:
+            return check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = getattr(check, "__name__", "value")
+    return parse
+
+
+def _int_arg(check: Any) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+        return check(value, name="value")
+    return _checked(parse)
+
+
+def _float_arg(check: Any) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+        return check(value, name="value")
+    return _checked(parse)
+
+
+def _text_arg(allow_empty: bool = False) -> Any:
+    from qnpipe.validate import check_text
+
+    def parse(text: str) -> str:
+        if not text and not allow_empty:
+            raise ValueError("empty text: give at least one character")
+        return check_text(text, "value")
+    return _checked(parse)
+
+
 def _precheck_model(model_dir: str | Path, cfg: Any) -> None:
     """The cheap checks of a model directory, before MLX is imported or anything loads.
 
-    config.json (sizes, model type), the tokenizer files, and settings that depend on the
-    model (forward.moe_topk_override against num_experts). The loader repeats them.
+    config.json (sizes, model type), the tokenizer files, settings that depend on the model
+    (forward.moe_topk_override against num_experts) and a qnpipe directory's store index and
+    layer files (the validation verify-store makes). The loader repeats them.
     """
     from qnpipe.chat.tokenizer import check_tokenizer_files
     from qnpipe.model.args import args_from_dict, read_config
     from qnpipe.validate import check_topk_override
 
     model_dir = Path(model_dir)
-    margs = args_from_dict(read_config(model_dir), str(model_dir / "config.json"))
+    config = read_config(model_dir)
+    margs = args_from_dict(config, str(model_dir / "config.json"))
     check_tokenizer_files(model_dir)
     check_topk_override(cfg.forward.moe_topk_override, margs.num_experts)
+    if isinstance(config.get("qnpipe"), dict) or (model_dir / "experts" / "index.json").is_file():
+        from qnpipe.io.store import ExpertStore, model_id
+        from qnpipe.io.store_check import check_against_model
+
+        qcfg = config.get("quantization") or config.get("quantization_config")
+        with ExpertStore.open(cfg.model.expert_dir or model_dir, expected_model_id=model_id(margs)) as store:
+            check_against_model(store.index, store.root / "index.json", margs, qcfg if isinstance(qcfg, dict) else None)
 
 
 def _warn(args: argparse.Namespace, msg: str) -> None:

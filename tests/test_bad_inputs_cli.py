@@ -169,13 +169,13 @@ def rows(hf: Path, qn: Path, b: dict[str, Path]) -> list[Row]:
         Row("chat line not UTF-8", ["chat", hf, "-n", "1"], 0, ("not valid UTF-8",), stdin=b"caf\xe9\n/quit\n"),
         # --- 9: verify-store and the loader agree
         Row("layer missing: verify-store", ["verify-store", b["nolayer"]], 2, ("missing layer(s) [2]",)),
-        Row("layer missing: loader", ["generate", b["nolayer"], "-p", "hi"], 2, ("missing layer(s) [2]",)),
+        Row("layer missing: generate", ["generate", b["nolayer"], "-p", "hi"], 2, ("missing layer(s) [2]",)),
         Row("tampered shape: verify-store", ["verify-store", b["shape"]], 2, ("gate_proj.weight has shape",)),
-        Row("tampered shape: loader", ["generate", b["shape"], "-p", "hi"], 2, ("gate_proj.weight has shape",)),
+        Row("tampered shape: generate", ["generate", b["shape"], "-p", "hi"], 2, ("gate_proj.weight has shape",)),
         Row("tampered bits: verify-store", ["verify-store", b["bits"]], 2, ("layer 1", "up_proj")),
-        Row("tampered bits: loader", ["generate", b["bits"], "-p", "hi"], 2, ("layer 1", "up_proj")),
+        Row("tampered bits: generate", ["generate", b["bits"], "-p", "hi"], 2, ("layer 1", "up_proj")),
         Row("FIFO layer file: verify-store", ["verify-store", b["fifo"]], 1, ("layer_004.bin", "FIFO")),
-        Row("FIFO layer file: loader", ["generate", b["fifo"], "-p", "hi"], 2, ("layer_004.bin", "FIFO")),
+        Row("FIFO layer file: generate", ["generate", b["fifo"], "-p", "hi"], 2, ("layer_004.bin", "FIFO")),
         Row("corrupt record: verify-store", ["verify-store", b["corrupt"]], 1, ("layer 3 expert 5", "checksum mismatch")),
         # --- 11: smaller
         Row("MOE_TOPK_OVERRIDE above num_experts", [*gen, "--set", "forward.moe_topk_override=65"], 2,
