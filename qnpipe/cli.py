@@ -41,19 +41,24 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                    help="prefill N prompt tokens per forward (0 = whole prompt); PREFILL_CHUNK")
 
 
-def _add_gen_flags(p: argparse.ArgumentParser, default_tokens: int) -> None:
+def _add_gen_flags(p: argparse.ArgumentParser, default_tokens: int, json: bool = True) -> None:
+    from qnpipe.validate import check_max_tokens, check_seed, check_temperature, check_top_p
+
     g = p.add_argument_group("generation")
-    g.add_argument("-n", "--max-tokens", type=int, default=default_tokens, metavar="N",
+    g.add_argument("-n", "--max-tokens", type=_int_arg(check_max_tokens), default=default_tokens, metavar="N",
                    help=f"stop after N new tokens (default {default_tokens}); generation also stops at EOS")
-    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+    g.add_argument("--temperature", type=_float_arg(check_temperature), default=0.0, metavar="T",
                    help="sampling temperature; 0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass, (0, 1] (default 1)")
-    g.add_argument("--seed", type=int, default=None, help="random seed for sampling (reproducible output)")
-    g.add_argument("--json", action="store_true",
-                   help="print one JSON object (text, tokens, stats, engine stats) instead of text")
+    g.add_argument("--top-p", type=_float_arg(check_top_p), default=1.0, metavar="P",
+                   help="nucleus sampling mass, (0, 1] (default 1)")
+    g.add_argument("--seed", type=_int_arg(check_seed), default=None,
+                   help="random seed for sampling, >= 0 (reproducible output)")
     g.add_argument("--stats", action="store_true",
                    help="print the engine's figures on stderr: expert source, pool hits and misses by cause, "
                         "reads, bytes read, stall time, per-layer occupancy")
+    if json:
+        g.add_argument("--json", action="store_true",
+                       help="print one JSON object (text, tokens, stats, engine stats) instead of text")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -62,7 +67,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise QnpipeError(f"--set expects KEY=VALUE, got {item!r}")
-        out[key.strip()] = value
+        out[key.strip()] = value.strip()
     if getattr(args, "prefill_chunk", None) is not None:
         out["forward.prefill_chunk_tokens"] = args.prefill_chunk
     return out
@@ -71,7 +76,85 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _load_config(args: argparse.Namespace) -> Any:
     from qnpipe import config
 
-    return config.load(args.config, overrides=_overrides(args))
+    overrides = _overrides(args)
+    positional = getattr(args, "model_dir", None) or getattr(args, "model", None)
+    if positional is not None:
+        for key in ("model.model_dir", "model_dir"):
+            if key in overrides and overrides[key] != str(positional):
+                _warn(args, f"the model directory {positional} given on the command line wins over "
+                            f"--set {key}={overrides[key]}")
+    return config.load(args.config, overrides=overrides)
+
+
+def _checked(check: Any) -> Any:
+    """An argparse `type=` that parses with `check` (qnpipe.validate), so bad values exit 2 before loading."""
+    def parse(text: str) -> Any:
+        try:
+            return check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = getattr(check, "__name__", "value")
+    return parse
+
+
+def _int_arg(check: Any) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+        return check(value, name="value")
+    return _checked(parse)
+
+
+def _float_arg(check: Any) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+        return check(value, name="value")
+    return _checked(parse)
+
+
+def _text_arg(allow_empty: bool = False) -> Any:
+    from qnpipe.validate import check_text
+
+    def parse(text: str) -> str:
+        if not text and not allow_empty:
+            raise ValueError("empty text: give at least one character")
+        return check_text(text, "value")
+    return _checked(parse)
+
+
+def _precheck_model(model_dir: str | Path, cfg: Any) -> None:
+    """The cheap checks of a model directory, before MLX is imported or anything loads.
+
+    config.json (sizes, model type), the tokenizer files, settings that depend on the model
+    (forward.moe_topk_override against num_experts) and a qnpipe directory's store index and
+    layer files (the validation verify-store makes). The loader repeats them.
+    """
+    from qnpipe.chat.tokenizer import check_tokenizer_files
+    from qnpipe.model.args import args_from_dict, read_config
+    from qnpipe.validate import check_topk_override
+
+    model_dir = Path(model_dir)
+    config = read_config(model_dir)
+    margs = args_from_dict(config, str(model_dir / "config.json"))
+    check_tokenizer_files(model_dir)
+    check_topk_override(cfg.forward.moe_topk_override, margs.num_experts)
+    if isinstance(config.get("qnpipe"), dict) or (model_dir / "experts" / "index.json").is_file():
+        from qnpipe.io.store import ExpertStore, model_id
+        from qnpipe.io.store_check import check_against_model
+
+        qcfg = config.get("quantization") or config.get("quantization_config")
+        with ExpertStore.open(cfg.model.expert_dir or model_dir, expected_model_id=model_id(margs)) as store:
+            check_against_model(store.index, store.root / "index.json", margs, qcfg if isinstance(qcfg, dict) else None)
+
+
+def _warn(args: argparse.Namespace, msg: str) -> None:
+    print(f"qnpipe {args.command}: warning: {msg}", file=sys.stderr)
 
 
 def _print_stats(stats: Any) -> None:
@@ -131,9 +214,20 @@ class _PrefillBar:
 
 
 def _run_generate(eng: Any, prompt: str | list[int], args: argparse.Namespace) -> int:
+    from qnpipe.validate import check_prompt, context_warning
+
     def show(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
+
+    try:
+        prompt = check_prompt(prompt)
+    except ValueError as e:
+        raise QnpipeError(str(e)) from None
+    if isinstance(prompt, str):
+        prompt = eng.encode(prompt)  # the same ids generate() would make; counted for the warning
+    if (w := context_warning(len(prompt), eng.args.max_position_embeddings)) is not None:
+        _warn(args, w)
 
     with _PrefillBar(enabled=not args.json and sys.stderr.isatty()) as bar:
         res = eng.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -163,12 +257,13 @@ def _print_engine_stats(st: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from qnpipe.embed import Engine
-
     model_dir = Path(args.model) if args.model else DEMO_MODEL_DIR
     if not args.json:
         print(f"model: {model_dir}", file=sys.stderr)
     cfg = _load_config(args)
+    _precheck_model(model_dir, cfg)
+    from qnpipe.embed import Engine
+
     with Engine(model_dir, cfg) as eng:
         prompt = args.prompt
         if eng.tokenizer is not None and getattr(eng.tokenizer, "chat_template", None) and not args.raw:
@@ -182,21 +277,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _read_tokens(text: str) -> list[int]:
     try:
-        return [int(t) for t in text.replace(",", " ").split()]
+        ids = [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
         raise QnpipeError(f"--tokens expects integers separated by commas or spaces, got {text!r}") from None
+    if not ids:
+        raise QnpipeError("--tokens is empty: give at least one token id")
+    if any(t < 0 for t in ids):
+        raise QnpipeError(f"--tokens: token id {min(ids)} is negative")
+    return ids
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from qnpipe.embed import Engine
-
     if (args.prompt is None) == (args.tokens is None):
         raise QnpipeError("give exactly one of --prompt TEXT or --tokens IDS")
+    tokens = _read_tokens(args.tokens) if args.tokens is not None else None
+    if tokens is not None and args.chat:
+        raise QnpipeError("--chat needs --prompt TEXT (token ids are sent as they are)")
     cfg = _load_config(args)
+    _precheck_model(args.model_dir, cfg)
+    from qnpipe.embed import Engine
+
     with Engine(args.model_dir, cfg) as eng:
         prompt: str | list[int]
-        if args.tokens is not None:
-            prompt = _read_tokens(args.tokens)
+        if tokens is not None:
+            prompt = tokens
         elif args.chat:
             from qnpipe.chat.tokenizer import render_chat
 
@@ -209,23 +313,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    cfg = _load_config(args)
+    _precheck_model(args.model_dir, cfg)
     from qnpipe.chat.tokenizer import render_chat
     from qnpipe.embed import Engine
 
-    cfg = _load_config(args)
     messages: list[dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
     with Engine(args.model_dir, cfg) as eng:
-        print("chat: type a message; /reset clears the conversation, /quit or Ctrl-D leaves.", file=sys.stderr)
+        print("chat: type a message; /reset clears the conversation, /quit or Ctrl-D leaves "
+              "(start a line with // to send one beginning with /).", file=sys.stderr)
         while True:
             try:
                 line = input("you> ")
             except EOFError:
                 print(file=sys.stderr)
                 return 0
-            if line.strip() in ("/quit", "/exit"):
+            except UnicodeDecodeError as e:
+                print(f"qnpipe chat: error: the input line is not valid UTF-8 (byte 0x{e.object[e.start]:02x}); "
+                      f"not sent", file=sys.stderr)
+                continue
+            from qnpipe.validate import check_text
+
+            try:
+                check_text(line, "the input line")
+            except ValueError as e:
+                print(f"qnpipe chat: error: {e}; not sent", file=sys.stderr)
+                continue
+            cmd = line.strip()
+            if not cmd:
+                continue
+            if cmd in ("/quit", "/exit"):
                 return 0
-            if line.strip() == "/reset":
+            if cmd == "/reset":
                 messages = messages[:1] if args.system else []
+                continue
+            if cmd.startswith("//"):
+                line = line.lstrip()[1:]
+            elif cmd.startswith("/"):
+                print(f"qnpipe chat: unknown command {cmd.split()[0]} (commands: /reset, /quit, /exit; "
+                      f"start the line with // to send it as text)", file=sys.stderr)
                 continue
             messages.append({"role": "user", "content": line})
             sys.stdout.write("assistant> ")
@@ -243,8 +369,11 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
     if args.layout == "hf" and args.bits is not None:
         raise QnpipeError("--bits needs --layout mlx (the original HF layout is never quantized)")
-    out = make_tiny(Path(args.out), layout=args.layout, bits=args.bits, group_size=args.group_size,
-                    seed=args.seed, force=args.force)
+    try:
+        out = make_tiny(Path(args.out), layout=args.layout, bits=args.bits, group_size=args.group_size,
+                        seed=args.seed, force=args.force)
+    except FileExistsError:
+        raise QnpipeError(f"{Path(args.out).absolute()} exists and is not empty (pass --force to replace it)") from None
     print(out)
     return 0
 
@@ -299,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="examples:\n  qnpipe demo\n  qnpipe demo -p 'Write a function that reverses a list.' -n 80\n"
                        "  qnpipe demo --raw -p 'def fibonacci(n):' --json")
     d.add_argument("--model", metavar="DIR", help="use this model directory instead of the built-in one")
-    d.add_argument("-p", "--prompt", default="Write a Python function that adds two numbers.",
+    d.add_argument("-p", "--prompt", default="Write a Python function that adds two numbers.", type=_text_arg(),
                    help="the user message (default: %(default)r)")
     d.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     _add_gen_flags(d, 48)
@@ -311,10 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "then the stats on stderr.",
                        epilog="example:\n  qnpipe generate ./tiny -p 'def fib(n):' -n 32 --json")
     g.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (original HF, mlx-lm, or qnpipe convert layout)")
-    g.add_argument("-p", "--prompt", help="prompt text")
+    g.add_argument("-p", "--prompt", type=_text_arg(), help="prompt text")
     g.add_argument("--tokens", metavar="IDS", help="prompt as token ids, e.g. '1,2,3'")
     g.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template as a user turn")
-    g.add_argument("--system", help="system message (with --chat)")
+    g.add_argument("--system", type=_text_arg(allow_empty=True), help="system message (with --chat)")
     _add_gen_flags(g, 128)
     _add_config_flags(g)
     g.set_defaults(func=cmd_generate)
@@ -322,9 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive chat with the model's chat template", formatter_class=fmt,
                        description="Multi-turn chat on the terminal. /reset clears the history; /quit leaves.")
     c.add_argument("model_dir", metavar="MODEL_DIR")
-    c.add_argument("--system", help="system message")
+    c.add_argument("--system", type=_text_arg(allow_empty=True), help="system message")
     c.add_argument("-v", "--verbose", action="store_true", help="print stats after each answer")
-    _add_gen_flags(c, 512)
+    _add_gen_flags(c, 512, json=False)
     _add_config_flags(c)
     c.set_defaults(func=cmd_chat)
 
@@ -388,18 +517,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_broken_pipe() -> int:
+    """The reader of stdout went away (`qnpipe generate ... | head`): stop quietly, as standard tools do."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return 128 + 13  # as if killed by SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # A shell without job control starts background jobs with SIGINT ignored; `kill -INT` must still stop us.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except QnpipeError as e:
         print(f"qnpipe {args.command}: error: {e}", file=sys.stderr)
         return 2
     except (FileExistsError, FileNotFoundError) as e:
         print(f"qnpipe {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # disk full, I/O error, ... while writing or reading: name the file, no traceback
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"qnpipe {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"\nqnpipe {args.command}: interrupted", file=sys.stderr)
         return 130

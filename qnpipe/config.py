@@ -250,6 +250,11 @@ def _toml_settings(toml_path: str | os.PathLike[str]) -> list[_Setting]:
         raise ConfigError(f"cannot read config file {where}: {exc.strerror or exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {where} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {where} is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at "
+                          f"offset {exc.start}); TOML files must be UTF-8") from None
+    except RecursionError:
+        raise ConfigError(f"config file {where} is not valid TOML: nested too deeply") from None
     seed_hits: list[_Setting] = []
     own_hits: list[_Setting] = []
     for key, table in data.items():

@@ -39,7 +39,8 @@ from qnpipe.io.safetensors_out import _safetensors_bytes, _shards, _write_model_
 from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, LayerFile, Quant, StoreIndex
 from qnpipe.model.args import ModelArgs, args_from_dict, read_config
 from qnpipe.model.checkpoint import Layout, detect_layout, is_qnpipe_dir, scan
-from qnpipe.outdir import ByteProgress, Log, atomic_dir, clean_stale, fsync_dir, human_bytes, peak_rss
+from qnpipe.outdir import (ByteProgress, Log, atomic_dir, check_output_location, clean_stale, fsync_dir, human_bytes,
+                           peak_rss)
 
 __all__ = ["CHUNK_BYTES", "MAX_SHARD_BYTES", "ROW_BLOCK_BYTES", "MODEL_FORMAT", "MODEL_VERSION", "ConvertReport", "convert"]
 
@@ -184,6 +185,7 @@ def convert(
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     _check_paths(src_p, out_p, mtp_p, force)
+    existing = check_output_location(out_p, "--out")
 
     config = read_config(src_p)
     args = args_from_dict(config, str(src_p / "config.json"))
@@ -206,7 +208,6 @@ def convert(
     need = expert_bytes + main_bytes + mtp_bytes + small
 
     parent = out_p.parent
-    existing = next(p for p in (parent, *parent.parents) if p.exists())
     if parent.exists():
         clean_stale(parent, out_p.name, log)
     free = shutil.disk_usage(existing).free

@@ -113,7 +113,8 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
 
     stream = not cfg.pool.eager_load and is_qnpipe_dir(model_dir, read_config(model_dir))
     runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
-                    expert_dir=cfg.model.expert_dir or None, resident_experts=not stream)
+                    expert_dir=cfg.model.expert_dir or None, resident_experts=not stream,
+                    verify=cfg.read.verify_crc32, topk_override=cfg.forward.moe_topk_override)
     if not stream:
         asked = cfg.pool.expert_slots != PoolCfg().expert_slots or cfg.pool.capacity_profile_path
         if asked and not cfg.pool.eager_load and runner.loaded.layout is not Layout.QNPIPE:

@@ -57,3 +57,7 @@ class RouteError(QnpipeError, AssertionError):
 
 class PipelineError(QnpipeError, RuntimeError):
     """The expert pipeline stopped (an actor failed); the engine must be reopened."""
+
+
+class OutputError(QnpipeError):
+    """An output directory (`convert --out`, `make-tiny OUT`) cannot be created or written; names path and reason."""

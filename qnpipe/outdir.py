@@ -8,6 +8,7 @@ with SIGKILL leaves it behind with a free lock, and the next run removes it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import resource
@@ -45,6 +46,35 @@ def fsync_dir(d: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_output_location(out: Path, what: str = "output directory") -> Path:
+    """Check that directory `out` can be created (or replaced); returns its nearest existing ancestor.
+
+    Creates and removes a probe directory there, so read-only file systems, permissions and
+    virtual file systems (/proc, /sys) are found before any work. Raises OutputError naming
+    the path and the reason.
+    """
+    from qnpipe.errors import OutputError
+
+    out = Path(out)
+    existing = next(p for p in (out.parent, *out.parent.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        raise OutputError(f"{what} {out}: {existing} is not a directory")
+    probe = existing / f".qnpipe-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        probe.mkdir()
+    except OSError as e:
+        reason = e.strerror or str(e)
+        if e.errno in (errno.ENOENT, errno.EPERM, errno.ENOTDIR) and existing.is_dir():
+            reason = f"{reason}: directories cannot be created in {existing} (a virtual file system like /proc?)"
+        elif e.errno == errno.EROFS:
+            reason = f"{existing} is on a read-only file system"
+        elif e.errno == errno.EACCES:
+            reason = f"no permission to write in {existing}"
+        raise OutputError(f"{what} {out}: cannot write there ({reason})") from None
+    probe.rmdir()
+    return existing
 
 
 def clean_stale(parent: Path, name: str, log: Log) -> None:

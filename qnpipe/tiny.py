@@ -355,6 +355,9 @@ def make_tiny(
     occupied = out.exists() and (not out.is_dir() or any(out.iterdir()))
     if occupied and not force:
         raise FileExistsError(f"{out} exists and is not empty (pass force=True to replace it)")
+    from qnpipe.outdir import check_output_location
+
+    check_output_location(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:

@@ -10,7 +10,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from qnpipe.errors import StoreError
 from qnpipe.io.store import config_model_id, read_index
+from qnpipe.io.store_check import check_against_model, open_layer_file
 from qnpipe.outdir import ByteProgress
 
 __all__ = ["BadRecord", "VerifyReport", "describe", "verify_store"]
@@ -53,12 +55,21 @@ def verify_store(path: str | os.PathLike[str], *, progress: bool = False) -> Ver
     """Check every record's crc32 in the store of model directory (or experts directory) `path`.
 
     Bad records and bad files are reported, not raised. Raises StoreError when the index itself
-    is missing, invalid or (given a model directory) belongs to another model.
+    is missing or invalid or, given a model directory, belongs to another model or disagrees
+    with its config.json: the same checks (`store_check`) the loader makes, so a store the
+    loader refuses never verifies OK.
     """
     t0 = time.perf_counter()
     p = Path(path)
     expected = config_model_id(p) if (p / "config.json").is_file() else None
     root, index = read_index(p, expected_model_id=expected)
+    if expected is not None:
+        from qnpipe.model.args import args_from_dict, read_config
+
+        config = read_config(p)
+        qcfg = config.get("quantization") or config.get("quantization_config")
+        check_against_model(index, root / "index.json", args_from_dict(config, str(p / "config.json")),
+                            qcfg if isinstance(qcfg, dict) else None)
     total = sum(lf.num_experts * lf.record_nbytes for lf in index.layers)
     bar = ByteProgress(progress, total, "verifying")
     bad: list[BadRecord] = []
@@ -75,10 +86,10 @@ def verify_store(path: str | os.PathLike[str], *, progress: bool = False) -> Ver
                                  crc_actual=actual)
 
             try:
-                fd = os.open(fpath, os.O_RDONLY)
-            except OSError as err:
-                file_errors.append(f"{fpath}: cannot open ({err.strerror}); layer {lf.layer} unchecked")
-                bad += [record(e, f"unreadable: {err.strerror}") for e in range(lf.num_experts)]
+                fd = open_layer_file(root, lf, check_size=False)
+            except StoreError as err:
+                file_errors.append(f"{err}; layer {lf.layer} unchecked")
+                bad += [record(e, "unreadable") for e in range(lf.num_experts)]
                 continue
             try:
                 size = os.fstat(fd).st_size

@@ -9,6 +9,25 @@ from typing import Any
 
 from qnpipe.errors import TokenizerError
 
+# Files that hold a vocabulary (tokenizer_config.json only configures one of these).
+_VOCAB_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt")
+
+
+def check_tokenizer_files(model_dir: str | Path) -> list[str]:
+    """The vocabulary files of `model_dir` (cheap: no tokenizer library is imported).
+
+    Raises TokenizerError naming the missing file when there is no tokenizer, or only a
+    tokenizer_config.json (which configures a vocabulary but holds none).
+    """
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        raise TokenizerError(f"{model_dir}: no tokenizer.json or tokenizer_config.json")
+    vocab_files = [f for f in _VOCAB_FILES if (model_dir / f).is_file()]
+    if not vocab_files:
+        raise TokenizerError(f"{model_dir / 'tokenizer.json'}: missing; tokenizer_config.json alone has no "
+                             f"vocabulary (copy tokenizer.json from the original checkpoint)")
+    return vocab_files
+
 
 def load_tokenizer(model_dir: str | Path) -> Any:
     """mlx-lm `TokenizerWrapper` for `model_dir`: HF tokenizer + streaming detokenizer + eos ids.
@@ -18,20 +37,23 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     from mlx_lm.tokenizer_utils import load
 
     model_dir = Path(model_dir)
-    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
-        raise TokenizerError(f"{model_dir}: no tokenizer.json or tokenizer_config.json")
+    vocab_files = check_tokenizer_files(model_dir)
     eos: list[int] = []
     gen = model_dir / "generation_config.json"
     if gen.is_file():
         try:
             e = json.loads(gen.read_text()).get("eos_token_id")
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise TokenizerError(f"{gen}: not valid JSON ({err})") from None
         eos = [e] if isinstance(e, int) else list(e or [])
     try:
-        return load(model_dir, eos_token_ids=eos or None)
+        tok = load(model_dir, eos_token_ids=eos or None)
+        size = len(tok.get_vocab())
     except Exception as e:  # transformers raises many unrelated types for a broken tokenizer
         raise TokenizerError(f"{model_dir}: cannot load tokenizer ({type(e).__name__}: {e})") from None
+    if size == 0:
+        raise TokenizerError(f"{model_dir / vocab_files[0]}: the tokenizer has an empty vocabulary")
+    return tok
 
 
 def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,

@@ -203,29 +203,18 @@ class ExpertStore:
     def open(cls, path: str | os.PathLike[str], *, expected_model_id: str | None = None) -> ExpertStore:
         """Open the store of a model directory or of its `experts/` directory.
 
-        Validates the index (`read_index`) and that every layer file exists with exactly the
-        size the index gives. Raises StoreError naming the file (and the expected and actual
-        sizes for a truncated or oversized one).
+        Validates the index (`read_index`) and that every layer file is a regular file with
+        exactly the size the index gives (`store_check.open_layer_file`; a FIFO or directory is
+        refused without blocking). Raises StoreError naming the file (and the expected and
+        actual sizes for a truncated or oversized one).
         """
         root, index = read_index(path, expected_model_id=expected_model_id)
+        from qnpipe.io.store_check import open_layer_file
+
         fds: dict[int, int] = {}
         try:
             for lf in index.layers:
-                fpath = root / lf.file
-                try:
-                    fd = os.open(fpath, os.O_RDONLY)
-                except FileNotFoundError:
-                    raise StoreError(f"{fpath}: missing expert file of layer {lf.layer}") from None
-                except OSError as e:
-                    raise StoreError(f"{fpath}: cannot open ({e.strerror})") from None
-                fds[lf.layer] = fd
-                size = os.fstat(fd).st_size
-                if size != lf.file_nbytes:
-                    what = "truncated" if size < lf.file_nbytes else "larger than the index says"
-                    raise StoreError(
-                        f"{fpath}: {what}: {size} bytes, the index expects {lf.file_nbytes} "
-                        f"(layer {lf.layer}: {lf.num_experts} records, {lf.stride} bytes apart)"
-                    )
+                fds[lf.layer] = open_layer_file(root, lf)
         except BaseException:
             for fd in fds.values():
                 os.close(fd)

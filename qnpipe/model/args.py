@@ -83,6 +83,8 @@ def args_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelArg
     Raises CheckpointError naming `source` and the key when the model type is not
     qwen3_next, a required key is missing, or a value has the wrong type.
     """
+    if "model_type" not in raw:
+        raise CheckpointError(f"{source}: model_type is missing; qnpipe runs only {MODEL_TYPE!r} models")
     mt = raw.get("model_type")
     if mt != MODEL_TYPE:
         raise CheckpointError(f"{source}: model_type is {mt!r}; qnpipe runs only {MODEL_TYPE!r} models")
@@ -102,6 +104,7 @@ def args_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelArg
         args = msgspec.convert(kept, ModelArgs)
     except msgspec.ValidationError as e:
         raise CheckpointError(f"{source}: {e}") from None
+    _check_ranges(args, source)
     if args.linear_num_value_heads % args.linear_num_key_heads:
         raise CheckpointError(
             f"{source}: linear_num_value_heads ({args.linear_num_value_heads}) must be a multiple "
@@ -115,14 +118,60 @@ def args_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelArg
     return args
 
 
+# Sizes that must be >= 1 (0 would divide by zero or build an empty model).
+_POSITIVE = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim", "vocab_size", "max_position_embeddings", "full_attention_interval",
+    "decoder_sparse_step",
+)
+_NON_NEGATIVE = ("num_experts", "shared_expert_intermediate_size", "intermediate_size")
+
+
+def _check_ranges(args: ModelArgs, source: str) -> None:
+    """Impossible sizes are refused here, naming the key and the value, not deep inside MLX."""
+    def bad(key: str, need: str) -> CheckpointError:
+        return CheckpointError(f"{source}: {key} is {getattr(args, key)!r}; it must be {need}")
+
+    for key in _POSITIVE:
+        if getattr(args, key) < 1:
+            raise bad(key, "a positive integer")
+    for key in _NON_NEGATIVE:
+        if getattr(args, key) < 0:
+            raise bad(key, ">= 0")
+    if args.num_experts > 0:
+        if not 1 <= args.num_experts_per_tok <= args.num_experts:
+            raise bad("num_experts_per_tok", f"in 1..num_experts ({args.num_experts})")
+        if args.moe_intermediate_size < 1:
+            raise bad("moe_intermediate_size", "a positive integer")
+    for key in ("rms_norm_eps", "rope_theta"):
+        v = getattr(args, key)
+        if not v > 0 or v == float("inf"):
+            raise bad(key, "a positive finite number")
+    if not 0 < args.partial_rotary_factor <= 1:
+        raise bad("partial_rotary_factor", "in (0, 1]")
+    bad_layers = [l for l in args.mlp_only_layers if not 0 <= l < args.num_hidden_layers]
+    if bad_layers:
+        raise CheckpointError(f"{source}: mlp_only_layers has {bad_layers[0]}, not a layer of "
+                              f"0..{args.num_hidden_layers - 1}")
+
+
 def read_config(model_dir: Path) -> dict[str, Any]:
     """Read `model_dir/config.json` as a dict, with errors naming the file."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if model_dir.exists() and not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: is a file, not a model directory (give the directory holding "
+                              f"config.json and the weights)")
+    if not path.exists():
         raise CheckpointError(f"{path}: not found (is {model_dir} a model directory?)")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a regular file")
     try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = json.loads(path.read_bytes())
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")

@@ -12,6 +12,7 @@ import enum
 import json
 import os
 import re
+import stat
 import struct
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,10 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     valid JSON, or a tensor's byte range does not fit its dtype and shape.
     """
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: not a regular file")
+        size = st.st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -76,8 +80,10 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
     try:
         header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, int too long
         raise CheckpointError(f"{path}: corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
     data_len = size - 8 - n
     out: dict[str, TensorInfo] = {}
     for name, info in header.items():
@@ -87,7 +93,12 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from None
-        nbytes = _DTYPE_BYTES.get(dtype, 0)
+        if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+        if not all(type(v) is int and v >= 0 for v in (*shape, lo, hi)) or lo > hi:
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name!r} "
+                                  f"(shape {info['shape']!r}, data_offsets {info['data_offsets']!r})")
+        nbytes = _DTYPE_BYTES[dtype]
         for d in shape:
             nbytes *= d
         if hi - lo != nbytes:

@@ -10,13 +10,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from qnpipe.errors import CheckpointError, StoreError
+from qnpipe.errors import CheckpointError
 from qnpipe.model.args import ModelArgs, args_from_dict, read_config
 from qnpipe.model.checkpoint import (
     Layout, TensorInfo, detect_layout, is_qnpipe_dir, load_tensors, read_header, scan, to_mlx_names,
 )
 from qnpipe.model.experts import PROJS, LayerExperts, ProjWeights, ResidentExperts
 from qnpipe.model.qwen3_next import Model
+from qnpipe.validate import check_topk_override
 
 if TYPE_CHECKING:
     from qnpipe.io.store import ExpertStore
@@ -96,64 +97,48 @@ def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any
     return ResidentExperts(layers)
 
 
-def open_store(args: ModelArgs, store_dir: Path) -> ExpertStore:
+def open_store(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None) -> ExpertStore:
     """The expert store of a model (a model dir or its experts dir), checked against its config.
 
-    Raises StoreError for a store of another model, other layers or another expert count.
+    Raises StoreError for a store of another model or one whose index disagrees with it
+    (`store_check.check_against_model`, the check verify-store makes too).
     """
     from qnpipe.io.store import ExpertStore, model_id
+    from qnpipe.io.store_check import check_against_model
 
     store = ExpertStore.open(store_dir, expected_model_id=model_id(args))
-    index_path = store.root / "index.json"
     try:
-        if set(store.layers) != set(args.moe_layers):
-            raise StoreError(f"{index_path}: store holds layers {list(store.layers)}, the model's MoE layers are "
-                             f"{list(args.moe_layers)}")
-        for layer in args.moe_layers:
-            lf = store.layer_file(layer)
-            if lf.num_experts != args.num_experts:
-                raise StoreError(f"{store.root / lf.file}: {lf.num_experts} experts, "
-                                 f"config.json says {args.num_experts}")
+        check_against_model(store.index, store.root / "index.json", args, qcfg)
     except BaseException:
         store.close()
         raise
     return store
 
 
-def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None) -> ResidentExperts:
-    """Every expert of a store (a model dir or its experts dir), stacked `[E, ...]` per projection (slot == expert id)."""
+def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None, *,
+                   verify: bool = False) -> ResidentExperts:
+    """Every expert of a store (a model dir or its experts dir), stacked `[E, ...]` per projection (slot == expert id).
+
+    The index must agree with the model (`store_check.check_against_model`, the check
+    verify-store makes too). With `verify`, every record's crc32 is checked as its layer is
+    read: StoreError names the layer, expert, file and offset of the first bad record.
+    """
     from qnpipe.io.store import as_mx
 
-    E = args.num_experts
-    dims = args.expert_dims
-    with open_store(args, store_dir) as store:
-        index_path = store.root / "index.json"
+    with open_store(args, store_dir, qcfg) as store:
         layers: dict[int, LayerExperts] = {}
         for l in args.moe_layers:
             lf = store.layer_file(l)
-            arrays = store.read_layer(l)
+            arrays = store.read_layer(l, verify=verify)
             dtypes = {t.name: t.dtype for t in lf.tensors}
             projs = {}
             for proj in PROJS:
-                if f"{proj}.weight" not in arrays:
-                    raise StoreError(f"{index_path}: layer {l} records have no {proj}.weight")
                 w = as_mx(arrays[f"{proj}.weight"], dtypes[f"{proj}.weight"])
                 q = (lf.quant or {}).get(proj)
                 if q is None:
                     projs[proj] = ProjWeights(w)
                     continue
-                path = f"model.layers.{l}.mlp.switch_mlp.{proj}"
-                if qcfg is not None:  # the config's quantization must agree with the store's
-                    cq = quant_params(path, qcfg, (E, dims[proj][0], dims[proj][1] // q.group_size),
-                                       (E, dims[proj][0], dims[proj][1] * q.bits // 32), dims[proj][1])
-                    if cq is not None and (cq["bits"], cq["group_size"]) != (q.bits, q.group_size):
-                        raise StoreError(f"{index_path}: layer {l} {proj} is {q.bits}-bit/group {q.group_size}, "
-                                         f"config.json says {cq['bits']}-bit/group {cq['group_size']}")
-                scales, biases = (as_mx(arrays[f"{proj}.{n}"], dtypes[f"{proj}.{n}"]) if f"{proj}.{n}" in arrays
-                                  else None for n in ("scales", "biases"))
-                if scales is None or (biases is None and q.mode == "affine"):
-                    raise StoreError(f"{index_path}: layer {l} {proj} is quantized but its records lack "
-                                     f"scales or biases")
+                scales, biases = (as_mx(arrays[f"{proj}.{n}"], dtypes[f"{proj}.{n}"]) for n in ("scales", "biases"))
                 projs[proj] = ProjWeights(w, scales, biases, q.group_size, q.bits, q.mode)
             layers[l] = LayerExperts(**projs)
             del arrays
@@ -192,8 +177,49 @@ def _check_and_load(model: Model, w: dict[str, mx.array], where: dict[str, Tenso
     model.load_weights(list(w.items()), strict=True)
 
 
-def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None,
-               resident_experts: bool = True) -> LoadedModel:
+def _on_cpu() -> bool:
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def _half_expert_dtype(model_dir: Path, infos: dict[str, TensorInfo], qnpipe_dir: bool,
+                       expert_dir: str | Path | None) -> tuple[str, str] | None:
+    """(dtype, where) of the first unquantized bfloat16/float16 routed-expert weight, else None."""
+    if qnpipe_dir:
+        from qnpipe.io.store import read_index
+
+        root, index = read_index(Path(expert_dir) if expert_dir else model_dir)
+        for lf in index.layers:
+            for t in lf.tensors:
+                proj = t.name.split(".")[0]
+                if t.name.endswith(".weight") and not (lf.quant or {}).get(proj) and t.dtype in ("bfloat16", "float16"):
+                    return t.dtype, f"{root / lf.file} ({t.name})"
+        return None
+    for name, info in infos.items():
+        if not name.endswith(".weight") or (".mlp.experts." not in name and ".mlp.switch_mlp." not in name):
+            continue
+        if info.dtype in ("BF16", "F16") and name[: -len("weight")] + "scales" not in infos:
+            return {"BF16": "bfloat16", "F16": "float16"}[info.dtype], f"{info.file} ({name})"
+    return None
+
+
+def check_cpu_dtype(model_dir: Path, infos: dict[str, TensorInfo], qnpipe_dir: bool,
+                    expert_dir: str | Path | None = None) -> None:
+    """Refuse unquantized bfloat16/float16 experts on the CPU backend (MLX's GatherMM there is float32 only)."""
+    if not _on_cpu():
+        return
+    found = _half_expert_dtype(model_dir, infos, qnpipe_dir, expert_dir)
+    if found is None:
+        return
+    dtype, where = found
+    raise CheckpointError(
+        f"{model_dir}: the experts are unquantized {dtype} ({where}); MLX on the CPU backend computes "
+        f"unquantized experts only in float32. Convert the model first, e.g. "
+        f"`qnpipe convert {model_dir} --out DIR --dtype float32` or `qnpipe convert {model_dir} --out DIR --bits 4`"
+    )
+
+
+def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None, verify: bool = False,
+               topk_override: int | None = None, resident_experts: bool = True) -> LoadedModel:
     """Load `model_dir` (original HF, mlx-lm, or qnpipe layout) with every expert resident.
 
     `resident_experts` False (qnpipe layout only) loads everything but the routed experts,
@@ -201,12 +227,14 @@ def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None,
 
     `expert_dir` is where a qnpipe directory's expert store lives when not in
     `model_dir/experts` (config `model.expert_dir`, the `EXPERT_DIR` name); the store's
-    model id must match `model_dir`'s config.
+    model id must match `model_dir`'s config. `verify` (config `read.verify_crc32`) checks
+    every expert record's crc32 as a qnpipe store is read; off, the disk is trusted.
+    `topk_override` (config `forward.moe_topk_override`) is only range-checked here.
 
     Raises CheckpointError naming the file and tensor for a wrong model_type, missing or
     unexpected tensors, shape mismatches and truncated or corrupt safetensors files;
     StoreError for a qnpipe directory whose expert store is missing, truncated or from
-    another model.
+    another model, disagrees with config.json, or (with `verify`) has a corrupt record.
     """
     model_dir = Path(model_dir)
     config = read_config(model_dir)
@@ -214,8 +242,11 @@ def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None,
     qcfg = config.get("quantization") or config.get("quantization_config")
     if qcfg is not None and "bits" not in qcfg:
         raise CheckpointError(f"{model_dir / 'config.json'}: quantization section has no default 'bits'")
+    check_topk_override(topk_override, args.num_experts)
     infos = scan(model_dir)
-    if is_qnpipe_dir(model_dir, config):
+    qnpipe_dir = is_qnpipe_dir(model_dir, config)
+    check_cpu_dtype(model_dir, infos, qnpipe_dir, expert_dir)
+    if qnpipe_dir:
         layout = Layout.QNPIPE
         weights = load_tensors(infos)
         stray = [k for k in weights if k.startswith("mtp.") or ".mlp.switch_mlp." in k or ".mlp.experts." in k]
@@ -228,9 +259,9 @@ def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None,
         mtp = load_tensors(read_header(mtp_file)) if mtp_file.is_file() else {}
         store_dir = Path(expert_dir) if expert_dir else model_dir
         if resident_experts:
-            experts = _store_experts(args, store_dir, qcfg)
+            experts = _store_experts(args, store_dir, qcfg, verify=verify)
         else:
-            open_store(args, store_dir).close()
+            open_store(args, store_dir, qcfg).close()
             experts = ResidentExperts({})
     else:
         layout = detect_layout(infos, model_dir)

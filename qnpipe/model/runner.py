@@ -17,9 +17,11 @@ class Runner:
     """
 
     def __init__(self, model_dir: str | Path, *, prefill_chunk: int, tokenizer: bool = True,
-                 expert_dir: str | Path | None = None, resident_experts: bool = True):
+                 expert_dir: str | Path | None = None, resident_experts: bool = True, verify: bool = False,
+                 topk_override: int | None = None):
         self.model_dir = Path(model_dir)
-        self.loaded: LoadedModel = load_model(model_dir, expert_dir=expert_dir, resident_experts=resident_experts)
+        self.loaded: LoadedModel = load_model(model_dir, expert_dir=expert_dir, resident_experts=resident_experts,
+                                              verify=verify, topk_override=topk_override)
         self.prefill_chunk = prefill_chunk
         self.tokenizer: Any = None
         if tokenizer and _has_tokenizer(self.model_dir):

@@ -34,9 +34,11 @@ def test_sharded_hf_checkpoint(tmp_path: Path, tiny_hf: Path) -> None:
     assert "mtp.fc.weight" in lm.mtp_weights and "mtp.norm.weight" in lm.mtp_weights
 
 
-def test_bf16_hf_checkpoint_loads_mlx_lm_weights_exactly(tmp_path: Path) -> None:
+def test_bf16_hf_checkpoint_loads_mlx_lm_weights_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Unquantized bf16 experts cannot run on MLX's CPU backend (gather_mm is float32-only),
-    # so compare the loaded tensors, norms (+1 in bf16) and stacked experts included.
+    # so compare the loaded tensors, norms (+1 in bf16) and stacked experts included. The
+    # loader refuses such a model on the CPU (test_bad_inputs); the check is lifted here.
+    monkeypatch.setattr("qnpipe.model.load._on_cpu", lambda: False)
     d = make_tiny(tmp_path / "bf16", layout="hf", seed=3, dtype="bfloat16", shards=2)
     lm = load_model(d)
     ref, _ = mlx_lm_load(d)

@@ -1,0 +1,129 @@
+"""The one validation of an expert store shared by the loader and `qnpipe verify-store`.
+
+`open_layer_file` opens a layer file without ever blocking (a FIFO or a directory where the
+file should be is refused) and checks its size; `check_against_model` checks that an index
+describes exactly the expert tensors a model's config asks for (layers, expert count, tensor
+names, dtypes, shapes, bits and group size), so a store either side accepts, the other does too.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from qnpipe.errors import StoreError
+from qnpipe.io.store_format import LayerFile, StoreIndex
+
+if TYPE_CHECKING:
+    from qnpipe.model.args import ModelArgs
+
+__all__ = ["check_against_model", "open_layer_file"]
+
+_FLOATS = ("float32", "float16", "bfloat16")
+_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def open_layer_file(root: Path, lf: LayerFile, *, check_size: bool = True) -> int:
+    """A read-only fd of layer file `root / lf.file`, which must be a regular file.
+
+    Opened with O_NONBLOCK so a FIFO never blocks; with `check_size`, the size must be the
+    index's `file_nbytes`. Raises StoreError naming the file and the layer.
+    """
+    path = root / lf.file
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise StoreError(f"{path}: missing expert file of layer {lf.layer}") from None
+    except OSError as e:
+        raise StoreError(f"{path}: cannot open expert file of layer {lf.layer} ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                    else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+            raise StoreError(f"{path}: expert file of layer {lf.layer} is {kind}, not a regular file")
+        os.set_blocking(fd, True)
+        if check_size and st.st_size != lf.file_nbytes:
+            what = "truncated" if st.st_size < lf.file_nbytes else "larger than the index says"
+            raise StoreError(
+                f"{path}: {what}: {st.st_size} bytes, the index expects {lf.file_nbytes} "
+                f"(layer {lf.layer}: {lf.num_experts} records, {lf.stride} bytes apart)"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _config_quant(qcfg: Mapping[str, Any] | None, path: str) -> tuple[int, int] | None:
+    """(bits, group size) the config names for module `path` by its own entry, else None."""
+    if qcfg is None or not isinstance(qcfg.get(path), Mapping):
+        return None
+    p = qcfg[path]
+    return p.get("bits"), p.get("group_size")
+
+
+def check_against_model(index: StoreIndex, index_path: Path, args: ModelArgs,
+                        qcfg: Mapping[str, Any] | None = None) -> None:
+    """Check that `index` holds exactly the routed experts of the model `args` describes.
+
+    Layers must be the model's MoE layers; each with `num_experts` records whose tensors are
+    gate/up/down `weight` (plus `scales` and `biases` when the projection is quantized) with the
+    shapes the sizes, bits and group size give. Raises StoreError naming the index file, the
+    layer, the tensor and both values.
+    """
+    have = sorted(lf.layer for lf in index.layers)
+    want = list(args.moe_layers)
+    if have != want:
+        missing = sorted(set(want) - set(have))
+        extra = sorted(set(have) - set(want))
+        what = "; ".join(p for p in (f"missing layer(s) {missing}" if missing else "",
+                                     f"unexpected layer(s) {extra}" if extra else "") if p)
+        raise StoreError(f"{index_path}: store holds layers {have}, the model's MoE layers are {want} ({what})")
+    dims = args.expert_dims
+    for lf in sorted(index.layers, key=lambda lf: lf.layer):
+        where = f"{index_path}: layer {lf.layer} ({lf.file})"
+        if lf.num_experts != args.num_experts:
+            raise StoreError(f"{where}: {lf.num_experts} experts, config.json says {args.num_experts}")
+        tensors = {t.name: t for t in lf.tensors}
+        quant = lf.quant or {}
+        unknown = sorted(set(quant) - set(_PROJS))
+        if unknown:
+            raise StoreError(f"{where}: quantization for unknown projection(s) {unknown}")
+        expected: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+        for proj in _PROJS:
+            out_d, in_d = dims[proj]
+            q = quant.get(proj)
+            if q is None:
+                expected[f"{proj}.weight"] = ((out_d, in_d), _FLOATS)
+                continue
+            if q.mode != "affine":
+                raise StoreError(f"{where}: {proj} has quantization mode {q.mode!r}; only 'affine' is supported")
+            if q.bits not in (2, 3, 4, 5, 6, 8) or q.group_size not in (32, 64, 128):
+                raise StoreError(f"{where}: {proj} is {q.bits}-bit/group {q.group_size}; bits must be one of "
+                                 f"2, 3, 4, 5, 6, 8 and group size one of 32, 64, 128")
+            if in_d % q.group_size or (in_d * q.bits) % 32:
+                raise StoreError(f"{where}: {proj} input size {in_d} does not fit {q.bits}-bit/group {q.group_size}")
+            cq = _config_quant(qcfg, f"model.layers.{lf.layer}.mlp.switch_mlp.{proj}")
+            if cq is not None and cq != (q.bits, q.group_size):
+                raise StoreError(f"{where}: {proj} is {q.bits}-bit/group {q.group_size}, "
+                                 f"config.json says {cq[0]}-bit/group {cq[1]}")
+            expected[f"{proj}.weight"] = ((out_d, in_d * q.bits // 32), ("uint32",))
+            for part in ("scales", "biases"):
+                expected[f"{proj}.{part}"] = ((out_d, in_d // q.group_size), _FLOATS)
+        for name, (shape, dtypes) in expected.items():
+            t = tensors.get(name)
+            if t is None:
+                raise StoreError(f"{where}: records have no tensor {name}")
+            if tuple(t.shape) != shape:
+                raise StoreError(f"{where}: tensor {name} has shape {list(t.shape)}, the model needs {list(shape)}")
+            if t.dtype not in dtypes:
+                raise StoreError(f"{where}: tensor {name} has dtype {t.dtype}, the model needs "
+                                 f"{' or '.join(dtypes)}")
+        extra_t = sorted(set(tensors) - set(expected))
+        if extra_t:
+            raise StoreError(f"{where}: unexpected tensor(s) {extra_t} in the records")
