@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from qnpipe.errors import RouteError
+from qnpipe.errors import CapacityError, RouteError
 from qnpipe.policy.eviction import Eviction
 from qnpipe.policy.slot_table import Load, MissCause, SlotTable
 
@@ -74,7 +74,14 @@ class PoolPolicy:
         if key in self.pending or key in self.held or key in self.deferred:
             raise AssertionError(f"grant {key} asked for twice")
         table = self.tables[key[1]]
-        if table.room_ever(experts) >= len(experts) and not table.can_acquire_now(experts):
+        # Acquires still deferred at this layer keep their room: one made later must not take it,
+        # or they could wait forever once the reads are done.
+        if len(experts) > (room := table.room_ever(experts, self.reserved(key[1]))):
+            raise CapacityError(
+                f"layer {key[1]}: a step needs {len(experts)} distinct experts, {room} of "
+                f"{table.capacity} slots are usable (the rest are pinned, held or kept for waiting acquires)"
+            )
+        if not table.can_acquire_now(experts):
             self.deferred[key] = (tuple(experts), now)
             return [], None
         plan = table.acquire(experts)
@@ -99,6 +106,10 @@ class PoolPolicy:
             return list(plan.loads), None
         self.held[key] = grant
         return list(plan.loads), grant
+
+    def reserved(self, layer: int) -> set[int]:
+        """Experts of the acquires deferred at `layer`."""
+        return {e for k, (experts, _) in self.deferred.items() if k[1] == layer for e in experts}
 
     def read_done(self, layer: int, expert: int, slot: int) -> tuple[list[Load], list[Grant]]:
         """The read of (`layer`, `expert`) into `slot` finished: the reads and grants that follows."""

@@ -97,10 +97,11 @@ class SlotTable:
         """Slots resident or loading."""
         return len(self.slot_of)
 
-    def room_ever(self, experts: Iterable[int]) -> int:
-        """Slots a step needing `experts` could use once reads in flight finish: capacity minus pins and holds."""
+    def room_ever(self, experts: Iterable[int], reserved: Iterable[int] = ()) -> int:
+        """Slots a step needing `experts` could use once reads in flight finish: capacity minus pins,
+        holds and `reserved` (experts of acquires still waiting, which will hold them)."""
         need = set(experts)
-        return self.capacity - len({e for e in self.pinned if e not in need} | {e for e in self.held if e not in need})
+        return self.capacity - len((self.pinned | self.held.keys() | set(reserved)) - need)
 
     def available_for(self, experts: Iterable[int]) -> int:
         """Slots a step needing `experts` can use: capacity minus pins, holds and reads in flight it does not share."""

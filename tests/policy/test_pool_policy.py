@@ -51,7 +51,8 @@ class PoolMachine(RuleBasedStateMachine):
             loads, grant = self.policy.acquire(key, experts, now=float(self.step))
         except CapacityError:
             table = self.policy.tables[layer]
-            assert len(experts) > table.room_ever(experts)
+            waiting = {e for k, ex in self.deferred.items() if k[1] == layer for e in ex}
+            assert len(experts) > table.room_ever(experts, waiting)
             return
         if key in self.policy.deferred:  # its slots are still loading for a cancelled step: it waits
             assert not loads and grant is None
@@ -99,10 +100,9 @@ class PoolMachine(RuleBasedStateMachine):
         # Deferred acquires taken up now: as if they had just been made.
         resumed = [k for k in self.deferred if k not in self.policy.deferred]
         resumed_done = {g.key for g in done if g.key in resumed}
-        by_key = {k: [ld for ld in loads] for k in resumed}
-        for k in resumed:
+        for k in resumed:  # retried in the order they were deferred: the first to need a miss reads it
             experts = self.deferred.pop(k)
-            mine = [ld for ld in by_key[k] if ld.expert in experts]
+            mine = [ld for ld in loads if ld.expert in experts]
             self._acquired(k, experts, mine, next((g for g in done if g.key == k), None))
             loads = [ld for ld in loads if ld not in mine]
         assert not loads, "reads issued for no acquire"
