@@ -24,6 +24,7 @@ from qnpipe.config import Config
 from qnpipe.engine import Core, Pipeline, build_core, open_core_pipeline
 from qnpipe.io.reader import ExpertReader
 from qnpipe.mlx_thread import MLXThread, run_on
+from qnpipe.validate import check_generate_args
 from qnpipe.stats import EngineStats, GenerateResult, LayerPoolStats, PoolStats
 
 Prompt = str | Sequence[int]
@@ -167,6 +168,7 @@ class AsyncEngine:
         which is what is left after a cancellation. Cancelling stops the work at the next
         layer; the engine stays usable.
         """
+        check_generate_args(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
         kw = _gen_kwargs(max_tokens, temperature, top_p, seed, stop_at_eos)
         return await self._rt.generate(prompt, kw, on_text, on_prefill, partial)
 
@@ -314,6 +316,7 @@ class Engine:
         A KeyboardInterrupt while waiting stops the generation at its next layer, then
         propagates; `partial` then holds the tokens generated so far.
         """
+        check_generate_args(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
         _gen_kwargs(max_tokens, temperature, top_p, seed, stop_at_eos)
         eng = self._eng
 

@@ -223,9 +223,10 @@ def test_closed_pipe_exits_quietly(tiny_hf: Path) -> None:
         assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
-@pytest.mark.xfail(strict=False, reason="Runner must pass cfg.read.verify_crc32 to load_model(verify=...)")
-def test_verify_crc32_setting_catches_corruption_on_generate(bad: dict[str, Path]) -> None:
-    p = run(["generate", bad["corrupt"], "--tokens", "1,2", "-n", "1", "--set", "read.verify_crc32=true"])
+def test_verify_crc32_setting_catches_corruption_on_eager_load(bad: dict[str, Path]) -> None:
+    # Eager load reads every record; the streamed path is tests/pool/test_faults.py.
+    eager = ["--set", "pool.eager_load=true"]
+    p = run(["generate", bad["corrupt"], "--tokens", "1,2", "-n", "1", "--set", "read.verify_crc32=true", *eager])
     err = p.stderr.decode()
     assert p.returncode == 2 and "layer 3 expert 5" in err and "Traceback" not in err, err
-    assert run(["generate", bad["corrupt"], "--tokens", "1,2", "-n", "1"]).returncode == 0  # off: trusts the disk
+    assert run(["generate", bad["corrupt"], "--tokens", "1,2", "-n", "1", *eager]).returncode == 0  # off: trusts the disk
