@@ -508,7 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("verify-store", help="check every expert record against its checksum", formatter_class=fmt,
                        description="Read every expert record of a qnpipe model directory and compare its crc32 with\n"
                        "experts/index.json. Bad records are listed by layer, expert, file and offset;\n"
-                       "exit status 1 if any is bad (2 if the index itself is missing or invalid).",
+                       "exit status 1 if any is bad (2 if the index itself is missing or invalid, or does\n"
+                       "not match the model's config.json: the checks the loader makes).",
                        epilog="examples:\n  qnpipe verify-store ./qn80b-4bit\n"
                        "  qnpipe verify-store ./qn80b-4bit/experts --json")
     s.add_argument("dir", metavar="DIR", help="qnpipe model directory, or its experts/ directory")

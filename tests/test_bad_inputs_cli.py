@@ -28,6 +28,7 @@ class Row(NamedTuple):
     rc: int
     needles: tuple[str, ...] = ()  # each must appear on stderr (or stdout for rc 0 rows)
     stdin: bytes | None = None
+    env: tuple[tuple[str, str], ...] = ()  # extra environment
 
 
 def _env() -> dict[str, str]:
@@ -35,10 +36,11 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
 
 
-def run(argv: list[Any], stdin: bytes | None = None, timeout: float = 60) -> subprocess.CompletedProcess[bytes]:
+def run(argv: list[Any], stdin: bytes | None = None, timeout: float = 60,
+        env: tuple[tuple[str, str], ...] = ()) -> subprocess.CompletedProcess[bytes]:
     args = [a if isinstance(a, bytes) else str(a) for a in argv]
     return subprocess.run([sys.executable, "-m", "qnpipe", *args], input=stdin if stdin is not None else b"",
-                          capture_output=True, timeout=timeout, env=_env())
+                          capture_output=True, timeout=timeout, env=_env() | dict(env))
 
 
 def _linked_copy(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:
@@ -180,6 +182,8 @@ def rows(hf: Path, qn: Path, b: dict[str, Path]) -> list[Row]:
         # --- 11: smaller
         Row("MOE_TOPK_OVERRIDE above num_experts", [*gen, "--set", "forward.moe_topk_override=65"], 2,
             ("moe_topk_override=65", "64 experts")),
+        Row("MOE_TOPK_OVERRIDE=65 in the environment", [*gen], 2, ("moe_topk_override=65", "64 experts"),
+            env=(("MOE_TOPK_OVERRIDE", "65"),)),
         Row("chat --json rejected", ["chat", hf, "--json"], 2, ("--json",)),
         Row("make-tiny exists says --force", ["make-tiny", b["exists"]], 2, (str(b["exists"]), "--force")),
         Row("--set model.model_dir beside MODEL_DIR", [*gen, "-n", "1", "--set", "model.model_dir=/nowhere"], 0,
@@ -195,7 +199,7 @@ def test_bad_inputs_table(tiny_hf: Path, tiny_qn4: Path, bad: dict[str, Path]) -
     table = rows(tiny_hf, tiny_qn4, bad)
     assert len({r.name for r in table}) == len(table)
     for row in table:
-        p = run(row.argv, row.stdin)
+        p = run(row.argv, row.stdin, env=row.env)
         err = p.stderr.decode(errors="replace")
         out = p.stdout.decode(errors="replace")
         problems = []
