@@ -27,8 +27,25 @@ import msgspec
 
 from qnpipe.config_aliases import SEED_BY_NAME, SEED_NAMES, Kind, SeedName
 from qnpipe.config_tree import (
-    ChatCfg, Config, DiagCfg, EvictPolicy, ForwardCfg, HiddenVariant, KvCfg, MemoryCfg, ModelCfg, MtpCfg,
-    MtpHidden, MtpVerifyMode, PoolCfg, PredictAgg, PredictCfg, PrefixCfg, ReadBackend, ReadCfg, TraceCfg,
+    ChatCfg,
+    Config,
+    DiagCfg,
+    EvictPolicy,
+    ForwardCfg,
+    HiddenVariant,
+    KvCfg,
+    MemoryCfg,
+    ModelCfg,
+    MtpCfg,
+    MtpHidden,
+    MtpVerifyMode,
+    PoolCfg,
+    PredictAgg,
+    PredictCfg,
+    PrefixCfg,
+    ReadBackend,
+    ReadCfg,
+    TraceCfg,
 )
 from qnpipe.errors import ConfigError
 from qnpipe.layersets import format_layer_set, parse_layer_set

@@ -31,7 +31,16 @@ import msgspec
 import numpy as np
 
 from qnpipe.convert_plan import (
-    BITS, DTYPES, GROUP_SIZES, PROJS, _ExpertLayer, _out_float, _plan, _Plan, _record_tensors, _transform,
+    BITS,
+    DTYPES,
+    GROUP_SIZES,
+    PROJS,
+    _ExpertLayer,
+    _out_float,
+    _Plan,
+    _plan,
+    _record_tensors,
+    _transform,
 )
 from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
 from qnpipe.io import store as st
@@ -111,7 +120,7 @@ def _write_expert_layer(experts_dir: Path, el: _ExpertLayer, tensors: list[tuple
                 if a.shape[1:] != s.shape or a.dtype != np.dtype(st.NP_DTYPES[s.dtype]):
                     raise QnpipeError(f"internal error: layer {el.layer} {s.name} came out {a.dtype}{list(a.shape)}")
                 buf[:, s.offset:s.offset + s.nbytes] = np.ascontiguousarray(a).reshape(e1 - e0, -1).view(np.uint8)
-            crcs += [zlib.crc32(buf[i, :record_nbytes]) for i in range(e1 - e0)]
+            crcs += [zlib.crc32(buf[i, :record_nbytes].data) for i in range(e1 - e0)]
             os.pwrite(fd, buf.data, e0 * stride)
             advance((e1 - e0) * stride)
             del arrays, buf

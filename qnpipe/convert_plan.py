@@ -182,13 +182,13 @@ def _plan_hf_experts(args: ModelArgs, infos: dict[str, TensorInfo], cast: str | 
     E = args.num_experts
     dims = args.expert_dims
     layers = []
-    for l in args.moe_layers:
+    for layer in args.moe_layers:
         src_st: dict[str, str] = {}
         for proj in PROJS:
             for e in range(E):
-                name = f"model.layers.{l}.mlp.experts.{e}.{proj}.weight"
+                name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
                 if name not in infos:
-                    raise CheckpointError(f"missing tensor {name} (layer {l} has {E} experts)")
+                    raise CheckpointError(f"missing tensor {name} (layer {layer} has {E} experts)")
                 info = infos[name]
                 if info.shape != dims[proj]:
                     raise CheckpointError(f"{info.file}: tensor {name} has shape {list(info.shape)}, "
@@ -197,14 +197,14 @@ def _plan_hf_experts(args: ModelArgs, infos: dict[str, TensorInfo], cast: str | 
                     raise CheckpointError(f"{info.file}: tensor {name} has dtype {info.dtype}, expected "
                                           f"{src_st.get(proj, 'a float type')} like expert 0")
 
-        def read(e0: int, e1: int, l: int = l) -> dict[str, np.ndarray]:
-            return {p: np.stack([read_tensor(infos[f"model.layers.{l}.mlp.experts.{e}.{p}.weight"])
+        def read(e0: int, e1: int, layer: int = layer) -> dict[str, np.ndarray]:
+            return {p: np.stack([read_tensor(infos[f"model.layers.{layer}.mlp.experts.{e}.{p}.weight"])
                                  for e in range(e0, e1)]) for p in PROJS}
 
-        nbytes = sum(infos[f"model.layers.{l}.mlp.experts.0.{p}.weight"].nbytes for p in PROJS)
+        nbytes = sum(infos[f"model.layers.{layer}.mlp.experts.0.{p}.weight"].nbytes for p in PROJS)
         # mlx-lm leaves a SwitchLinear float when its input dim is not a multiple of the group size.
         qout = {p: quant if quant is not None and dims[p][1] % quant.group_size == 0 else None for p in PROJS}
-        layers.append(_ExpertLayer(l, read, src_st, dict.fromkeys(PROJS), qout, cast, nbytes))
+        layers.append(_ExpertLayer(layer, read, src_st, dict.fromkeys(PROJS), qout, cast, nbytes))
     return layers
 
 
@@ -215,14 +215,14 @@ def _plan_mlx_experts(args: ModelArgs, infos: dict[str, TensorInfo], qcfg: dict[
     E = args.num_experts
     dims = args.expert_dims
     layers = []
-    for l in args.moe_layers:
+    for layer in args.moe_layers:
         src: dict[str, TensorInfo] = {}
         quant_in: dict[str, Quant | None] = {}
         src_st: dict[str, str] = {}
         for proj in PROJS:
-            path = f"model.layers.{l}.mlp.switch_mlp.{proj}"
+            path = f"model.layers.{layer}.mlp.switch_mlp.{proj}"
             if f"{path}.weight" not in infos:
-                raise CheckpointError(f"missing tensor {path}.weight (MoE layer {l})")
+                raise CheckpointError(f"missing tensor {path}.weight (MoE layer {layer})")
             w = infos[f"{path}.weight"]
             s = infos.get(f"{path}.scales")
             out_d, in_d = dims[proj]
@@ -260,7 +260,7 @@ def _plan_mlx_experts(args: ModelArgs, infos: dict[str, TensorInfo], qcfg: dict[
             return out
 
         nbytes = sum(i.nbytes for i in src.values()) // E
-        layers.append(_ExpertLayer(l, read, src_st, quant_in, dict.fromkeys(PROJS), cast, nbytes))
+        layers.append(_ExpertLayer(layer, read, src_st, quant_in, dict.fromkeys(PROJS), cast, nbytes))
     return layers
 
 
@@ -287,9 +287,11 @@ def _check_main(args: ModelArgs, jobs: Sequence[_Job], src: Path) -> None:
 
     from qnpipe.model.qwen3_next import Model
 
-    expected = {k: tuple(v.shape) for k, v in tree_flatten(Model(args).parameters())}
+    flat = tree_flatten(Model(args).parameters())
+    assert isinstance(flat, list)  # without a destination dict, tree_flatten returns a list
+    expected = {k: tuple(v.shape) for k, v in flat}
     planned = {o.name: o for j in jobs for o in j.outs}
-    for name, o in planned.items():
+    for name in planned:
         base = name.rsplit(".", 1)[0]
         if name not in expected and not (name.endswith((".scales", ".biases")) and f"{base}.weight" in expected):
             raise CheckpointError(f"{src}: unexpected tensor {name} (not part of this model's config)")

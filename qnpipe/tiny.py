@@ -116,7 +116,7 @@ def random_hf_weights(config: Mapping[str, Any], seed: int) -> dict[str, np.ndar
     nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
     dk, dv, K = c["linear_key_head_dim"], c["linear_value_head_dim"], c["linear_conv_kernel_dim"]
-    E, I, Is = c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+    E, inter, Is = c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
     L, interval = c["num_hidden_layers"], c["full_attention_interval"]
     key_dim, value_dim = nk * dk, nv * dv
     conv_dim = 2 * key_dim + value_dim
@@ -159,9 +159,9 @@ def random_hf_weights(config: Mapping[str, Any], seed: int) -> dict[str, np.ndar
         # Router logits with std ~2: peaked but not one-hot top-k weights, varied choices per token.
         lin(p + "mlp.gate.weight", E, H, gain=2.0)
         for e in range(E):
-            lin(p + f"mlp.experts.{e}.gate_proj.weight", I, H)
-            lin(p + f"mlp.experts.{e}.up_proj.weight", I, H)
-            lin(p + f"mlp.experts.{e}.down_proj.weight", H, I)
+            lin(p + f"mlp.experts.{e}.gate_proj.weight", inter, H)
+            lin(p + f"mlp.experts.{e}.up_proj.weight", inter, H)
+            lin(p + f"mlp.experts.{e}.down_proj.weight", H, inter)
         lin(p + "mlp.shared_expert.gate_proj.weight", Is, H)
         lin(p + "mlp.shared_expert.up_proj.weight", Is, H)
         lin(p + "mlp.shared_expert.down_proj.weight", H, Is)

@@ -61,8 +61,10 @@ def _other_text(spec: FieldSpec) -> str:
     if isinstance(t, msgspec.inspect.LiteralType):
         return str(next(v for v in t.values if v != d))
     if isinstance(t, msgspec.inspect.IntType):
+        assert isinstance(d, int)
         return str(d + 1)
     if isinstance(t, msgspec.inspect.FloatType):
+        assert isinstance(d, float)
         return str(d + 0.25)
     if isinstance(t, msgspec.inspect.StrType):
         return "some/where"

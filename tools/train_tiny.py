@@ -1,3 +1,5 @@
+# pyright: reportMissingImports=false
+# (torch is the `train` extra, not installed for the tests; ref_numpy is the external spec's reference.)
 """Train the tiny Qwen3-Next that qnpipe ships as its default model (PyTorch on CPU).
 
 The model has the exact Qwen3-Next architecture of docs qwen3-next.md §2 (Gated DeltaNet and gated
@@ -183,7 +185,7 @@ def build_torch_model(cfg: dict[str, Any]):  # noqa: C901 - one closure of modul
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv, Kc = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
-    E, top_k, I, Is = (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+    E, top_k, inter, Is = (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
                        cfg["shared_expert_intermediate_size"])
     r = nv // nk
     key_dim, value_dim = nk * dk, nv * dv
@@ -316,9 +318,9 @@ def build_torch_model(cfg: dict[str, Any]):  # noqa: C901 - one closure of modul
         def __init__(self):
             super().__init__()
             self.gate = lin(H, E)
-            self.experts_gate_proj = nn.Parameter(torch.empty(E, I, H))
-            self.experts_up_proj = nn.Parameter(torch.empty(E, I, H))
-            self.experts_down_proj = nn.Parameter(torch.empty(E, H, I))
+            self.experts_gate_proj = nn.Parameter(torch.empty(E, inter, H))
+            self.experts_up_proj = nn.Parameter(torch.empty(E, inter, H))
+            self.experts_down_proj = nn.Parameter(torch.empty(E, H, inter))
             self.shared_expert = MLP(Is)
             self.shared_expert_gate = lin(H, 1)
             self.last_topk = None
@@ -373,7 +375,7 @@ def build_torch_model(cfg: dict[str, Any]):  # noqa: C901 - one closure of modul
             super().__init__()
             self.embed_tokens = nn.Embedding(cfg["vocab_size"], H)
             L, every = cfg["num_hidden_layers"], cfg["full_attention_interval"]
-            self.layers = nn.ModuleList(DecoderLayer((l + 1) % every != 0) for l in range(L))
+            self.layers = nn.ModuleList(DecoderLayer((layer + 1) % every != 0) for layer in range(L))
             self.norm = ZCNorm(H)
 
     class MTP(nn.Module):
@@ -676,7 +678,7 @@ def train(args) -> int:
         """Evaluate at `step` unless the last evaluation was already there."""
         if not history or history[-1]["step"] != step:
             ev = evaluate(model, val_batches, args)
-            ev.update(step=step, elapsed_s=round(time.perf_counter() - t_start, 1), train_loss_ema=float(ema[0]))
+            ev.update(step=step, elapsed_s=round(time.perf_counter() - t_start, 1), train_loss_ema=float(ema[0]) if ema is not None else float("nan"))
             history.append(ev)
 
     stopped_early = None
@@ -721,7 +723,7 @@ def train(args) -> int:
                   f"{tok_s:.0f} tok/s elapsed {fmt_time(el)} eta {fmt_time(eta) if eta == eta else '?'}", flush=True)
         if step % args.eval_every == 0 or step == total:
             ev = evaluate(model, val_batches, args)
-            ev.update(step=step, elapsed_s=round(time.perf_counter() - t_start, 1), train_loss_ema=float(ema[0]))
+            ev.update(step=step, elapsed_s=round(time.perf_counter() - t_start, 1), train_loss_ema=float(ema[0]) if ema is not None else float("nan"))
             history.append(ev)
             print(f"eval {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in ev.items()})}",
                   flush=True)
@@ -800,7 +802,7 @@ def bench(args) -> int:
             mx.eval(m.parameters(), o.state, loss)
             mt.append(time.perf_counter() - t0)
         per_tok = mt[-1] / (mb * args.seq_len)
-        print(f"mlx {mx.__version__} (CPU): {mt[-1]:.3f} s/step for batch {mb} x {args.seq_len} without MTP "
+        print(f"mlx {getattr(mx, '__version__', '?')} (CPU): {mt[-1]:.3f} s/step for batch {mb} x {args.seq_len} without MTP "
               f"-> {per_tok * args.batch * args.seq_len:.3f} s per full step ({1 / per_tok:.0f} tok/s)", flush=True)
     except Exception as e:  # noqa: BLE001 - report and continue
         print(f"mlx: training step failed: {type(e).__name__}: {e}", flush=True)

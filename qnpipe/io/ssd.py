@@ -359,7 +359,7 @@ class SsdReader:
                              f.mode)
         skip = r.offset % ALIGN
         bounce = alloc_aligned(skip + r.nbytes)
-        op = (f.fd, r.offset - skip, skip + r.nbytes, memoryview(bounce))
+        op = (f.fd, r.offset - skip, skip + r.nbytes, bounce.data)
         return _Plan(op, _trim(segs, r.nbytes), skip, bounce, f.mode)
 
     def _execute(self, plans: list[_Plan], which: Sequence[int], requests: Sequence[ReadRequest]) -> dict[int, str]:

@@ -327,7 +327,7 @@ class ExpertStore:
         path = self.root / lf.file
         buf = np.empty(lf.file_nbytes, dtype=np.uint8)
         try:
-            n = os.preadv(self._fd(layer), [buf], 0)
+            n = os.preadv(self._fd(layer), [buf.data], 0)
         except OSError as e:
             raise StoreError(f"{path}: cannot read layer {layer} ({e.strerror})") from None
         if n != lf.file_nbytes:
@@ -335,7 +335,7 @@ class ExpertStore:
         if verify:
             for e in range(lf.num_experts):
                 rec = buf[e * lf.stride: e * lf.stride + lf.record_nbytes]
-                if (got := zlib.crc32(rec)) != lf.checksums[e]:
+                if (got := zlib.crc32(rec.data)) != lf.checksums[e]:
                     raise StoreError(
                         f"{path}: checksum mismatch for layer {layer} expert {e} at offset {e * lf.stride} "
                         f"({lf.record_nbytes} bytes): crc32 {got:08x}, index says {lf.checksums[e]:08x}"

@@ -61,12 +61,12 @@ class ModelArgs(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def expert_dims(self) -> dict[str, tuple[int, int]]:
         """(out, in) of each routed-expert projection: gate/up [I, H], down [H, I]."""
-        H, I = self.hidden_size, self.moe_intermediate_size
-        return {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+        hidden, inter = self.hidden_size, self.moe_intermediate_size
+        return {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
-        return tuple(l for l in range(self.num_hidden_layers) if self.is_moe(l))
+        return tuple(layer for layer in range(self.num_hidden_layers) if self.is_moe(layer))
 
 
 _FIELDS = set(ModelArgs.__struct_fields__)

@@ -172,12 +172,19 @@ def detect_layout(infos: dict[str, TensorInfo], model_dir: Path) -> Layout:
     )
 
 
+def load_safetensors(path: str | os.PathLike[str]) -> dict[str, mx.array]:
+    """Every tensor of one safetensors file (``mx.load``, typed for that format)."""
+    out = mx.load(os.fspath(path))
+    assert isinstance(out, dict)  # mx.load returns a dict for a .safetensors file
+    return out
+
+
 def load_tensors(infos: dict[str, TensorInfo]) -> dict[str, mx.array]:
     """Load every tensor (headers already validated), naming the file on failure."""
     out: dict[str, mx.array] = {}
     for f in sorted({i.file for i in infos.values()}):
         try:
-            out.update(mx.load(str(f)))
+            out.update(load_safetensors(f))
         except Exception as e:  # mlx raises bare RuntimeError/ValueError for corrupt files
             raise CheckpointError(f"{f}: cannot load safetensors data ({e})") from None
     return out
@@ -192,13 +199,13 @@ def to_mlx_names(
     w = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
     if tie_word_embeddings:
         w.pop("lm_head.weight", None)
-    for l in moe_layers:
-        prefix = f"model.layers.{l}.mlp"
+    for layer in moe_layers:
+        prefix = f"model.layers.{layer}.mlp"
         for proj in ("up_proj", "down_proj", "gate_proj"):
             names = [f"{prefix}.experts.{e}.{proj}.weight" for e in range(num_experts)]
             missing = [n for n in names if n not in w]
             if missing:
-                raise CheckpointError(f"missing tensor {missing[0]} (layer {l} has {num_experts} experts)")
+                raise CheckpointError(f"missing tensor {missing[0]} (layer {layer} has {num_experts} experts)")
             shapes = {w[n].shape for n in names}
             if len(shapes) != 1:
                 bad = next(n for n in names if w[n].shape != w[names[0]].shape)

@@ -13,7 +13,14 @@ from mlx.utils import tree_flatten
 from qnpipe.errors import CheckpointError, StoreError
 from qnpipe.model.args import ModelArgs, args_from_dict, read_config
 from qnpipe.model.checkpoint import (
-    Layout, TensorInfo, detect_layout, is_qnpipe_dir, load_tensors, read_header, scan, to_mlx_names,
+    Layout,
+    TensorInfo,
+    detect_layout,
+    is_qnpipe_dir,
+    load_tensors,
+    read_header,
+    scan,
+    to_mlx_names,
 )
 from qnpipe.model.experts import PROJS, LayerExperts, ProjWeights, ResidentExperts
 from qnpipe.model.qwen3_next import Model
@@ -53,13 +60,13 @@ def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any
     E = args.num_experts
     dims = args.expert_dims
     layers: dict[int, LayerExperts] = {}
-    for l in args.moe_layers:
+    for layer in args.moe_layers:
         projs = {}
         for proj in PROJS:
-            path = f"model.layers.{l}.mlp.switch_mlp.{proj}"
+            path = f"model.layers.{layer}.mlp.switch_mlp.{proj}"
             name = f"{path}.weight"
             if name not in w:
-                raise CheckpointError(f"missing tensor {name} (MoE layer {l})")
+                raise CheckpointError(f"missing tensor {name} (MoE layer {layer})")
             weight = w.pop(name)
             scales = w.pop(f"{path}.scales", None)
             biases = w.pop(f"{path}.biases", None)
@@ -89,7 +96,7 @@ def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any
                         f"({bits}-bit, group size {gs})"
                     )
             projs[proj] = ProjWeights(weight, scales, biases, gs, bits, q["mode"])
-        layers[l] = LayerExperts(**projs)
+        layers[layer] = LayerExperts(**projs)
     return ResidentExperts(layers)
 
 
@@ -105,35 +112,35 @@ def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None
             raise StoreError(f"{index_path}: store holds layers {list(store.layers)}, the model's MoE layers are "
                              f"{list(args.moe_layers)}")
         layers: dict[int, LayerExperts] = {}
-        for l in args.moe_layers:
-            lf = store.layer_file(l)
+        for layer in args.moe_layers:
+            lf = store.layer_file(layer)
             if lf.num_experts != E:
                 raise StoreError(f"{store.root / lf.file}: {lf.num_experts} experts, config.json says {E}")
-            arrays = store.read_layer(l)
+            arrays = store.read_layer(layer)
             dtypes = {t.name: t.dtype for t in lf.tensors}
             projs = {}
             for proj in PROJS:
                 if f"{proj}.weight" not in arrays:
-                    raise StoreError(f"{index_path}: layer {l} records have no {proj}.weight")
+                    raise StoreError(f"{index_path}: layer {layer} records have no {proj}.weight")
                 w = as_mx(arrays[f"{proj}.weight"], dtypes[f"{proj}.weight"])
                 q = (lf.quant or {}).get(proj)
                 if q is None:
                     projs[proj] = ProjWeights(w)
                     continue
-                path = f"model.layers.{l}.mlp.switch_mlp.{proj}"
+                path = f"model.layers.{layer}.mlp.switch_mlp.{proj}"
                 if qcfg is not None:  # the config's quantization must agree with the store's
                     cq = quant_params(path, qcfg, (E, dims[proj][0], dims[proj][1] // q.group_size),
                                        (E, dims[proj][0], dims[proj][1] * q.bits // 32), dims[proj][1])
                     if cq is not None and (cq["bits"], cq["group_size"]) != (q.bits, q.group_size):
-                        raise StoreError(f"{index_path}: layer {l} {proj} is {q.bits}-bit/group {q.group_size}, "
+                        raise StoreError(f"{index_path}: layer {layer} {proj} is {q.bits}-bit/group {q.group_size}, "
                                          f"config.json says {cq['bits']}-bit/group {cq['group_size']}")
                 scales, biases = (as_mx(arrays[f"{proj}.{n}"], dtypes[f"{proj}.{n}"]) if f"{proj}.{n}" in arrays
                                   else None for n in ("scales", "biases"))
                 if scales is None or (biases is None and q.mode == "affine"):
-                    raise StoreError(f"{index_path}: layer {l} {proj} is quantized but its records lack "
+                    raise StoreError(f"{index_path}: layer {layer} {proj} is quantized but its records lack "
                                      f"scales or biases")
                 projs[proj] = ProjWeights(w, scales, biases, q.group_size, q.bits, q.mode)
-            layers[l] = LayerExperts(**projs)
+            layers[layer] = LayerExperts(**projs)
             del arrays
     return ResidentExperts(layers)
 
@@ -144,7 +151,7 @@ def _quantize_skeleton(model: Model, qcfg: dict[str, Any], w: dict[str, mx.array
             return qcfg[path]
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in w:
             return False
-        in_dims = module.weight.shape[-1]
+        in_dims = module["weight"].shape[-1]
         q = quant_params(path, None, tuple(w[f"{path}.scales"].shape), tuple(w[f"{path}.weight"].shape), in_dims)
         assert q is not None
         return q

@@ -132,7 +132,7 @@ class GatedDeltaNet(nn.Module):
             for t, h, d in zip(
                 mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
                 [self.n_k, self.n_k, self.n_v],
-                [self.d_k, self.d_k, self.d_v],
+                [self.d_k, self.d_k, self.d_v], strict=True,
             )
         ]
         state = cache[1] if cache else None
@@ -229,7 +229,7 @@ class Qwen3NextModel(nn.Module):
             cache = [None] * len(self.layers)
         fa_mask = create_attention_mask(h, cache[self.fa_idx]) if self.fa_idx is not None else None
         ssm_mask = create_ssm_mask(h, cache[self.ssm_idx]) if self.ssm_idx is not None else None
-        for layer, c in zip(self.layers, cache):
+        for layer, c in zip(self.layers, cache, strict=True):
             h = layer(h, ssm_mask if layer.is_linear else fa_mask, c)
         return self.norm(h)
 
@@ -258,7 +258,7 @@ class Model(nn.Module):
         return self.model.layers
 
     def make_cache(self) -> list[Any]:
-        return [ArraysCache(size=2) if l.is_linear else KVCache() for l in self.layers]
+        return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
 
     def attach_experts(self, source: ExpertSource) -> None:
         """Route every MoE block's expert calls to `source`."""

@@ -547,7 +547,7 @@ def test_c_and_python_runners_report_the_same_results(tmp_path) -> None:
         for name, runner in (("c", ssd._CRunner(2)), ("py", ssd._PyRunner(2, os.preadv))):
             bufs = [tuple(bytearray(n) for n in sizes) for _, sizes, _ in specs]
             ops = [
-                (fd, off, need, tuple(memoryview(b) for b in bs) if len(bs) > 1 else memoryview(bs[0]))
+                (fd, off, need, memoryview(bs[0]) if len(bs) == 1 else tuple(memoryview(b) for b in bs))
                 for (off, _, need), bs in zip(specs, bufs, strict=True)
             ]
             ops.append((bad_fd, 0, 10, memoryview(bytearray(10))))
