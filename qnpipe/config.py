@@ -25,7 +25,8 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from qnpipe.config_aliases import SEED_BY_NAME, SEED_NAMES, Kind, SeedName
+from qnpipe.config_aliases import LEGACY_BY_NAME, LEGACY_NAMES, Kind, LegacyName
+from qnpipe.config_pending import NOT_YET_IMPLEMENTED
 from qnpipe.config_tree import (
     ChatCfg,
     Config,
@@ -52,10 +53,11 @@ from qnpipe.layersets import format_layer_set, parse_layer_set
 
 __all__ = [
     "cache_dir", "ChatCfg", "Config", "describe_allowed", "DiagCfg", "EvictPolicy", "field_specs",
-    "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "InexactConfigWarning", "KvCfg",
+    "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
+    "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning",
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",
     "parse_layer_set", "PoolCfg", "PredictAgg", "PredictCfg", "PrefixCfg", "ReadCfg",
-    "ReadBackend", "ReplacedSwitchWarning", "SEED_NAMES", "TraceCfg", "with_overrides",
+    "ReadBackend", "ReplacedSwitchWarning", "LEGACY_NAMES", "TraceCfg", "with_overrides",
 ]
 
 ENV_PREFIX = "QNPIPE_"
@@ -70,8 +72,8 @@ class ReplacedSwitchWarning(UserWarning):
     """A switch of the previous system was set that qnpipe's architecture replaces (no effect)."""
 
 
-class InexactConfigWarning(UserWarning):
-    """A setting breaks exact routing (output no longer matches the model's)."""
+class NotImplementedConfigWarning(UserWarning):
+    """A field was set whose feature does not exist yet (``config_pending``): it has no effect."""
 
 
 # --------------------------------------------------------------------------- field table
@@ -185,13 +187,13 @@ def _stacklevel() -> int:
     return level
 
 
-def _warn_replaced(seed: SeedName, source: str) -> None:
-    if seed.name in _warned_names:
+def _warn_replaced(legacy: LegacyName, source: str) -> None:
+    if legacy.name in _warned_names:
         return
-    _warned_names.add(seed.name)
+    _warned_names.add(legacy.name)
     warnings.warn(
-        f"seed switch {seed.name} ({source}) has no effect in qnpipe: it meant {seed.meaning!r}; "
-        f"replaced by {seed.target}",
+        f"legacy switch {legacy.name} ({source}) has no effect in qnpipe: it meant {legacy.meaning!r}; "
+        f"replaced by {legacy.target}",
         ReplacedSwitchWarning,
         stacklevel=_stacklevel(),
     )
@@ -202,12 +204,12 @@ def _suggest(word: str, candidates: Iterable[str]) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
-def _seed_setting(name: str, value: object, source: str) -> _Setting | None:
-    seed = SEED_BY_NAME[name]
-    if seed.kind is Kind.REPLACED:
-        _warn_replaced(seed, source)
+def _legacy_setting(name: str, value: object, source: str) -> _Setting | None:
+    legacy = LEGACY_BY_NAME[name]
+    if legacy.kind is Kind.REPLACED:
+        _warn_replaced(legacy, source)
         return None
-    return _Setting(seed.target, value, source)
+    return _Setting(legacy.target, value, source)
 
 
 def _same_value(a: object, b: object) -> bool:
@@ -218,8 +220,8 @@ def _same_value(a: object, b: object) -> bool:
     return norm(a) == norm(b)
 
 
-def _check_seed_conflicts(settings: list[_Setting]) -> list[_Setting]:
-    # Two seed names for one field (EXPERT_NOCACHE, STREAM_BLOB_NOCACHE) must agree.
+def _check_legacy_conflicts(settings: list[_Setting]) -> list[_Setting]:
+    # Two legacy names for one field (EXPERT_NOCACHE, STREAM_BLOB_NOCACHE) must agree.
     seen: dict[str, _Setting] = {}
     for s in settings:
         prev = seen.get(s.path)
@@ -233,7 +235,7 @@ def _check_seed_conflicts(settings: list[_Setting]) -> list[_Setting]:
 
 
 def _env_settings(env: Mapping[str, str]) -> list[_Setting]:
-    seed_hits: list[_Setting] = []
+    legacy_hits: list[_Setting] = []
     own_hits: list[_Setting] = []
     for key, raw in sorted(env.items()):
         if key.startswith(ENV_PREFIX):
@@ -250,12 +252,12 @@ def _env_settings(env: Mapping[str, str]) -> list[_Setting]:
                 what = f"no qnpipe field {path}" if field else f"not of the form {ENV_PREFIX}<SECTION>__<FIELD>"
                 raise ConfigError(f"unknown environment variable {key}={raw!r}: {what}{hint} (see docs/config.md)")
             own_hits.append(_Setting(path, raw, f"environment variable {key}"))
-        elif key in SEED_BY_NAME:
-            s = _seed_setting(key, raw, f"environment variable {key}")
+        elif key in LEGACY_BY_NAME:
+            s = _legacy_setting(key, raw, f"environment variable {key}")
             if s is not None:
-                seed_hits.append(s)
-    # The QNPIPE_ spelling comes last so it wins over the bare seed name.
-    return _check_seed_conflicts(seed_hits) + own_hits
+                legacy_hits.append(s)
+    # The QNPIPE_ spelling comes last so it wins over the bare legacy name.
+    return _check_legacy_conflicts(legacy_hits) + own_hits
 
 
 def _toml_settings(toml_path: str | os.PathLike[str]) -> list[_Setting]:
@@ -267,33 +269,33 @@ def _toml_settings(toml_path: str | os.PathLike[str]) -> list[_Setting]:
         raise ConfigError(f"cannot read config file {where}: {exc.strerror or exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {where} is not valid TOML: {exc}") from exc
-    seed_hits: list[_Setting] = []
+    legacy_hits: list[_Setting] = []
     own_hits: list[_Setting] = []
     for key, table in data.items():
-        if key not in _SECTIONS and key != "seed":
-            hint = _suggest(key, [*_SECTIONS, "seed"])
-            if key in SEED_BY_NAME:
-                hint = f"; seed names go in the [seed] table: [seed] {key} = ..."
+        if key not in _SECTIONS and key != "legacy":
+            hint = _suggest(key, [*_SECTIONS, "legacy"])
+            if key in LEGACY_BY_NAME:
+                hint = f"; legacy names go in the [legacy] table: [legacy] {key} = ..."
             elif len(_FLAT.get(key, [])) == 1:
                 hint = f"; did you mean [{_FLAT[key][0].split('.')[0]}] {key}?"
-            raise ConfigError(f"{where}: unknown key {key!r} (allowed: tables [seed], [{'], ['.join(sorted(_SECTIONS))}]){hint}")
+            raise ConfigError(f"{where}: unknown key {key!r} (allowed: tables [legacy], [{'], ['.join(sorted(_SECTIONS))}]){hint}")
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: {key!r} must be a table [{key}], got {type(table).__name__}")
         for name, value in table.items():
-            if key == "seed":
-                if name not in SEED_BY_NAME:
-                    raise ConfigError(f"{where}: unknown key [seed] {name}{_suggest(name, SEED_BY_NAME)}")
-                s = _seed_setting(name, value, f"{where}: [seed] {name}")
+            if key == "legacy":
+                if name not in LEGACY_BY_NAME:
+                    raise ConfigError(f"{where}: unknown key [legacy] {name}{_suggest(name, LEGACY_BY_NAME)}")
+                s = _legacy_setting(name, value, f"{where}: [legacy] {name}")
                 if s is not None:
-                    seed_hits.append(s)
+                    legacy_hits.append(s)
                 continue
             path = f"{key}.{name}"
             if path not in _FIELDS:
                 fields = [p.split(".")[1] for p in _FIELDS if p.startswith(key + ".")]
                 raise ConfigError(f"{where}: unknown key [{key}] {name}{_suggest(name, fields)}")
             own_hits.append(_Setting(path, value, f"{where}: [{key}] {name}"))
-    # As in the environment, the qnpipe spelling beats the seed spelling.
-    return _check_seed_conflicts(seed_hits) + own_hits
+    # As in the environment, the qnpipe spelling beats the legacy system spelling.
+    return _check_legacy_conflicts(legacy_hits) + own_hits
 
 
 def _override_path(key: str) -> str:
@@ -314,20 +316,20 @@ def _override_path(key: str) -> str:
 
 
 def _override_settings(overrides: Mapping[str, object]) -> list[_Setting]:
-    seed_hits: list[_Setting] = []
+    legacy_hits: list[_Setting] = []
     own_hits: list[_Setting] = []
     for raw_key, value in overrides.items():
-        if raw_key in SEED_BY_NAME:  # upper case, never a qnpipe name
-            s = _seed_setting(raw_key, value, f"override {raw_key}")
+        if raw_key in LEGACY_BY_NAME:  # upper case, never a qnpipe name
+            s = _legacy_setting(raw_key, value, f"override {raw_key}")
             if s is not None:
-                seed_hits.append(s)
+                legacy_hits.append(s)
             continue
         key = raw_key.replace("-", "_")  # CLI spelling --expert-slots
         if key in _SECTIONS and isinstance(value, Mapping):  # mtp={"enabled": True}
             own_hits += [_Setting(_override_path(f"{key}.{k}"), v, f"override {key}.{k}") for k, v in value.items()]
         else:
             own_hits.append(_Setting(_override_path(key), value, f"override {raw_key}"))
-    return _check_seed_conflicts(seed_hits) + own_hits
+    return _check_legacy_conflicts(legacy_hits) + own_hits
 
 
 def _coerce(spec: FieldSpec, value: object, source: str) -> object:
@@ -336,7 +338,7 @@ def _coerce(spec: FieldSpec, value: object, source: str) -> object:
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if isinstance(t, msgspec.inspect.BoolType) and type(value) is int and value in (0, 1):
-        return bool(value)  # TOML [seed] KV_QUANT = 1
+        return bool(value)  # TOML [legacy] KV_QUANT = 1
     if (isinstance(t, msgspec.inspect.UnionType) and isinstance(value, str) and not value.strip()
             and any(isinstance(a, msgspec.inspect.NoneType) for a in t.types)):
         return None  # MOE_TOPK_OVERRIDE= means unset
@@ -376,18 +378,26 @@ def _translate(exc: msgspec.ValidationError, sources: Mapping[str, str]) -> Conf
     return ConfigError(f"invalid [{path or 'config'}]{origin}: {what}")
 
 
+def _warn_not_implemented(cfg: Config) -> None:
+    for path, feature in NOT_YET_IMPLEMENTED.items():
+        section, field = path.split(".")
+        value = getattr(getattr(cfg, section), field)
+        if value == _FIELDS[path].default or path in _warned_names:
+            continue
+        _warned_names.add(path)
+        warnings.warn(
+            f"{path}={value!r} has no effect yet: {feature} is not implemented (docs/config.md)",
+            NotImplementedConfigWarning,
+            stacklevel=_stacklevel(),
+        )
+
+
 def _finish(tree: dict[str, Any], sources: Mapping[str, str]) -> Config:
     try:
         cfg = msgspec.convert(tree, Config, strict=False)
     except msgspec.ValidationError as exc:
         raise _translate(exc, sources) from exc
-    if cfg.forward.moe_topk_override is not None:
-        warnings.warn(
-            f"forward.moe_topk_override={cfg.forward.moe_topk_override} changes the router's top-k: "
-            "output is NOT exact and differs from the model; use for experiments only",
-            InexactConfigWarning,
-            stacklevel=_stacklevel(),
-        )
+    _warn_not_implemented(cfg)
     return cfg
 
 
@@ -399,17 +409,18 @@ def load(
     """Build the ``Config``: defaults < TOML file < environment < overrides.
 
     Call it once at start-up. ``env=None`` reads ``os.environ`` (tests pass a dict);
-    without ``toml_path`` the file named by ``QNPIPE_CONFIG`` is read, if set. Seed
-    switches that qnpipe replaces warn once per process (``ReplacedSwitchWarning``);
-    ``forward.moe_topk_override`` warns on every load (``InexactConfigWarning``).
+    without ``toml_path`` the file named by ``QNPIPE_CONFIG`` is read, if set. Legacy
+    switches that qnpipe replaces warn once per process (``ReplacedSwitchWarning``), and so
+    does each field set away from its default whose feature does not exist yet
+    (``NotImplementedConfigWarning``; the list is ``config_pending.NOT_YET_IMPLEMENTED``).
 
     Args:
       toml_path: TOML file with tables named after the sections (``[pool]``) and an
-        optional ``[seed]`` table of the previous system's names.
-      env: environment; ``QNPIPE_<SECTION>__<FIELD>`` and bare seed names are read,
+        optional ``[legacy]`` table of the previous system's names.
+      env: environment; ``QNPIPE_<SECTION>__<FIELD>`` and bare legacy names are read,
         other variables ignored.
       overrides: dotted paths (``"pool.expert_slots"``), unique field names
-        (``expert_slots``), ``OVERRIDE_ALIASES`` (``mtp``), seed names, or a section
+        (``expert_slots``), ``OVERRIDE_ALIASES`` (``mtp``), legacy names, or a section
         name mapped to a dict.
 
     Raises:

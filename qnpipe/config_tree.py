@@ -190,7 +190,7 @@ class PrefixCfg(_Section, frozen=True):
 class ChatCfg(_Section, frozen=True):
     """Chat template rendering."""
 
-    # qnpipe differs from the seed here: its default named one deployment's four tools.
+    # qnpipe differs from the legacy system here: its default named one deployment's four tools.
     tools_allow: Annotated[tuple[str, ...], _doc("only these tools are rendered (empty = all tools)")] = ()
 
     def __post_init__(self) -> None:
@@ -217,7 +217,7 @@ class MtpCfg(_Section, frozen=True):
     tree_branches: Annotated[Annotated[int, Meta(ge=2)], _doc("candidate paths for tree verify")] = 2
 
     def __post_init__(self) -> None:
-        # The seed silently let one variant win; qnpipe makes the choice explicit.
+        # The legacy system silently let one variant win; qnpipe makes the choice explicit.
         if self.tree_top2_p1 and not self.tree_top2:
             raise ConfigError("mtp.tree_top2_p1=true extends mtp.tree_top2: set mtp.tree_top2=true too")
         if self.adaptive_rescue and not self.adaptive_depth:
@@ -277,7 +277,7 @@ class TraceCfg(_Section, frozen=True):
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """qnpipe's whole configuration. Build it with ``load``; derive variants with ``replace``."""
+    """qnpipe's whole configuration. Build it with ``config.load``; derive variants with ``config.with_overrides``."""
 
     model: Annotated[ModelCfg, _doc("model files")] = msgspec.field(default_factory=ModelCfg)
     memory: Annotated[MemoryCfg, _doc("MLX memory limits")] = msgspec.field(default_factory=MemoryCfg)
@@ -299,16 +299,6 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         """
         canonical = msgspec.json.encode(msgspec.to_builtins(self), order="sorted")
         return hashlib.sha256(canonical).hexdigest()
-
-    def replace(self, **overrides: object) -> Config:
-        """A copy with ``overrides`` applied, resolved exactly as ``load``'s overrides.
-
-        Raises:
-          ConfigError: an unknown key or an invalid value.
-        """
-        from qnpipe.config import with_overrides  # load() and its override rules live there
-
-        return with_overrides(self, overrides)
 
     def autopin_usage_path(self) -> str:
         """The autopin heat file: ``pool.autopin_usage_file`` or ``<expert dir>/pool_usage.json``."""
