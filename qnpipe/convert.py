@@ -35,18 +35,18 @@ from qnpipe.convert_plan import (
     DTYPES,
     GROUP_SIZES,
     PROJS,
-    _ExpertLayer,
-    _out_float,
-    _Plan,
-    _plan,
-    _record_tensors,
-    _transform,
+    ConvertPlan,
+    ExpertLayerPlan,
+    make_plan,
+    out_float_dtype,
+    record_tensors,
+    transform,
 )
 from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
 from qnpipe.io import store as st
-from qnpipe.io.safetensors_out import _safetensors_bytes, _shards, _write_model_shards, _write_safetensors
+from qnpipe.io.safetensors_out import plan_shards, safetensors_nbytes, write_model_shards, write_safetensors
 from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, LayerFile, Quant, StoreIndex
-from qnpipe.model.args import ModelArgs, args_from_dict, read_config
+from qnpipe.model.args import ModelArgs, args_from_dict, model_id, read_config
 from qnpipe.model.checkpoint import Layout, detect_layout, is_qnpipe_dir, scan
 from qnpipe.outdir import ByteProgress, Log, atomic_dir, clean_stale, fsync_dir, human_bytes, peak_rss
 
@@ -82,7 +82,7 @@ class ConvertReport(msgspec.Struct, frozen=True, kw_only=True):
 # --------------------------------------------------------------------------- the expert layers
 
 
-def _expert_chunk(el: _ExpertLayer, e0: int, e1: int) -> dict[str, np.ndarray]:
+def _expert_chunk(el: ExpertLayerPlan, e0: int, e1: int) -> dict[str, np.ndarray]:
     """Record tensor name -> stacked output `[e1 - e0, ...]` for experts e0..e1 of one layer."""
     src = el.read(e0, e1)
     out: dict[str, np.ndarray] = {}
@@ -91,19 +91,19 @@ def _expert_chunk(el: _ExpertLayer, e0: int, e1: int) -> dict[str, np.ndarray]:
             for part in ("weight", "scales", "biases"):
                 a = src[f"{proj}.{part}"]
                 st_dtype = "U32" if part == "weight" else el.src_st[f"{proj}.scales"]
-                cast = el.cast if part != "weight" and _out_float(st_dtype, el.cast) != st_dtype else None
-                out[f"{proj}.{part}"] = _transform(a, st_dtype, cast=cast)[0]
+                cast = el.cast if part != "weight" and out_float_dtype(st_dtype, el.cast) != st_dtype else None
+                out[f"{proj}.{part}"] = transform(a, st_dtype, cast=cast)[0]
             continue
         key = proj if proj in src else f"{proj}.weight"
         st_dtype = el.src_st[proj]
-        cast = el.cast if _out_float(st_dtype, el.cast) != st_dtype else None
-        res = _transform(src[key], st_dtype, cast=cast, quant=el.quant_out[proj])
+        cast = el.cast if out_float_dtype(st_dtype, el.cast) != st_dtype else None
+        res = transform(src[key], st_dtype, cast=cast, quant=el.quant_out[proj])
         names = ("weight", "scales", "biases") if el.quant_out[proj] else ("weight",)
         out.update({f"{proj}.{n}": r for n, r in zip(names, res, strict=True)})
     return out
 
 
-def _write_expert_layer(experts_dir: Path, el: _ExpertLayer, tensors: list[tuple[str, str, tuple[int, ...]]],
+def _write_expert_layer(experts_dir: Path, el: ExpertLayerPlan, tensors: list[tuple[str, str, tuple[int, ...]]],
                         num_experts: int, advance: Callable[[int], None]) -> LayerFile:
     slots, record_nbytes, stride = st.record_layout(tensors)
     fname = st.layer_file_name(el.layer)
@@ -132,13 +132,13 @@ def _write_expert_layer(experts_dir: Path, el: _ExpertLayer, tensors: list[tuple
                      file_nbytes=num_experts * stride, tensors=slots, quant=quant, checksums=tuple(crcs))
 
 
-def _layer_quant(el: _ExpertLayer, proj: str) -> Quant:
+def _layer_quant(el: ExpertLayerPlan, proj: str) -> Quant:
     q = el.quant_in[proj]
     if q is not None:
         return q
     qo = el.quant_out[proj]
     assert qo is not None
-    return Quant(bits=qo.bits, group_size=qo.group_size)
+    return qo
 
 
 # --------------------------------------------------------------------------- the directory, atomically
@@ -203,14 +203,14 @@ def convert(
     if not args.moe_layers:
         raise CheckpointError(f"{src_p / 'config.json'}: the model has no MoE layers (num_experts "
                               f"{args.num_experts}); there are no experts to store")
-    plan = _plan(src_p, config, args, infos, layout, bits=bits, group_size=group_size, dtype=dtype,
+    plan = make_plan(src_p, config, args, infos, layout, bits=bits, group_size=group_size, dtype=dtype,
                  mtp_bits=mtp_bits, mtp_from=mtp_p, row_block_bytes=ROW_BLOCK_BYTES)
     for w in plan.warnings:
         log(f"warning: {w}")
-    records = [_record_tensors(el, args) for el in plan.experts]
+    records = [record_tensors(el, args) for el in plan.experts]
     expert_bytes = sum(st.record_layout(r)[2] * args.num_experts for r in records)
-    main_bytes = sum(_safetensors_bytes(s) for s in _shards(plan.main, MAX_SHARD_BYTES))
-    mtp_bytes = _safetensors_bytes(plan.mtp) if plan.mtp else 0
+    main_bytes = sum(safetensors_nbytes(s) for s in plan_shards(plan.main, MAX_SHARD_BYTES))
+    mtp_bytes = safetensors_nbytes(plan.mtp) if plan.mtp else 0
     small = sum(p.stat().st_size for p in plan.extra_files) + (1 << 20) + 64 * len(records) * args.num_experts
     need = expert_bytes + main_bytes + mtp_bytes + small
 
@@ -246,20 +246,20 @@ def convert(
     )
 
 
-def _write_all(build: Path, plan: _Plan, records: list[list[tuple[str, str, tuple[int, ...]]]], args: ModelArgs,
+def _write_all(build: Path, plan: ConvertPlan, records: list[list[tuple[str, str, tuple[int, ...]]]], args: ModelArgs,
                bar: ByteProgress) -> StoreIndex:
     """Every file of the model directory except config.json, into `build`; returns the store index."""
     (build / st.EXPERTS_DIR).mkdir()
-    _write_model_shards(build, plan.main, MAX_SHARD_BYTES, bar.advance)
+    write_model_shards(build, plan.main, MAX_SHARD_BYTES, bar.advance)
     if plan.mtp:
         bar.describe("MTP weights")
-        _write_safetensors(build / "mtp.safetensors", plan.mtp, bar.advance)
+        write_safetensors(build / "mtp.safetensors", plan.mtp, bar.advance)
     layer_files = []
     for el, rec in zip(plan.experts, records, strict=True):
         bar.describe(f"experts, layer {el.layer}")
         layer_files.append(_write_expert_layer(build / st.EXPERTS_DIR, el, rec, args.num_experts, bar.advance))
         _clear_mlx_cache()
-    index = StoreIndex(model_id=st.model_id(args), layers=tuple(layer_files))
+    index = StoreIndex(model_id=model_id(args), layers=tuple(layer_files))
     st.write_index(build / st.EXPERTS_DIR, index)
     fsync_dir(build / st.EXPERTS_DIR)
     for f in plan.extra_files:
@@ -273,7 +273,7 @@ def _clear_mlx_cache() -> None:
     mx.clear_cache()
 
 
-def _qnpipe_section(layout: Layout, plan: _Plan, index: StoreIndex, mtp_from: Path | None) -> dict[str, Any]:
+def _qnpipe_section(layout: Layout, plan: ConvertPlan, index: StoreIndex, mtp_from: Path | None) -> dict[str, Any]:
     lf = index.layers[0]
     q = lf.quant
     return {

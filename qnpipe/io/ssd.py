@@ -142,7 +142,7 @@ class _PyRunner:
         self._pool.shutdown(wait=True)
 
 
-class _Plan(msgspec.Struct, gc=False):
+class _ReadPlan(msgspec.Struct, gc=False):
     """How one request is read: straight into its buffer(s), or via an aligned bounce buffer."""
 
     op: _Op
@@ -341,28 +341,28 @@ class SsdReader:
                 self._retired_fds.append(fd)
                 self._count_fallback()
 
-    def _plan(self, r: ReadRequest) -> _Plan:
+    def _plan(self, r: ReadRequest) -> _ReadPlan:
         if r.offset < 0 or r.nbytes <= 0:
             raise ValueError(f"bad read request: offset {r.offset}, nbytes {r.nbytes} ({r.path})")
         segs = _segments(r)
         f = self._file(r.path)
         if f.mode is not CacheMode.O_DIRECT:
             dest = _trim(segs, r.nbytes)
-            return _Plan((f.fd, r.offset, r.nbytes, _one_or_tuple(dest)), dest, 0, None, f.mode)
+            return _ReadPlan((f.fd, r.offset, r.nbytes, _one_or_tuple(dest)), dest, 0, None, f.mode)
         # Direct I/O reads whole 4096-byte blocks into 4096-aligned memory: read in place when
         # every buffer (trimmed to the rounded-up length) is a whole number of aligned blocks.
         length = aligned_len(r.nbytes)
         if r.offset % ALIGN == 0 and sum(m.nbytes for m in segs) >= length:
             direct = _trim(segs, length)
             if all(m.nbytes % ALIGN == 0 and buffer_address(m) % ALIGN == 0 for m in direct):
-                return _Plan((f.fd, r.offset, r.nbytes, _one_or_tuple(direct)), _trim(segs, r.nbytes), 0, None,
+                return _ReadPlan((f.fd, r.offset, r.nbytes, _one_or_tuple(direct)), _trim(segs, r.nbytes), 0, None,
                              f.mode)
         skip = r.offset % ALIGN
         bounce = alloc_aligned(skip + r.nbytes)
         op = (f.fd, r.offset - skip, skip + r.nbytes, bounce.data)
-        return _Plan(op, _trim(segs, r.nbytes), skip, bounce, f.mode)
+        return _ReadPlan(op, _trim(segs, r.nbytes), skip, bounce, f.mode)
 
-    def _execute(self, plans: list[_Plan], which: Sequence[int], requests: Sequence[ReadRequest]) -> dict[int, str]:
+    def _execute(self, plans: list[_ReadPlan], which: Sequence[int], requests: Sequence[ReadRequest]) -> dict[int, str]:
         """Run the preads of `plans[which]` and copy bounced bytes home; {index: why} of failures."""
         out = self._runner.run([plans[i].op for i in which])
         failed: dict[int, str] = {}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +129,25 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return raw
+
+
+# ModelArgs fields that decide the shape of some tensor; their sha256 is the store's model id.
+SHAPE_KEYS = (
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "intermediate_size", "vocab_size", "full_attention_interval",
+    "decoder_sparse_step", "mlp_only_layers", "tie_word_embeddings",
+)
+
+
+def model_id(config: ModelArgs | Mapping[str, Any]) -> str:
+    """sha256 (hex) of the model's shape keys (`SHAPE_KEYS`), from ModelArgs or a config.json dict.
+
+    Two checkpoints of the same architecture and size share it; a store built for a model of
+    another shape does not.
+    """
+    args = config if isinstance(config, ModelArgs) else args_from_dict(dict(config))
+    keys = {k: getattr(args, k) for k in SHAPE_KEYS}
+    keys["mlp_only_layers"] = sorted(keys["mlp_only_layers"])
+    return hashlib.sha256(json.dumps(keys, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -23,7 +23,7 @@ import numpy as np
 from qnpipe.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
-_DTYPE_BYTES = {
+ST_DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
     "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
 }
@@ -32,11 +32,11 @@ ST_NUMPY = {
     "BOOL": "|b1", "U8": "|u1", "I8": "|i1", "I16": "<i2", "U16": "<u2", "F16": "<f2", "BF16": "<u2",
     "I32": "<i4", "U32": "<u4", "F32": "<f4", "I64": "<i8", "U64": "<u8", "F64": "<f8",
 }
-_NORM_SUFFIXES = (
+NORM_SUFFIXES = (
     ".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
     ".q_norm.weight", ".k_norm.weight",
 )
-_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class Layout(enum.StrEnum):
@@ -87,7 +87,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from None
-        nbytes = _DTYPE_BYTES.get(dtype, 0)
+        nbytes = ST_DTYPE_BYTES.get(dtype, 0)
         for d in shape:
             nbytes *= d
         if hi - lo != nbytes:
@@ -162,7 +162,7 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
 
 
 def detect_layout(infos: dict[str, TensorInfo], model_dir: Path) -> Layout:
-    if any(_HF_EXPERT.match(n) for n in infos):
+    if any(HF_EXPERT.match(n) for n in infos):
         return Layout.HF
     if any(".mlp.switch_mlp." in n for n in infos):
         return Layout.MLX
@@ -214,12 +214,12 @@ def to_mlx_names(
                     f"expected {list(w[names[0]].shape)} like expert 0"
                 )
             w[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([w.pop(n) for n in names])
-    stray = [k for k in w if _HF_EXPERT.match(k)]
+    stray = [k for k in w if HF_EXPERT.match(k)]
     if stray:
         raise CheckpointError(f"{where[stray[0]].file}: unexpected tensor {stray[0]} (expert id out of range?)")
     for k, v in w.items():
         if "conv1d.weight" in k and v.shape[-1] != 1:
             w[k] = v.moveaxis(2, 1)
-        if any(k.endswith(s) for s in _NORM_SUFFIXES) and v.ndim == 1:
+        if any(k.endswith(s) for s in NORM_SUFFIXES) and v.ndim == 1:
             w[k] = v + 1.0
     return w, mtp

@@ -11,7 +11,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from qnpipe.errors import CheckpointError, StoreError
-from qnpipe.model.args import ModelArgs, args_from_dict, read_config
+from qnpipe.io.store import ExpertStore, as_mx
+from qnpipe.io.store_format import Quant
+from qnpipe.model.args import ModelArgs, args_from_dict, model_id, read_config
 from qnpipe.model.checkpoint import (
     Layout,
     TensorInfo,
@@ -82,8 +84,7 @@ def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any
             if scales is None:
                 raise CheckpointError(f"{file}: missing tensor {path}.scales (config says {path} is quantized)")
             gs, bits = q["group_size"], q["bits"]
-            want_w = (E, out_d, in_d * bits // 32)
-            want_s = (E, out_d, in_d // gs)
+            want_w, want_s = Quant(bits=bits, group_size=gs).shapes((E, out_d, in_d))
             for n, arr, want in ((name, weight, want_w), (f"{path}.scales", scales, want_s),
                                  (f"{path}.biases", biases, want_s)):
                 if arr is None:
@@ -102,8 +103,6 @@ def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any
 
 def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None) -> ResidentExperts:
     """Every expert of a store (a model dir or its experts dir), stacked `[E, ...]` per projection (slot == expert id)."""
-    from qnpipe.io.store import ExpertStore, as_mx, model_id
-
     E = args.num_experts
     dims = args.expert_dims
     with ExpertStore.open(store_dir, expected_model_id=model_id(args)) as store:
@@ -129,8 +128,8 @@ def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None
                     continue
                 path = f"model.layers.{layer}.mlp.switch_mlp.{proj}"
                 if qcfg is not None:  # the config's quantization must agree with the store's
-                    cq = quant_params(path, qcfg, (E, dims[proj][0], dims[proj][1] // q.group_size),
-                                       (E, dims[proj][0], dims[proj][1] * q.bits // 32), dims[proj][1])
+                    want_w, want_s = q.shapes((E, *dims[proj]))
+                    cq = quant_params(path, qcfg, want_s, want_w, dims[proj][1])
                     if cq is not None and (cq["bits"], cq["group_size"]) != (q.bits, q.group_size):
                         raise StoreError(f"{index_path}: layer {layer} {proj} is {q.bits}-bit/group {q.group_size}, "
                                          f"config.json says {cq['bits']}-bit/group {cq['group_size']}")
