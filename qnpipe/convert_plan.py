@@ -19,9 +19,10 @@ import numpy as np
 
 from qnpipe.errors import CheckpointError, ConfigError
 from qnpipe.io.safetensors_out import OutTensor, WriteJob
+from qnpipe.io.store import as_mx
 from qnpipe.io.store_format import Quant
 from qnpipe.model.args import ModelArgs, model_id, read_config
-from qnpipe.model.checkpoint import HF_EXPERT, NORM_SUFFIXES, Layout, TensorInfo, read_tensor, scan
+from qnpipe.model.checkpoint import HF_EXPERT, Layout, TensorInfo, read_tensor, sanitize_tensor, scan
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -34,13 +35,6 @@ _FROM_ST = {v: k for k, v in _ST.items()}
 
 
 # --------------------------------------------------------------------------- tensors in MLX
-
-
-def _to_mx(a: np.ndarray, st_dtype: str) -> Any:
-    import mlx.core as mx
-
-    out = mx.array(a)
-    return out.view(mx.bfloat16) if st_dtype == "BF16" else out
 
 
 def _to_np(a: Any) -> np.ndarray:
@@ -68,12 +62,9 @@ def transform(raw: np.ndarray, st_dtype: str, *, sanitize_name: str | None = Non
 
     if sanitize_name is None and cast is None and quant is None:
         return [raw]
-    a = _to_mx(raw, st_dtype)
-    if sanitize_name is not None:  # mlx-lm's sanitize (checkpoint.to_mlx_names), on one tensor
-        if "conv1d.weight" in sanitize_name and a.shape[-1] != 1:
-            a = a.moveaxis(2, 1)
-        if any(sanitize_name.endswith(s) for s in NORM_SUFFIXES) and a.ndim == 1:
-            a = a + 1.0
+    a = as_mx(raw, _FROM_ST[st_dtype])
+    if sanitize_name is not None:
+        a = sanitize_tensor(sanitize_name, a)
     if cast is not None and _is_float(st_dtype):
         a = a.astype(_mx_dtype(cast))
     outs = list(mx.quantize(a, quant.group_size, quant.bits)) if quant is not None else [a]

@@ -9,7 +9,6 @@ fallback, counted in `statistics().direct_fallbacks`. A batch runs on the C exte
 
 from __future__ import annotations
 
-import enum
 import errno
 import os
 import sys
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import numpy as np
 
+from qnpipe.config_tree import ReadBackend
 from qnpipe.errors import ReadError
 from qnpipe.io.reader import (
     ALIGN,
@@ -38,7 +38,7 @@ from qnpipe.io.reader import (
 if TYPE_CHECKING:
     from qnpipe.config import ReadCfg
 
-__all__ = ["Backend", "PreadvFn", "SsdReader", "c_extension_available", "nocache_mode"]
+__all__ = ["PreadvFn", "SsdReader", "c_extension_available", "nocache_mode"]
 
 try:
     from qnpipe import _preadx
@@ -50,14 +50,6 @@ _F_NOCACHE_DARWIN = 48  # <sys/fcntl.h>; Python's fcntl module has no name for i
 # os.preadv's signature: (fd, buffers, offset) -> bytes read; raises OSError. The Python
 # backend's hook (tests inject faults with it).
 PreadvFn = Callable[[int, list[memoryview], int], int]
-
-
-class Backend(enum.StrEnum):
-    """Which implementation runs the preads of a batch."""
-
-    AUTO = "auto"  # the C extension when built, else Python
-    C = "c"
-    PYTHON = "python"
 
 
 def c_extension_available() -> bool:
@@ -159,7 +151,7 @@ class SsdReader:
     queue FIFO). `nocache` bypasses the page cache (O_DIRECT / F_NOCACHE). `verify_crc32`
     checks each request that carries a `crc32` after reading. `backend` picks the C
     extension or the Python thread pool (`AUTO`: C when built). `preadv` replaces the Python
-    backend's `os.preadv` (fault injection in tests) and implies `Backend.PYTHON`.
+    backend's `os.preadv` (fault injection in tests) and implies `ReadBackend.PYTHON`.
     Thread-safe; `close()` (or the context manager) releases files and threads.
     """
 
@@ -169,22 +161,22 @@ class SsdReader:
         workers: int = 8,
         nocache: bool = True,
         verify_crc32: bool = False,
-        backend: Backend | str = Backend.AUTO,
+        backend: ReadBackend | str = ReadBackend.AUTO,
         preadv: PreadvFn | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        backend = Backend(backend)
+        backend = ReadBackend(backend)
         if preadv is not None:
-            if backend is Backend.C:
+            if backend is ReadBackend.C:
                 raise ValueError("preadv= is a hook of the Python backend; it cannot be used with backend='c'")
-            backend = Backend.PYTHON
-        if backend is Backend.AUTO:
-            backend = Backend.C if _preadx is not None else Backend.PYTHON
-        if backend is Backend.C and _preadx is None:
+            backend = ReadBackend.PYTHON
+        if backend is ReadBackend.AUTO:
+            backend = ReadBackend.C if _preadx is not None else ReadBackend.PYTHON
+        if backend is ReadBackend.C and _preadx is None:
             raise ValueError("backend='c' but the C extension qnpipe._preadx is not built")
         self._runner: _Runner = (
-            _CRunner(workers) if backend is Backend.C else _PyRunner(workers, preadv or os.preadv)
+            _CRunner(workers) if backend is ReadBackend.C else _PyRunner(workers, preadv or os.preadv)
         )
         self._mode = nocache_mode(nocache)
         self._verify = verify_crc32
@@ -271,9 +263,9 @@ class SsdReader:
             return self._stats
 
     @property
-    def backend(self) -> Backend:
+    def backend(self) -> ReadBackend:
         """The backend in use (never `AUTO`)."""
-        return Backend(self._stats.backend)
+        return ReadBackend(self._stats.backend)
 
     def close(self) -> None:
         """Stop the worker threads and close every file. Idempotent."""

@@ -23,15 +23,13 @@ import numpy as np
 from qnpipe.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
-ST_DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}
 # safetensors dtype -> numpy storage dtype (bfloat16 travels as its uint16 bits).
 ST_NUMPY = {
     "BOOL": "|b1", "U8": "|u1", "I8": "|i1", "I16": "<i2", "U16": "<u2", "F16": "<f2", "BF16": "<u2",
     "I32": "<i4", "U32": "<u4", "F32": "<f4", "I64": "<i8", "U64": "<u8", "F64": "<f8",
 }
+# Bytes per element of every safetensors dtype (fp8 has no numpy storage type, so is listed apart).
+ST_DTYPE_BYTES = {**{k: np.dtype(v).itemsize for k, v in ST_NUMPY.items()}, "F8_E4M3": 1, "F8_E5M2": 1}
 NORM_SUFFIXES = (
     ".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
     ".q_norm.weight", ".k_norm.weight",
@@ -218,8 +216,14 @@ def to_mlx_names(
     if stray:
         raise CheckpointError(f"{where[stray[0]].file}: unexpected tensor {stray[0]} (expert id out of range?)")
     for k, v in w.items():
-        if "conv1d.weight" in k and v.shape[-1] != 1:
-            w[k] = v.moveaxis(2, 1)
-        if any(k.endswith(s) for s in NORM_SUFFIXES) and v.ndim == 1:
-            w[k] = v + 1.0
+        w[k] = sanitize_tensor(k, v)
     return w, mtp
+
+
+def sanitize_tensor(name: str, a: mx.array) -> mx.array:
+    """mlx-lm's per-tensor sanitize of an HF tensor: conv1d `[C, 1, K]` -> `[C, K, 1]`, norms `w` -> `1 + w`."""
+    if "conv1d.weight" in name and a.shape[-1] != 1:
+        a = a.moveaxis(2, 1)
+    if any(name.endswith(s) for s in NORM_SUFFIXES) and a.ndim == 1:
+        a = a + 1.0
+    return a
