@@ -57,8 +57,7 @@ MODEL_VERSION = 1
 MAX_SHARD_BYTES = 5 << 30  # like mlx-lm's save_model
 CHUNK_BYTES = 256 << 20  # source bytes of experts transformed at once
 ROW_BLOCK_BYTES = 64 << 20  # source bytes of a large non-expert matrix transformed at once
-# The sizes above are read from this module when `convert` runs and passed down to the plan and
-# the writers, so setting them here (as the tests do) takes effect.
+# The sizes above are `convert`'s defaults; its keyword arguments of the same names override them.
 
 
 class ConvertReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,11 +103,11 @@ def _expert_chunk(el: ExpertLayerPlan, e0: int, e1: int) -> dict[str, np.ndarray
 
 
 def _write_expert_layer(experts_dir: Path, el: ExpertLayerPlan, tensors: list[tuple[str, str, tuple[int, ...]]],
-                        num_experts: int, advance: Callable[[int], None]) -> LayerFile:
+                        num_experts: int, advance: Callable[[int], None], chunk_bytes: int) -> LayerFile:
     slots, record_nbytes, stride = st.record_layout(tensors)
     fname = st.layer_file_name(el.layer)
     crcs: list[int] = []
-    per_chunk = max(1, min(num_experts, CHUNK_BYTES // max(1, el.src_bytes_per_expert)))
+    per_chunk = max(1, min(num_experts, chunk_bytes // max(1, el.src_bytes_per_expert)))
     fd = os.open(experts_dir / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for e0 in range(0, num_experts, per_chunk):
@@ -166,6 +165,9 @@ def convert(
     force: bool = False,
     progress: bool = False,
     log: Log | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    row_block_bytes: int = ROW_BLOCK_BYTES,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> ConvertReport:
     """Convert checkpoint `src` (original HF or mlx-lm layout) into the qnpipe model directory `out`.
 
@@ -173,7 +175,9 @@ def convert(
     (router and shared-expert gate at 8 bits / 64); `dtype` casts float tensors (default: the
     config's torch_dtype for HF sources, as mlx-lm does; unchanged for mlx-lm sources).
     `mtp_bits` quantizes the MTP head (0 keeps it float); `mtp_from` is the original checkpoint
-    to take `mtp.*` from when `src` has none. `log` receives warnings and notices.
+    to take `mtp.*` from when `src` has none. `log` receives warnings and notices. `chunk_bytes`
+    (source bytes of experts transformed at once), `row_block_bytes` (of a large non-expert
+    matrix) and `max_shard_bytes` (per output shard) bound memory and file sizes.
 
     Raises CheckpointError (bad source), ConfigError (bad options), QnpipeError (not enough
     disk space: both numbers), FileExistsError (`out` exists and `force` is false). Nothing is
@@ -204,12 +208,12 @@ def convert(
         raise CheckpointError(f"{src_p / 'config.json'}: the model has no MoE layers (num_experts "
                               f"{args.num_experts}); there are no experts to store")
     plan = make_plan(src_p, config, args, infos, layout, bits=bits, group_size=group_size, dtype=dtype,
-                 mtp_bits=mtp_bits, mtp_from=mtp_p, row_block_bytes=ROW_BLOCK_BYTES)
+                 mtp_bits=mtp_bits, mtp_from=mtp_p, row_block_bytes=row_block_bytes)
     for w in plan.warnings:
         log(f"warning: {w}")
     records = [record_tensors(el, args) for el in plan.experts]
     expert_bytes = sum(st.record_layout(r)[2] * args.num_experts for r in records)
-    main_bytes = sum(safetensors_nbytes(s) for s in plan_shards(plan.main, MAX_SHARD_BYTES))
+    main_bytes = sum(safetensors_nbytes(s) for s in plan_shards(plan.main, max_shard_bytes))
     mtp_bytes = safetensors_nbytes(plan.mtp) if plan.mtp else 0
     small = sum(p.stat().st_size for p in plan.extra_files) + (1 << 20) + 64 * len(records) * args.num_experts
     need = expert_bytes + main_bytes + mtp_bytes + small
@@ -227,7 +231,8 @@ def convert(
     bar = ByteProgress(progress, expert_bytes + main_bytes + mtp_bytes, "non-expert weights")
     try:
         with atomic_dir(out_p) as build:
-            index = _write_all(build, plan, records, args, bar)
+            index = _write_all(build, plan, records, args, bar, chunk_bytes=chunk_bytes,
+                               max_shard_bytes=max_shard_bytes)
             cfg = dict(plan.config)
             cfg["qnpipe"] = _qnpipe_section(layout, plan, index, mtp_p)
             (build / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
@@ -247,17 +252,18 @@ def convert(
 
 
 def _write_all(build: Path, plan: ConvertPlan, records: list[list[tuple[str, str, tuple[int, ...]]]], args: ModelArgs,
-               bar: ByteProgress) -> StoreIndex:
+               bar: ByteProgress, *, chunk_bytes: int, max_shard_bytes: int) -> StoreIndex:
     """Every file of the model directory except config.json, into `build`; returns the store index."""
     (build / st.EXPERTS_DIR).mkdir()
-    write_model_shards(build, plan.main, MAX_SHARD_BYTES, bar.advance)
+    write_model_shards(build, plan.main, max_shard_bytes, bar.advance)
     if plan.mtp:
         bar.describe("MTP weights")
         write_safetensors(build / "mtp.safetensors", plan.mtp, bar.advance)
     layer_files = []
     for el, rec in zip(plan.experts, records, strict=True):
         bar.describe(f"experts, layer {el.layer}")
-        layer_files.append(_write_expert_layer(build / st.EXPERTS_DIR, el, rec, args.num_experts, bar.advance))
+        layer_files.append(_write_expert_layer(build / st.EXPERTS_DIR, el, rec, args.num_experts, bar.advance,
+                                               chunk_bytes))
         _clear_mlx_cache()
     index = StoreIndex(model_id=model_id(args), layers=tuple(layer_files))
     st.write_index(build / st.EXPERTS_DIR, index)

@@ -66,14 +66,12 @@ def _assert_same_as_mlx(qn: Path, ref: Path) -> None:
 # --------------------------------------------------------------------------- round trips
 
 
-def test_hf_float_round_trip_from_shards(tmp_path: Path, tiny_hf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hf_float_round_trip_from_shards(tmp_path: Path, tiny_hf: Path) -> None:
     from qnpipe.tiny import make_tiny
-
-    monkeypatch.setattr(cv, "ROW_BLOCK_BYTES", 20_000)  # large matrices go through in row blocks
 
     src = make_tiny(tmp_path / "hf3", layout="hf", seed=0, shards=3)  # same weights as tiny_hf, 3 shards
     out = tmp_path / "qn"
-    report = cv.convert(src, out, mtp_bits=0)
+    report = cv.convert(src, out, mtp_bits=0, row_block_bytes=20_000)  # large matrices go through in row blocks
     assert report.source_layout == "hf" and report.quantization is None and report.mtp
     hf = load_model(src)
     with ExpertStore.open(out) as store:
@@ -95,14 +93,12 @@ def test_hf_float_round_trip_from_shards(tmp_path: Path, tiny_hf: Path, monkeypa
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_hf_quantized_equals_mlx_lm_convert(tmp_path: Path, tiny_hf: Path, bits: int, request,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hf_quantized_equals_mlx_lm_convert(tmp_path: Path, tiny_hf: Path, bits: int, request) -> None:
     ref = request.getfixturevalue(f"tiny_mlx{bits}")  # mlx_lm.convert -q --q-bits bits of the same source
-    if bits == 4:
-        monkeypatch.setattr(cv, "ROW_BLOCK_BYTES", 20_000)  # row blocks quantize exactly like the whole matrix
-        monkeypatch.setattr(cv, "CHUNK_BYTES", 100_000)  # experts in several chunks per layer
+    # At 4 bits: row blocks quantize exactly like the whole matrix; experts go in several chunks per layer.
+    row_block, chunk = (20_000, 100_000) if bits == 4 else (cv.ROW_BLOCK_BYTES, cv.CHUNK_BYTES)
     out = tmp_path / "qn"
-    report = cv.convert(tiny_hf, out, bits=bits, dtype="bfloat16")
+    report = cv.convert(tiny_hf, out, bits=bits, dtype="bfloat16", row_block_bytes=row_block, chunk_bytes=chunk)
     assert report.quantization == {"bits": bits, "group_size": 64, "mode": "affine"}
     _assert_same_as_mlx(out, ref)
     # the MTP head is quantized the same way at --mtp-bits (default 4), router and shared gate at 8
@@ -119,12 +115,10 @@ def test_hf_quantized_equals_mlx_lm_convert(tmp_path: Path, tiny_hf: Path, bits:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_mlx_source_round_trip_is_bit_identical(tmp_path: Path, tiny_hf: Path, bits: int, request,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mlx_source_round_trip_is_bit_identical(tmp_path: Path, tiny_hf: Path, bits: int, request) -> None:
     src = request.getfixturevalue(f"tiny_mlx{bits}")
-    monkeypatch.setattr(cv, "MAX_SHARD_BYTES", 300_000)  # also exercise sharded non-expert weights
     out = tmp_path / "qn"
-    report = cv.convert(src, out, mtp_from=tiny_hf)
+    report = cv.convert(src, out, mtp_from=tiny_hf, max_shard_bytes=300_000)  # also sharded non-expert weights
     assert report.source_layout == "mlx" and report.mtp and report.dtype == "bfloat16"
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
     _assert_same_as_mlx(out, src)
