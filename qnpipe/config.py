@@ -20,7 +20,6 @@ import sys
 import tomllib
 import warnings
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import msgspec
@@ -52,7 +51,7 @@ from qnpipe.errors import ConfigError
 from qnpipe.layersets import format_layer_set, parse_layer_set
 
 __all__ = [
-    "cache_dir", "ChatCfg", "Config", "describe_allowed", "DiagCfg", "EvictPolicy", "field_specs",
+    "ChatCfg", "Config", "describe_allowed", "DiagCfg", "EvictPolicy", "field_specs",
     "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
     "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning",
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",
@@ -63,9 +62,7 @@ __all__ = [
 ENV_PREFIX = "QNPIPE_"
 # Names the TOML file when load() gets no toml_path; not a Config field.
 ENV_CONFIG_FILE = "QNPIPE_CONFIG"
-# Where downloaded / generated artefacts (demo model) live; see cache_dir(). Not a field.
-ENV_CACHE_DIR = "QNPIPE_CACHE_DIR"
-_NOT_FIELDS = frozenset({ENV_CONFIG_FILE, ENV_CACHE_DIR})
+_NOT_FIELDS = frozenset({ENV_CONFIG_FILE})
 
 
 class ReplacedSwitchWarning(UserWarning):
@@ -453,16 +450,3 @@ def with_overrides(cfg: Config, overrides: Mapping[str, object] | None = None, /
     sources: dict[str, str] = {}
     _apply(tree, sources, _override_settings(merged))
     return _finish(tree, sources)
-
-
-def cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """qnpipe's cache directory (demo model and other generated files); not created here.
-
-    ``QNPIPE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/qnpipe``, else ``~/.cache/qnpipe``.
-    ``env=None`` reads ``os.environ``.
-    """
-    env = os.environ if env is None else env
-    if env.get(ENV_CACHE_DIR):
-        return Path(env[ENV_CACHE_DIR]).expanduser()
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "qnpipe"

@@ -137,13 +137,6 @@ def test_qnpipe_config_env_names_the_toml_file(tmp_path: Path) -> None:
     assert load(env={"QNPIPE_CONFIG": str(toml)}).mtp.enabled is True
 
 
-def test_cache_dir(tmp_path: Path) -> None:
-    assert config.cache_dir({"QNPIPE_CACHE_DIR": str(tmp_path)}) == tmp_path
-    assert config.cache_dir({"XDG_CACHE_HOME": "/c"}) == Path("/c/qnpipe")
-    assert config.cache_dir({}).name == "qnpipe"
-    assert load(env={"QNPIPE_CACHE_DIR": "/x"}) == Config()  # not a field, not an error
-
-
 def test_env_none_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QNPIPE_POOL__EXPERT_SLOTS", "7")
     assert load().pool.expert_slots == 7
