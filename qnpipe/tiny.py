@@ -33,7 +33,7 @@ TOKENIZER_DIR = Path(__file__).resolve().parent / "data" / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TOKENIZER_VOCAB_SIZE = 1024
 
-# docs/qwen3-next/tiny_config_v1024.json (spec §8), stored as float32.
+# The tiny test configuration of docs/model.md, stored as float32.
 TINY_CONFIG: dict[str, Any] = {
     "architectures": ["Qwen3NextForCausalLM"],
     "model_type": "qwen3_next",

@@ -2,9 +2,9 @@
 # (torch is the `train` extra, not installed for the tests; ref_numpy is the external spec's reference.)
 """Train the tiny Qwen3-Next that qnpipe ships as its default model (PyTorch on CPU).
 
-The model has the exact Qwen3-Next architecture of docs qwen3-next.md §2 (Gated DeltaNet and gated
+The model has the exact Qwen3-Next architecture of docs/model.md, "Forward pass" (Gated DeltaNet and gated
 full-attention layers, a sparse MoE with a gated shared expert in every layer, zero-centred norms)
-plus one MTP layer (§5), at tiny sizes. It is trained on the running Python's standard-library
+plus one MTP layer ("MTP head"), at tiny sizes. It is trained on the running Python's standard-library
 sources (present on every machine) with a byte-level BPE tokenizer trained here by `tokenizers`,
 and written in the original Hugging Face layout (per-expert tensors, ``mtp.*``, config.json,
 generation_config.json, tokenizer.json, tokenizer_config.json with the Qwen chat template).
@@ -64,7 +64,7 @@ EOT, IM_START, IM_END = 0, 1, 2
 
 
 def model_config(vocab: int, experts: int, top_k: int, moe_inter: int) -> dict[str, Any]:
-    """config.json: qwen3-next.md §8 (tiny_config_v1024) with a larger vocabulary and the expert sizes."""
+    """config.json: the tiny test configuration of docs/model.md with a larger vocabulary and the expert sizes."""
     from qnpipe.tiny import TINY_CONFIG
 
     c = dict(TINY_CONFIG)
@@ -107,7 +107,7 @@ _CHAT_FORMS = (
 
 
 def chat_examples(files: list[Path], max_chars: int = 1200) -> list[str]:
-    """Chat turns (template of §6.2) made from documented functions: docstring request -> code."""
+    """Chat turns (the chat template of docs/model.md) made from documented functions: docstring request -> code."""
     out: list[str] = []
     for p in files:
         text = read(p)
@@ -242,7 +242,7 @@ def build_torch_model(cfg: dict[str, Any]):  # noqa: C901 - one closure of modul
             return self.o_proj(o * torch.sigmoid(gate))
 
     def chunk_delta(q, k, v, g, beta, C=64):
-        """Chunked gated delta rule (§2.5f). q,k [B,T,h,dk] (normalised), v [B,T,h,dv], g,beta [B,T,h]."""
+        """Chunked gated delta rule (docs/model.md, "Forward pass"). q,k [B,T,h,dk] (normalised), v [B,T,h,dv], g,beta [B,T,h]."""
         B, T, Hh, _ = q.shape
         pad = (-T) % C
         if pad:  # zero k, v, beta, g: padded steps neither decay nor write the state
@@ -285,7 +285,7 @@ def build_torch_model(cfg: dict[str, Any]):  # noqa: C901 - one closure of modul
 
         def forward(self, x):
             B, T, _ = x.shape
-            p = self.in_proj_qkvz(x).view(B, T, nk, 2 * dk + 2 * r * dv)  # grouped by key head (§2.5a)
+            p = self.in_proj_qkvz(x).view(B, T, nk, 2 * dk + 2 * r * dv)  # grouped by key head (docs/model.md)
             q, k = p[..., :dk], p[..., dk:2 * dk]
             v = p[..., 2 * dk:2 * dk + r * dv].reshape(B, T, nv, dv)
             z = p[..., 2 * dk + r * dv:].reshape(B, T, nv, dv)
@@ -454,7 +454,7 @@ def init_weights(model, cfg: dict[str, Any], seed: int) -> None:
 
 
 def hf_state(model, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The model's tensors under the original HF names (§4.1, §5.1), float32, routed experts split."""
+    """The model's tensors under the original HF names (docs/model.md, "Checkpoint layouts", "MTP head"), float32, routed experts split."""
     out: dict[str, np.ndarray] = {}
     for name, t in model.state_dict().items():
         a = t.detach().float().cpu().numpy()

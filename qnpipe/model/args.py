@@ -16,7 +16,7 @@ MODEL_TYPE = "qwen3_next"
 
 
 class ModelArgs(msgspec.Struct, frozen=True, kw_only=True):
-    """Shape and numerics of one Qwen3-Next model (qwen3-next.md §1)."""
+    """Shape and numerics of one Qwen3-Next model (docs/model.md, "Configuration")."""
 
     model_type: str
     hidden_size: int

@@ -1,6 +1,6 @@
 """Reading Qwen3-Next checkpoints: safetensors headers, shard indexes, and the two layouts.
 
-Layouts (qwen3-next.md §4): original Hugging Face (per-expert tensors, zero-centred norms,
+Layouts (docs/model.md, "Checkpoint layouts"): original Hugging Face (per-expert tensors, zero-centred norms,
 conv1d `[C, 1, K]`, `mtp.*`) and mlx-lm converted (stacked `switch_mlp`, norms stored as
 `1 + w`, conv1d `[C, K, 1]`, optionally affine-quantized). `to_mlx_names` turns the first
 into the second exactly as mlx-lm's `sanitize` does, keeping `mtp.*` aside.
