@@ -42,6 +42,7 @@ from qnpipe.convert_plan import (
     record_tensors,
     transform,
 )
+from qnpipe.dtypes import NP_DTYPES
 from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
 from qnpipe.io import store as st
 from qnpipe.io.safetensors_out import plan_shards, safetensors_nbytes, write_model_shards, write_safetensors
@@ -116,7 +117,7 @@ def _write_expert_layer(experts_dir: Path, el: ExpertLayerPlan, tensors: list[tu
             buf = np.zeros((e1 - e0, stride), dtype=np.uint8)
             for s in slots:
                 a = arrays[s.name]
-                if a.shape[1:] != s.shape or a.dtype != np.dtype(st.NP_DTYPES[s.dtype]):
+                if a.shape[1:] != s.shape or a.dtype != np.dtype(NP_DTYPES[s.dtype]):
                     raise QnpipeError(f"internal error: layer {el.layer} {s.name} came out {a.dtype}{list(a.shape)}")
                 buf[:, s.offset:s.offset + s.nbytes] = np.ascontiguousarray(a).reshape(e1 - e0, -1).view(np.uint8)
             crcs += [zlib.crc32(buf[i, :record_nbytes].data) for i in range(e1 - e0)]

@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from qnpipe.dtypes import NAME_OF_ST, ST_OF_NAME
 from qnpipe.errors import CheckpointError, ConfigError
 from qnpipe.io.safetensors_out import OutTensor, WriteJob
 from qnpipe.io.store import as_mx
@@ -30,8 +31,8 @@ DTYPES = ("float16", "bfloat16", "float32")
 PROJS = ("gate_proj", "up_proj", "down_proj")
 TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                    "chat_template*", "generation_config.json")
-_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint32": "U32"}
-_FROM_ST = {v: k for k, v in _ST.items()}
+# The safetensors dtypes convert reads (floats, and uint32 for packed quantized weights).
+_CONVERTIBLE = ("BF16", "F16", "F32", "U32")
 
 
 # --------------------------------------------------------------------------- tensors in MLX
@@ -62,7 +63,7 @@ def transform(raw: np.ndarray, st_dtype: str, *, sanitize_name: str | None = Non
 
     if sanitize_name is None and cast is None and quant is None:
         return [raw]
-    a = as_mx(raw, _FROM_ST[st_dtype])
+    a = as_mx(raw, NAME_OF_ST[st_dtype])
     if sanitize_name is not None:
         a = sanitize_tensor(sanitize_name, a)
     if cast is not None and _is_float(st_dtype):
@@ -87,14 +88,14 @@ class ExpertLayerPlan:
 
 
 def out_float_dtype(st_dtype: str, cast: str | None) -> str:
-    return _ST[cast] if cast is not None and _is_float(st_dtype) else st_dtype
+    return ST_OF_NAME[cast] if cast is not None and _is_float(st_dtype) else st_dtype
 
 
 def _tensor_job(name: str, info: TensorInfo, *, sanitize: bool, cast: str | None, quant: Quant | None,
                 row_block_bytes: int) -> WriteJob:
-    if info.dtype not in _FROM_ST:
+    if info.dtype not in _CONVERTIBLE:
         raise CheckpointError(f"{info.file}: tensor {name} has dtype {info.dtype}; qnpipe converts "
-                              f"{', '.join(sorted(_FROM_ST))} tensors")
+                              f"{', '.join(_CONVERTIBLE)} tensors")
     shape = info.shape
     if sanitize and "conv1d.weight" in name and shape[-1] != 1:
         shape = (shape[0], shape[2], shape[1])
@@ -249,14 +250,14 @@ def record_tensors(el: ExpertLayerPlan, args: ModelArgs) -> list[tuple[str, str,
     dims = args.expert_dims
     out = []
     for proj in PROJS:
-        fdt = _FROM_ST[out_float_dtype(el.src_st[proj], el.cast)]
+        fdt = NAME_OF_ST[out_float_dtype(el.src_st[proj], el.cast)]
         qo = el.quant_out[proj]
         q = el.quant_in[proj] or qo
         if q is None:
             out.append((f"{proj}.weight", fdt, dims[proj]))
             continue
         if el.quant_in[proj] is not None:  # already quantized: scales keep (or cast) the source dtype
-            fdt = _FROM_ST[out_float_dtype(el.src_st.get(f"{proj}.scales", el.src_st[proj]), el.cast)]
+            fdt = NAME_OF_ST[out_float_dtype(el.src_st.get(f"{proj}.scales", el.src_st[proj]), el.cast)]
         wq, sq = q.shapes(dims[proj])
         out += [(f"{proj}.weight", "uint32", wq), (f"{proj}.scales", fdt, sq), (f"{proj}.biases", fdt, sq)]
     return out
@@ -341,7 +342,7 @@ def make_plan(src: Path, config: dict[str, Any], args: ModelArgs, infos: dict[st
                                      row_block_bytes=row_block_bytes))
     _check_main(args, plan.main, src)
     norm = infos.get("model.norm.weight")
-    plan.float_dtype = cast or (_FROM_ST.get(norm.dtype) if norm is not None else None)
+    plan.float_dtype = cast or (NAME_OF_ST.get(norm.dtype) if norm is not None else None)
 
     if layout is Layout.HF:
         plan.experts = _plan_hf_experts(args, infos, cast, quant)

@@ -18,8 +18,9 @@ from typing import Any
 import attrs
 import numpy as np
 
+from qnpipe.dtypes import ST_DTYPE_BYTES
 from qnpipe.errors import QnpipeError
-from qnpipe.model.checkpoint import INDEX_FILE, ST_DTYPE_BYTES
+from qnpipe.model.checkpoint import INDEX_FILE
 
 
 @attrs.frozen

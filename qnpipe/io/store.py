@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from qnpipe.dtypes import NP_DTYPES
 from qnpipe.errors import CheckpointError, StoreError
 from qnpipe.io.store_format import (
     ALIGN,
@@ -37,18 +38,12 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
 __all__ = [
-    "EXPERTS_DIR", "NP_DTYPES", "ExpertStore", "as_mx", "layer_file_name",
+    "EXPERTS_DIR", "ExpertStore", "as_mx", "layer_file_name",
     "config_model_id", "read_index", "record_layout", "write_index",
 ]
 
 EXPERTS_DIR = "experts"
 
-# Index dtype name -> numpy storage dtype. numpy has no bfloat16: its records come out as the
-# uint16 bit patterns (`as_mx` turns them back into mx.bfloat16 without changing a bit).
-NP_DTYPES: dict[str, str] = {
-    "uint32": "<u4", "uint16": "<u2", "uint8": "|u1", "int32": "<i4",
-    "float32": "<f4", "float16": "<f2", "bfloat16": "<u2",
-}
 
 def layer_file_name(layer: int) -> str:
     return f"layer_{layer:03d}.bin"

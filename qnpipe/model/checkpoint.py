@@ -20,16 +20,10 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
+from qnpipe.dtypes import ST_DTYPE_BYTES, ST_NUMPY
 from qnpipe.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
-# safetensors dtype -> numpy storage dtype (bfloat16 travels as its uint16 bits).
-ST_NUMPY = {
-    "BOOL": "|b1", "U8": "|u1", "I8": "|i1", "I16": "<i2", "U16": "<u2", "F16": "<f2", "BF16": "<u2",
-    "I32": "<i4", "U32": "<u4", "F32": "<f4", "I64": "<i8", "U64": "<u8", "F64": "<f8",
-}
-# Bytes per element of every safetensors dtype (fp8 has no numpy storage type, so is listed apart).
-ST_DTYPE_BYTES = {**{k: np.dtype(v).itemsize for k, v in ST_NUMPY.items()}, "F8_E4M3": 1, "F8_E5M2": 1}
 NORM_SUFFIXES = (
     ".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
     ".q_norm.weight", ".k_norm.weight",
