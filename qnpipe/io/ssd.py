@@ -38,7 +38,7 @@ from qnpipe.io.reader import (
 if TYPE_CHECKING:
     from qnpipe.config import ReadCfg
 
-__all__ = ["PreadvFn", "SsdReader", "c_extension_available", "nocache_mode"]
+__all__ = ["PreadvFn", "SsdReader", "c_extension_available", "choose_backend", "nocache_mode"]
 
 try:
     from qnpipe import _preadx
@@ -55,6 +55,24 @@ PreadvFn = Callable[[int, list[memoryview], int], int]
 def c_extension_available() -> bool:
     """Whether `qnpipe._preadx` was built and imports."""
     return _preadx is not None
+
+
+def choose_backend(backend: ReadBackend | str, *, hooked: bool, c_available: bool) -> ReadBackend:
+    """The backend a reader runs: `backend`, with AUTO resolved; a `preadv` hook (`hooked`) means Python.
+
+    Raises:
+      ValueError: C was asked for with a hook, or without the extension (`c_available` false).
+    """
+    backend = ReadBackend(backend)
+    if hooked:
+        if backend is ReadBackend.C:
+            raise ValueError("preadv= is a hook of the Python backend; it cannot be used with backend='c'")
+        return ReadBackend.PYTHON
+    if backend is ReadBackend.AUTO:
+        return ReadBackend.C if c_available else ReadBackend.PYTHON
+    if backend is ReadBackend.C and not c_available:
+        raise ValueError("backend='c' but the C extension qnpipe._preadx is not built")
+    return backend
 
 
 def nocache_mode(nocache: bool, platform: str = sys.platform) -> CacheMode:
@@ -166,15 +184,7 @@ class SsdReader:
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        backend = ReadBackend(backend)
-        if preadv is not None:
-            if backend is ReadBackend.C:
-                raise ValueError("preadv= is a hook of the Python backend; it cannot be used with backend='c'")
-            backend = ReadBackend.PYTHON
-        if backend is ReadBackend.AUTO:
-            backend = ReadBackend.C if _preadx is not None else ReadBackend.PYTHON
-        if backend is ReadBackend.C and _preadx is None:
-            raise ValueError("backend='c' but the C extension qnpipe._preadx is not built")
+        backend = choose_backend(backend, hooked=preadv is not None, c_available=c_extension_available())
         self._runner: _Runner = (
             _CRunner(workers) if backend is ReadBackend.C else _PyRunner(workers, preadv or os.preadv)
         )

@@ -480,15 +480,18 @@ def test_missing_file_and_bad_requests(tmp_path, backend) -> None:
 # ---------------------------------------------------------------------------- backend selection
 
 
-def test_without_the_extension_the_python_backend_is_chosen(monkeypatch) -> None:
-    monkeypatch.setattr(ssd, "_preadx", None)
-    assert not ssd.c_extension_available()
-    with SsdReader() as reader:
-        assert reader.backend is ReadBackend.PYTHON
+def test_without_the_extension_the_python_backend_is_chosen() -> None:
+    choose = ssd.choose_backend
+    assert choose("auto", hooked=False, c_available=False) is ReadBackend.PYTHON
+    assert choose("auto", hooked=False, c_available=True) is ReadBackend.C
+    assert choose("auto", hooked=True, c_available=True) is ReadBackend.PYTHON
+    assert choose(ReadBackend.PYTHON, hooked=False, c_available=True) is ReadBackend.PYTHON
     with pytest.raises(ValueError, match="not built"):
-        SsdReader(backend="c")
+        choose("c", hooked=False, c_available=False)
     with pytest.raises(ValueError, match="Python backend"):
-        SsdReader(backend="c", preadv=os.preadv)
+        choose("c", hooked=True, c_available=True)
+    with pytest.raises(ValueError, match="Python backend"):
+        SsdReader(backend="c", preadv=os.preadv)  # the reader asks the same function
 
 
 def test_auto_prefers_the_extension_when_built() -> None:
