@@ -177,9 +177,9 @@ _warned_names: set[str] = set()
 
 
 def _stacklevel() -> int:
-    # Point warnings at the first frame outside this module (the caller of load()).
+    # Point warnings at the first frame outside qnpipe: the user's Engine(...) or load() call.
     level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__") == __name__:
+    while frame is not None and str(frame.f_globals.get("__name__")).partition(".")[0] == "qnpipe":
         level, frame = level + 1, frame.f_back
     return level
 

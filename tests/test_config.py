@@ -210,8 +210,9 @@ def test_a_field_without_its_feature_warns_once_naming_both() -> None:
         config._warned_names.clear()
         load(env={"MOE_TOPK_OVERRIDE": ""})  # the default: nothing to warn about
         load(overrides={"forward.prefill_chunk_tokens": 0})  # a field with a consumer
-    with pytest.warns(NotImplementedConfigWarning, match=r"pool\.expert_slots=32 .*streaming expert pool"):
+    with pytest.warns(NotImplementedConfigWarning, match=r"pool\.expert_slots=32 .*streaming expert pool") as record:
         with_overrides(Config(), mtp=False, expert_slots=32)
+    assert record[0].filename == __file__  # the caller's line, not qnpipe's
 
 
 def test_two_legacy_names_for_one_field_must_agree() -> None:
