@@ -71,7 +71,7 @@ def field_table() -> str:
                     f"`{spec.env_name}`",
                     ", ".join(f"`{n}`" for n in legacy_names.get(spec.path, [])),
                     _prose(spec.doc),
-                    f"not yet ({NOT_YET_IMPLEMENTED[spec.path]})" if spec.path in NOT_YET_IMPLEMENTED else "yes",
+                    f"not yet: {NOT_YET_IMPLEMENTED[spec.path]}" if spec.path in NOT_YET_IMPLEMENTED else "yes",
                 )
             )
             + " |"
