@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+# The configuration is light (msgspec only) and every entry point needs it, so it is
+# always there: `import qnpipe; qnpipe.config.load()`.
+from qnpipe import config
+from qnpipe.config import Config
+
 __version__ = "0.1.0"
-__all__ = ["Config", "Engine", "open_engine", "__version__"]
+__all__ = ["Config", "Engine", "config", "open_engine", "__version__"]
 
 if TYPE_CHECKING:
-    from qnpipe.config import Config
     from qnpipe.embed import Engine, open_engine
 
 
@@ -20,8 +24,4 @@ def __getattr__(name: str) -> Any:
         from qnpipe import embed
 
         return getattr(embed, name)
-    if name == "Config":
-        from qnpipe.config import Config
-
-        return Config
     raise AttributeError(f"module 'qnpipe' has no attribute {name!r}")

@@ -32,13 +32,20 @@ Any setting can be given with --set SECTION.FIELD=VALUE (see docs/config.md).
 """
 
 
-def _add_config_flags(p: argparse.ArgumentParser) -> None:
+def _add_config_flags(p: argparse.ArgumentParser, *, prefill: bool = True,
+                      example: str = "forward.prefill_chunk_tokens=0") -> None:
     g = p.add_argument_group("configuration")
     g.add_argument("--config", metavar="FILE.toml", help="TOML file of settings (see docs/config.md)")
     g.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="sets",
-                   help="override one setting, e.g. --set forward.prefill_chunk_tokens=0 (repeatable)")
-    g.add_argument("--prefill-chunk", type=int, metavar="N",
-                   help="prefill N prompt tokens per forward (0 = whole prompt); PREFILL_CHUNK")
+                   help=f"override one setting, e.g. --set {example} (repeatable)")
+    if prefill:  # convert runs no forward
+        g.add_argument("--prefill-chunk", type=int, metavar="N",
+                       help="prefill N prompt tokens per forward (0 = whole prompt); PREFILL_CHUNK")
+
+
+def _echo(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
 
 
 def _add_gen_flags(p: argparse.ArgumentParser, default_tokens: int, json: bool = True) -> None:
@@ -216,10 +223,6 @@ class _PrefillBar:
 def _run_generate(eng: Any, prompt: str | list[int], args: argparse.Namespace) -> int:
     from qnpipe.validate import check_prompt, context_warning
 
-    def show(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-
     try:
         prompt = check_prompt(prompt)
     except ValueError as e:
@@ -231,7 +234,7 @@ def _run_generate(eng: Any, prompt: str | list[int], args: argparse.Namespace) -
 
     with _PrefillBar(enabled=not args.json and sys.stderr.isatty()) as bar:
         res = eng.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                           seed=args.seed, on_text=None if args.json else bar.then(show), on_prefill=bar.update)
+                           seed=args.seed, on_text=None if args.json else bar.then(_echo), on_prefill=bar.update)
     if args.json:
         print(msgspec.json.encode({"text": res.text, "tokens": res.tokens, "stats": res.stats,
                                    "engine": eng.stats()}).decode())
@@ -357,7 +360,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             sys.stdout.write("assistant> ")
             res = eng.generate(render_chat(eng.tokenizer, messages), max_tokens=args.max_tokens,
                                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                               on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+                               on_text=_echo)
             print()
             if args.verbose:
                 _print_stats(res.stats)
@@ -499,10 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--force", action="store_true", help="replace DIR if it exists")
     v.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     v.add_argument("--json", action="store_true", help="print one JSON object with the figures (no progress bar)")
-    g = v.add_argument_group("configuration")
-    g.add_argument("--config", metavar="FILE.toml", help="TOML file of settings (for mtp.bits; see docs/config.md)")
-    g.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="sets",
-                   help="override one setting, e.g. --set mtp.bits=8")
+    _add_config_flags(v, prefill=False, example="mtp.bits=8")
     v.set_defaults(func=cmd_convert)
 
     s = sub.add_parser("verify-store", help="check every expert record against its checksum", formatter_class=fmt,

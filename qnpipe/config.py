@@ -20,41 +20,57 @@ import sys
 import tomllib
 import warnings
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import msgspec
 
-from qnpipe.config_aliases import SEED_BY_NAME, SEED_NAMES, Kind, SeedName
+from qnpipe.config_aliases import LEGACY_BY_NAME, LEGACY_NAMES, Kind, LegacyName
+from qnpipe.config_pending import NOT_YET_IMPLEMENTED
 from qnpipe.config_tree import (
-    ChatCfg, Config, DiagCfg, EvictPolicy, ForwardCfg, HiddenVariant, KvCfg, MemoryCfg, ModelCfg, MtpCfg,
-    MtpHidden, MtpVerifyMode, PoolCfg, PredictAgg, PredictCfg, PrefixCfg, ReadBackend, ReadCfg, TraceCfg,
+    ChatCfg,
+    Config,
+    DiagCfg,
+    EvictPolicy,
+    ForwardCfg,
+    HiddenVariant,
+    KvCfg,
+    MemoryCfg,
+    ModelCfg,
+    MtpCfg,
+    MtpHidden,
+    MtpVerifyMode,
+    PoolCfg,
+    PredictAgg,
+    PredictCfg,
+    PrefixCfg,
+    ReadBackend,
+    ReadCfg,
+    TraceCfg,
 )
 from qnpipe.errors import ConfigError
 from qnpipe.layersets import format_layer_set, parse_layer_set
 
 __all__ = [
-    "cache_dir", "ChatCfg", "Config", "describe_allowed", "DiagCfg", "EvictPolicy", "field_specs",
-    "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "InexactConfigWarning", "KvCfg",
+    "ChatCfg", "Config", "describe_allowed", "DiagCfg", "EvictPolicy", "field_specs",
+    "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
+    "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning",
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",
     "parse_layer_set", "PoolCfg", "PredictAgg", "PredictCfg", "PrefixCfg", "ReadCfg",
-    "ReadBackend", "ReplacedSwitchWarning", "SEED_NAMES", "TraceCfg", "with_overrides",
+    "ReadBackend", "ReplacedSwitchWarning", "LEGACY_NAMES", "TraceCfg", "with_overrides",
 ]
 
 ENV_PREFIX = "QNPIPE_"
 # Names the TOML file when load() gets no toml_path; not a Config field.
 ENV_CONFIG_FILE = "QNPIPE_CONFIG"
-# Where downloaded / generated artefacts (demo model) live; see cache_dir(). Not a field.
-ENV_CACHE_DIR = "QNPIPE_CACHE_DIR"
-_NOT_FIELDS = frozenset({ENV_CONFIG_FILE, ENV_CACHE_DIR})
+_NOT_FIELDS = frozenset({ENV_CONFIG_FILE})
 
 
 class ReplacedSwitchWarning(UserWarning):
     """A switch of the previous system was set that qnpipe's architecture replaces (no effect)."""
 
 
-class InexactConfigWarning(UserWarning):
-    """A setting breaks exact routing (output no longer matches the model's)."""
+class NotImplementedConfigWarning(UserWarning):
+    """A field was set whose feature does not exist yet (``config_pending``): it has no effect."""
 
 
 # --------------------------------------------------------------------------- field table
@@ -161,20 +177,20 @@ _warned_names: set[str] = set()
 
 
 def _stacklevel() -> int:
-    # Point warnings at the first frame outside this module (the caller of load()).
+    # Point warnings at the first frame outside qnpipe: the user's Engine(...) or load() call.
     level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__") == __name__:
+    while frame is not None and str(frame.f_globals.get("__name__")).partition(".")[0] == "qnpipe":
         level, frame = level + 1, frame.f_back
     return level
 
 
-def _warn_replaced(seed: SeedName, source: str) -> None:
-    if seed.name in _warned_names:
+def _warn_replaced(legacy: LegacyName, source: str) -> None:
+    if legacy.name in _warned_names:
         return
-    _warned_names.add(seed.name)
+    _warned_names.add(legacy.name)
     warnings.warn(
-        f"seed switch {seed.name} ({source}) has no effect in qnpipe: it meant {seed.meaning!r}; "
-        f"replaced by {seed.target}",
+        f"legacy switch {legacy.name} ({source}) has no effect in qnpipe: it meant {legacy.meaning!r}; "
+        f"replaced by {legacy.target}",
         ReplacedSwitchWarning,
         stacklevel=_stacklevel(),
     )
@@ -185,12 +201,12 @@ def _suggest(word: str, candidates: Iterable[str]) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
-def _seed_setting(name: str, value: object, source: str) -> _Setting | None:
-    seed = SEED_BY_NAME[name]
-    if seed.kind is Kind.REPLACED:
-        _warn_replaced(seed, source)
+def _legacy_setting(name: str, value: object, source: str) -> _Setting | None:
+    legacy = LEGACY_BY_NAME[name]
+    if legacy.kind is Kind.REPLACED:
+        _warn_replaced(legacy, source)
         return None
-    return _Setting(seed.target, value, source)
+    return _Setting(legacy.target, value, source)
 
 
 def _same_value(a: object, b: object) -> bool:
@@ -201,8 +217,8 @@ def _same_value(a: object, b: object) -> bool:
     return norm(a) == norm(b)
 
 
-def _check_seed_conflicts(settings: list[_Setting]) -> list[_Setting]:
-    # Two seed names for one field (EXPERT_NOCACHE, STREAM_BLOB_NOCACHE) must agree.
+def _check_legacy_conflicts(settings: list[_Setting]) -> list[_Setting]:
+    # Two legacy names for one field (EXPERT_NOCACHE, STREAM_BLOB_NOCACHE) must agree.
     seen: dict[str, _Setting] = {}
     for s in settings:
         prev = seen.get(s.path)
@@ -216,7 +232,7 @@ def _check_seed_conflicts(settings: list[_Setting]) -> list[_Setting]:
 
 
 def _env_settings(env: Mapping[str, str]) -> list[_Setting]:
-    seed_hits: list[_Setting] = []
+    legacy_hits: list[_Setting] = []
     own_hits: list[_Setting] = []
     for key, raw in sorted(env.items()):
         if key.startswith(ENV_PREFIX):
@@ -233,12 +249,12 @@ def _env_settings(env: Mapping[str, str]) -> list[_Setting]:
                 what = f"no qnpipe field {path}" if field else f"not of the form {ENV_PREFIX}<SECTION>__<FIELD>"
                 raise ConfigError(f"unknown environment variable {key}={raw!r}: {what}{hint} (see docs/config.md)")
             own_hits.append(_Setting(path, raw, f"environment variable {key}"))
-        elif key in SEED_BY_NAME:
-            s = _seed_setting(key, raw, f"environment variable {key}")
+        elif key in LEGACY_BY_NAME:
+            s = _legacy_setting(key, raw, f"environment variable {key}")
             if s is not None:
-                seed_hits.append(s)
-    # The QNPIPE_ spelling comes last so it wins over the bare seed name.
-    return _check_seed_conflicts(seed_hits) + own_hits
+                legacy_hits.append(s)
+    # The QNPIPE_ spelling comes last so it wins over the bare legacy name.
+    return _check_legacy_conflicts(legacy_hits) + own_hits
 
 
 def _toml_settings(toml_path: str | os.PathLike[str]) -> list[_Setting]:
@@ -255,33 +271,33 @@ def _toml_settings(toml_path: str | os.PathLike[str]) -> list[_Setting]:
                           f"offset {exc.start}); TOML files must be UTF-8") from None
     except RecursionError:
         raise ConfigError(f"config file {where} is not valid TOML: nested too deeply") from None
-    seed_hits: list[_Setting] = []
+    legacy_hits: list[_Setting] = []
     own_hits: list[_Setting] = []
     for key, table in data.items():
-        if key not in _SECTIONS and key != "seed":
-            hint = _suggest(key, [*_SECTIONS, "seed"])
-            if key in SEED_BY_NAME:
-                hint = f"; seed names go in the [seed] table: [seed] {key} = ..."
+        if key not in _SECTIONS and key != "legacy":
+            hint = _suggest(key, [*_SECTIONS, "legacy"])
+            if key in LEGACY_BY_NAME:
+                hint = f"; legacy names go in the [legacy] table: [legacy] {key} = ..."
             elif len(_FLAT.get(key, [])) == 1:
                 hint = f"; did you mean [{_FLAT[key][0].split('.')[0]}] {key}?"
-            raise ConfigError(f"{where}: unknown key {key!r} (allowed: tables [seed], [{'], ['.join(sorted(_SECTIONS))}]){hint}")
+            raise ConfigError(f"{where}: unknown key {key!r} (allowed: tables [legacy], [{'], ['.join(sorted(_SECTIONS))}]){hint}")
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: {key!r} must be a table [{key}], got {type(table).__name__}")
         for name, value in table.items():
-            if key == "seed":
-                if name not in SEED_BY_NAME:
-                    raise ConfigError(f"{where}: unknown key [seed] {name}{_suggest(name, SEED_BY_NAME)}")
-                s = _seed_setting(name, value, f"{where}: [seed] {name}")
+            if key == "legacy":
+                if name not in LEGACY_BY_NAME:
+                    raise ConfigError(f"{where}: unknown key [legacy] {name}{_suggest(name, LEGACY_BY_NAME)}")
+                s = _legacy_setting(name, value, f"{where}: [legacy] {name}")
                 if s is not None:
-                    seed_hits.append(s)
+                    legacy_hits.append(s)
                 continue
             path = f"{key}.{name}"
             if path not in _FIELDS:
                 fields = [p.split(".")[1] for p in _FIELDS if p.startswith(key + ".")]
                 raise ConfigError(f"{where}: unknown key [{key}] {name}{_suggest(name, fields)}")
             own_hits.append(_Setting(path, value, f"{where}: [{key}] {name}"))
-    # As in the environment, the qnpipe spelling beats the seed spelling.
-    return _check_seed_conflicts(seed_hits) + own_hits
+    # As in the environment, the qnpipe spelling beats the legacy system spelling.
+    return _check_legacy_conflicts(legacy_hits) + own_hits
 
 
 def _override_path(key: str) -> str:
@@ -302,20 +318,20 @@ def _override_path(key: str) -> str:
 
 
 def _override_settings(overrides: Mapping[str, object]) -> list[_Setting]:
-    seed_hits: list[_Setting] = []
+    legacy_hits: list[_Setting] = []
     own_hits: list[_Setting] = []
     for raw_key, value in overrides.items():
-        if raw_key in SEED_BY_NAME:  # upper case, never a qnpipe name
-            s = _seed_setting(raw_key, value, f"override {raw_key}")
+        if raw_key in LEGACY_BY_NAME:  # upper case, never a qnpipe name
+            s = _legacy_setting(raw_key, value, f"override {raw_key}")
             if s is not None:
-                seed_hits.append(s)
+                legacy_hits.append(s)
             continue
         key = raw_key.replace("-", "_")  # CLI spelling --expert-slots
         if key in _SECTIONS and isinstance(value, Mapping):  # mtp={"enabled": True}
             own_hits += [_Setting(_override_path(f"{key}.{k}"), v, f"override {key}.{k}") for k, v in value.items()]
         else:
             own_hits.append(_Setting(_override_path(key), value, f"override {raw_key}"))
-    return _check_seed_conflicts(seed_hits) + own_hits
+    return _check_legacy_conflicts(legacy_hits) + own_hits
 
 
 def _coerce(spec: FieldSpec, value: object, source: str) -> object:
@@ -324,7 +340,7 @@ def _coerce(spec: FieldSpec, value: object, source: str) -> object:
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if isinstance(t, msgspec.inspect.BoolType) and type(value) is int and value in (0, 1):
-        return bool(value)  # TOML [seed] KV_QUANT = 1
+        return bool(value)  # TOML [legacy] KV_QUANT = 1
     if (isinstance(t, msgspec.inspect.UnionType) and isinstance(value, str) and not value.strip()
             and any(isinstance(a, msgspec.inspect.NoneType) for a in t.types)):
         return None  # MOE_TOPK_OVERRIDE= means unset
@@ -364,18 +380,26 @@ def _translate(exc: msgspec.ValidationError, sources: Mapping[str, str]) -> Conf
     return ConfigError(f"invalid [{path or 'config'}]{origin}: {what}")
 
 
+def _warn_not_implemented(cfg: Config) -> None:
+    for path, feature in NOT_YET_IMPLEMENTED.items():
+        section, field = path.split(".")
+        value = getattr(getattr(cfg, section), field)
+        if value == _FIELDS[path].default or path in _warned_names:
+            continue
+        _warned_names.add(path)
+        warnings.warn(
+            f"{path}={value!r} has no effect yet: {feature} is not implemented (docs/config.md)",
+            NotImplementedConfigWarning,
+            stacklevel=_stacklevel(),
+        )
+
+
 def _finish(tree: dict[str, Any], sources: Mapping[str, str]) -> Config:
     try:
         cfg = msgspec.convert(tree, Config, strict=False)
     except msgspec.ValidationError as exc:
         raise _translate(exc, sources) from exc
-    if cfg.forward.moe_topk_override is not None:
-        warnings.warn(
-            f"forward.moe_topk_override={cfg.forward.moe_topk_override} changes the router's top-k: "
-            "output is NOT exact and differs from the model; use for experiments only",
-            InexactConfigWarning,
-            stacklevel=_stacklevel(),
-        )
+    _warn_not_implemented(cfg)
     return cfg
 
 
@@ -387,17 +411,18 @@ def load(
     """Build the ``Config``: defaults < TOML file < environment < overrides.
 
     Call it once at start-up. ``env=None`` reads ``os.environ`` (tests pass a dict);
-    without ``toml_path`` the file named by ``QNPIPE_CONFIG`` is read, if set. Seed
-    switches that qnpipe replaces warn once per process (``ReplacedSwitchWarning``);
-    ``forward.moe_topk_override`` warns on every load (``InexactConfigWarning``).
+    without ``toml_path`` the file named by ``QNPIPE_CONFIG`` is read, if set. Legacy
+    switches that qnpipe replaces warn once per process (``ReplacedSwitchWarning``), and so
+    does each field set away from its default whose feature does not exist yet
+    (``NotImplementedConfigWarning``; the list is ``config_pending.NOT_YET_IMPLEMENTED``).
 
     Args:
       toml_path: TOML file with tables named after the sections (``[pool]``) and an
-        optional ``[seed]`` table of the previous system's names.
-      env: environment; ``QNPIPE_<SECTION>__<FIELD>`` and bare seed names are read,
+        optional ``[legacy]`` table of the previous system's names.
+      env: environment; ``QNPIPE_<SECTION>__<FIELD>`` and bare legacy names are read,
         other variables ignored.
       overrides: dotted paths (``"pool.expert_slots"``), unique field names
-        (``expert_slots``), ``OVERRIDE_ALIASES`` (``mtp``), seed names, or a section
+        (``expert_slots``), ``OVERRIDE_ALIASES`` (``mtp``), legacy names, or a section
         name mapped to a dict.
 
     Raises:
@@ -430,16 +455,3 @@ def with_overrides(cfg: Config, overrides: Mapping[str, object] | None = None, /
     sources: dict[str, str] = {}
     _apply(tree, sources, _override_settings(merged))
     return _finish(tree, sources)
-
-
-def cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """qnpipe's cache directory (demo model and other generated files); not created here.
-
-    ``QNPIPE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/qnpipe``, else ``~/.cache/qnpipe``.
-    ``env=None`` reads ``os.environ``.
-    """
-    env = os.environ if env is None else env
-    if env.get(ENV_CACHE_DIR):
-        return Path(env[ENV_CACHE_DIR]).expanduser()
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "qnpipe"

@@ -1,8 +1,8 @@
 """The previous system's switch names and what qnpipe does with each (data only).
 
-Every name the seed system read from the environment is listed here once, in the order
+Every name the legacy system read from the environment is listed here once, in the order
 of its configuration module. ``qnpipe.config`` accepts each of them from the
-environment, as a key of the TOML ``[seed]`` table and as an override key:
+environment, as a key of the TOML ``[legacy]`` table and as an override key:
 
 - kind F (feature) and D (diagnostic, off by default) map to one ``Config`` field;
 - kind R (replaced by qnpipe's architecture) has no effect and warns once per process,
@@ -19,37 +19,37 @@ from typing import NamedTuple
 
 
 class Kind(enum.StrEnum):
-    """How qnpipe treats a seed switch (the "kind" column of docs/config.md)."""
+    """How qnpipe treats a legacy switch (the "kind" column of docs/config.md)."""
 
     FEATURE = "F"
     DIAGNOSTIC = "D"
     REPLACED = "R"
 
 
-class SeedName(NamedTuple):
-    """One seed switch.
+class LegacyName(NamedTuple):
+    """One legacy switch.
 
     ``target`` is the dotted qnpipe field for kinds F and D, and a short description of
-    what replaced the switch for kind R. ``seed_default`` is the seed's default, as text.
+    what replaced the switch for kind R. ``legacy_default`` is the legacy system's default, as text.
     """
 
     name: str
     kind: Kind
     target: str
-    seed_default: str
+    legacy_default: str
     meaning: str
 
 
-def _f(name: str, target: str, seed_default: str, meaning: str) -> SeedName:
-    return SeedName(name, Kind.FEATURE, target, seed_default, meaning)
+def _f(name: str, target: str, legacy_default: str, meaning: str) -> LegacyName:
+    return LegacyName(name, Kind.FEATURE, target, legacy_default, meaning)
 
 
-def _d(name: str, target: str, seed_default: str, meaning: str) -> SeedName:
-    return SeedName(name, Kind.DIAGNOSTIC, target, seed_default, meaning)
+def _d(name: str, target: str, legacy_default: str, meaning: str) -> LegacyName:
+    return LegacyName(name, Kind.DIAGNOSTIC, target, legacy_default, meaning)
 
 
-def _r(name: str, replaced_by: str, seed_default: str, meaning: str) -> SeedName:
-    return SeedName(name, Kind.REPLACED, replaced_by, seed_default, meaning)
+def _r(name: str, replaced_by: str, legacy_default: str, meaning: str) -> LegacyName:
+    return LegacyName(name, Kind.REPLACED, replaced_by, legacy_default, meaning)
 
 
 # Shared "replaced by" texts, so the warnings of one family read the same.
@@ -65,7 +65,7 @@ _STAGING = "direct reads into pool slots; qnpipe has no staging ring"
 _NATIVE_PREFETCH = "the predictor and read_scheduler actors (predict.*)"
 _PROBES = "the recorder's event log, which times every actor"
 
-SEED_NAMES: tuple[SeedName, ...] = (
+LEGACY_NAMES: tuple[LegacyName, ...] = (
     # -- model and directories
     _f("MODEL", "model.model_dir", "models/Qwen3-Next-80B-A3B-Instruct-MLX-8bit", "model directory"),
     _f("QN_CONFIG", "model.config_path", "MODEL/config.json", "model config.json path"),
@@ -196,4 +196,4 @@ SEED_NAMES: tuple[SeedName, ...] = (
     _f("MTP_ADAPTIVE_RESCUE", "mtp.adaptive_rescue", "0", "adaptive depth plus top-2 rescue on deep chains"),
 )
 
-SEED_BY_NAME: dict[str, SeedName] = {s.name: s for s in SEED_NAMES}
+LEGACY_BY_NAME: dict[str, LegacyName] = {s.name: s for s in LEGACY_NAMES}

@@ -87,7 +87,7 @@ class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 # --------------------------------------------------------------------------- the tree
 
 
-class ModelCfg(_Section):
+class ModelCfg(_Section, frozen=True):
     """Where the model lives. Empty paths are derived from ``model_dir``."""
 
     model_dir: Annotated[str, _doc("model directory")] = "models/Qwen3-Next-80B-A3B-Instruct-MLX-8bit"
@@ -109,7 +109,7 @@ class ModelCfg(_Section):
         return self.expert_dir or os.path.join(self.model_dir, "experts")
 
 
-class MemoryCfg(_Section):
+class MemoryCfg(_Section, frozen=True):
     """MLX memory limits (long sessions)."""
 
     mlx_cache_limit_gb: Annotated[NonNegFloat, _doc("cap on MLX's reusable buffer cache")] = 1.0
@@ -117,7 +117,7 @@ class MemoryCfg(_Section):
     mlx_wired_limit_gb: Annotated[NonNegFloat, _doc("wire this many GB (0 = off)")] = 0.0
 
 
-class PoolCfg(_Section):
+class PoolCfg(_Section, frozen=True):
     """Resident expert pool, side region, eviction and autopin (persisted heat)."""
 
     expert_slots: Annotated[PosInt, _doc("resident expert slots per layer")] = 64
@@ -142,7 +142,7 @@ class PoolCfg(_Section):
             )
 
 
-class ReadCfg(_Section):
+class ReadCfg(_Section, frozen=True):
     """The read scheduler and the SSD reader."""
 
     workers: Annotated[PosInt, _doc("parallel reader threads (device queue depth)")] = 8
@@ -159,7 +159,7 @@ class ReadCfg(_Section):
     backend: Annotated[ReadBackend, _doc("preads via the C extension, the Python fallback, or auto")] = ReadBackend.AUTO
 
 
-class PredictCfg(_Section):
+class PredictCfg(_Section, frozen=True):
     """Cross-layer expert prediction and the prefetch budgets it feeds."""
 
     cross_layer_prefetch: Annotated[bool, _doc("predict and prefetch experts of later layers")] = False
@@ -180,7 +180,7 @@ class PredictCfg(_Section):
     per_layer_budget_experts: Annotated[NonNegInt, _doc("per-layer prefetch cap")] = 4
 
 
-class PrefixCfg(_Section):
+class PrefixCfg(_Section, frozen=True):
     """Prefix snapshots: skip re-prefilling a shared prompt head."""
 
     # An agent's ~2600-token system+tools head took 158 s to prefill.
@@ -188,10 +188,10 @@ class PrefixCfg(_Section):
     max_entries: Annotated[PosInt, _doc("snapshots kept (LRU, tens of MB each)")] = 4
 
 
-class ChatCfg(_Section):
+class ChatCfg(_Section, frozen=True):
     """Chat template rendering."""
 
-    # qnpipe differs from the seed here: its default named one deployment's four tools.
+    # qnpipe differs from the legacy system here: its default named one deployment's four tools.
     tools_allow: Annotated[tuple[str, ...], _doc("only these tools are rendered (empty = all tools)")] = ()
 
     def __post_init__(self) -> None:
@@ -199,7 +199,7 @@ class ChatCfg(_Section):
         msgspec.structs.force_setattr(self, "tools_allow", names)
 
 
-class MtpCfg(_Section):
+class MtpCfg(_Section, frozen=True):
     """Multi-token-prediction self-speculative decoding."""
 
     enabled: Annotated[bool, _doc("draft with the MTP head and verify (lossless under greedy)")] = False
@@ -218,7 +218,7 @@ class MtpCfg(_Section):
     tree_branches: Annotated[Annotated[int, Meta(ge=2)], _doc("candidate paths for tree verify")] = 2
 
     def __post_init__(self) -> None:
-        # The seed silently let one variant win; qnpipe makes the choice explicit.
+        # The legacy system silently let one variant win; qnpipe makes the choice explicit.
         if self.tree_top2_p1 and not self.tree_top2:
             raise ConfigError("mtp.tree_top2_p1=true extends mtp.tree_top2: set mtp.tree_top2=true too")
         if self.adaptive_rescue and not self.adaptive_depth:
@@ -233,7 +233,7 @@ class MtpCfg(_Section):
             )
 
 
-class ForwardCfg(_Section):
+class ForwardCfg(_Section, frozen=True):
     """The forward actor (model, prefill, sampling)."""
 
     # Peak memory tracks the chunk, not the prompt; 2 keeps each chunk on the pool's cheap path.
@@ -241,7 +241,7 @@ class ForwardCfg(_Section):
     moe_topk_override: Annotated[PosInt | None, _doc("diagnostic: change the router's top-k (breaks exactness)")] = None
 
 
-class KvCfg(_Section):
+class KvCfg(_Section, frozen=True):
     """KV-cache quantization of the full-attention layers."""
 
     quantize: Annotated[bool, _doc("quantize the KV cache of the full-attention layers")] = False
@@ -252,7 +252,7 @@ class KvCfg(_Section):
     rot_seed: Annotated[NonNegInt, _doc("rotation seed")] = 0
 
 
-class DiagCfg(_Section):
+class DiagCfg(_Section, frozen=True):
     """Diagnostic switches: all off by default and free when off."""
 
     route_verify: Annotated[bool, _doc("check every token and layer reads the slot holding its routed expert")] = False
@@ -265,7 +265,7 @@ class DiagCfg(_Section):
     accept_topk: Annotated[NonNegInt, _doc("record whether the true token is in the drafter's top-k (0 = off)")] = 0
 
 
-class TraceCfg(_Section):
+class TraceCfg(_Section, frozen=True):
     """Routing log and event log output."""
 
     route_trace: Annotated[bool, _doc("record the routing log")] = False
@@ -278,7 +278,7 @@ class TraceCfg(_Section):
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """qnpipe's whole configuration. Build it with ``load``; derive variants with ``replace``."""
+    """qnpipe's whole configuration. Build it with ``config.load``; derive variants with ``config.with_overrides``."""
 
     model: Annotated[ModelCfg, _doc("model files")] = msgspec.field(default_factory=ModelCfg)
     memory: Annotated[MemoryCfg, _doc("MLX memory limits")] = msgspec.field(default_factory=MemoryCfg)
@@ -300,16 +300,6 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         """
         canonical = msgspec.json.encode(msgspec.to_builtins(self), order="sorted")
         return hashlib.sha256(canonical).hexdigest()
-
-    def replace(self, **overrides: object) -> Config:
-        """A copy with ``overrides`` applied, resolved exactly as ``load``'s overrides.
-
-        Raises:
-          ConfigError: an unknown key or an invalid value.
-        """
-        from qnpipe.config import with_overrides  # load() and its override rules live there
-
-        return with_overrides(self, overrides)
 
     def autopin_usage_path(self) -> str:
         """The autopin heat file: ``pool.autopin_usage_file`` or ``<expert dir>/pool_usage.json``."""

@@ -31,16 +31,34 @@ import msgspec
 import numpy as np
 
 from qnpipe.convert_plan import (
-    BITS, DTYPES, GROUP_SIZES, PROJS, _ExpertLayer, _out_float, _plan, _Plan, _record_tensors, _transform,
+    BITS,
+    DTYPES,
+    GROUP_SIZES,
+    PROJS,
+    ConvertPlan,
+    ExpertLayerPlan,
+    make_plan,
+    out_float_dtype,
+    record_tensors,
+    transform,
 )
+from qnpipe.dtypes import NP_DTYPES
 from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
 from qnpipe.io import store as st
-from qnpipe.io.safetensors_out import _safetensors_bytes, _shards, _write_model_shards, _write_safetensors
+from qnpipe.io.safetensors_out import plan_shards, safetensors_nbytes, write_model_shards, write_safetensors
 from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, LayerFile, Quant, StoreIndex
-from qnpipe.model.args import ModelArgs, args_from_dict, read_config
+from qnpipe.model.args import ModelArgs, args_from_dict, model_id, read_config
 from qnpipe.model.checkpoint import Layout, detect_layout, is_qnpipe_dir, scan
-from qnpipe.outdir import (ByteProgress, Log, atomic_dir, check_output_location, clean_stale, fsync_dir, human_bytes,
-                           peak_rss)
+from qnpipe.outdir import (
+    ByteProgress,
+    Log,
+    atomic_dir,
+    check_output_location,
+    clean_stale,
+    fsync_dir,
+    human_bytes,
+    peak_rss,
+)
 
 __all__ = ["CHUNK_BYTES", "MAX_SHARD_BYTES", "ROW_BLOCK_BYTES", "MODEL_FORMAT", "MODEL_VERSION", "ConvertReport", "convert"]
 
@@ -49,8 +67,7 @@ MODEL_VERSION = 1
 MAX_SHARD_BYTES = 5 << 30  # like mlx-lm's save_model
 CHUNK_BYTES = 256 << 20  # source bytes of experts transformed at once
 ROW_BLOCK_BYTES = 64 << 20  # source bytes of a large non-expert matrix transformed at once
-# The sizes above are read from this module when `convert` runs and passed down to the plan and
-# the writers, so setting them here (as the tests do) takes effect.
+# The sizes above are `convert`'s defaults; its keyword arguments of the same names override them.
 
 
 class ConvertReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,7 +91,7 @@ class ConvertReport(msgspec.Struct, frozen=True, kw_only=True):
 # --------------------------------------------------------------------------- the expert layers
 
 
-def _expert_chunk(el: _ExpertLayer, e0: int, e1: int) -> dict[str, np.ndarray]:
+def _expert_chunk(el: ExpertLayerPlan, e0: int, e1: int) -> dict[str, np.ndarray]:
     """Record tensor name -> stacked output `[e1 - e0, ...]` for experts e0..e1 of one layer."""
     src = el.read(e0, e1)
     out: dict[str, np.ndarray] = {}
@@ -83,24 +100,24 @@ def _expert_chunk(el: _ExpertLayer, e0: int, e1: int) -> dict[str, np.ndarray]:
             for part in ("weight", "scales", "biases"):
                 a = src[f"{proj}.{part}"]
                 st_dtype = "U32" if part == "weight" else el.src_st[f"{proj}.scales"]
-                cast = el.cast if part != "weight" and _out_float(st_dtype, el.cast) != st_dtype else None
-                out[f"{proj}.{part}"] = _transform(a, st_dtype, cast=cast)[0]
+                cast = el.cast if part != "weight" and out_float_dtype(st_dtype, el.cast) != st_dtype else None
+                out[f"{proj}.{part}"] = transform(a, st_dtype, cast=cast)[0]
             continue
         key = proj if proj in src else f"{proj}.weight"
         st_dtype = el.src_st[proj]
-        cast = el.cast if _out_float(st_dtype, el.cast) != st_dtype else None
-        res = _transform(src[key], st_dtype, cast=cast, quant=el.quant_out[proj])
+        cast = el.cast if out_float_dtype(st_dtype, el.cast) != st_dtype else None
+        res = transform(src[key], st_dtype, cast=cast, quant=el.quant_out[proj])
         names = ("weight", "scales", "biases") if el.quant_out[proj] else ("weight",)
         out.update({f"{proj}.{n}": r for n, r in zip(names, res, strict=True)})
     return out
 
 
-def _write_expert_layer(experts_dir: Path, el: _ExpertLayer, tensors: list[tuple[str, str, tuple[int, ...]]],
-                        num_experts: int, advance: Callable[[int], None]) -> LayerFile:
+def _write_expert_layer(experts_dir: Path, el: ExpertLayerPlan, tensors: list[tuple[str, str, tuple[int, ...]]],
+                        num_experts: int, advance: Callable[[int], None], chunk_bytes: int) -> LayerFile:
     slots, record_nbytes, stride = st.record_layout(tensors)
     fname = st.layer_file_name(el.layer)
     crcs: list[int] = []
-    per_chunk = max(1, min(num_experts, CHUNK_BYTES // max(1, el.src_bytes_per_expert)))
+    per_chunk = max(1, min(num_experts, chunk_bytes // max(1, el.src_bytes_per_expert)))
     fd = os.open(experts_dir / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for e0 in range(0, num_experts, per_chunk):
@@ -109,10 +126,10 @@ def _write_expert_layer(experts_dir: Path, el: _ExpertLayer, tensors: list[tuple
             buf = np.zeros((e1 - e0, stride), dtype=np.uint8)
             for s in slots:
                 a = arrays[s.name]
-                if a.shape[1:] != s.shape or a.dtype != np.dtype(st.NP_DTYPES[s.dtype]):
+                if a.shape[1:] != s.shape or a.dtype != np.dtype(NP_DTYPES[s.dtype]):
                     raise QnpipeError(f"internal error: layer {el.layer} {s.name} came out {a.dtype}{list(a.shape)}")
                 buf[:, s.offset:s.offset + s.nbytes] = np.ascontiguousarray(a).reshape(e1 - e0, -1).view(np.uint8)
-            crcs += [zlib.crc32(buf[i, :record_nbytes]) for i in range(e1 - e0)]
+            crcs += [zlib.crc32(buf[i, :record_nbytes].data) for i in range(e1 - e0)]
             os.pwrite(fd, buf.data, e0 * stride)
             advance((e1 - e0) * stride)
             del arrays, buf
@@ -124,13 +141,13 @@ def _write_expert_layer(experts_dir: Path, el: _ExpertLayer, tensors: list[tuple
                      file_nbytes=num_experts * stride, tensors=slots, quant=quant, checksums=tuple(crcs))
 
 
-def _layer_quant(el: _ExpertLayer, proj: str) -> Quant:
+def _layer_quant(el: ExpertLayerPlan, proj: str) -> Quant:
     q = el.quant_in[proj]
     if q is not None:
         return q
     qo = el.quant_out[proj]
     assert qo is not None
-    return Quant(bits=qo.bits, group_size=qo.group_size)
+    return qo
 
 
 # --------------------------------------------------------------------------- the directory, atomically
@@ -158,6 +175,9 @@ def convert(
     force: bool = False,
     progress: bool = False,
     log: Log | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    row_block_bytes: int = ROW_BLOCK_BYTES,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> ConvertReport:
     """Convert checkpoint `src` (original HF or mlx-lm layout) into the qnpipe model directory `out`.
 
@@ -165,7 +185,9 @@ def convert(
     (router and shared-expert gate at 8 bits / 64); `dtype` casts float tensors (default: the
     config's torch_dtype for HF sources, as mlx-lm does; unchanged for mlx-lm sources).
     `mtp_bits` quantizes the MTP head (0 keeps it float); `mtp_from` is the original checkpoint
-    to take `mtp.*` from when `src` has none. `log` receives warnings and notices.
+    to take `mtp.*` from when `src` has none. `log` receives warnings and notices. `chunk_bytes`
+    (source bytes of experts transformed at once), `row_block_bytes` (of a large non-expert
+    matrix) and `max_shard_bytes` (per output shard) bound memory and file sizes.
 
     Raises CheckpointError (bad source), ConfigError (bad options), QnpipeError (not enough
     disk space: both numbers), FileExistsError (`out` exists and `force` is false). Nothing is
@@ -196,14 +218,14 @@ def convert(
     if not args.moe_layers:
         raise CheckpointError(f"{src_p / 'config.json'}: the model has no MoE layers (num_experts "
                               f"{args.num_experts}); there are no experts to store")
-    plan = _plan(src_p, config, args, infos, layout, bits=bits, group_size=group_size, dtype=dtype,
-                 mtp_bits=mtp_bits, mtp_from=mtp_p, row_block_bytes=ROW_BLOCK_BYTES)
+    plan = make_plan(src_p, config, args, infos, layout, bits=bits, group_size=group_size, dtype=dtype,
+                 mtp_bits=mtp_bits, mtp_from=mtp_p, row_block_bytes=row_block_bytes)
     for w in plan.warnings:
         log(f"warning: {w}")
-    records = [_record_tensors(el, args) for el in plan.experts]
+    records = [record_tensors(el, args) for el in plan.experts]
     expert_bytes = sum(st.record_layout(r)[2] * args.num_experts for r in records)
-    main_bytes = sum(_safetensors_bytes(s) for s in _shards(plan.main, MAX_SHARD_BYTES))
-    mtp_bytes = _safetensors_bytes(plan.mtp) if plan.mtp else 0
+    main_bytes = sum(safetensors_nbytes(s) for s in plan_shards(plan.main, max_shard_bytes))
+    mtp_bytes = safetensors_nbytes(plan.mtp) if plan.mtp else 0
     small = sum(p.stat().st_size for p in plan.extra_files) + (1 << 20) + 64 * len(records) * args.num_experts
     need = expert_bytes + main_bytes + mtp_bytes + small
 
@@ -219,7 +241,8 @@ def convert(
     bar = ByteProgress(progress, expert_bytes + main_bytes + mtp_bytes, "non-expert weights")
     try:
         with atomic_dir(out_p) as build:
-            index = _write_all(build, plan, records, args, bar)
+            index = _write_all(build, plan, records, args, bar, chunk_bytes=chunk_bytes,
+                               max_shard_bytes=max_shard_bytes)
             cfg = dict(plan.config)
             cfg["qnpipe"] = _qnpipe_section(layout, plan, index, mtp_p)
             (build / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
@@ -238,20 +261,21 @@ def convert(
     )
 
 
-def _write_all(build: Path, plan: _Plan, records: list[list[tuple[str, str, tuple[int, ...]]]], args: ModelArgs,
-               bar: ByteProgress) -> StoreIndex:
+def _write_all(build: Path, plan: ConvertPlan, records: list[list[tuple[str, str, tuple[int, ...]]]], args: ModelArgs,
+               bar: ByteProgress, *, chunk_bytes: int, max_shard_bytes: int) -> StoreIndex:
     """Every file of the model directory except config.json, into `build`; returns the store index."""
     (build / st.EXPERTS_DIR).mkdir()
-    _write_model_shards(build, plan.main, MAX_SHARD_BYTES, bar.advance)
+    write_model_shards(build, plan.main, max_shard_bytes, bar.advance)
     if plan.mtp:
         bar.describe("MTP weights")
-        _write_safetensors(build / "mtp.safetensors", plan.mtp, bar.advance)
+        write_safetensors(build / "mtp.safetensors", plan.mtp, bar.advance)
     layer_files = []
     for el, rec in zip(plan.experts, records, strict=True):
         bar.describe(f"experts, layer {el.layer}")
-        layer_files.append(_write_expert_layer(build / st.EXPERTS_DIR, el, rec, args.num_experts, bar.advance))
+        layer_files.append(_write_expert_layer(build / st.EXPERTS_DIR, el, rec, args.num_experts, bar.advance,
+                                               chunk_bytes))
         _clear_mlx_cache()
-    index = StoreIndex(model_id=st.model_id(args), layers=tuple(layer_files))
+    index = StoreIndex(model_id=model_id(args), layers=tuple(layer_files))
     st.write_index(build / st.EXPERTS_DIR, index)
     fsync_dir(build / st.EXPERTS_DIR)
     for f in plan.extra_files:
@@ -265,7 +289,7 @@ def _clear_mlx_cache() -> None:
     mx.clear_cache()
 
 
-def _qnpipe_section(layout: Layout, plan: _Plan, index: StoreIndex, mtp_from: Path | None) -> dict[str, Any]:
+def _qnpipe_section(layout: Layout, plan: ConvertPlan, index: StoreIndex, mtp_from: Path | None) -> dict[str, Any]:
     lf = index.layers[0]
     q = lf.quant
     return {

@@ -76,7 +76,7 @@ class _Sampling:
 
 
 def _item(y: mx.array) -> int:
-    return int(y.item())
+    return int(y.item())  # pyright: ignore[reportArgumentType]  # a token id: an integer scalar
 
 
 def _start(model: Model, temperature: float, top_p: float, seed: int | None) -> _Sampling:
@@ -104,6 +104,7 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
         if on_prefill is not None:
             on_prefill(hi, len(tokens))
     assert y is not None
+    token: mx.array = y
     detok = tokenizer.detokenizer if tokenizer is not None else None
     if detok is not None:
         detok.reset()
@@ -116,8 +117,8 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
     ahead = fwd.to_pool is None
     while n < max_tokens:
         more = n + 1 < max_tokens
-        nxt = await fwd.run(_next_input(y), s.cache, s.sample) if ahead and more else None
-        tok = await run_on(thread, _item, y)
+        nxt = await fwd.run(_next_input(token), s.cache, s.sample) if ahead and more else None
+        tok = await run_on(thread, _item, token)
         if n == 0:
             t_first = trio.current_time()
         n += 1
@@ -131,7 +132,7 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
                 on_text(seg)
         if not more:
             break
-        y = nxt if nxt is not None else await fwd.run(_next_input(y), s.cache, s.sample)
+        token = nxt if nxt is not None else await fwd.run(_next_input(token), s.cache, s.sample)
     t_end = trio.current_time()
     text = ""
     if detok is not None:

@@ -24,8 +24,8 @@ from qnpipe.config import Config
 from qnpipe.engine import Core, Pipeline, build_core, open_core_pipeline
 from qnpipe.io.reader import ExpertReader
 from qnpipe.mlx_thread import MLXThread, run_on
-from qnpipe.validate import check_generate_args
 from qnpipe.stats import EngineStats, GenerateResult, LayerPoolStats, PoolStats
+from qnpipe.validate import check_generate_args
 
 Prompt = str | Sequence[int]
 

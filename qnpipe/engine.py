@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -30,7 +30,7 @@ from qnpipe.actors.forward import Forward
 from qnpipe.actors.pool import pool
 from qnpipe.actors.read_scheduler import ReadSchedulerStats, read_scheduler
 from qnpipe.config import Config, PoolCfg
-from qnpipe.errors import CapacityError, ConfigError
+from qnpipe.errors import CapacityError, ConfigError, RouteError
 from qnpipe.io.device import ExpertDevice, StoreDevice
 from qnpipe.io.reader import ExpertReader
 from qnpipe.io.store import ExpertStore
@@ -107,14 +107,20 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
     `reader` replaces the SSD reader made from `cfg.read` (fault injection, slow devices);
     the engine closes it with the store.
     """
-    from qnpipe.io.ssd import SsdReader
-    from qnpipe.model.checkpoint import is_qnpipe_dir
-    from qnpipe.model.args import read_config
+    import mlx.core as mx
 
+    from qnpipe.io.ssd import SsdReader
+    from qnpipe.model.args import read_config
+    from qnpipe.model.checkpoint import is_qnpipe_dir
+
+    # Long sessions otherwise keep every freed buffer cached.
+    mx.set_cache_limit(int(cfg.memory.mlx_cache_limit_gb * 2**30))
     stream = not cfg.pool.eager_load and is_qnpipe_dir(model_dir, read_config(model_dir))
     runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
                     expert_dir=cfg.model.expert_dir or None, resident_experts=not stream,
                     verify=cfg.read.verify_crc32, topk_override=cfg.forward.moe_topk_override)
+    if (k := cfg.forward.moe_topk_override) is not None:
+        _override_topk(runner, k)
     if not stream:
         asked = cfg.pool.expert_slots != PoolCfg().expert_slots or cfg.pool.capacity_profile_path
         if asked and not cfg.pool.eager_load and runner.loaded.layout is not Layout.QNPIPE:
@@ -133,6 +139,29 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
     streaming = Streaming(store, reader, slots, caps)
     backend = MlxBackend(runner.loaded.model, {layer: s.experts for layer, s in slots.items()})
     return Core(cfg, runner, streaming, backend)
+
+
+def _override_topk(runner: Runner, k: int) -> None:
+    from qnpipe.model.qwen3_next import SparseMoeBlock
+
+    warnings.warn(f"forward.moe_topk_override={k}: every router picks {k} experts instead of "
+                  f"{runner.loaded.args.num_experts_per_tok}; output differs from the model's (diagnostic only)",
+                  stacklevel=3)
+    for layer in runner.loaded.model.layers:
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp.top_k = k
+
+
+def compare_slots_with_disk(st: Streaming, layer: int, experts: Sequence[int], slots: Sequence[int]) -> None:
+    """read.verify_hit_bytes: each slot's tensors equal its expert's record on disk, else RouteError."""
+    lf = st.store.layer_file(layer)
+    host = st.slots[layer].host
+    for e, s in zip(experts, slots, strict=True):
+        rec = st.store.read_record(layer, e)
+        for t in lf.tensors:
+            if host[t.name][s].tobytes() != rec[t.offset:t.offset + t.nbytes]:
+                raise RouteError(f"layer {layer}: slot {s} should hold expert {e}, but its {t.name} bytes "
+                                 f"differ from {st.store.root / lf.file} at offset {e * lf.stride + t.offset}")
 
 
 class ThreadedBackend:
@@ -180,6 +209,7 @@ def _root_cause(e: BaseException) -> BaseException:
 @asynccontextmanager
 async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capacities: dict[int, int] | None,
                         device: ExpertDevice | None, record_nbytes: dict[int, int] | None = None,
+                        check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None = None,
                         ) -> AsyncIterator[Pipeline]:
     """Start the actors (none when `capacities` is None: all resident) and yield the pipeline.
 
@@ -198,7 +228,8 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
     grant_tx, grant_rx = trio.open_memory_channel[Granted](2)
     policy = make_policy(cfg, capacities, record_nbytes)
     rstats = ReadSchedulerStats()
-    fwd = Forward(backend, pool_tx, grant_rx, capacities, num_experts, route_verify=cfg.diag.route_verify)
+    fwd = Forward(backend, pool_tx, grant_rx, capacities, num_experts, route_verify=cfg.diag.route_verify,
+                  check_bytes=check_bytes)
     scopes: list[trio.CancelScope] = []
     async with trio.open_nursery() as nursery:
 
@@ -237,8 +268,13 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
     device = StoreDevice(st.store, st.reader, lambda layer, slot: st.slots[layer].dest(slot),
                          verify_crc32=core.cfg.read.verify_crc32)
     nbytes = {layer: st.store.layer_file(layer).record_nbytes for layer in st.capacities}
+
+    async def check_bytes(layer: int, experts: tuple[int, ...], slots: tuple[int, ...]) -> None:
+        await trio.to_thread.run_sync(compare_slots_with_disk, st, layer, experts, slots)
+
     async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=st.capacities,
-                             device=device, record_nbytes=nbytes) as p:
+                             device=device, record_nbytes=nbytes,
+                             check_bytes=check_bytes if core.cfg.read.verify_hit_bytes else None) as p:
         yield p
 
 

@@ -21,7 +21,7 @@ class Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", gc=False)
     seq: int
 
 
-class Acquire(Msg, tag="pool.acquire"):
+class Acquire(Msg, frozen=True, kw_only=True, tag="pool.acquire"):
     """The forward needs `experts` (distinct ids) of `layer` resident for pass `part` of `step`.
 
     The pool answers with one `Granted` once every one of them is in memory, and holds
@@ -34,7 +34,7 @@ class Acquire(Msg, tag="pool.acquire"):
     experts: tuple[int, ...]
 
 
-class Granted(Msg, tag="pool.granted"):
+class Granted(Msg, frozen=True, kw_only=True, tag="pool.granted"):
     """`experts[i]` is in slot `slots[i]` (written `generations[i]` times) until released.
 
     `misses` of them were read for this grant; `waited_s` is the time from the
@@ -52,7 +52,7 @@ class Granted(Msg, tag="pool.granted"):
     waited_s: float
 
 
-class Release(Msg, tag="pool.release"):
+class Release(Msg, frozen=True, kw_only=True, tag="pool.release"):
     """The computation that read the grant of (`step`, `layer`, `part`) has finished.
 
     With route verification on, `token_experts` / `token_slots` are the (expert, slot)
@@ -66,13 +66,13 @@ class Release(Msg, tag="pool.release"):
     token_slots: tuple[int, ...] = ()
 
 
-class ForwardDone(Msg, tag="pool.forward_done"):
+class ForwardDone(Msg, frozen=True, kw_only=True, tag="pool.forward_done"):
     """One forward step of the model finished (eviction bookkeeping such as LFU decay)."""
 
     step: int
 
 
-class ReadExpert(Msg, tag="read.request"):
+class ReadExpert(Msg, frozen=True, kw_only=True, tag="read.request"):
     """Read expert `expert` of `layer` into `slot` of that layer's arrays."""
 
     layer: int
@@ -81,7 +81,7 @@ class ReadExpert(Msg, tag="read.request"):
     cls: ReadClass = ReadClass.DEMAND
 
 
-class ReadDone(Msg, tag="read.done"):
+class ReadDone(Msg, frozen=True, kw_only=True, tag="read.done"):
     """The record of (`layer`, `expert`) is in `slot`; issued at `issued_t`, on the device from `started_t`."""
 
     layer: int

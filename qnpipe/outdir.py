@@ -167,8 +167,14 @@ class ByteProgress:
         self.p: Any = None
         if enabled:
             from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                       TransferSpeedColumn)
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
 
             self.p = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
                               TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True))

@@ -13,16 +13,19 @@ import json
 import math
 import os
 import shutil
-import struct
-import uuid
+import tempfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
+from qnpipe.convert_plan import transform
 from qnpipe.errors import ConfigError
+from qnpipe.io.safetensors_out import OutTensor, WriteJob, write_safetensors
+from qnpipe.model.args import args_from_dict
+from qnpipe.outdir import atomic_dir
 
 __all__ = ["TINY_CONFIG", "TOKENIZER_DIR", "TOKENIZER_VOCAB_SIZE", "make_tiny", "random_hf_weights"]
 
@@ -30,7 +33,7 @@ TOKENIZER_DIR = Path(__file__).resolve().parent / "data" / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TOKENIZER_VOCAB_SIZE = 1024
 
-# docs/qwen3-next/tiny_config_v1024.json (spec §8), stored as float32.
+# The tiny test configuration of docs/model.md, stored as float32.
 TINY_CONFIG: dict[str, Any] = {
     "architectures": ["Qwen3NextForCausalLM"],
     "model_type": "qwen3_next",
@@ -74,7 +77,6 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 _DTYPES = ("float32", "bfloat16")
-_ST_DTYPE = {"float32": "F32", "bfloat16": "BF16"}
 
 
 class _Gen:
@@ -97,27 +99,20 @@ class _Gen:
         return w * np.float32(std) + np.float32(mean)
 
 
-def _is_moe_layer(config: Mapping[str, Any], layer: int) -> bool:
-    # Same rule as mlx-lm / transformers.
-    return (
-        layer not in config.get("mlp_only_layers", [])
-        and config["num_experts"] > 0
-        and (layer + 1) % config.get("decoder_sparse_step", 1) == 0
-    )
-
-
 def random_hf_weights(config: Mapping[str, Any], seed: int) -> dict[str, np.ndarray]:
     """Deterministic random float32 weights under the original HF tensor names and shapes (incl. ``mtp.*``)."""
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     g = _Gen(seed)
     c = config
+    # ModelArgs holds the layer rules (linear vs full attention, MoE vs dense), as in mlx-lm.
+    args = args_from_dict(dict(c), "tiny config")
     H, V = c["hidden_size"], c["vocab_size"]
     nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
     dk, dv, K = c["linear_key_head_dim"], c["linear_value_head_dim"], c["linear_conv_kernel_dim"]
-    E, I, Is = c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
-    L, interval = c["num_hidden_layers"], c["full_attention_interval"]
+    E, inter, Is = c["num_experts"], c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+    L = c["num_hidden_layers"]
     key_dim, value_dim = nk * dk, nv * dv
     conv_dim = 2 * key_dim + value_dim
     real_vocab = min(V, TOKENIZER_VOCAB_SIZE)
@@ -159,9 +154,9 @@ def random_hf_weights(config: Mapping[str, Any], seed: int) -> dict[str, np.ndar
         # Router logits with std ~2: peaked but not one-hot top-k weights, varied choices per token.
         lin(p + "mlp.gate.weight", E, H, gain=2.0)
         for e in range(E):
-            lin(p + f"mlp.experts.{e}.gate_proj.weight", I, H)
-            lin(p + f"mlp.experts.{e}.up_proj.weight", I, H)
-            lin(p + f"mlp.experts.{e}.down_proj.weight", H, I)
+            lin(p + f"mlp.experts.{e}.gate_proj.weight", inter, H)
+            lin(p + f"mlp.experts.{e}.up_proj.weight", inter, H)
+            lin(p + f"mlp.experts.{e}.down_proj.weight", H, inter)
         lin(p + "mlp.shared_expert.gate_proj.weight", Is, H)
         lin(p + "mlp.shared_expert.up_proj.weight", Is, H)
         lin(p + "mlp.shared_expert.down_proj.weight", H, Is)
@@ -173,12 +168,12 @@ def random_hf_weights(config: Mapping[str, Any], seed: int) -> dict[str, np.ndar
     for layer in range(L):
         p = f"model.layers.{layer}."
         norm(p + "input_layernorm.weight", H)
-        if (layer + 1) % interval != 0:
+        if args.is_linear(layer):
             linear_attn(p)
         else:
             attn(p)
         norm(p + "post_attention_layernorm.weight", H)
-        mlp(p, _is_moe_layer(c, layer))
+        mlp(p, args.is_moe(layer))
     norm("model.norm.weight", H)
     if not c.get("tie_word_embeddings", False):
         head = g.linear("lm_head.weight", V, H, gain=2.5)
@@ -199,32 +194,20 @@ def random_hf_weights(config: Mapping[str, Any], seed: int) -> dict[str, np.ndar
     return w
 
 
-def _tensor_bytes(a: np.ndarray, dtype: str) -> bytes:
-    a = np.ascontiguousarray(a, dtype="<f4")
-    if dtype == "float32":
-        return a.tobytes()
-    u = a.view("<u4").astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2").tobytes()  # round to nearest even
-
-
 def _write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], dtype: str) -> int:
     """Write one safetensors file (tensors in the given order); return its tensor-data size."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    blobs = []
-    offset = 0
-    for name, a in tensors.items():
-        data = _tensor_bytes(a, dtype)
-        header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(a.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
-    return offset
+    st_dtype = {"float32": "F32", "bfloat16": "BF16"}[dtype]
+
+    def job(name: str, a: np.ndarray) -> WriteJob:
+        def run() -> Iterator[tuple[int, int, np.ndarray]]:
+            # convert's own cast (round to nearest even), so tiny bf16 weights are what convert would make.
+            yield 0, 0, transform(a, "F32", cast=dtype if dtype != "float32" else None)[0]
+
+        return WriteJob((OutTensor(name, st_dtype, a.shape),), run)
+
+    jobs = [job(n, a) for n, a in tensors.items()]
+    write_safetensors(path, jobs, lambda n: None)
+    return sum(o.nbytes for j in jobs for o in j.outs)
 
 
 def _expert_key(name: str) -> tuple[str, int] | None:
@@ -359,18 +342,13 @@ def make_tiny(
 
     check_output_location(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
-        _write_hf(tmp / "hf", config, seed, shards, dtype)
-        built = tmp / "hf"
+    with atomic_dir(out) as build, tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.hf-") as tmp:
         if layout == "mlx":
-            _write_mlx(tmp / "mlx", built, bits, group_size)
-            built = tmp / "mlx"
-        if out.exists():
-            old = tmp / "old"
-            out.rename(old)
-        built.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            _write_hf(Path(tmp) / "hf", config, seed, shards, dtype)
+            # mlx_lm.convert wants to create its output itself.
+            build.rmdir()
+            _write_mlx(build, Path(tmp) / "hf", bits, group_size)
+        else:
+            build.rmdir()
+            _write_hf(build, config, seed, shards, dtype)
     return out

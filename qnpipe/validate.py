@@ -55,7 +55,7 @@ def check_seed(seed: Any, name: str = "seed") -> int | None:
         return None
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"{name} must be an integer >= 0 or None, got {seed!r}")
-    if not 0 <= seed < 2**64:
+    if not 0 <= int(seed) < 2**64:
         raise ValueError(f"{name} must be in [0, 2**64), got {seed}")
     return int(seed)
 

@@ -101,7 +101,7 @@ def verify_store(path: str | os.PathLike[str], *, progress: bool = False) -> Ver
                     e1 = min(lf.num_experts, e0 + per)
                     buf = np.empty((e1 - e0) * lf.stride, dtype=np.uint8)
                     try:
-                        n = os.preadv(fd, [buf], e0 * lf.stride)
+                        n = os.preadv(fd, [buf.data], e0 * lf.stride)
                     except OSError as err:
                         bad += [record(e, f"unreadable: {err.strerror}") for e in range(e0, e1)]
                         continue
@@ -110,7 +110,7 @@ def verify_store(path: str | os.PathLike[str], *, progress: bool = False) -> Ver
                         if lo + lf.record_nbytes > n:
                             bad.append(record(e, "missing (file truncated)"))
                             continue
-                        crc = zlib.crc32(buf[lo:lo + lf.record_nbytes])
+                        crc = zlib.crc32(buf[lo:lo + lf.record_nbytes].data)
                         checked += 1
                         nbytes += lf.record_nbytes
                         if crc != lf.checksums[e]:

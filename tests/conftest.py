@@ -9,7 +9,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default tiny model (qwen3-next.md §8, vocab 1024) in the original HF layout, fp32."""
+    """The default tiny model (docs/model.md, "Tiny test configuration") in the original HF layout, fp32."""
     from qnpipe.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("models") / "tiny-hf", layout="hf", seed=0)

@@ -1,4 +1,4 @@
-"""qnpipe.config: precedence, seed names, parsing, errors, fingerprint, immutability."""
+"""qnpipe.config: precedence, legacy names, parsing, errors, fingerprint, immutability."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -20,15 +21,15 @@ from qnpipe import config
 from qnpipe.config import (
     Config,
     FieldSpec,
-    InexactConfigWarning,
     MtpCfg,
+    NotImplementedConfigWarning,
     ReplacedSwitchWarning,
     format_layer_set,
     load,
     parse_layer_set,
     with_overrides,
 )
-from qnpipe.config_aliases import SEED_NAMES, Kind, SeedName
+from qnpipe.config_aliases import LEGACY_NAMES, Kind, LegacyName
 from qnpipe.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,9 +39,13 @@ COMPANIONS = {"TREE_TOP2_P1": {"TREE_TOP2": "1"}, "MTP_ADAPTIVE_RESCUE": {"MTP_A
 
 
 @pytest.fixture(autouse=True)
-def _fresh_warning_registry() -> None:
+def _fresh_warning_registry() -> Iterator[None]:
     # "Once per process" is module state; each test starts as a fresh process would.
     config._warned_names.clear()
+    # These tests set every field on purpose; the warning itself is tested below with pytest.warns.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotImplementedConfigWarning)
+        yield
 
 
 def _write(tmp_path: Path, text: str, name: str = "qnpipe.toml") -> Path:
@@ -61,8 +66,10 @@ def _other_text(spec: FieldSpec) -> str:
     if isinstance(t, msgspec.inspect.LiteralType):
         return str(next(v for v in t.values if v != d))
     if isinstance(t, msgspec.inspect.IntType):
+        assert isinstance(d, int)
         return str(d + 1)
     if isinstance(t, msgspec.inspect.FloatType):
+        assert isinstance(d, float)
         return str(d + 0.25)
     if isinstance(t, msgspec.inspect.StrType):
         return "some/where"
@@ -75,7 +82,7 @@ def _other_text(spec: FieldSpec) -> str:
 # ------------------------------------------------------------------ defaults and shape
 
 
-def test_defaults_are_the_seeds_measured_defaults() -> None:
+def test_defaults_are_the_legacy_measured_defaults() -> None:
     cfg = load(env={})
     assert cfg == Config()
     assert cfg.pool.expert_slots == 64
@@ -85,7 +92,7 @@ def test_defaults_are_the_seeds_measured_defaults() -> None:
     assert cfg.mtp.enabled is False and cfg.mtp.conf_tau == 0.3 and cfg.mtp.depth_max == 3
     assert cfg.kv.k_bits == 4 and cfg.kv.v_bits == 3 and cfg.kv.group_size == 64
     assert cfg.prefix.snapshot_head_tokens == 2048
-    assert cfg.chat.tools_allow == ()  # qnpipe differs from the seed here on purpose
+    assert cfg.chat.tools_allow == ()  # qnpipe differs from the legacy system here on purpose
     assert cfg.diag.route_verify is False and cfg.forward.moe_topk_override is None
 
 
@@ -103,7 +110,7 @@ def test_derived_paths() -> None:
     assert cfg.model.resolved_config_path() == "/m/config.json"
     assert cfg.model.resolved_expert_dir() == "/m/experts"
     assert cfg.autopin_usage_path() == "/m/experts/pool_usage.json"
-    assert cfg.replace(autopin_usage_file="/h.json").autopin_usage_path() == "/h.json"
+    assert with_overrides(cfg, autopin_usage_file="/h.json").autopin_usage_path() == "/h.json"
 
 
 # ------------------------------------------------------------------ precedence
@@ -115,12 +122,12 @@ def test_precedence_each_level_beats_the_previous(tmp_path: Path) -> None:
     assert load(toml, env={}).pool.expert_slots == 40
     assert load(toml, env={"EXPERT_SLOTS": "30"}).pool.expert_slots == 30
     both = {"EXPERT_SLOTS": "30", "QNPIPE_POOL__EXPERT_SLOTS": "20"}
-    assert load(toml, env=both).pool.expert_slots == 20  # QNPIPE_ beats the bare seed name
+    assert load(toml, env=both).pool.expert_slots == 20  # QNPIPE_ beats the bare legacy name
     assert load(toml, env=both, overrides={"expert_slots": 10}).pool.expert_slots == 10
 
 
-def test_toml_section_beats_seed_table(tmp_path: Path) -> None:
-    toml = _write(tmp_path, "[seed]\nEXPERT_SLOTS = 8\nKV_QUANT = 1\n[pool]\nexpert_slots = 9\n")
+def test_toml_section_beats_legacy_table(tmp_path: Path) -> None:
+    toml = _write(tmp_path, "[legacy]\nEXPERT_SLOTS = 8\nKV_QUANT = 1\n[pool]\nexpert_slots = 9\n")
     cfg = load(toml, env={})
     assert cfg.pool.expert_slots == 9 and cfg.kv.quantize is True
 
@@ -128,13 +135,6 @@ def test_toml_section_beats_seed_table(tmp_path: Path) -> None:
 def test_qnpipe_config_env_names_the_toml_file(tmp_path: Path) -> None:
     toml = _write(tmp_path, "[mtp]\nenabled = true\n")
     assert load(env={"QNPIPE_CONFIG": str(toml)}).mtp.enabled is True
-
-
-def test_cache_dir(tmp_path: Path) -> None:
-    assert config.cache_dir({"QNPIPE_CACHE_DIR": str(tmp_path)}) == tmp_path
-    assert config.cache_dir({"XDG_CACHE_HOME": "/c"}) == Path("/c/qnpipe")
-    assert config.cache_dir({}).name == "qnpipe"
-    assert load(env={"QNPIPE_CACHE_DIR": "/x"}) == Config()  # not a field, not an error
 
 
 def test_env_none_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,61 +155,67 @@ def test_docs_toml_example_loads(tmp_path: Path) -> None:
     assert cfg.trace.route_trace_layers == (0, 1, 2, 3, 47)
 
 
-# ------------------------------------------------------------------ seed names
+# ------------------------------------------------------------------ legacy names
 
 
-def test_seed_table_is_consistent() -> None:
-    names = [s.name for s in SEED_NAMES]
-    assert len(names) == len(set(names)) == 116  # every switch of the seed's config module
-    for s in SEED_NAMES:
+def test_legacy_table_is_consistent() -> None:
+    names = [s.name for s in LEGACY_NAMES]
+    assert len(names) == len(set(names)) == 116  # every switch of the legacy system's config module
+    for s in LEGACY_NAMES:
         if s.kind is not Kind.REPLACED:
             assert s.target in SPECS, s
 
 
-@pytest.mark.parametrize("seed", [s for s in SEED_NAMES if s.kind is not Kind.REPLACED], ids=lambda s: s.name)
-def test_feature_seed_name_sets_its_field(seed: SeedName) -> None:
-    spec = SPECS[seed.target]
-    env = {seed.name: _other_text(spec), **COMPANIONS.get(seed.name, {})}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", InexactConfigWarning)  # MOE_TOPK_OVERRIDE; tested below
-        cfg = load(env=env)
-    section, field = seed.target.split(".")
+@pytest.mark.parametrize("legacy", [s for s in LEGACY_NAMES if s.kind is not Kind.REPLACED], ids=lambda s: s.name)
+def test_feature_legacy_name_sets_its_field(legacy: LegacyName) -> None:
+    spec = SPECS[legacy.target]
+    env = {legacy.name: _other_text(spec), **COMPANIONS.get(legacy.name, {})}
+    cfg = load(env=env)
+    section, field = legacy.target.split(".")
     assert getattr(getattr(cfg, section), field) != spec.default
     assert cfg.fingerprint() != Config().fingerprint()
     # The QNPIPE_ spelling of the same field gives the same config.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", InexactConfigWarning)
-        same = load(env={spec.env_name: env.pop(seed.name), **env})
+    same = load(env={spec.env_name: env.pop(legacy.name), **env})
     assert same == cfg
 
 
-@pytest.mark.parametrize("seed", [s for s in SEED_NAMES if s.kind is Kind.REPLACED], ids=lambda s: s.name)
-def test_replaced_seed_name_warns_once_and_changes_nothing(seed: SeedName) -> None:
-    with pytest.warns(ReplacedSwitchWarning, match=seed.name) as record:
-        assert load(env={seed.name: "1"}) == Config()
+@pytest.mark.parametrize("legacy", [s for s in LEGACY_NAMES if s.kind is Kind.REPLACED], ids=lambda s: s.name)
+def test_replaced_legacy_name_warns_once_and_changes_nothing(legacy: LegacyName) -> None:
+    with pytest.warns(ReplacedSwitchWarning, match=legacy.name) as record:
+        assert load(env={legacy.name: "1"}) == Config()
     assert len(record) == 1
-    assert seed.target in str(record[0].message)
+    assert legacy.target in str(record[0].message)
     with warnings.catch_warnings(record=True) as again:
         warnings.simplefilter("always")
-        assert load(env={seed.name: "0"}) == Config()
+        assert load(env={legacy.name: "0"}) == Config()
     assert not [w for w in again if issubclass(w.category, ReplacedSwitchWarning)]
 
 
-def test_replaced_seed_name_in_toml_and_overrides(tmp_path: Path) -> None:
+def test_replaced_legacy_name_in_toml_and_overrides(tmp_path: Path) -> None:
     with pytest.warns(ReplacedSwitchWarning, match="NATIVE_MOE"):
-        assert load(_write(tmp_path, "[seed]\nNATIVE_MOE = 1\n"), env={}) == Config()
+        assert load(_write(tmp_path, "[legacy]\nNATIVE_MOE = 1\n"), env={}) == Config()
     with pytest.warns(ReplacedSwitchWarning, match="GPU_REMAP"):
         assert load(env={}, overrides={"GPU_REMAP": 0}) == Config()
 
 
-def test_moe_topk_override_warns_loudly_every_time() -> None:
-    for _ in range(2):
-        with pytest.warns(InexactConfigWarning, match="NOT exact"):
-            assert load(env={"MOE_TOPK_OVERRIDE": "4"}).forward.moe_topk_override == 4
-    assert load(env={"MOE_TOPK_OVERRIDE": ""}).forward.moe_topk_override is None
+def test_a_field_without_its_feature_warns_once_naming_both() -> None:
+    with pytest.warns(NotImplementedConfigWarning) as record:
+        assert load(env={"MOE_TOPK_OVERRIDE": "4"}).forward.moe_topk_override == 4
+    assert [str(w.message) for w in record] == [
+        "forward.moe_topk_override=4 has no effect yet: the router top-k override of the forward actor "
+        "is not implemented (docs/config.md)"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load(env={"MOE_TOPK_OVERRIDE": "5"})  # once per process
+        config._warned_names.clear()
+        load(env={"MOE_TOPK_OVERRIDE": ""})  # the default: nothing to warn about
+        load(overrides={"forward.prefill_chunk_tokens": 0})  # a field with a consumer
+    with pytest.warns(NotImplementedConfigWarning, match=r"pool\.expert_slots=32 .*streaming expert pool") as record:
+        with_overrides(Config(), mtp=False, expert_slots=32)
+    assert record[0].filename == __file__  # the caller's line, not qnpipe's
 
 
-def test_two_seed_names_for_one_field_must_agree() -> None:
+def test_two_legacy_names_for_one_field_must_agree() -> None:
     assert load(env={"EXPERT_NOCACHE": "0", "STREAM_BLOB_NOCACHE": "false"}).read.nocache is False
     with pytest.raises(ConfigError, match="EXPERT_NOCACHE.*STREAM_BLOB_NOCACHE"):
         load(env={"EXPERT_NOCACHE": "1", "STREAM_BLOB_NOCACHE": "0"})
@@ -309,9 +315,9 @@ def test_unknown_qnpipe_env_fails_with_suggestion() -> None:
     [
         ("[pool]\nexpert_slot = 3\n", ["[pool] expert_slot", "did you mean expert_slots"]),
         ("[pol]\nexpert_slots = 3\n", ["'pol'", "did you mean pool"]),
-        ("EXPERT_SLOTS = 3\n", ["'EXPERT_SLOTS'", "[seed]"]),
+        ("EXPERT_SLOTS = 3\n", ["'EXPERT_SLOTS'", "[legacy]"]),
         ("expert_slots = 3\n", ["'expert_slots'", "[pool] expert_slots"]),
-        ("[seed]\nEXPERT_SLOT = 3\n", ["[seed] EXPERT_SLOT", "did you mean EXPERT_SLOTS"]),
+        ("[legacy]\nEXPERT_SLOT = 3\n", ["[legacy] EXPERT_SLOT", "did you mean EXPERT_SLOTS"]),
         ("[pool]\nevict_policy = 'mru'\n", ["[pool] evict_policy", "'mru'", "lfu, lru, fifo"]),
         ("[pool\n", ["not valid TOML"]),
     ],
@@ -352,15 +358,15 @@ def test_unknown_and_ambiguous_overrides(monkeypatch: pytest.MonkeyPatch) -> Non
         load(env={}, overrides={"expert_slots": 3})
 
 
-def test_with_overrides_and_replace() -> None:
+def test_with_overrides() -> None:
     base = load(env={"EXPERT_SLOTS": "48"})
     new = with_overrides(base, {"mtp": True}, expert_slots=32)
     assert (new.pool.expert_slots, new.mtp.enabled) == (32, True)
     assert base.pool.expert_slots == 48 and base.mtp.enabled is False  # untouched
-    assert base.replace(**{"kv.quantize": True, "route_trace_layers": "3,1-2"}).trace.route_trace_layers == (1, 2, 3)
-    assert base.replace().fingerprint() == base.fingerprint()
+    assert with_overrides(base, {"kv.quantize": True, "route_trace_layers": "3,1-2"}).trace.route_trace_layers == (1, 2, 3)
+    assert with_overrides(base).fingerprint() == base.fingerprint()
     with pytest.raises(ConfigError, match="pool.expert_slots.*override expert_slots"):
-        base.replace(expert_slots=0)
+        with_overrides(base, expert_slots=0)
 
 
 # ------------------------------------------------------------------ layer sets
@@ -405,10 +411,8 @@ def test_fingerprint_changes_with_any_field() -> None:
     # Fields whose cross-field rules need a companion switch on (see COMPANIONS).
     companions = {"mtp.tree_top2_p1": {"mtp.tree_top2": True}, "mtp.adaptive_rescue": {"mtp.adaptive_depth": True}}
     seen = {base.fingerprint()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", InexactConfigWarning)
-        for spec in config.field_specs():
-            seen.add(with_overrides(base, {spec.path: _other_text(spec), **companions.get(spec.path, {})}).fingerprint())
+    for spec in config.field_specs():
+        seen.add(with_overrides(base, {spec.path: _other_text(spec), **companions.get(spec.path, {})}).fingerprint())
     # Every single-field change gives its own fingerprint.
     assert len(seen) == len(SPECS) + 1
     assert re.fullmatch(r"[0-9a-f]{64}", base.fingerprint())
@@ -439,8 +443,8 @@ def test_docs_tables_are_generated_from_the_code() -> None:
     tool = _config_table_tool()
     doc = (REPO / "docs" / "config.md").read_text()
     assert tool.splice(doc, tool.render()) == doc, "run: python tools/config_table.py --write docs/config.md"
-    for seed in SEED_NAMES:
-        assert f"`{seed.name}`" in doc
+    for legacy in LEGACY_NAMES:
+        assert f"`{legacy.name}`" in doc
     for path in SPECS:
         assert f"`{path}`" in doc
 

@@ -38,7 +38,7 @@ MESSAGES = [
     {"role": "tool", "content": '{"temp": 18}'},
     {"role": "tool", "content": '{"temp": 15}'},
 ]
-# Spec §6.2, verbatim.
+# The Qwen3-2507-Instruct template (docs/model.md, "Chat template and special tokens"), verbatim.
 RENDERED = """<|im_start|>system
 You are a helpful assistant.
 
@@ -116,7 +116,7 @@ def test_hf_config_and_files(dirs: dict[str, Path]) -> None:
         assert (d / f).read_bytes() == (TOKENIZER_DIR / f).read_bytes()
         assert (TOKENIZER_DIR / f).stat().st_size < 100_000
     header = _header(d / "model.safetensors")
-    assert len(header) == 1858  # spec §9, make_hf_weights.py on tiny_config_v1024.json
+    assert len(header) == 1858  # docs/model.md, "Tiny test configuration"
     assert header["model.layers.0.linear_attn.conv1d.weight"] == ("F32", (256, 1, 4))
     assert header["model.layers.3.self_attn.q_proj.weight"][1] == (512, 128)
     assert header["model.layers.7.mlp.experts.63.down_proj.weight"][1] == (128, 64)

@@ -54,7 +54,7 @@ def test_shipped_files_layout_and_size(model_dir: Path) -> None:
     assert cfg["model_type"] == "qwen3_next"
     assert cfg["num_experts"] >= 32 and cfg["num_experts_per_tok"] >= 4
     assert cfg["shared_expert_intermediate_size"] > 0
-    kinds = [(l + 1) % cfg["full_attention_interval"] != 0 for l in range(cfg["num_hidden_layers"])]
+    kinds = [(layer + 1) % cfg["full_attention_interval"] != 0 for layer in range(cfg["num_hidden_layers"])]
     assert kinds.count(True) >= 2 and kinds.count(False) >= 2
     hdr = _header(model_dir / "model.safetensors")
     names = set(hdr) - {"__metadata__"}

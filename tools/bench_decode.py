@@ -67,7 +67,7 @@ def main() -> int:
             for _ in range(args.rounds):
                 theirs.append(mlx_lm_decode(ref, prompt, args.tokens))
                 ours.append(qnpipe_decode(eng, prompt, args.tokens))
-        ratios = [a / b for a, b in zip(ours, theirs)]
+        ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
         print(json.dumps({
             "bench": "decode",
             "model": str(args.model) if args.model else f"made:{args.size}-{args.bits}bit",

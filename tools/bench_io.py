@@ -38,8 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
+from qnpipe.config import ReadBackend
 from qnpipe.io.reader import ReadRequest, aligned_len, alloc_aligned
-from qnpipe.io.ssd import Backend, SsdReader, c_extension_available, nocache_mode
+from qnpipe.io.ssd import SsdReader, c_extension_available, nocache_mode
 
 REPO = Path(__file__).resolve().parents[1]
 # 80B at 4 bits: 3 x (512 KiB weight + 2 x 32 KiB scales/biases); the tiny test model's
@@ -116,7 +117,7 @@ def make_files(d: Path, total: int, nfiles: int, unit: int) -> list[Path]:
 # ---------------------------------------------------------------------------- measurements
 
 
-def bench_reader(backend: Backend, files: list[Path], record: int, qd: int, seconds: float, batch: int,
+def bench_reader(backend: ReadBackend, files: list[Path], record: int, qd: int, seconds: float, batch: int,
                  submitters: int, seed: int, scatter: tuple[int, ...] = ()) -> dict[str, float]:
     """`submitters` threads call read_batch back to back on one reader (as the read scheduler's
     worker threads would), so the `qd` workers do not wait while the next batch is built.
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     records = [int(x) for x in args.records.split(",")]
     qds = [int(x) for x in args.qd.split(",")]
-    backends = ([Backend.C] if c_extension_available() else []) + ([] if args.no_python else [Backend.PYTHON])
+    backends = ([ReadBackend.C] if c_extension_available() else []) + ([] if args.no_python else [ReadBackend.PYTHON])
     if not c_extension_available():
         log("bench_io: the C extension qnpipe._preadx is not built; measuring the Python fallback only")
     total = int(args.size_gib * 2**30)
@@ -279,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                         r = bench_reader(be, files, record, qd, args.seconds, batch, args.submitters,
                                          seed=record + qd + rep)
                         samples.setdefault(be.value, []).append(r["gbps"])
-                    if record == sum(SCATTER_80B) and Backend.C in backends:
-                        r = bench_reader(Backend.C, files, record, qd, args.seconds, batch, args.submitters,
+                    if record == sum(SCATTER_80B) and ReadBackend.C in backends:
+                        r = bench_reader(ReadBackend.C, files, record, qd, args.seconds, batch, args.submitters,
                                          seed=record + qd + rep + 7, scatter=SCATTER_80B)
                         samples.setdefault("c_scatter", []).append(r["gbps"])
                     for eng in engines:

@@ -247,7 +247,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--raw", type=Path, default=RAW)
     ap.add_argument("--traces", nargs="*", choices=list(LOADERS), default=list(LOADERS))
     args = ap.parse_args(argv)

@@ -1,8 +1,8 @@
 """Routing and MTP statistics of a Qwen3-Next model directory on held-out text; prints JSON.
 
 The main model runs in MLX through qnpipe's loader (``qnpipe.model.load.load_model``); the routed
-experts of every MoE layer are recorded by wrapping its expert source. The MTP head (qwen3-next.md
-§5.2) is computed here in NumPy (float64) from the checkpoint's ``mtp.*`` tensors and the model's
+experts of every MoE layer are recorded by wrapping its expert source. The MTP head (see
+docs/model.md, "MTP head") is computed here in NumPy (float64) from the checkpoint's ``mtp.*`` tensors and the model's
 ``embed_tokens`` / ``lm_head``.
 
 Per MoE layer:
@@ -41,7 +41,7 @@ TOOLS = Path(__file__).resolve().parent
 DEFAULT_MODEL = TOOLS.parent / "qnpipe" / "data" / "tiny_trained"
 
 
-# --------------------------------------------------------------------------- MTP in NumPy (§5.2)
+# --------------------------------------------------------------------------- MTP in NumPy (docs/model.md, "MTP head")
 
 def _rms(x: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)

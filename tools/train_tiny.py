@@ -1,8 +1,10 @@
+# pyright: reportMissingImports=false
+# (torch is the `train` extra, not installed for the tests; ref_numpy is the external spec's reference.)
 """Train the tiny Qwen3-Next that qnpipe ships as its default model (PyTorch on CPU).
 
-The model has the exact Qwen3-Next architecture of docs qwen3-next.md §2 (Gated DeltaNet and gated
+The model has the exact Qwen3-Next architecture of docs/model.md, "Forward pass" (Gated DeltaNet and gated
 full-attention layers, a sparse MoE with a gated shared expert in every layer, zero-centred norms)
-plus one MTP layer (§5), at tiny sizes. It is trained on the running Python's standard-library
+plus one MTP layer ("MTP head"), at tiny sizes. It is trained on the running Python's standard-library
 sources (present on every machine) with a byte-level BPE tokenizer trained here by `tokenizers`,
 and written in the original Hugging Face layout (per-expert tensors, ``mtp.*``, config.json,
 generation_config.json, tokenizer.json, tokenizer_config.json with the Qwen chat template).
@@ -62,7 +64,7 @@ EOT, IM_START, IM_END = 0, 1, 2
 
 
 def model_config(vocab: int, experts: int, top_k: int, moe_inter: int) -> dict[str, Any]:
-    """config.json: qwen3-next.md §8 (tiny_config_v1024) with a larger vocabulary and the expert sizes."""
+    """config.json: the tiny test configuration of docs/model.md with a larger vocabulary and the expert sizes."""
     from qnpipe.tiny import TINY_CONFIG
 
     c = dict(TINY_CONFIG)
@@ -105,7 +107,7 @@ _CHAT_FORMS = (
 
 
 def chat_examples(files: list[Path], max_chars: int = 1200) -> list[str]:
-    """Chat turns (template of §6.2) made from documented functions: docstring request -> code."""
+    """Chat turns (the chat template of docs/model.md) made from documented functions: docstring request -> code."""
     out: list[str] = []
     for p in files:
         text = read(p)
@@ -183,7 +185,7 @@ def build_torch_model(cfg: dict[str, Any]):  # noqa: C901 - one closure of modul
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv, Kc = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
-    E, top_k, I, Is = (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+    E, top_k, inter, Is = (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
                        cfg["shared_expert_intermediate_size"])
     r = nv // nk
     key_dim, value_dim = nk * dk, nv * dv
@@ -240,7 +242,7 @@ def build_torch_model(cfg: dict[str, Any]):  # noqa: C901 - one closure of modul
             return self.o_proj(o * torch.sigmoid(gate))
 
     def chunk_delta(q, k, v, g, beta, C=64):
-        """Chunked gated delta rule (§2.5f). q,k [B,T,h,dk] (normalised), v [B,T,h,dv], g,beta [B,T,h]."""
+        """Chunked gated delta rule (docs/model.md, "Forward pass"). q,k [B,T,h,dk] (normalised), v [B,T,h,dv], g,beta [B,T,h]."""
         B, T, Hh, _ = q.shape
         pad = (-T) % C
         if pad:  # zero k, v, beta, g: padded steps neither decay nor write the state
@@ -283,7 +285,7 @@ def build_torch_model(cfg: dict[str, Any]):  # noqa: C901 - one closure of modul
 
         def forward(self, x):
             B, T, _ = x.shape
-            p = self.in_proj_qkvz(x).view(B, T, nk, 2 * dk + 2 * r * dv)  # grouped by key head (§2.5a)
+            p = self.in_proj_qkvz(x).view(B, T, nk, 2 * dk + 2 * r * dv)  # grouped by key head (docs/model.md)
             q, k = p[..., :dk], p[..., dk:2 * dk]
             v = p[..., 2 * dk:2 * dk + r * dv].reshape(B, T, nv, dv)
             z = p[..., 2 * dk + r * dv:].reshape(B, T, nv, dv)
@@ -316,9 +318,9 @@ def build_torch_model(cfg: dict[str, Any]):  # noqa: C901 - one closure of modul
         def __init__(self):
             super().__init__()
             self.gate = lin(H, E)
-            self.experts_gate_proj = nn.Parameter(torch.empty(E, I, H))
-            self.experts_up_proj = nn.Parameter(torch.empty(E, I, H))
-            self.experts_down_proj = nn.Parameter(torch.empty(E, H, I))
+            self.experts_gate_proj = nn.Parameter(torch.empty(E, inter, H))
+            self.experts_up_proj = nn.Parameter(torch.empty(E, inter, H))
+            self.experts_down_proj = nn.Parameter(torch.empty(E, H, inter))
             self.shared_expert = MLP(Is)
             self.shared_expert_gate = lin(H, 1)
             self.last_topk = None
@@ -373,7 +375,7 @@ def build_torch_model(cfg: dict[str, Any]):  # noqa: C901 - one closure of modul
             super().__init__()
             self.embed_tokens = nn.Embedding(cfg["vocab_size"], H)
             L, every = cfg["num_hidden_layers"], cfg["full_attention_interval"]
-            self.layers = nn.ModuleList(DecoderLayer((l + 1) % every != 0) for l in range(L))
+            self.layers = nn.ModuleList(DecoderLayer((layer + 1) % every != 0) for layer in range(L))
             self.norm = ZCNorm(H)
 
     class MTP(nn.Module):
@@ -452,7 +454,7 @@ def init_weights(model, cfg: dict[str, Any], seed: int) -> None:
 
 
 def hf_state(model, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The model's tensors under the original HF names (§4.1, §5.1), float32, routed experts split."""
+    """The model's tensors under the original HF names (docs/model.md, "Checkpoint layouts", "MTP head"), float32, routed experts split."""
     out: dict[str, np.ndarray] = {}
     for name, t in model.state_dict().items():
         a = t.detach().float().cpu().numpy()
@@ -676,7 +678,7 @@ def train(args) -> int:
         """Evaluate at `step` unless the last evaluation was already there."""
         if not history or history[-1]["step"] != step:
             ev = evaluate(model, val_batches, args)
-            ev.update(step=step, elapsed_s=round(time.perf_counter() - t_start, 1), train_loss_ema=float(ema[0]))
+            ev.update(step=step, elapsed_s=round(time.perf_counter() - t_start, 1), train_loss_ema=float(ema[0]) if ema is not None else float("nan"))
             history.append(ev)
 
     stopped_early = None
@@ -721,7 +723,7 @@ def train(args) -> int:
                   f"{tok_s:.0f} tok/s elapsed {fmt_time(el)} eta {fmt_time(eta) if eta == eta else '?'}", flush=True)
         if step % args.eval_every == 0 or step == total:
             ev = evaluate(model, val_batches, args)
-            ev.update(step=step, elapsed_s=round(time.perf_counter() - t_start, 1), train_loss_ema=float(ema[0]))
+            ev.update(step=step, elapsed_s=round(time.perf_counter() - t_start, 1), train_loss_ema=float(ema[0]) if ema is not None else float("nan"))
             history.append(ev)
             print(f"eval {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in ev.items()})}",
                   flush=True)
@@ -800,7 +802,7 @@ def bench(args) -> int:
             mx.eval(m.parameters(), o.state, loss)
             mt.append(time.perf_counter() - t0)
         per_tok = mt[-1] / (mb * args.seq_len)
-        print(f"mlx {mx.__version__} (CPU): {mt[-1]:.3f} s/step for batch {mb} x {args.seq_len} without MTP "
+        print(f"mlx {getattr(mx, '__version__', '?')} (CPU): {mt[-1]:.3f} s/step for batch {mb} x {args.seq_len} without MTP "
               f"-> {per_tok * args.batch * args.seq_len:.3f} s per full step ({1 / per_tok:.0f} tok/s)", flush=True)
     except Exception as e:  # noqa: BLE001 - report and continue
         print(f"mlx: training step failed: {type(e).__name__}: {e}", flush=True)

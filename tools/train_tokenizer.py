@@ -19,7 +19,7 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 VOCAB_SIZE = 1024
-# Ids 0-2 are special (skipped when decoding); 3-8 are plain added tokens, as in Qwen (§6.1).
+# Ids 0-2 are special (skipped when decoding); 3-8 are plain added tokens, as in Qwen (docs/model.md, "Chat template and special tokens").
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 MAX_FILE_BYTES = 16 * 1024
@@ -31,7 +31,7 @@ QWEN_PRETOKENIZE_REGEX = (
 )
 MODEL_MAX_LENGTH = 262144
 
-# Qwen3-2507-Instruct style template (spec §6.2); no default system prompt.
+# Qwen3-2507-Instruct style template (docs/model.md, "Chat template and special tokens"); no default system prompt.
 CHAT_TEMPLATE = """{%- if tools %}
     {{- '<|im_start|>system\\n' }}
     {%- if messages[0].role == 'system' %}

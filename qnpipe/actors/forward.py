@@ -14,6 +14,7 @@ the step held, and leaves the pipeline ready for the next one.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import attrs
@@ -58,6 +59,8 @@ class Forward:
     capacities: dict[int, int]
     num_experts: int
     route_verify: bool = False
+    # read.verify_hit_bytes: (layer, experts, slots) -> raises when a slot's bytes differ from disk
+    check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None = None
     failure: list[BaseException] = attrs.field(factory=list)  # set by the engine when an actor died
     stats: ForwardStats = attrs.field(factory=ForwardStats)
     _step: int = 0
@@ -110,6 +113,8 @@ class Forward:
             self.stats.misses += g.misses
             if g.misses:
                 self.stats.stall_s += trio.current_time() - t0
+            if self.check_bytes is not None:
+                await self.check_bytes(layer, g.experts, g.slots)
             lut[list(g.experts)] = g.slots
             ids = route.ids[lo:hi]
             slots = lut[ids]

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import trio
+
+
+class Stamp(TypedDict):
+    t: float
+    seq: int
 
 
 class Stamper:
@@ -13,6 +20,6 @@ class Stamper:
     def __init__(self) -> None:
         self._seq = 0
 
-    def stamp(self) -> dict[str, float | int]:
+    def stamp(self) -> Stamp:
         self._seq += 1
         return {"t": trio.current_time(), "seq": self._seq}

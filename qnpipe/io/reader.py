@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 import numpy as np
 
-from qnpipe.io.store_format import ALIGN, TensorSlot
+from qnpipe.io.store_format import ALIGN, TensorSlot, aligned_len
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -134,11 +134,6 @@ class ExpertReader(Protocol):
     def close(self) -> None:
         """Release files and threads. Idempotent; `read_batch` fails afterwards."""
         ...
-
-
-def aligned_len(nbytes: int, align: int = ALIGN) -> int:
-    """`nbytes` rounded up to a multiple of `align`."""
-    return -(-nbytes // align) * align
 
 
 def buffer_address(buf: WritableBuffer) -> int:

@@ -1,8 +1,8 @@
 """Streaming safetensors output for `qnpipe convert`: tensors planned up front, written as computed.
 
-A `_Job` names its output tensors (`_Out`: name, dtype, shape) and yields their bytes; the
-header is known from the plan, so `_write_safetensors` writes it first and `pwrite`s each
-piece at its offset, never holding a whole file in memory. `_write_model_shards` splits the
+A `WriteJob` names its output tensors (`OutTensor`: name, dtype, shape) and yields their bytes; the
+header is known from the plan, so `write_safetensors` writes it first and `pwrite`s each
+piece at its offset, never holding a whole file in memory. `write_model_shards` splits the
 non-expert weights into `model.safetensors` or mlx-lm style shards plus their index.
 """
 
@@ -18,30 +18,31 @@ from typing import Any
 import attrs
 import numpy as np
 
+from qnpipe.dtypes import ST_DTYPE_BYTES
 from qnpipe.errors import QnpipeError
-from qnpipe.model.checkpoint import _DTYPE_BYTES, INDEX_FILE
+from qnpipe.model.checkpoint import INDEX_FILE
 
 
 @attrs.frozen
-class _Out:
+class OutTensor:
     name: str
     st_dtype: str
     shape: tuple[int, ...]
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _DTYPE_BYTES[self.st_dtype]
+        return math.prod(self.shape) * ST_DTYPE_BYTES[self.st_dtype]
 
 
 @attrs.frozen
-class _Job:
+class WriteJob:
     """Output tensors computed together (a quantized weight gives weight, scales, biases)."""
 
-    outs: tuple[_Out, ...]
+    outs: tuple[OutTensor, ...]
     run: Callable[[], Iterator[tuple[int, int, np.ndarray]]]  # yields (output index, byte offset in it, data)
 
 
-def _safetensors_header(outs: Sequence[_Out]) -> bytes:
+def _safetensors_header(outs: Sequence[OutTensor]) -> bytes:
     header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
     offset = 0
     for o in outs:
@@ -51,8 +52,8 @@ def _safetensors_header(outs: Sequence[_Out]) -> bytes:
     return len(h + b" " * (-len(h) % 8)).to_bytes(8, "little") + h + b" " * (-len(h) % 8)
 
 
-def _shards(jobs: Sequence[_Job], max_bytes: int) -> list[list[_Job]]:
-    shards: list[list[_Job]] = [[]]
+def plan_shards(jobs: Sequence[WriteJob], max_bytes: int) -> list[list[WriteJob]]:
+    shards: list[list[WriteJob]] = [[]]
     size = 0
     for j in jobs:
         n = sum(o.nbytes for o in j.outs)
@@ -64,12 +65,12 @@ def _shards(jobs: Sequence[_Job], max_bytes: int) -> list[list[_Job]]:
     return shards
 
 
-def _safetensors_bytes(jobs: Sequence[_Job]) -> int:
+def safetensors_nbytes(jobs: Sequence[WriteJob]) -> int:
     outs = [o for j in jobs for o in j.outs]
     return len(_safetensors_header(outs)) + sum(o.nbytes for o in outs)
 
 
-def _write_safetensors(path: Path, jobs: Sequence[_Job], advance: Callable[[int], None]) -> None:
+def write_safetensors(path: Path, jobs: Sequence[WriteJob], advance: Callable[[int], None]) -> None:
     """Stream `jobs` into one safetensors file whose header is known from the plan."""
     outs = [o for j in jobs for o in j.outs]
     header = _safetensors_header(outs)
@@ -82,7 +83,7 @@ def _write_safetensors(path: Path, jobs: Sequence[_Job], advance: Callable[[int]
             starts = [pos + sum(o.nbytes for o in j.outs[:i]) for i in range(len(j.outs))]
             for i, off, a in j.run():
                 data = np.ascontiguousarray(a)
-                if data.dtype.itemsize != _DTYPE_BYTES[j.outs[i].st_dtype] or off + data.nbytes > j.outs[i].nbytes:
+                if data.dtype.itemsize != ST_DTYPE_BYTES[j.outs[i].st_dtype] or off + data.nbytes > j.outs[i].nbytes:
                     raise QnpipeError(f"internal error: {j.outs[i].name} came out {a.dtype}{list(a.shape)}, "
                                       f"planned {j.outs[i].st_dtype}{list(j.outs[i].shape)}")
                 os.pwrite(fd, data.data, starts[i] + off)
@@ -97,17 +98,17 @@ def _write_safetensors(path: Path, jobs: Sequence[_Job], advance: Callable[[int]
         os.close(fd)
 
 
-def _write_model_shards(out: Path, jobs: Sequence[_Job], max_bytes: int, advance: Callable[[int], None]) -> None:
+def write_model_shards(out: Path, jobs: Sequence[WriteJob], max_bytes: int, advance: Callable[[int], None]) -> None:
     """`model.safetensors`, or shards of at most `max_bytes` (a larger job gets one alone) and their index."""
-    shards = _shards(jobs, max_bytes)
+    shards = plan_shards(jobs, max_bytes)
     if len(shards) == 1:
-        _write_safetensors(out / "model.safetensors", shards[0], advance)
+        write_safetensors(out / "model.safetensors", shards[0], advance)
         return
     wmap: dict[str, str] = {}
     total = 0
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(out / name, shard, advance)
+        write_safetensors(out / name, shard, advance)
         for o in (o for j in shard for o in j.outs):
             wmap[o.name] = name
             total += o.nbytes

@@ -9,7 +9,6 @@ fallback, counted in `statistics().direct_fallbacks`. A batch runs on the C exte
 
 from __future__ import annotations
 
-import enum
 import errno
 import os
 import sys
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import numpy as np
 
+from qnpipe.config_tree import ReadBackend
 from qnpipe.errors import ReadError
 from qnpipe.io.reader import (
     ALIGN,
@@ -38,7 +38,7 @@ from qnpipe.io.reader import (
 if TYPE_CHECKING:
     from qnpipe.config import ReadCfg
 
-__all__ = ["Backend", "PreadvFn", "SsdReader", "c_extension_available", "nocache_mode"]
+__all__ = ["PreadvFn", "SsdReader", "c_extension_available", "choose_backend", "nocache_mode"]
 
 try:
     from qnpipe import _preadx
@@ -52,17 +52,27 @@ _F_NOCACHE_DARWIN = 48  # <sys/fcntl.h>; Python's fcntl module has no name for i
 PreadvFn = Callable[[int, list[memoryview], int], int]
 
 
-class Backend(enum.StrEnum):
-    """Which implementation runs the preads of a batch."""
-
-    AUTO = "auto"  # the C extension when built, else Python
-    C = "c"
-    PYTHON = "python"
-
-
 def c_extension_available() -> bool:
     """Whether `qnpipe._preadx` was built and imports."""
     return _preadx is not None
+
+
+def choose_backend(backend: ReadBackend | str, *, hooked: bool, c_available: bool) -> ReadBackend:
+    """The backend a reader runs: `backend`, with AUTO resolved; a `preadv` hook (`hooked`) means Python.
+
+    Raises:
+      ValueError: C was asked for with a hook, or without the extension (`c_available` false).
+    """
+    backend = ReadBackend(backend)
+    if hooked:
+        if backend is ReadBackend.C:
+            raise ValueError("preadv= is a hook of the Python backend; it cannot be used with backend='c'")
+        return ReadBackend.PYTHON
+    if backend is ReadBackend.AUTO:
+        return ReadBackend.C if c_available else ReadBackend.PYTHON
+    if backend is ReadBackend.C and not c_available:
+        raise ValueError("backend='c' but the C extension qnpipe._preadx is not built")
+    return backend
 
 
 def nocache_mode(nocache: bool, platform: str = sys.platform) -> CacheMode:
@@ -142,7 +152,7 @@ class _PyRunner:
         self._pool.shutdown(wait=True)
 
 
-class _Plan(msgspec.Struct, gc=False):
+class _ReadPlan(msgspec.Struct, gc=False):
     """How one request is read: straight into its buffer(s), or via an aligned bounce buffer."""
 
     op: _Op
@@ -159,7 +169,7 @@ class SsdReader:
     queue FIFO). `nocache` bypasses the page cache (O_DIRECT / F_NOCACHE). `verify_crc32`
     checks each request that carries a `crc32` after reading. `backend` picks the C
     extension or the Python thread pool (`AUTO`: C when built). `preadv` replaces the Python
-    backend's `os.preadv` (fault injection in tests) and implies `Backend.PYTHON`.
+    backend's `os.preadv` (fault injection in tests) and implies `ReadBackend.PYTHON`.
     Thread-safe; `close()` (or the context manager) releases files and threads.
     """
 
@@ -169,22 +179,14 @@ class SsdReader:
         workers: int = 8,
         nocache: bool = True,
         verify_crc32: bool = False,
-        backend: Backend | str = Backend.AUTO,
+        backend: ReadBackend | str = ReadBackend.AUTO,
         preadv: PreadvFn | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        backend = Backend(backend)
-        if preadv is not None:
-            if backend is Backend.C:
-                raise ValueError("preadv= is a hook of the Python backend; it cannot be used with backend='c'")
-            backend = Backend.PYTHON
-        if backend is Backend.AUTO:
-            backend = Backend.C if _preadx is not None else Backend.PYTHON
-        if backend is Backend.C and _preadx is None:
-            raise ValueError("backend='c' but the C extension qnpipe._preadx is not built")
+        backend = choose_backend(backend, hooked=preadv is not None, c_available=c_extension_available())
         self._runner: _Runner = (
-            _CRunner(workers) if backend is Backend.C else _PyRunner(workers, preadv or os.preadv)
+            _CRunner(workers) if backend is ReadBackend.C else _PyRunner(workers, preadv or os.preadv)
         )
         self._mode = nocache_mode(nocache)
         self._verify = verify_crc32
@@ -195,10 +197,10 @@ class SsdReader:
         self._stats = ReaderStats(backend=backend.value, workers=workers, mode=self._mode)
 
     @classmethod
-    def from_config(cls, cfg: ReadCfg, **kwargs: object) -> SsdReader:
-        """A reader configured by `cfg` (workers, nocache, verify_crc32, backend); `kwargs` as in `__init__` win."""
-        base: dict[str, object] = {"workers": cfg.workers, "nocache": cfg.nocache,
-                                   "verify_crc32": cfg.verify_crc32, "backend": str(cfg.backend)}
+    def from_config(cls, read_cfg: ReadCfg, **kwargs: object) -> SsdReader:
+        """A reader configured by `read_cfg` (workers, nocache, verify_crc32, backend); `kwargs` as in `__init__` win."""
+        base: dict[str, object] = {"workers": read_cfg.workers, "nocache": read_cfg.nocache,
+                                   "verify_crc32": read_cfg.verify_crc32, "backend": str(read_cfg.backend)}
         return cls(**{**base, **kwargs})  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ public
@@ -271,9 +273,9 @@ class SsdReader:
             return self._stats
 
     @property
-    def backend(self) -> Backend:
+    def backend(self) -> ReadBackend:
         """The backend in use (never `AUTO`)."""
-        return Backend(self._stats.backend)
+        return ReadBackend(self._stats.backend)
 
     def close(self) -> None:
         """Stop the worker threads and close every file. Idempotent."""
@@ -341,28 +343,28 @@ class SsdReader:
                 self._retired_fds.append(fd)
                 self._count_fallback()
 
-    def _plan(self, r: ReadRequest) -> _Plan:
+    def _plan(self, r: ReadRequest) -> _ReadPlan:
         if r.offset < 0 or r.nbytes <= 0:
             raise ValueError(f"bad read request: offset {r.offset}, nbytes {r.nbytes} ({r.path})")
         segs = _segments(r)
         f = self._file(r.path)
         if f.mode is not CacheMode.O_DIRECT:
             dest = _trim(segs, r.nbytes)
-            return _Plan((f.fd, r.offset, r.nbytes, _one_or_tuple(dest)), dest, 0, None, f.mode)
+            return _ReadPlan((f.fd, r.offset, r.nbytes, _one_or_tuple(dest)), dest, 0, None, f.mode)
         # Direct I/O reads whole 4096-byte blocks into 4096-aligned memory: read in place when
         # every buffer (trimmed to the rounded-up length) is a whole number of aligned blocks.
         length = aligned_len(r.nbytes)
         if r.offset % ALIGN == 0 and sum(m.nbytes for m in segs) >= length:
             direct = _trim(segs, length)
             if all(m.nbytes % ALIGN == 0 and buffer_address(m) % ALIGN == 0 for m in direct):
-                return _Plan((f.fd, r.offset, r.nbytes, _one_or_tuple(direct)), _trim(segs, r.nbytes), 0, None,
+                return _ReadPlan((f.fd, r.offset, r.nbytes, _one_or_tuple(direct)), _trim(segs, r.nbytes), 0, None,
                              f.mode)
         skip = r.offset % ALIGN
         bounce = alloc_aligned(skip + r.nbytes)
-        op = (f.fd, r.offset - skip, skip + r.nbytes, memoryview(bounce))
-        return _Plan(op, _trim(segs, r.nbytes), skip, bounce, f.mode)
+        op = (f.fd, r.offset - skip, skip + r.nbytes, bounce.data)
+        return _ReadPlan(op, _trim(segs, r.nbytes), skip, bounce, f.mode)
 
-    def _execute(self, plans: list[_Plan], which: Sequence[int], requests: Sequence[ReadRequest]) -> dict[int, str]:
+    def _execute(self, plans: list[_ReadPlan], which: Sequence[int], requests: Sequence[ReadRequest]) -> dict[int, str]:
         """Run the preads of `plans[which]` and copy bounced bytes home; {index: why} of failures."""
         out = self._runner.run([plans[i].op for i in which])
         failed: dict[int, str] = {}

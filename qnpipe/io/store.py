@@ -9,66 +9,40 @@ buffer into numpy views of its tensors (`record_tensors`, no copy).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
+from qnpipe.dtypes import NP_DTYPES
 from qnpipe.errors import CheckpointError, StoreError
-from qnpipe.io.store_format import ALIGN, FORMAT, INDEX_FILE, TENSOR_ALIGN, VERSION, LayerFile, StoreIndex, TensorSlot
+from qnpipe.io.store_format import (
+    ALIGN,
+    FORMAT,
+    INDEX_FILE,
+    TENSOR_ALIGN,
+    VERSION,
+    LayerFile,
+    StoreIndex,
+    TensorSlot,
+    aligned_len,
+)
+from qnpipe.model.args import model_id, read_config
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from qnpipe.model.args import ModelArgs
-
 __all__ = [
-    "EXPERTS_DIR", "NP_DTYPES", "SHAPE_KEYS", "ExpertStore", "as_mx", "layer_file_name", "model_id",
-    "config_model_id", "read_index", "record_layout", "round_up", "write_index",
+    "EXPERTS_DIR", "ExpertStore", "as_mx", "layer_file_name",
+    "config_model_id", "read_index", "record_layout", "write_index",
 ]
 
 EXPERTS_DIR = "experts"
-
-# Index dtype name -> numpy storage dtype. numpy has no bfloat16: its records come out as the
-# uint16 bit patterns (`as_mx` turns them back into mx.bfloat16 without changing a bit).
-NP_DTYPES: dict[str, str] = {
-    "uint32": "<u4", "uint16": "<u2", "uint8": "|u1", "int32": "<i4",
-    "float32": "<f4", "float16": "<f2", "bfloat16": "<u2",
-}
-
-# ModelArgs fields that decide the shape of some tensor; their sha256 is the store's model id.
-SHAPE_KEYS = (
-    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-    "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-    "shared_expert_intermediate_size", "intermediate_size", "vocab_size", "full_attention_interval",
-    "decoder_sparse_step", "mlp_only_layers", "tie_word_embeddings",
-)
-
-
-def round_up(n: int, align: int) -> int:
-    return -(-n // align) * align
-
-
-def model_id(config: ModelArgs | Mapping[str, Any]) -> str:
-    """sha256 (hex) of the model's shape keys (`SHAPE_KEYS`), from ModelArgs or a config.json dict.
-
-    Two checkpoints of the same architecture and size share it; a store built for a model of
-    another shape does not.
-    """
-    from qnpipe.model.args import ModelArgs, args_from_dict
-
-    args = config if isinstance(config, ModelArgs) else args_from_dict(dict(config))
-    keys = {k: getattr(args, k) for k in SHAPE_KEYS}
-    keys["mlp_only_layers"] = sorted(keys["mlp_only_layers"])
-    return hashlib.sha256(json.dumps(keys, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def layer_file_name(layer: int) -> str:
@@ -85,10 +59,10 @@ def record_layout(tensors: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[
     offset = 0
     for name, dtype, shape in tensors:
         nbytes = math.prod(shape) * np.dtype(NP_DTYPES[dtype]).itemsize
-        offset = round_up(offset, TENSOR_ALIGN)
+        offset = aligned_len(offset, TENSOR_ALIGN)
         slots.append(TensorSlot(name=name, dtype=dtype, shape=tuple(shape), offset=offset, nbytes=nbytes))
         offset += nbytes
-    return tuple(slots), offset, round_up(max(offset, 1), ALIGN)
+    return tuple(slots), offset, aligned_len(max(offset, 1), ALIGN)
 
 
 def write_index(experts_dir: Path, index: StoreIndex) -> Path:
@@ -316,7 +290,7 @@ class ExpertStore:
         path = self.root / lf.file
         buf = np.empty(lf.file_nbytes, dtype=np.uint8)
         try:
-            n = os.preadv(self._fd(layer), [buf], 0)
+            n = os.preadv(self._fd(layer), [buf.data], 0)
         except OSError as e:
             raise StoreError(f"{path}: cannot read layer {layer} ({e.strerror})") from None
         if n != lf.file_nbytes:
@@ -324,7 +298,7 @@ class ExpertStore:
         if verify:
             for e in range(lf.num_experts):
                 rec = buf[e * lf.stride: e * lf.stride + lf.record_nbytes]
-                if (got := zlib.crc32(rec)) != lf.checksums[e]:
+                if (got := zlib.crc32(rec.data)) != lf.checksums[e]:
                     raise StoreError(
                         f"{path}: checksum mismatch for layer {layer} expert {e} at offset {e * lf.stride} "
                         f"({lf.record_nbytes} bytes): crc32 {got:08x}, index says {lf.checksums[e]:08x}"
@@ -340,8 +314,6 @@ class ExpertStore:
 
 def config_model_id(model_dir: Path) -> str | None:
     """The model id from `model_dir/config.json`, or None when there is no readable config there."""
-    from qnpipe.model.args import read_config
-
     if not (Path(model_dir) / "config.json").is_file():
         return None
     try:

@@ -18,6 +18,11 @@ TENSOR_ALIGN = 64
 INDEX_FILE = "index.json"
 
 
+def aligned_len(nbytes: int, align: int = ALIGN) -> int:
+    """`nbytes` rounded up to a multiple of `align`."""
+    return -(-nbytes // align) * align
+
+
 class TensorSlot(msgspec.Struct, frozen=True, kw_only=True):
     """One tensor of an expert record: `name` like "gate_proj.weight"; `shape` is per expert."""
 
@@ -34,6 +39,11 @@ class Quant(msgspec.Struct, frozen=True, kw_only=True):
     bits: int
     group_size: int
     mode: str = "affine"
+
+    def shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(packed weight, scales = biases) shapes of a float weight of `shape` quantized this way."""
+        # The one home of the packing rule: `bits`-bit values, 32 / bits of them per uint32 along the input dim.
+        return (*shape[:-1], shape[-1] * self.bits // 32), (*shape[:-1], shape[-1] // self.group_size)
 
 
 class LayerFile(msgspec.Struct, frozen=True, kw_only=True):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ MODEL_TYPE = "qwen3_next"
 
 
 class ModelArgs(msgspec.Struct, frozen=True, kw_only=True):
-    """Shape and numerics of one Qwen3-Next model (qwen3-next.md §1)."""
+    """Shape and numerics of one Qwen3-Next model (docs/model.md, "Configuration")."""
 
     model_type: str
     hidden_size: int
@@ -61,12 +63,12 @@ class ModelArgs(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def expert_dims(self) -> dict[str, tuple[int, int]]:
         """(out, in) of each routed-expert projection: gate/up [I, H], down [H, I]."""
-        H, I = self.hidden_size, self.moe_intermediate_size
-        return {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+        hidden, inter = self.hidden_size, self.moe_intermediate_size
+        return {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
-        return tuple(l for l in range(self.num_hidden_layers) if self.is_moe(l))
+        return tuple(layer for layer in range(self.num_hidden_layers) if self.is_moe(layer))
 
 
 _FIELDS = set(ModelArgs.__struct_fields__)
@@ -150,7 +152,7 @@ def _check_ranges(args: ModelArgs, source: str) -> None:
             raise bad(key, "a positive finite number")
     if not 0 < args.partial_rotary_factor <= 1:
         raise bad("partial_rotary_factor", "in (0, 1]")
-    bad_layers = [l for l in args.mlp_only_layers if not 0 <= l < args.num_hidden_layers]
+    bad_layers = [layer for layer in args.mlp_only_layers if not 0 <= layer < args.num_hidden_layers]
     if bad_layers:
         raise CheckpointError(f"{source}: mlp_only_layers has {bad_layers[0]}, not a layer of "
                               f"0..{args.num_hidden_layers - 1}")
@@ -176,3 +178,25 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return raw
+
+
+# ModelArgs fields that decide the shape of some tensor; their sha256 is the store's model id.
+SHAPE_KEYS = (
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "intermediate_size", "vocab_size", "full_attention_interval",
+    "decoder_sparse_step", "mlp_only_layers", "tie_word_embeddings",
+)
+
+
+def model_id(config: ModelArgs | Mapping[str, Any]) -> str:
+    """sha256 (hex) of the model's shape keys (`SHAPE_KEYS`), from ModelArgs or a config.json dict.
+
+    Two checkpoints of the same architecture and size share it; a store built for a model of
+    another shape does not.
+    """
+    args = config if isinstance(config, ModelArgs) else args_from_dict(dict(config))
+    keys = {k: getattr(args, k) for k in SHAPE_KEYS}
+    keys["mlp_only_layers"] = sorted(keys["mlp_only_layers"])
+    return hashlib.sha256(json.dumps(keys, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

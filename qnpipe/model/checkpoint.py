@@ -1,6 +1,6 @@
 """Reading Qwen3-Next checkpoints: safetensors headers, shard indexes, and the two layouts.
 
-Layouts (qwen3-next.md §4): original Hugging Face (per-expert tensors, zero-centred norms,
+Layouts (docs/model.md, "Checkpoint layouts"): original Hugging Face (per-expert tensors, zero-centred norms,
 conv1d `[C, 1, K]`, `mtp.*`) and mlx-lm converted (stacked `switch_mlp`, norms stored as
 `1 + w`, conv1d `[C, K, 1]`, optionally affine-quantized). `to_mlx_names` turns the first
 into the second exactly as mlx-lm's `sanitize` does, keeping `mtp.*` aside.
@@ -21,23 +21,15 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
+from qnpipe.dtypes import ST_DTYPE_BYTES, ST_NUMPY
 from qnpipe.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
-_DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}
-# safetensors dtype -> numpy storage dtype (bfloat16 travels as its uint16 bits).
-ST_NUMPY = {
-    "BOOL": "|b1", "U8": "|u1", "I8": "|i1", "I16": "<i2", "U16": "<u2", "F16": "<f2", "BF16": "<u2",
-    "I32": "<i4", "U32": "<u4", "F32": "<f4", "I64": "<i8", "U64": "<u8", "F64": "<f8",
-}
-_NORM_SUFFIXES = (
+NORM_SUFFIXES = (
     ".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
     ".q_norm.weight", ".k_norm.weight",
 )
-_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class Layout(enum.StrEnum):
@@ -93,12 +85,12 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from None
-        if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
+        if not isinstance(dtype, str) or dtype not in ST_DTYPE_BYTES:
             raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         if not all(type(v) is int and v >= 0 for v in (*shape, lo, hi)) or lo > hi:
             raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name!r} "
                                   f"(shape {info['shape']!r}, data_offsets {info['data_offsets']!r})")
-        nbytes = _DTYPE_BYTES[dtype]
+        nbytes = ST_DTYPE_BYTES[dtype]
         for d in shape:
             nbytes *= d
         if hi - lo != nbytes:
@@ -173,7 +165,7 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
 
 
 def detect_layout(infos: dict[str, TensorInfo], model_dir: Path) -> Layout:
-    if any(_HF_EXPERT.match(n) for n in infos):
+    if any(HF_EXPERT.match(n) for n in infos):
         return Layout.HF
     if any(".mlp.switch_mlp." in n for n in infos):
         return Layout.MLX
@@ -183,12 +175,19 @@ def detect_layout(infos: dict[str, TensorInfo], model_dir: Path) -> Layout:
     )
 
 
+def load_safetensors(path: str | os.PathLike[str]) -> dict[str, mx.array]:
+    """Every tensor of one safetensors file (``mx.load``, typed for that format)."""
+    out = mx.load(os.fspath(path))
+    assert isinstance(out, dict)  # mx.load returns a dict for a .safetensors file
+    return out
+
+
 def load_tensors(infos: dict[str, TensorInfo]) -> dict[str, mx.array]:
     """Load every tensor (headers already validated), naming the file on failure."""
     out: dict[str, mx.array] = {}
     for f in sorted({i.file for i in infos.values()}):
         try:
-            out.update(mx.load(str(f)))
+            out.update(load_safetensors(f))
         except Exception as e:  # mlx raises bare RuntimeError/ValueError for corrupt files
             raise CheckpointError(f"{f}: cannot load safetensors data ({e})") from None
     return out
@@ -203,13 +202,13 @@ def to_mlx_names(
     w = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
     if tie_word_embeddings:
         w.pop("lm_head.weight", None)
-    for l in moe_layers:
-        prefix = f"model.layers.{l}.mlp"
+    for layer in moe_layers:
+        prefix = f"model.layers.{layer}.mlp"
         for proj in ("up_proj", "down_proj", "gate_proj"):
             names = [f"{prefix}.experts.{e}.{proj}.weight" for e in range(num_experts)]
             missing = [n for n in names if n not in w]
             if missing:
-                raise CheckpointError(f"missing tensor {missing[0]} (layer {l} has {num_experts} experts)")
+                raise CheckpointError(f"missing tensor {missing[0]} (layer {layer} has {num_experts} experts)")
             shapes = {w[n].shape for n in names}
             if len(shapes) != 1:
                 bad = next(n for n in names if w[n].shape != w[names[0]].shape)
@@ -218,12 +217,18 @@ def to_mlx_names(
                     f"expected {list(w[names[0]].shape)} like expert 0"
                 )
             w[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([w.pop(n) for n in names])
-    stray = [k for k in w if _HF_EXPERT.match(k)]
+    stray = [k for k in w if HF_EXPERT.match(k)]
     if stray:
         raise CheckpointError(f"{where[stray[0]].file}: unexpected tensor {stray[0]} (expert id out of range?)")
     for k, v in w.items():
-        if "conv1d.weight" in k and v.shape[-1] != 1:
-            w[k] = v.moveaxis(2, 1)
-        if any(k.endswith(s) for s in _NORM_SUFFIXES) and v.ndim == 1:
-            w[k] = v + 1.0
+        w[k] = sanitize_tensor(k, v)
     return w, mtp
+
+
+def sanitize_tensor(name: str, a: mx.array) -> mx.array:
+    """mlx-lm's per-tensor sanitize of an HF tensor: conv1d `[C, 1, K]` -> `[C, K, 1]`, norms `w` -> `1 + w`."""
+    if "conv1d.weight" in name and a.shape[-1] != 1:
+        a = a.moveaxis(2, 1)
+    if any(name.endswith(s) for s in NORM_SUFFIXES) and a.ndim == 1:
+        a = a + 1.0
+    return a

@@ -70,7 +70,7 @@ def decode(model: Model, cache: list[Any], first_logits: mx.array, sampler: Samp
         nxt = step(y) if n + 1 < max_tokens else None
         if nxt is not None:
             mx.async_eval(nxt)
-        tok = int(y.item())
+        tok = int(y.item())  # pyright: ignore[reportArgumentType]
         yield tok
         if nxt is None:
             break

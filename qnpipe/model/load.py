@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import mlx.core as mx
@@ -11,16 +11,22 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from qnpipe.errors import CheckpointError
-from qnpipe.model.args import ModelArgs, args_from_dict, read_config
+from qnpipe.io.store import ExpertStore, as_mx
+from qnpipe.io.store_format import Quant
+from qnpipe.model.args import ModelArgs, args_from_dict, model_id, read_config
 from qnpipe.model.checkpoint import (
-    Layout, TensorInfo, detect_layout, is_qnpipe_dir, load_tensors, read_header, scan, to_mlx_names,
+    Layout,
+    TensorInfo,
+    detect_layout,
+    is_qnpipe_dir,
+    load_tensors,
+    read_header,
+    scan,
+    to_mlx_names,
 )
 from qnpipe.model.experts import PROJS, LayerExperts, ProjWeights, ResidentExperts
 from qnpipe.model.qwen3_next import Model
 from qnpipe.validate import check_topk_override
-
-if TYPE_CHECKING:
-    from qnpipe.io.store import ExpertStore
 
 
 @attrs.define
@@ -57,13 +63,13 @@ def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any
     E = args.num_experts
     dims = args.expert_dims
     layers: dict[int, LayerExperts] = {}
-    for l in args.moe_layers:
+    for layer in args.moe_layers:
         projs = {}
         for proj in PROJS:
-            path = f"model.layers.{l}.mlp.switch_mlp.{proj}"
+            path = f"model.layers.{layer}.mlp.switch_mlp.{proj}"
             name = f"{path}.weight"
             if name not in w:
-                raise CheckpointError(f"missing tensor {name} (MoE layer {l})")
+                raise CheckpointError(f"missing tensor {name} (MoE layer {layer})")
             weight = w.pop(name)
             scales = w.pop(f"{path}.scales", None)
             biases = w.pop(f"{path}.biases", None)
@@ -79,8 +85,7 @@ def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any
             if scales is None:
                 raise CheckpointError(f"{file}: missing tensor {path}.scales (config says {path} is quantized)")
             gs, bits = q["group_size"], q["bits"]
-            want_w = (E, out_d, in_d * bits // 32)
-            want_s = (E, out_d, in_d // gs)
+            want_w, want_s = Quant(bits=bits, group_size=gs).shapes((E, out_d, in_d))
             for n, arr, want in ((name, weight, want_w), (f"{path}.scales", scales, want_s),
                                  (f"{path}.biases", biases, want_s)):
                 if arr is None:
@@ -93,7 +98,7 @@ def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any
                         f"({bits}-bit, group size {gs})"
                     )
             projs[proj] = ProjWeights(weight, scales, biases, gs, bits, q["mode"])
-        layers[l] = LayerExperts(**projs)
+        layers[layer] = LayerExperts(**projs)
     return ResidentExperts(layers)
 
 
@@ -103,7 +108,6 @@ def open_store(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None) ->
     Raises StoreError for a store of another model or one whose index disagrees with it
     (`store_check.check_against_model`, the check verify-store makes too).
     """
-    from qnpipe.io.store import ExpertStore, model_id
     from qnpipe.io.store_check import check_against_model
 
     store = ExpertStore.open(store_dir, expected_model_id=model_id(args))
@@ -123,13 +127,11 @@ def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None
     verify-store makes too). With `verify`, every record's crc32 is checked as its layer is
     read: StoreError names the layer, expert, file and offset of the first bad record.
     """
-    from qnpipe.io.store import as_mx
-
     with open_store(args, store_dir, qcfg) as store:
         layers: dict[int, LayerExperts] = {}
-        for l in args.moe_layers:
-            lf = store.layer_file(l)
-            arrays = store.read_layer(l, verify=verify)
+        for layer in args.moe_layers:
+            lf = store.layer_file(layer)
+            arrays = store.read_layer(layer, verify=verify)
             dtypes = {t.name: t.dtype for t in lf.tensors}
             projs = {}
             for proj in PROJS:
@@ -140,7 +142,7 @@ def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None
                     continue
                 scales, biases = (as_mx(arrays[f"{proj}.{n}"], dtypes[f"{proj}.{n}"]) for n in ("scales", "biases"))
                 projs[proj] = ProjWeights(w, scales, biases, q.group_size, q.bits, q.mode)
-            layers[l] = LayerExperts(**projs)
+            layers[layer] = LayerExperts(**projs)
             del arrays
     return ResidentExperts(layers)
 
@@ -151,7 +153,7 @@ def _quantize_skeleton(model: Model, qcfg: dict[str, Any], w: dict[str, mx.array
             return qcfg[path]
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in w:
             return False
-        in_dims = module.weight.shape[-1]
+        in_dims = module["weight"].shape[-1]
         q = quant_params(path, None, tuple(w[f"{path}.scales"].shape), tuple(w[f"{path}.weight"].shape), in_dims)
         assert q is not None
         return q

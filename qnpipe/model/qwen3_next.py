@@ -75,7 +75,7 @@ class Attention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """Linear attention with a causal depthwise conv and a gated delta-rule state (§2.5)."""
+    """Linear attention with a causal depthwise conv and a gated delta-rule state (docs/model.md, "Forward pass")."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -99,7 +99,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, args.hidden_size, bias=False)
 
     def _split(self, qkvz: mx.array, ba: mx.array) -> tuple[mx.array, ...]:
-        # Both projections are grouped by key head (§2.5a).
+        # Both projections are grouped by key head (docs/model.md, "Forward pass").
         nk, dk, nv, dv = self.n_k, self.d_k, self.n_v, self.d_v
         qkvz = qkvz.reshape(*qkvz.shape[:-1], nk, -1)
         ba = ba.reshape(*ba.shape[:-1], nk, -1)
@@ -132,7 +132,7 @@ class GatedDeltaNet(nn.Module):
             for t, h, d in zip(
                 mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
                 [self.n_k, self.n_k, self.n_v],
-                [self.d_k, self.d_k, self.d_v],
+                [self.d_k, self.d_k, self.d_v], strict=True,
             )
         ]
         state = cache[1] if cache else None
@@ -235,7 +235,7 @@ class Qwen3NextModel(nn.Module):
         if cache is None:
             cache = [None] * len(self.layers)
         fa_mask, ssm_mask = self.masks(h, cache)
-        for layer, c in zip(self.layers, cache):
+        for layer, c in zip(self.layers, cache, strict=True):
             h = layer(h, ssm_mask if layer.is_linear else fa_mask, c)
         return self.norm(h)
 

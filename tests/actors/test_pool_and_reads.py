@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from qnpipe.config import Config
+from qnpipe.config import Config, with_overrides
 from qnpipe.engine import open_pipeline
 from qnpipe.errors import ReadError
 from qnpipe.messages import Acquire, Granted, Release
@@ -43,7 +43,7 @@ class FakeDevice:
 
 
 def _cfg(workers: int = 8, batch: bool = True) -> Config:
-    return Config().replace(**{"read.workers": workers, "read.batch_miss_read": batch})
+    return with_overrides(Config(), {"read.workers": workers, "read.batch_miss_read": batch})
 
 
 async def _acquire(fwd, step: int, layer: int, experts: tuple[int, ...], part: int = 0) -> Granted:
@@ -136,6 +136,7 @@ def test_read_error_reaches_the_forward_and_stops_the_actors() -> None:
         async with open_pipeline(_cfg(), None, num_experts=8, capacities={0: 4}, device=dev,
                                  record_nbytes={0: 100}) as p:
             fwd = p.forward
+            assert fwd.to_pool is not None and fwd.grants is not None
             await _acquire(fwd, 1, 0, (1, 2))
             await _release(fwd, 1, 0)
             await fwd.to_pool.send(Acquire(t=0.0, seq=0, step=2, layer=0, part=0, experts=(3,)))

@@ -16,12 +16,12 @@ import pytest
 
 import qnpipe
 import qnpipe.convert as cv
-from qnpipe.outdir import TMP_TAG
 from qnpipe.cli import main
 from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
 from qnpipe.io.store import ExpertStore, as_mx
-from qnpipe.model.checkpoint import Layout
+from qnpipe.model.checkpoint import Layout, load_safetensors
 from qnpipe.model.load import load_model
+from qnpipe.outdir import TMP_TAG
 
 PROMPT = [5, 17, 300, 42, 9, 77, 1000, 3, 64, 128]
 
@@ -38,7 +38,7 @@ def _logits(model_dir: Path) -> np.ndarray:
 def _weights(d: Path, pattern: str = "model*.safetensors") -> dict[str, mx.array]:
     out: dict[str, mx.array] = {}
     for f in sorted(d.glob(pattern)):
-        out.update(mx.load(str(f)))
+        out.update(load_safetensors(f))
     return out
 
 
@@ -66,14 +66,12 @@ def _assert_same_as_mlx(qn: Path, ref: Path) -> None:
 # --------------------------------------------------------------------------- round trips
 
 
-def test_hf_float_round_trip_from_shards(tmp_path: Path, tiny_hf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hf_float_round_trip_from_shards(tmp_path: Path, tiny_hf: Path) -> None:
     from qnpipe.tiny import make_tiny
-
-    monkeypatch.setattr(cv, "ROW_BLOCK_BYTES", 20_000)  # large matrices go through in row blocks
 
     src = make_tiny(tmp_path / "hf3", layout="hf", seed=0, shards=3)  # same weights as tiny_hf, 3 shards
     out = tmp_path / "qn"
-    report = cv.convert(src, out, mtp_bits=0)
+    report = cv.convert(src, out, mtp_bits=0, row_block_bytes=20_000)  # large matrices go through in row blocks
     assert report.source_layout == "hf" and report.quantization is None and report.mtp
     hf = load_model(src)
     with ExpertStore.open(out) as store:
@@ -86,7 +84,7 @@ def test_hf_float_round_trip_from_shards(tmp_path: Path, tiny_hf: Path, monkeypa
                     proj = getattr(hf.experts.layers[layer], name.split(".")[0])
                     assert np.array_equal(view, np.array(proj.weight[e])), (layer, e, name)
     # the MTP head, float, stays as in the HF shards (names, zero-centred norms, values)
-    mtp = mx.load(str(out / "mtp.safetensors"))
+    mtp = load_safetensors(out / "mtp.safetensors")
     assert set(mtp) == set(hf.mtp_weights)
     assert all(np.array_equal(np.array(mtp[k]), np.array(v)) for k, v in hf.mtp_weights.items())
     loaded = load_model(out)
@@ -95,21 +93,19 @@ def test_hf_float_round_trip_from_shards(tmp_path: Path, tiny_hf: Path, monkeypa
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_hf_quantized_equals_mlx_lm_convert(tmp_path: Path, tiny_hf: Path, bits: int, request,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hf_quantized_equals_mlx_lm_convert(tmp_path: Path, tiny_hf: Path, bits: int, request) -> None:
     ref = request.getfixturevalue(f"tiny_mlx{bits}")  # mlx_lm.convert -q --q-bits bits of the same source
-    if bits == 4:
-        monkeypatch.setattr(cv, "ROW_BLOCK_BYTES", 20_000)  # row blocks quantize exactly like the whole matrix
-        monkeypatch.setattr(cv, "CHUNK_BYTES", 100_000)  # experts in several chunks per layer
+    # At 4 bits: row blocks quantize exactly like the whole matrix; experts go in several chunks per layer.
+    row_block, chunk = (20_000, 100_000) if bits == 4 else (cv.ROW_BLOCK_BYTES, cv.CHUNK_BYTES)
     out = tmp_path / "qn"
-    report = cv.convert(tiny_hf, out, bits=bits, dtype="bfloat16")
+    report = cv.convert(tiny_hf, out, bits=bits, dtype="bfloat16", row_block_bytes=row_block, chunk_bytes=chunk)
     assert report.quantization == {"bits": bits, "group_size": 64, "mode": "affine"}
     _assert_same_as_mlx(out, ref)
     # the MTP head is quantized the same way at --mtp-bits (default 4), router and shared gate at 8
-    mtp = mx.load(str(out / "mtp.safetensors"))
-    src = mx.load(str(tiny_hf / "model.safetensors"))
+    mtp = load_safetensors(out / "mtp.safetensors")
+    src = load_safetensors(tiny_hf / "model.safetensors")
     fc = mx.quantize(src["mtp.fc.weight"].astype(mx.bfloat16), 64, 4)
-    assert all(np.array_equal(_bits(a), _bits(mtp[f"mtp.fc.{n}"])) for a, n in zip(fc, ("weight", "scales", "biases")))
+    assert all(np.array_equal(_bits(a), _bits(mtp[f"mtp.fc.{n}"])) for a, n in zip(fc, ("weight", "scales", "biases"), strict=True))
     assert mtp["mtp.layers.0.mlp.gate.weight"].shape == (64, 128 * 8 // 32)
     assert np.array_equal(_bits(mtp["mtp.norm.weight"]), _bits(src["mtp.norm.weight"].astype(mx.bfloat16)))
     section = json.loads((out / "config.json").read_text())["qnpipe"]
@@ -119,12 +115,10 @@ def test_hf_quantized_equals_mlx_lm_convert(tmp_path: Path, tiny_hf: Path, bits:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_mlx_source_round_trip_is_bit_identical(tmp_path: Path, tiny_hf: Path, bits: int, request,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mlx_source_round_trip_is_bit_identical(tmp_path: Path, tiny_hf: Path, bits: int, request) -> None:
     src = request.getfixturevalue(f"tiny_mlx{bits}")
-    monkeypatch.setattr(cv, "MAX_SHARD_BYTES", 300_000)  # also exercise sharded non-expert weights
     out = tmp_path / "qn"
-    report = cv.convert(src, out, mtp_from=tiny_hf)
+    report = cv.convert(src, out, mtp_from=tiny_hf, max_shard_bytes=300_000)  # also sharded non-expert weights
     assert report.source_layout == "mlx" and report.mtp and report.dtype == "bfloat16"
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
     _assert_same_as_mlx(out, src)
@@ -259,6 +253,8 @@ def _start_and_signal(src: Path, out: Path, sig: int) -> int:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -283,7 +279,7 @@ def test_sigkill_leaves_only_the_temp_dir_and_the_next_convert_removes_it(tmp_pa
     with ExpertStore.open(out) as store:
         buf = store.read_record(3, 7, verify=True)
         w = as_mx(store.record_tensors(3, buf)["up_proj.weight"], "uint32")
-        assert np.array_equal(np.array(w), np.array(mx.load(str(tiny_mlx4 / "model.safetensors"))[
+        assert np.array_equal(np.array(w), np.array(load_safetensors(tiny_mlx4 / "model.safetensors")[
             "model.layers.3.mlp.switch_mlp.up_proj.weight"][7]))
 
 

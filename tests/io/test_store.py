@@ -14,9 +14,9 @@ import pytest
 
 from qnpipe.cli import main
 from qnpipe.errors import StoreError
-from qnpipe.io.store import ExpertStore, model_id, read_index
+from qnpipe.io.store import ExpertStore, read_index
 from qnpipe.io.store_format import ALIGN, TENSOR_ALIGN, StoreIndex
-from qnpipe.model.args import read_config
+from qnpipe.model.args import model_id, read_config
 from qnpipe.model.load import load_model
 from qnpipe.verify import verify_store
 

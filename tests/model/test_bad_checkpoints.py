@@ -10,6 +10,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from qnpipe.errors import CheckpointError
+from qnpipe.model.checkpoint import load_safetensors
 from qnpipe.model.load import load_model
 
 
@@ -139,7 +140,7 @@ def test_quantized_expert_shape_mismatch_names_bits(tmp_path: Path, tiny_mlx4: P
     d = tmp_path / "q"
     shutil.copytree(tiny_mlx4, d)
     f = _weights_file(d)
-    w = dict(mx.load(str(f)))
+    w = dict(load_safetensors(f))
     name = "model.layers.2.mlp.switch_mlp.down_proj.biases"
     w[name] = w[name][:, :-1]
     mx.save_safetensors(str(f), w, metadata={"format": "mlx"})

@@ -47,9 +47,9 @@ def test_bf16_hf_checkpoint_loads_mlx_lm_weights_exactly(tmp_path: Path, monkeyp
     for name, arr in ours.items():
         assert arr.dtype == ref_p[name].dtype, name
         assert mx.array_equal(arr, ref_p[name]).item(), name
-    for l, le in lm.experts.layers.items():
+    for layer, le in lm.experts.layers.items():
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            want = ref_p[f"model.layers.{l}.mlp.switch_mlp.{proj}.weight"]
+            want = ref_p[f"model.layers.{layer}.mlp.switch_mlp.{proj}.weight"]
             assert mx.array_equal(getattr(le, proj).weight, want).item()
     assert set(ours) | {k for k in ref_p if ".switch_mlp." in k} == set(ref_p)
 

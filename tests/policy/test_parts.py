@@ -41,7 +41,7 @@ def test_parts_cover_tokens_and_fit(route: tuple[np.ndarray, int]) -> None:
         assert list(experts) == sorted(set(experts))
         assert set(experts) == {int(e) for e in ids[lo:hi].ravel()}  # exactly its tokens' experts
     # greedy: the next token would not have fitted in the part before it
-    for (lo, hi, experts), _ in zip(parts, parts[1:], strict=False):
+    for (_lo, hi, experts), _ in zip(parts, parts[1:], strict=False):
         assert len(set(experts) | {int(e) for e in ids[hi]}) > capacity
     # one part when the whole union fits
     if len(np.unique(ids)) <= capacity:

@@ -27,7 +27,7 @@ class PoolMachine(RuleBasedStateMachine):
     @initialize(caps=st.tuples(st.integers(1, 5), st.integers(1, 5)),
                 kind=st.sampled_from([EvictPolicy.LRU, EvictPolicy.LFU, EvictPolicy.FIFO, EvictPolicy.LRFU]))
     def setup(self, caps: tuple[int, int], kind: EvictPolicy) -> None:
-        capacities = dict(zip(LAYERS, caps, strict=True))
+        capacities: dict[int, int] = dict(zip(LAYERS, caps, strict=True))
         self.policy = PoolPolicy.build(capacities, {layer: make_eviction(kind) for layer in LAYERS},
                                        {layer: 100 + layer for layer in LAYERS})
         self.step = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,6 +26,11 @@ READ_SETTINGS = [
     {"read.workers": 16, "read.backend": "python", "read.nocache": True, "read.batch_miss_read": False},
     {"read.workers": 1, "read.backend": "c" if c_extension_available() else "python", "read.nocache": True},
 ]
+
+def _opt(name: str, value: object) -> dict[str, Any]:
+    """One dotted config field as an Engine keyword (a name keywords cannot spell)."""
+    return {name: value}
+
 
 
 def _prompt(vocab: int, n: int = 14, seed: int = 1) -> list[int]:
@@ -76,7 +82,7 @@ def test_prefill_chunks_whose_union_exceeds_capacity_run_in_parts(streamed_model
         want = ref.logits(prompt)
         want_tokens = ref.generate(prompt, max_tokens=8, stop_at_eos=False).tokens
     for chunk in (0, 16):
-        with qnpipe.Engine(d, expert_slots=k, prefill_chunk_tokens=chunk, **{"diag.route_verify": True}) as eng:
+        with qnpipe.Engine(d, expert_slots=k, prefill_chunk_tokens=chunk, **_opt("diag.route_verify", True)) as eng:
             got = eng.logits(prompt)
             tokens = eng.generate(prompt, max_tokens=8, stop_at_eos=False).tokens
             st = eng.stats()
@@ -93,17 +99,17 @@ def test_capacity_below_top_k_is_a_config_error_naming_the_layer(streamed_models
     prof = tmp_path / "caps.json"
     prof.write_text('{"layer_caps": {"0": 8, "3": 2}}')
     with pytest.raises(qnpipe.config.ConfigError, match=r"caps.json: layer 3 gets 2 slots"):
-        qnpipe.Engine(d, **{"pool.capacity_profile_path": str(prof)})
+        qnpipe.Engine(d, **_opt("pool.capacity_profile_path", str(prof)))
     prof.write_text('{"caps": 1}')
     with pytest.raises(qnpipe.config.ConfigError, match="not a capacity profile"):
-        qnpipe.Engine(d, **{"pool.capacity_profile_path": str(prof)})
+        qnpipe.Engine(d, **_opt("pool.capacity_profile_path", str(prof)))
 
 
 def test_capacity_profile_sets_each_layer(streamed_models: dict[str, Path], tmp_path: Path) -> None:
     d = streamed_models["default-fp32"]
     prof = tmp_path / "caps.json"
     prof.write_text('{"layer_caps": {"0": 4, "1": 9, "7": 1000}}')
-    with qnpipe.Engine(d, expert_slots=6, **{"pool.capacity_profile_path": str(prof)}) as eng:
+    with qnpipe.Engine(d, expert_slots=6, **_opt("pool.capacity_profile_path", str(prof))) as eng:
         eng.generate([1, 2, 3], max_tokens=2)
         st = eng.stats()
     assert st.pool is not None

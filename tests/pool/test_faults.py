@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,6 +24,11 @@ from qnpipe.io.ssd import SsdReader
 from qnpipe.io.store import ExpertStore
 
 PROMPT = [5, 17, 300, 42, 9, 77, 11, 12, 13]
+
+def _opt(name: str, value: object) -> dict[str, Any]:
+    """One dotted config field as an Engine keyword (a name keywords cannot spell)."""
+    return {name: value}
+
 
 
 class SlowReader:
@@ -62,7 +68,7 @@ def test_slow_device_with_async_eval_pipelining_is_exact(reference) -> None:
     d, want_logits, want = reference
     reader = SlowReader(delay_s=0.004, workers=4, backend="python")
     with qnpipe.Engine(d, expert_slots=4, reader=reader, prefill_chunk_tokens=3,
-                       **{"diag.route_verify": True}) as eng:
+                       **_opt("diag.route_verify", True)) as eng:
         assert eng.generate(PROMPT, max_tokens=24, stop_at_eos=False).tokens == want
         assert np.array_equal(eng.logits(PROMPT), want_logits)
         st = eng.stats()
@@ -114,7 +120,7 @@ def test_corrupt_record_is_caught_on_a_streamed_read(reference, tmp_path: Path) 
             b = f.read(1)
             f.seek(off)
             f.write(bytes([b[0] ^ 0x40]))
-        with qnpipe.Engine(copy, expert_slots=64, **{"read.verify_crc32": True}) as eng, \
+        with qnpipe.Engine(copy, expert_slots=64, **_opt("read.verify_crc32", True)) as eng, \
                 pytest.raises(ReadError, match=rf"expert {expert} of layer {layer}: crc32 mismatch"):
             eng.generate(PROMPT, max_tokens=4, stop_at_eos=False)
 
@@ -152,3 +158,29 @@ def test_keyboard_interrupt_stops_the_sync_engine_and_leaves_it_exact(reference)
         reader.delay_s = 0.0
         assert eng.generate(PROMPT, max_tokens=24, stop_at_eos=False).tokens == want
     assert _threads() <= before
+
+
+def test_verify_hit_bytes_catches_a_slot_that_no_longer_matches_disk(reference, tmp_path: Path) -> None:
+    d, _, want = reference
+    copy = tmp_path / "m"
+    shutil.copytree(d, copy)
+    with qnpipe.Engine(copy, expert_slots=64, **_opt("read.verify_hit_bytes", True)) as eng:
+        assert eng.generate(PROMPT, max_tokens=6, stop_at_eos=False).tokens == want[:6]  # every grant compared
+        # The disk changes under a resident expert: the next grant of it must notice.
+        with ExpertStore.open(copy) as store:
+            lf = store.layer_file(store.layers[0])
+        path = copy / "experts" / lf.file
+        data = bytearray(path.read_bytes())
+        for e in range(lf.num_experts):
+            data[e * lf.stride] ^= 0xFF
+        path.write_bytes(bytes(data))
+        with pytest.raises(qnpipe.errors.RouteError, match=rf"layer {store.layers[0]}: slot \d+ should hold expert"):
+            eng.generate(PROMPT, max_tokens=2, stop_at_eos=False)
+
+
+def test_moe_topk_override_changes_the_router_and_warns(reference) -> None:
+    d, want_logits, _ = reference
+    with pytest.warns(UserWarning, match="moe_topk_override=2: every router picks 2 experts instead of 4"), \
+            qnpipe.Engine(d, expert_slots=8, **_opt("forward.moe_topk_override", 2)) as eng:
+        got = eng.logits(PROMPT)
+    assert not np.array_equal(got, want_logits)

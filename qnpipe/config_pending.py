@@ -1,0 +1,58 @@
+"""Config fields whose feature does not exist yet, each with the feature's name (data only).
+
+``qnpipe.config`` warns once per process (``NotImplementedConfigWarning``) when one of these
+is set away from its default, so ``Engine(d, mtp=True)`` says that MTP is not there yet
+instead of ignoring it. Whoever wires a field removes its entry here; tests/test_config_consumers.py
+fails while a field has neither a consumer in the code nor an entry, or has both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# The feature names, shared so that one feature's warnings read the same.
+STREAMING_POOL = "the streaming expert pool (issue 9)"
+AUTOPIN = "autopin (persisted routing heat) of the streaming expert pool"
+SIDE_REGION = "the pool's side region (speculative slots)"
+PREFETCH = "routing prediction and prefetch (predictor, read_scheduler)"
+PREFIX = "prefix snapshots"
+MTP = "MTP self-speculative decoding"
+KV_QUANT = "KV-cache quantization"
+PROBES = "the diagnostic probes (recorder's event log)"
+TRACE = "the routing log and event log (recorder)"
+MEMORY = "MLX memory limits (the engine does not set them yet)"
+LOADER_PATHS = "the loader (it reads <model_dir>/config.json and <model_dir>/mtp.safetensors)"
+CHAT_TOOLS = "tool filtering of the chat template"
+
+NOT_YET_IMPLEMENTED: Mapping[str, str] = {
+    # -- later features
+    "model.config_path": LOADER_PATHS,
+    "model.mtp_weights_path": LOADER_PATHS,
+    "model.hidden_variant": MTP,
+    "memory.mlx_wired_limit_gb": MEMORY,
+    "pool.autopin": AUTOPIN,
+    "pool.autopin_usage_file": AUTOPIN,
+    "pool.autopin_save_every_forwards": AUTOPIN,
+    "pool.autopin_budget_frac": AUTOPIN,
+    "pool.side_region_slots": SIDE_REGION,
+    "pool.side_region_zerocopy": SIDE_REGION,
+    "pool.side_region_lfu": SIDE_REGION,
+    "read.window_layers": PREFETCH,
+    "read.bg_budget_experts": PREFETCH,
+    "read.prefetch_budget_experts": PREFETCH,
+    **{f"predict.{f}": PREFETCH for f in (
+        "cross_layer_prefetch", "ahead_layers", "candidate_mult", "width_experts", "cutoff_layer",
+        "ahead_lo_layers", "ahead_hi_layers", "use_moe_input", "aggregate", "union_k",
+        "file_global_budget_experts", "stage_global_budget_experts", "min_score", "per_layer_budget_experts")},
+    "prefix.snapshot_head_tokens": PREFIX,
+    "prefix.max_entries": PREFIX,
+    "chat.tools_allow": CHAT_TOOLS,
+    **{f"mtp.{f}": MTP for f in (
+        "enabled", "verify_mode", "hidden", "num_draft_tokens", "adaptive_depth", "conf_tau", "depth_max",
+        "adaptive_rescue", "tree_top2", "tree_top2_p1", "tree_verify", "tree_branches")},
+    **{f"kv.{f}": KV_QUANT for f in ("quantize", "k_bits", "v_bits", "group_size", "rotate", "rot_seed")},
+    **{f"diag.{f}": PROBES for f in (
+        "window_prof", "stream_prof", "prefetch_tprof", "predict_recall_prof", "miss_attrib", "union_prof",
+        "accept_topk")},
+    **{f"trace.{f}": TRACE for f in ("route_trace", "route_trace_path", "route_trace_layers", "event_log_path")},
+}

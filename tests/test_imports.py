@@ -1,0 +1,94 @@
+"""Import rules: no module takes another module's _private names, and the layering of style.md §7.1.
+
+Layering: qnpipe/policy/, qnpipe/messages.py, qnpipe/ids.py and the config modules import
+neither trio nor mlx nor qnpipe.io; qnpipe/model/ never imports trio. Both checks read the
+source (every import statement, including those inside functions), so they hold for modules
+that do not exist yet the moment they are added.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "qnpipe"
+# The C extension is a private module by name only (the Python fallback stands beside it).
+PRIVATE_OK = {"qnpipe._preadx"}
+
+PURE = ("qnpipe/policy/", "qnpipe/messages.py", "qnpipe/ids.py", "qnpipe/config.py", "qnpipe/config_tree.py",
+        "qnpipe/config_aliases.py", "qnpipe/config_pending.py")
+RULES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(PURE, ("trio", "mlx", "qnpipe.io")),
+    "qnpipe/model/": ("trio",),
+}
+
+
+def _imports(tree: ast.AST) -> list[tuple[int, str, list[str]]]:
+    """(line, module, imported names) for each import; `import a.b` gives names []."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module, [a.name for a in node.names]))
+    return out
+
+
+def private_imports(rel: str, text: str) -> list[str]:
+    """Each `from qnpipe.x import _y` (or `import qnpipe._x`) in one module's source."""
+    hits = []
+    for line, module, names in _imports(ast.parse(text)):
+        if not module.startswith("qnpipe"):
+            continue
+        full = [f"{module}.{n}" for n in names] or [module]
+        for f in full:
+            if f not in PRIVATE_OK and any(part.startswith("_") and not part.startswith("__")
+                                           for part in f.split(".")):
+                hits.append(f"{rel}:{line}: {f}")
+    return hits
+
+
+def layering_violations(rel: str, text: str) -> list[str]:
+    """Each import of `rel` that its layer forbids (RULES)."""
+    banned = [b for prefix, bs in RULES.items() if rel.startswith(prefix) or rel == prefix for b in bs]
+    hits = []
+    for line, module, _ in _imports(ast.parse(text)):
+        for b in banned:
+            if module == b or module.startswith(b + "."):
+                hits.append(f"{rel}:{line}: imports {module} (forbidden here: {b})")
+    return hits
+
+
+def _sources(*dirs: str) -> dict[str, str]:
+    return {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8")
+            for d in dirs for p in sorted((ROOT / d).rglob("*.py"))}
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    hits = [h for rel, text in _sources("qnpipe", "tools").items() for h in private_imports(rel, text)]
+    assert not hits, "give these a public name:\n" + "\n".join(hits)
+
+
+def test_layering() -> None:
+    sources = _sources("qnpipe")
+    hits = [h for rel, text in sources.items() for h in layering_violations(rel, text)]
+    assert not hits, "\n".join(hits)
+    assert any(rel.startswith("qnpipe/model/") for rel in sources)  # the rules saw the real tree
+
+
+def test_the_checks_catch_violations() -> None:
+    bad = "from qnpipe.io.safetensors_out import _Job, write_safetensors\nimport qnpipe._hidden\nimport qnpipe.config\n"
+    assert private_imports("qnpipe/x.py", bad) == [
+        "qnpipe/x.py:1: qnpipe.io.safetensors_out._Job", "qnpipe/x.py:2: qnpipe._hidden"]
+    assert private_imports("qnpipe/x.py", "from qnpipe import _preadx\n") == []
+    policy = "import trio\n\ndef f():\n    import mlx.core as mx\n    from qnpipe.io.store import ExpertStore\n"
+    assert layering_violations("qnpipe/policy/eviction.py", policy) == [
+        "qnpipe/policy/eviction.py:1: imports trio (forbidden here: trio)",
+        "qnpipe/policy/eviction.py:4: imports mlx.core (forbidden here: mlx)",
+        "qnpipe/policy/eviction.py:5: imports qnpipe.io.store (forbidden here: qnpipe.io)",
+    ]
+    assert layering_violations("qnpipe/model/pool_view.py", "import trio\nimport mlx.core\n") == [
+        "qnpipe/model/pool_view.py:1: imports trio (forbidden here: trio)"]
+    assert layering_violations("qnpipe/messages.py", "import msgspec\nimport trio_typing\n") == []
+    assert layering_violations("qnpipe/actors/pool.py", "import trio\nimport mlx.core\n") == []
