@@ -55,6 +55,17 @@ What is measured (every figure is a median over `--rounds`):
   (this also contains what the streamed decode loses by not queueing the next step
   before reading the token, see qnpipe.decoding). `overhead_frac_allhit_direct` is
   (wall - mlx) / wall of the allhit run.
+* `read_batches_per_token`: `read_batch` calls per token (read scheduler `batches`); equal to
+  `reads_per_token` means every miss went to the device on its own (one trio task and one
+  `trio.to_thread` hand-off each), not as one batch per layer.
+* `pipeline_alone_us_per_layer_step`: the forward, pool and read-scheduler actors with no
+  model and no disk (a backend that routes uniformly at random at once, a device that
+  completes reads at once; `demand_to_thread` passes each read batch through
+  `trio.to_thread` as the live device does): their own wall and process-CPU time per
+  layer-step, the best of 3 runs of 200 steps. Actor messaging and bookkeeping, isolated.
+* On a shared machine the step times drift between runs: every round runs the engines back
+  to back in alternating order (ABC, CBA, ...), ratios are formed per round, then the median;
+  `loadavg_start_end` records the load.
 * `ratio_demand_to_serial_bound` = tok_s_demand / tok_s_serial_bound (target >= 0.9);
   `overhead_frac` target < 0.05.
 
@@ -266,6 +277,83 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
     return out
 
 
+# ---------------------------------------------------------------------------- the pipeline alone
+
+
+class _FakeBackend:
+    """Answers at once: the next layer's route (uniform random top-k), StepDone after the last."""
+
+    def __init__(self, layers: int, experts: int, k: int, seed: int) -> None:
+        from qnpipe.model.stepper import LayerRoute, StepDone
+
+        self._route, self._done = LayerRoute, StepDone
+        self.layers, self.experts, self.k = layers, experts, k
+        self.rng = np.random.default_rng(seed)
+        self.i = 0
+
+    def route(self) -> Any:
+        return self._route(self.i, self.rng.choice(self.experts, self.k, replace=False).reshape(1, self.k))
+
+    async def begin(self, inputs: Any, cache: Any, tail: Any) -> Any:
+        self.i = 0
+        return self.route()
+
+    async def resume(self, grant: Any) -> Any:
+        self.i += 1
+        return self._done(None) if self.i == self.layers else self.route()
+
+    async def abort(self) -> None:
+        pass
+
+
+class _FakeDevice:
+    """Completes every read at once; `hop`: through `trio.to_thread` first, as StoreDevice does."""
+
+    def __init__(self, nbytes: int, hop: bool) -> None:
+        self.nbytes, self.hop = nbytes, hop
+
+    async def read(self, jobs: Any) -> list[int]:
+        import trio
+
+        if self.hop:
+            await trio.to_thread.run_sync(lambda: None)
+        else:
+            await trio.lowlevel.checkpoint()
+        return [self.nbytes] * len(jobs)
+
+    def statistics(self) -> None:
+        return None
+
+
+def bench_pipeline(layers: int, experts: int, k: int, capacity: int, nbytes: int, workers: int, *, hop: bool,
+                   steps: int = 200) -> dict[str, float]:
+    """The forward + pool + read-scheduler actors (qnpipe.engine.open_pipeline) with no model and no
+    disk: their own time per layer-step (wall and process CPU), after `steps // 4` warm-up steps."""
+    import trio
+
+    from qnpipe import config as config_mod
+    from qnpipe.engine import open_pipeline
+
+    cfg = config_mod.with_overrides(config_mod.Config(), {"read.workers": workers})
+
+    async def run() -> dict[str, float]:
+        be = _FakeBackend(layers, experts, k, seed=0)
+        caps = dict.fromkeys(range(layers), capacity)
+        async with open_pipeline(cfg, be, num_experts=experts, capacities=caps, device=_FakeDevice(nbytes, hop),
+                                 record_nbytes=dict.fromkeys(range(layers), nbytes)) as p:
+            for _ in range(steps // 4):
+                await p.forward.run(None, None, None)
+            r0 = p.read_stats.reads
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                await p.forward.run(None, None, None)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            n = steps * layers
+            return {"wall_us": wall / n * 1e6, "cpu_us": cpu / n * 1e6, "misses": (p.read_stats.reads - r0) / n}
+
+    return trio.run(run)
+
+
 # ---------------------------------------------------------------------------- bandwidth
 
 
@@ -428,6 +516,14 @@ def main(argv: list[str] | None = None) -> int:
                 + ("" if same else "  (tokens differ between engines!)"))
         if prof is not None:
             _dump_profiles(prof, args.profile)
+        # The actors alone (same shape, uniform random routes), while the engines idle.
+        pipe = {}
+        for name, cap, hop in (("allhit", num_experts, False), ("demand", slots, False),
+                               ("demand_to_thread", slots, True)):
+            pipe[name] = min((bench_pipeline(len(layers), num_experts, k, cap, record_nbytes, args.workers, hop=hop)
+                              for _ in range(3)), key=lambda x: x["cpu_us"])
+            log(f"pipeline alone, {name}: {pipe[name]['wall_us']:.0f} us wall, {pipe[name]['cpu_us']:.0f} us cpu "
+                f"per layer-step ({pipe[name]['misses']:.2f} misses)")
         final_pool = engines["demand"].stats().pool
     finally:
         for e in engines.values():
@@ -490,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
             name: {key: rnd(m(name, key) * 1e3, 3) for key in ("wall", "mlx", "hop", "device", "overhead")
                    + (("stall",) if name != "resident" else ())}
             for name in runs},
+        "pipeline_alone_us_per_layer_step": {
+            name: {key: rnd(v, 2) for key, v in x.items()} for name, x in pipe.items()},
         "allhit_misses_per_token": rnd(m("allhit", "misses"), 3) if "allhit" in runs else None,
         "step_s_raw": {name: [rnd(x["step_s"], 5) for x in runs[name]] for name in runs},
         "bandwidth_gbps_raw": [rnd(b["gbps"]) for b in bw],
