@@ -1,0 +1,28 @@
+"""Smoke run of tools/bench_stream.py on a 2-layer model: it runs and prints its JSON line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_stream.py"
+
+
+@pytest.mark.slow
+def test_bench_stream_smoke(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--shape", "smoke", "--work", str(tmp_path), "--rounds", "1", "--tokens", "4",
+         "--bw-seconds", "0.1", "--warmup-prompt", "64", "--workers", "4"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("tok_s_resident", "tok_s_demand", "tok_s_serial_bound", "ratio_demand_to_serial_bound",
+                "misses_per_token", "overhead_frac", "overhead_frac_allhit", "bandwidth_gbps"):
+        assert key in out, key
+    assert out["store_to_pool"] >= 4
+    assert out["allhit_misses_per_token"] == 0
+    assert out["misses_per_token"] > 0
