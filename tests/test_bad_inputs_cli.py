@@ -223,6 +223,7 @@ def test_closed_pipe_exits_quietly(tiny_hf: Path) -> None:
         assert p.stdout is not None and p.stderr is not None
         p.stdout.close()  # before the first byte is written
         err = p.stderr.read().decode()
+        p.stderr.close()
         assert p.wait(timeout=60) == 141, err
         assert "Traceback" not in err and "BrokenPipe" not in err, err
 

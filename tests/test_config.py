@@ -200,18 +200,17 @@ def test_replaced_legacy_name_in_toml_and_overrides(tmp_path: Path) -> None:
 
 def test_a_field_without_its_feature_warns_once_naming_both() -> None:
     with pytest.warns(NotImplementedConfigWarning) as record:
-        assert load(env={"MOE_TOPK_OVERRIDE": "4"}).forward.moe_topk_override == 4
+        assert load(env={"MTP_CONF_TAU": "0.5"}).mtp.conf_tau == 0.5
     assert [str(w.message) for w in record] == [
-        "forward.moe_topk_override=4 has no effect yet: the router top-k override of the forward actor "
-        "is not implemented (docs/config.md)"]
+        "mtp.conf_tau=0.5 has no effect yet: MTP self-speculative decoding is not implemented (docs/config.md)"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load(env={"MOE_TOPK_OVERRIDE": "5"})  # once per process
+        load(env={"MTP_CONF_TAU": "0.6"})  # once per process
         config._warned_names.clear()
-        load(env={"MOE_TOPK_OVERRIDE": ""})  # the default: nothing to warn about
-        load(overrides={"forward.prefill_chunk_tokens": 0})  # a field with a consumer
-    with pytest.warns(NotImplementedConfigWarning, match=r"pool\.expert_slots=32 .*streaming expert pool") as record:
-        with_overrides(Config(), mtp=False, expert_slots=32)
+        load(env={"MTP_CONF_TAU": "0.3"})  # the default: nothing to warn about
+        load(overrides={"pool.expert_slots": 8})  # a field with a consumer
+    with pytest.warns(NotImplementedConfigWarning, match=r"pool\.side_region_slots=8 .*side region") as record:
+        with_overrides(Config(), expert_slots=32, side_region_slots=8)
     assert record[0].filename == __file__  # the caller's line, not qnpipe's
 
 

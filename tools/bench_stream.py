@@ -229,6 +229,10 @@ def patch_item() -> None:
     decoding._item = _item  # looked up as a global at each call
 
 
+def _no_tail(h: Any) -> None:
+    """The fake backend's steps end in nothing."""
+
+
 def pool_figures(eng: Any) -> dict[str, float]:
     p = eng.stats().pool
     if p is None:
@@ -341,12 +345,13 @@ def bench_pipeline(layers: int, experts: int, k: int, capacity: int, nbytes: int
         caps = dict.fromkeys(range(layers), capacity)
         async with open_pipeline(cfg, be, num_experts=experts, capacities=caps, device=_FakeDevice(nbytes, hop),
                                  record_nbytes=dict.fromkeys(range(layers), nbytes)) as p:
+            assert p.read_stats is not None
             for _ in range(steps // 4):
-                await p.forward.run(None, None, None)
+                await p.forward.run(None, None, _no_tail)
             r0 = p.read_stats.reads
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
-                await p.forward.run(None, None, None)
+                await p.forward.run(None, None, _no_tail)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             n = steps * layers
             return {"wall_us": wall / n * 1e6, "cpu_us": cpu / n * 1e6, "misses": (p.read_stats.reads - r0) / n}
@@ -358,7 +363,7 @@ def bench_pipeline(layers: int, experts: int, k: int, capacity: int, nbytes: int
 
 
 def bench_bandwidth(model_dir: Path, qd: int, seconds: float, seed: int, *, nocache: bool = True,
-                    backend: str = "c", submitters: int = 2) -> dict[str, float]:
+                    backend: str = "c", submitters: int = 2) -> dict[str, Any]:
     """Cold random reads of the store's records, `qd` workers, fresh (layer, expert) draws per batch."""
     from qnpipe.io.reader import ReadRequest, alloc_aligned
     from qnpipe.io.ssd import SsdReader
@@ -479,7 +484,9 @@ def main(argv: list[str] | None = None) -> int:
                        stop_at_eos=False)
             log(f"warm-up {name}: {time.perf_counter() - t0:.1f} s")
         if "allhit" in engines:
-            occ = [la.occupancy for la in engines["allhit"].stats().pool.layers]
+            allhit_pool = engines["allhit"].stats().pool
+            assert allhit_pool is not None
+            occ = [la.occupancy for la in allhit_pool.layers]
             log(f"all-hit pool occupancy after warm-up: min {min(occ)} of {num_experts}")
         # The depth the demand run really keeps in flight: its misses per layer-step.
         probe = run_call(engines["demand"], inst["demand"], [3], args.tokens, seed=2)
@@ -525,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"pipeline alone, {name}: {pipe[name]['wall_us']:.0f} us wall, {pipe[name]['cpu_us']:.0f} us cpu "
                 f"per layer-step ({pipe[name]['misses']:.2f} misses)")
         final_pool = engines["demand"].stats().pool
+        assert final_pool is not None
     finally:
         for e in engines.values():
             e.close()

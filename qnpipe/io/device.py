@@ -40,11 +40,16 @@ class StoreDevice:
         self._reader = reader
         self._dest = dest
         self._verify = verify_crc32
+        # A slot's scatter list never changes (its scratch parts are only ever written), so build it once.
+        self._bufs: dict[tuple[int, int], tuple[WritableBuffer, ...]] = {}
 
     def request(self, job: Job) -> ReadRequest:
         lf = self._store.layer_file(job.layer)
         path, offset, nbytes = self._store.record_location(job.layer, job.expert)
-        buf = scatter_buffers(lf.tensors, nbytes, self._dest(job.layer, job.slot))
+        buf = self._bufs.get((job.layer, job.slot))
+        if buf is None:
+            buf = self._bufs[(job.layer, job.slot)] = scatter_buffers(lf.tensors, nbytes,
+                                                                      self._dest(job.layer, job.slot))
         return ReadRequest(path=str(path), offset=offset, nbytes=nbytes, buf=buf, layer=job.layer,
                            expert=job.expert, crc32=lf.checksums[job.expert] if self._verify else None)
 

@@ -150,18 +150,25 @@ class SlotTable:
             (hits if self.state[s] is SlotState.READY else waiting).append((e, s))
         for e in experts:
             self.held[e] = self.held.get(e, 0) + 1
-        loads = tuple(self._load(e) for e in missing)
+        candidates: list[int] | None = None  # built once per acquire, on the first eviction
+        loads = []
+        for e in missing:
+            if not self._free and candidates is None:
+                candidates = [c for c, s in self.slot_of.items() if self.state[s] is SlotState.READY
+                              and c not in self.held and c not in self.pinned]
+            loads.append(self._load(e, candidates))
+        loads = tuple(loads)
         return AcquirePlan(tuple(hits), loads, tuple(waiting))
 
-    def _load(self, expert: int) -> Load:
+    def _load(self, expert: int, candidates: list[int] | None) -> Load:
         evicted = FREE
         if self._free:
             slot = self._free.pop()
         else:
-            candidates = [e for e, s in self.slot_of.items()
-                          if self.state[s] is SlotState.READY and e not in self.held and e not in self.pinned]
             # acquire() checked room, so a candidate exists; an empty list is a table bug.
+            assert candidates, f"layer {self.layer}: no evictable slot"
             evicted = self.eviction.victim(candidates)
+            candidates.remove(evicted)
             slot = self.slot_of.pop(evicted)
             self.eviction.removed(evicted)
         cause = MissCause.CAPACITY if expert in self.seen else MissCause.COLD
