@@ -272,10 +272,13 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
     async def check_bytes(layer: int, experts: tuple[int, ...], slots: tuple[int, ...]) -> None:
         await trio.to_thread.run_sync(compare_slots_with_disk, st, layer, experts, slots)
 
-    async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=st.capacities,
-                             device=device, record_nbytes=nbytes,
-                             check_bytes=check_bytes if core.cfg.read.verify_hit_bytes else None) as p:
-        yield p
+    try:
+        async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=st.capacities,
+                                 device=device, record_nbytes=nbytes,
+                                 check_bytes=check_bytes if core.cfg.read.verify_hit_bytes else None) as p:
+            yield p
+    finally:
+        device.close()
 
 
 __all__ = ["CapacityError", "Core", "Pipeline", "Streaming", "build_core", "layer_capacities", "open_pipeline",

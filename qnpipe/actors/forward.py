@@ -77,7 +77,7 @@ class Forward:
                 ev = await self._layer(ev)
             assert isinstance(ev, StepDone), ev
             if self.to_pool is not None:
-                await self.to_pool.send(ForwardDone(**self._st.stamp(), step=self._step))
+                await _deliver(self.to_pool, ForwardDone(**self._st.stamp(), step=self._step))
         except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             await self._cleanup()
             self._raise_failure()
@@ -105,8 +105,8 @@ class Forward:
         for p, (lo, hi, experts) in enumerate(parts):
             key = (self._step, layer, p)
             t0 = trio.current_time()
-            # A send that raises Cancelled did not deliver (trio's rule), so `_open` follows delivery.
-            await self.to_pool.send(Acquire(**self._st.stamp(), step=key[0], layer=layer, part=p, experts=experts))
+            await _deliver(self.to_pool, Acquire(**self._st.stamp(), step=key[0], layer=layer, part=p,
+                                                 experts=experts))
             self._open = key
             g = await self._grant(key)
             self.stats.hits += g.hits
@@ -125,8 +125,7 @@ class Forward:
                               token_slots=tuple(slots.reshape(-1).tolist()))
             else:
                 rel = Release(**self._st.stamp(), step=key[0], layer=layer, part=p)
-            with trio.CancelScope(shield=True):  # must-deliver: the pool holds the slots until it
-                await self.to_pool.send(rel)
+            await _deliver(self.to_pool, rel)
             self._open = None
         assert ev is not None
         return ev
@@ -155,3 +154,16 @@ class Forward:
     def _raise_failure(self) -> None:
         if self.failure:
             raise self.failure[0]
+
+
+async def _deliver(tx: trio.MemorySendChannel[PoolInbox], msg: PoolInbox) -> None:
+    """Send a must-deliver message: at once when there is room (no checkpoint), else wait, shielded.
+
+    Either way it is delivered or the channel is broken: a cancellation never drops it
+    halfway, so what the forward believes it holds is what the pool believes it granted.
+    """
+    try:
+        tx.send_nowait(msg)
+    except trio.WouldBlock:
+        with trio.CancelScope(shield=True):
+            await tx.send(msg)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import trio
 
-from qnpipe.actors.stamp import Stamper
+from qnpipe.actors.stamp import Stamper, drain
 from qnpipe.messages import Acquire, ForwardDone, Granted, PoolInbox, ReadDone, ReadExpert, Release
 from qnpipe.policy.pool import Grant, PoolPolicy
 from qnpipe.policy.slot_table import Load
@@ -29,9 +29,12 @@ async def pool(
     async def grant(g: Grant) -> None:
         step, layer, part = g.key
         now = trio.current_time()
-        await to_forward.send(Granted(**st.stamp(), step=step, layer=layer, part=part, experts=g.experts,
-                                      slots=tuple(g.slots), generations=tuple(g.generations), hits=g.hits,
-                                      misses=g.misses, waited_s=now - g.asked_t))
+        msg = Granted(**st.stamp(), step=step, layer=layer, part=part, experts=g.experts, slots=tuple(g.slots),
+                      generations=tuple(g.generations), hits=g.hits, misses=g.misses, waited_s=now - g.asked_t)
+        try:
+            to_forward.send_nowait(msg)
+        except trio.WouldBlock:
+            await to_forward.send(msg)
 
     async def read(layer: int, loads: list[Load]) -> None:
         # All of a step's misses reach the scheduler before it runs, so they go out as one batch.
@@ -42,21 +45,27 @@ async def pool(
             except trio.WouldBlock:
                 await to_reads.send(req)
 
+    async def handle(msg: PoolInbox) -> None:
+        match msg:
+            case Acquire(step=step, layer=layer, part=part, experts=experts):
+                loads, ready = policy.acquire((step, layer, part), experts, msg.t)
+                await read(layer, loads)
+                if ready is not None:
+                    await grant(ready)
+            case ReadDone(layer=layer, expert=expert, slot=slot):
+                loads, grants = policy.read_done(layer, expert, slot)
+                await read(layer, loads)
+                for g in grants:
+                    await grant(g)
+            case Release(step=step, layer=layer, part=part):
+                policy.release((step, layer, part), msg.token_experts, msg.token_slots)
+            case ForwardDone():
+                policy.forward_done()
+
     async with inbox, to_reads, to_forward:
         task_status.started()
-        async for msg in inbox:
-            match msg:
-                case Acquire(step=step, layer=layer, part=part, experts=experts):
-                    loads, ready = policy.acquire((step, layer, part), experts, msg.t)
-                    await read(layer, loads)
-                    if ready is not None:
-                        await grant(ready)
-                case ReadDone(layer=layer, expert=expert, slot=slot):
-                    loads, grants = policy.read_done(layer, expert, slot)
-                    await read(layer, loads)
-                    for g in grants:
-                        await grant(g)
-                case Release(step=step, layer=layer, part=part):
-                    policy.release((step, layer, part), msg.token_experts, msg.token_slots)
-                case ForwardDone():
-                    policy.forward_done()
+        async for first in inbox:
+            # Whatever else is already waiting is handled in the same turn: one wake-up, not one per message.
+            for msg in drain(inbox, first):
+                await handle(msg)
+

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import attrs
 import trio
 
-from qnpipe.actors.stamp import Stamper
+from qnpipe.actors.stamp import Stamper, drain
 from qnpipe.io.device import ExpertDevice
 from qnpipe.messages import PoolInbox, ReadDone, ReadExpert
 from qnpipe.policy.read_queue import Job, ReadQueue
@@ -54,8 +54,12 @@ async def read_scheduler(
             queue.done(job)
             stats.reads += 1
             stats.bytes_read += n
-            await to_pool.send(ReadDone(**st.stamp(), layer=job.layer, expert=job.expert, slot=job.slot, nbytes=n,
-                                        issued_t=issued.pop(job.key), started_t=started))
+            done = ReadDone(**st.stamp(), layer=job.layer, expert=job.expert, slot=job.slot, nbytes=n,
+                            issued_t=issued.pop(job.key), started_t=started)
+            try:  # the channel's bound is proven (engine.open_pipeline): this rarely waits
+                to_pool.send_nowait(done)
+            except trio.WouldBlock:
+                await to_pool.send(done)
         dispatch()
 
     async with inbox, to_pool, trio.open_nursery() as nursery:
@@ -68,13 +72,7 @@ async def read_scheduler(
         task_status.started()
         async for first in inbox:
             # Take everything already waiting, so one step's misses are one batch on the device.
-            batch = [first]
-            while True:
-                try:
-                    batch.append(inbox.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
-            for msg in batch:
+            for msg in drain(inbox, first):
                 stats.requests += 1
                 job = Job(msg.layer, msg.expert, msg.slot, msg.cls)
                 if queue.push(job):

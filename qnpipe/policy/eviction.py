@@ -40,6 +40,9 @@ class Eviction(Protocol):
         ...
 
 
+_TICK_BITS = 48  # ticks count accesses of one layer: 2^48 outlasts any run
+
+
 @attrs.define(slots=True)
 class LRU:
     """Least recently used."""
@@ -95,25 +98,30 @@ class LFU:
     decay_interval: int = 0
     count: dict[int, int] = attrs.field(factory=dict)
     last: dict[int, int] = attrs.field(factory=dict)
+    # (count, last) packed in one int, so the victim search is a plain min over a dict lookup.
+    key: dict[int, int] = attrs.field(factory=dict)
     forwards: int = 0
 
     def inserted(self, expert: int, tick: int) -> None:
         self.accessed(expert, tick)
 
     def accessed(self, expert: int, tick: int) -> None:
-        self.count[expert] = self.count.get(expert, 0) + 1
+        c = self.count[expert] = self.count.get(expert, 0) + 1
         self.last[expert] = tick
+        self.key[expert] = (c << _TICK_BITS) | tick
 
     def removed(self, expert: int) -> None:
         del self.last[expert]
+        del self.key[expert]
 
     def victim(self, candidates: Iterable[int]) -> int:
-        return min(candidates, key=lambda e: (self.count[e], self.last[e]))
+        return min(candidates, key=self.key.__getitem__)
 
     def forward_done(self) -> None:
         self.forwards += 1
         if self.decay_interval and self.forwards % self.decay_interval == 0:
             self.count = {e: c >> 1 for e, c in self.count.items() if c > 1 or e in self.last}
+            self.key = {e: (self.count.get(e, 0) << _TICK_BITS) | t for e, t in self.last.items()}
 
 
 @attrs.define(slots=True)
