@@ -109,12 +109,15 @@ class _Runtime:
             return self.totals
         fs = self.pipe.forward.stats
         rs = self.pipe.read_stats
+        ps = self.pipe.predictor_stats
         assert rs is not None
         counters = pol.counters
         hits = sum(c.hits for c in counters.values())
         misses = sum(c.misses for c in counters.values())
-        by_cause = {"cold": sum(c.cold for c in counters.values()),
-                    "capacity": sum(c.capacity for c in counters.values())}
+        by_cause: dict[str, int] = {}
+        for c in counters.values():
+            for kind, n in c.causes.items():
+                by_cause[str(kind)] = by_cause.get(str(kind), 0) + n
         st = self.core.streaming
         layers = tuple(LayerPoolStats(layer=layer, capacity=t.capacity, occupancy=t.occupancy,
                                       hits=counters[layer].hits, misses=counters[layer].misses,
@@ -126,7 +129,18 @@ class _Runtime:
                          device_s=rs.device_s, stall_s=fs.stall_s, steps=fs.steps, layer_steps=fs.layer_steps,
                          split_layer_steps=fs.split_layer_steps,
                          slot_bytes=sum(s.nbytes for s in st.slots.values()) if st is not None else 0,
-                         layers=layers)
+                         layers=layers, side_hits=sum(c.side_hits for c in counters.values()),
+                         prefetch_issued=pol.prefetches_issued, prefetch_done=pol.prefetches_done,
+                         prefetch_used=pol.prefetches_used, prefetch_expired=pol.prefetches_expired,
+                         useful_prefetch_ratio=pol.prefetches_used / pol.prefetches_issued
+                         if pol.prefetches_issued else 0.0,
+                         prefetch_recall=(sum(c.predicted_used for c in counters.values())
+                                          / max(1, sum(c.used for c in counters.values()))),
+                         wasted_bytes=pol.wasted_bytes,
+                         hints=ps.hints if ps is not None else 0,
+                         hints_dropped_full=ps.hints_dropped_full if ps is not None else 0,
+                         hints_dropped_budget=pol.hints_dropped_budget, candidates_dropped=fs.candidates_dropped,
+                         stall_s_by_layer=dict(fs.stall_by_layer))
         return msgspec.structs.replace(self.totals, expert_bytes_read=rs.bytes_read,
                                        expert_misses_by_cause=by_cause, pool=pool)
 

@@ -28,22 +28,25 @@ import trio
 
 from qnpipe.actors.forward import Forward
 from qnpipe.actors.pool import pool
+from qnpipe.actors.predictor import PredictorStats, predictor
 from qnpipe.actors.read_scheduler import ReadSchedulerStats, read_scheduler
-from qnpipe.config import Config, PoolCfg
+from qnpipe.config import Config, EvictPolicy, PoolCfg
 from qnpipe.errors import CapacityError, ConfigError, RouteError
 from qnpipe.io.device import ExpertDevice, StoreDevice
 from qnpipe.io.reader import ExpertReader
 from qnpipe.io.store import ExpertStore
-from qnpipe.messages import Granted, PoolInbox, ReadExpert
+from qnpipe.messages import Candidates, Granted, PoolInbox, ReadInbox
 from qnpipe.mlx_thread import MLXThread, run_on
 from qnpipe.model.args import ModelArgs
 from qnpipe.model.checkpoint import Layout
 from qnpipe.model.runner import Runner
 from qnpipe.model.slots import LayerSlots, make_layer_slots
-from qnpipe.model.stepper import Event, MlxBackend, PartGrant, Tail
+from qnpipe.model.stepper import Event, MlxBackend, PartGrant, PredictPlan, Tail
 from qnpipe.policy.eviction import make_eviction
-from qnpipe.policy.pool import PoolPolicy
+from qnpipe.policy.pool import PoolPolicy, PrefetchBudgets
+from qnpipe.policy.predict import predict_targets
 from qnpipe.policy.read_queue import ReadQueue
+from qnpipe.policy.slot_table import SlotTable
 
 
 @attrs.define
@@ -131,13 +134,19 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
     store = ExpertStore.open(cfg.model.expert_dir or model_dir)
     try:
         caps = layer_capacities(cfg, args)
-        slots = {layer: make_layer_slots(store.layer_file(layer), cap) for layer, cap in caps.items()}
+        side = side_slots(cfg)
+        # One stacked array per layer holds the resident slots and, after them, the side region.
+        slots = {layer: make_layer_slots(store.layer_file(layer), cap + side) for layer, cap in caps.items()}
         reader = reader if reader is not None else SsdReader.from_config(cfg.read)
     except BaseException:
         store.close()
         raise
     streaming = Streaming(store, reader, slots, caps)
-    backend = MlxBackend(runner.loaded.model, {layer: s.experts for layer, s in slots.items()})
+    plan = None
+    if cfg.predict.cross_layer_prefetch:
+        plan = PredictPlan(predict_targets(args.moe_layers, cfg.predict), cfg.predict.width_experts,
+                           cfg.predict.use_moe_input)
+    backend = MlxBackend(runner.loaded.model, {layer: s.experts for layer, s in slots.items()}, plan)
     return Core(cfg, runner, streaming, backend)
 
 
@@ -189,13 +198,29 @@ class Pipeline:
     policy: PoolPolicy | None = None
     read_stats: ReadSchedulerStats | None = None
     device: ExpertDevice | None = None
+    predictor_stats: PredictorStats | None = None
+
+
+def side_slots(cfg: Config) -> int:
+    """Side-region slots per layer: `pool.side_region_slots` when prefetch is on, else none (nothing lands there)."""
+    return cfg.pool.side_region_slots if cfg.predict.cross_layer_prefetch else 0
 
 
 def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int, int]) -> PoolPolicy:
     evictions = {layer: make_eviction(cfg.pool.evict_policy,
                                       lfu_decay_interval=cfg.pool.lfu_decay_interval_forwards)
                  for layer in capacities}
-    return PoolPolicy.build(capacities, evictions, record_nbytes)
+    policy = PoolPolicy.build(capacities, evictions, record_nbytes)
+    policy.predicting = cfg.predict.cross_layer_prefetch
+    if (side := side_slots(cfg)) > 0:
+        # The side region keeps its hot prefetched experts by LFU (side_region_lfu) or is cleared each step.
+        policy.sides = {layer: SlotTable(layer, side, make_eviction(EvictPolicy.LFU)) for layer in capacities}
+        policy.side_persistent = cfg.pool.side_region_lfu
+    policy.budgets = PrefetchBudgets(per_layer=cfg.predict.per_layer_budget_experts or 10**9,
+                                     global_reads=cfg.predict.file_global_budget_experts or 10**9,
+                                     global_unused=cfg.predict.stage_global_budget_experts or 10**9,
+                                     per_hint=cfg.read.prefetch_budget_experts, window_layers=cfg.read.window_layers)
+    return policy
 
 
 def _root_cause(e: BaseException) -> BaseException:
@@ -224,11 +249,16 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
     # Every outstanding read holds a distinct (layer, slot), so no edge carries more than
     # `total` messages (+ the forward's Acquire/Release/ForwardDone); bounds are proven, not hoped.
     pool_tx, pool_rx = trio.open_memory_channel[PoolInbox](total + 4)
-    read_tx, read_rx = trio.open_memory_channel[ReadExpert](total)
+    read_tx, read_rx = trio.open_memory_channel[ReadInbox](2 * total)  # a read and at most one promotion each
     grant_tx, grant_rx = trio.open_memory_channel[Granted](2)
     policy = make_policy(cfg, capacities, record_nbytes)
     rstats = ReadSchedulerStats()
+    pstats = PredictorStats()
+    predicting = cfg.predict.cross_layer_prefetch
+    # Advisory edge: one Candidates per (layer, target) of a step; a full inbox drops, never blocks.
+    cand_tx, cand_rx = trio.open_memory_channel[Candidates](4 * len(capacities) + 8)
     fwd = Forward(backend, pool_tx, grant_rx, capacities, num_experts, route_verify=cfg.diag.route_verify,
+                  to_predictor=cand_tx if predicting else None, moe_order=dict(policy.moe_order),
                   check_bytes=check_bytes)
     scopes: list[trio.CancelScope] = []
     async with trio.open_nursery() as nursery:
@@ -246,11 +276,16 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
                         sc.cancel()
 
         await nursery.start(supervised, partial(pool, pool_rx, read_tx, grant_tx, policy=policy))
+        if predicting:
+            await nursery.start(supervised, partial(predictor, cand_rx, pool_tx.clone(), predict_cfg=cfg.predict,
+                                                    top=cfg.predict.width_experts, stats=pstats))
         await nursery.start(supervised, partial(read_scheduler, read_rx, pool_tx.clone(), device=device,
-                                                queue=ReadQueue(cfg.read.workers, batch=cfg.read.batch_miss_read),
+                                                queue=ReadQueue(cfg.read.workers, batch=cfg.read.batch_miss_read,
+                                                                max_prefetch_in_flight=cfg.read.bg_budget_experts
+                                                                or None),
                                                 stats=rstats))
         try:
-            yield Pipeline(fwd, policy, rstats, device)
+            yield Pipeline(fwd, policy, rstats, device, pstats)
         finally:
             nursery.cancel_scope.cancel()
 

@@ -9,6 +9,8 @@ add a new one instead.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from qnpipe.policy.read_queue import ReadClass
@@ -73,12 +75,60 @@ class ForwardDone(Msg, frozen=True, kw_only=True, tag="pool.forward_done"):
 
 
 class ReadExpert(Msg, frozen=True, kw_only=True, tag="read.request"):
-    """Read expert `expert` of `layer` into `slot` of that layer's arrays."""
+    """Read expert `expert` of `layer` into `slot` of that layer's arrays.
+
+    A prefetch (`cls` PREFETCH) carries when the forward should need it (`deadline`, trio
+    clock seconds) and the predictor's `score`.
+    """
 
     layer: int
     expert: int
     slot: int
     cls: ReadClass = ReadClass.DEMAND
+    deadline: float = math.inf
+    score: float = 0.0
+
+
+class Promote(Msg, frozen=True, kw_only=True, tag="read.promote"):
+    """A step now waits on the prefetch of (`layer`, `expert`): read it as a demand read if still queued."""
+
+    layer: int
+    expert: int
+
+
+class ReadExpired(Msg, frozen=True, kw_only=True, tag="read.expired"):
+    """A prefetch of (`layer`, `expert`) into `slot` was not started: its deadline had passed."""
+
+    layer: int
+    expert: int
+    slot: int
+
+
+class Candidates(Msg, frozen=True, kw_only=True, tag="predict.candidates"):
+    """The forward's per-token top-`width` experts of `target`'s gate, computed at MoE layer `layer`.
+
+    `token_experts` / `token_scores` are token-major (`width` per token); `deadline` is when
+    the forward expects to reach `target`.
+    """
+
+    step: int
+    layer: int
+    target: int
+    width: int
+    token_experts: tuple[int, ...]
+    token_scores: tuple[float, ...]
+    deadline: float
+
+
+class PrefetchHint(Msg, frozen=True, kw_only=True, tag="predict.hint"):
+    """Advisory: read these experts of `layer` before `deadline`; best first, with their scores."""
+
+    step: int
+    source: int
+    layer: int
+    experts: tuple[int, ...]
+    scores: tuple[float, ...]
+    deadline: float
 
 
 class ReadDone(Msg, frozen=True, kw_only=True, tag="read.done"):
@@ -92,5 +142,6 @@ class ReadDone(Msg, frozen=True, kw_only=True, tag="read.done"):
     started_t: float
 
 
-PoolInbox = Acquire | Release | ForwardDone | ReadDone
-ReadInbox = ReadExpert
+PoolInbox = Acquire | Release | ForwardDone | ReadDone | ReadExpired | PrefetchHint
+ReadInbox = ReadExpert | Promote
+PredictorInbox = Candidates

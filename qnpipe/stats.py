@@ -39,6 +39,11 @@ class LayerPoolStats(msgspec.Struct, frozen=True, kw_only=True):
 class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     """The streaming pool since the engine opened.
 
+    With prediction on, `misses_by_cause` uses the causes of qnpipe.policy.pool.MissKind
+    (each miss exactly one); `prefetch_recall` = predicted and used / used,
+    `useful_prefetch_ratio` = prefetches used / issued, `wasted_bytes` = prefetched records
+    evicted or cleared unused.
+
     `misses` counts experts a step needed that were not resident (`misses_by_cause`:
     "cold" = first use in that layer, "capacity" = evicted earlier); `reads` the records
     read (merged duplicates read once); `stall_s` the time the forward waited for grants
@@ -61,6 +66,20 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     split_layer_steps: int = 0
     slot_bytes: int = 0
     layers: tuple[LayerPoolStats, ...] = ()
+    # -- prediction and prefetch (zero when predict.cross_layer_prefetch is off)
+    side_hits: int = 0
+    prefetch_issued: int = 0
+    prefetch_done: int = 0
+    prefetch_used: int = 0
+    prefetch_expired: int = 0
+    useful_prefetch_ratio: float = 0.0
+    prefetch_recall: float = 0.0
+    wasted_bytes: int = 0
+    hints: int = 0
+    hints_dropped_full: int = 0
+    hints_dropped_budget: int = 0
+    candidates_dropped: int = 0
+    stall_s_by_layer: dict[int, float] = msgspec.field(default_factory=dict)
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,7 +23,7 @@ import trio
 
 from qnpipe.actors.stamp import Stamper
 from qnpipe.errors import PipelineError
-from qnpipe.messages import Acquire, ForwardDone, Granted, PoolInbox, Release
+from qnpipe.messages import Acquire, Candidates, ForwardDone, Granted, PoolInbox, Release
 from qnpipe.model.stepper import Event, LayerRoute, PartGrant, StepDone, Tail
 from qnpipe.policy.parts import plan_parts
 
@@ -45,6 +45,8 @@ class ForwardStats:
     parts: int = 0
     split_layer_steps: int = 0  # layer-steps that needed more than one part
     stall_s: float = 0.0  # waiting for grants that had misses
+    stall_by_layer: dict[int, float] = attrs.field(factory=dict)
+    candidates_dropped: int = 0  # the predictor's inbox was full
     hits: int = 0
     misses: int = 0
 
@@ -61,6 +63,10 @@ class Forward:
     route_verify: bool = False
     # read.verify_hit_bytes: (layer, experts, slots) -> raises when a slot's bytes differ from disk
     check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None = None
+    to_predictor: trio.MemorySendChannel[Candidates] | None = None
+    moe_order: dict[int, int] = attrs.field(factory=dict)  # MoE layer -> its index (deadline estimates)
+    layer_step_s: float = 0.0  # running estimate of one MoE layer's time, for deadlines
+    _last_route_t: float | None = None
     failure: list[BaseException] = attrs.field(factory=list)  # set by the engine when an actor died
     stats: ForwardStats = attrs.field(factory=ForwardStats)
     _step: int = 0
@@ -71,6 +77,7 @@ class Forward:
         """Run one step; returns its tail's value. Raises the actor's error if the pipeline died."""
         self._raise_failure()
         self._step += 1
+        self._last_route_t = None
         try:
             ev = await self.backend.begin(inputs, cache, tail)
             while isinstance(ev, LayerRoute):
@@ -93,8 +100,28 @@ class Forward:
         with trio.CancelScope(shield=True):
             await self.backend.abort()
 
+    def _hint(self, route: LayerRoute) -> None:
+        now = trio.current_time()
+        if self._last_route_t is not None:
+            dt = now - self._last_route_t
+            self.layer_step_s = dt if not self.layer_step_s else 0.8 * self.layer_step_s + 0.2 * dt
+        self._last_route_t = now
+        if self.to_predictor is None:
+            return
+        here = self.moe_order.get(route.layer, 0)
+        for target, ids, probs in route.predictions:
+            deadline = now + (self.moe_order.get(target, here + 1) - here) * self.layer_step_s
+            c = Candidates(**self._st.stamp(), step=self._step, layer=route.layer, target=target,
+                           width=ids.shape[-1], token_experts=tuple(ids.reshape(-1).tolist()),
+                           token_scores=tuple(probs.reshape(-1).tolist()), deadline=deadline)
+            try:  # advisory: a busy predictor loses the hint, the forward never waits
+                self.to_predictor.send_nowait(c)
+            except trio.WouldBlock:
+                self.stats.candidates_dropped += 1
+
     async def _layer(self, route: LayerRoute) -> Event:
         assert self.to_pool is not None and self.grants is not None
+        self._hint(route)
         layer = route.layer
         parts = plan_parts(route.ids, self.capacities[layer], layer=layer)
         self.stats.layer_steps += 1
@@ -112,7 +139,9 @@ class Forward:
             self.stats.hits += g.hits
             self.stats.misses += g.misses
             if g.misses:
-                self.stats.stall_s += trio.current_time() - t0
+                waited = trio.current_time() - t0
+                self.stats.stall_s += waited
+                self.stats.stall_by_layer[layer] = self.stats.stall_by_layer.get(layer, 0.0) + waited
             if self.check_bytes is not None:
                 await self.check_bytes(layer, g.experts, g.slots)
             lut[list(g.experts)] = g.slots

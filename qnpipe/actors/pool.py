@@ -10,14 +10,27 @@ from __future__ import annotations
 import trio
 
 from qnpipe.actors.stamp import Stamper, drain
-from qnpipe.messages import Acquire, ForwardDone, Granted, PoolInbox, ReadDone, ReadExpert, Release
+from qnpipe.messages import (
+    Acquire,
+    ForwardDone,
+    Granted,
+    PoolInbox,
+    PrefetchHint,
+    Promote,
+    ReadDone,
+    ReadExpert,
+    ReadExpired,
+    ReadInbox,
+    Release,
+)
 from qnpipe.policy.pool import Grant, PoolPolicy
+from qnpipe.policy.read_queue import ReadClass
 from qnpipe.policy.slot_table import Load
 
 
 async def pool(
     inbox: trio.MemoryReceiveChannel[PoolInbox],
-    to_reads: trio.MemorySendChannel[ReadExpert],
+    to_reads: trio.MemorySendChannel[ReadInbox],
     to_forward: trio.MemorySendChannel[Granted],
     *,
     policy: PoolPolicy,
@@ -36,14 +49,18 @@ async def pool(
         except trio.WouldBlock:
             await to_forward.send(msg)
 
+    async def send(req: ReadInbox) -> None:
+        try:
+            to_reads.send_nowait(req)
+        except trio.WouldBlock:
+            await to_reads.send(req)
+
     async def read(layer: int, loads: list[Load]) -> None:
         # All of a step's misses reach the scheduler before it runs, so they go out as one batch.
         for ld in loads:
-            req = ReadExpert(**st.stamp(), layer=layer, expert=ld.expert, slot=ld.slot)
-            try:
-                to_reads.send_nowait(req)
-            except trio.WouldBlock:
-                await to_reads.send(req)
+            await send(ReadExpert(**st.stamp(), layer=layer, expert=ld.expert, slot=ld.slot))
+        for ly, e, _slot in policy.pop_promotions():  # a step now waits on these prefetches
+            await send(Promote(**st.stamp(), layer=ly, expert=e))
 
     async def handle(msg: PoolInbox) -> None:
         match msg:
@@ -61,6 +78,15 @@ async def pool(
                 policy.release((step, layer, part), msg.token_experts, msg.token_slots)
             case ForwardDone():
                 policy.forward_done()
+            case PrefetchHint(step=step, source=source, layer=layer, experts=experts, scores=scores,
+                              deadline=deadline):
+                for ld in policy.prefetch(step, source, layer, list(zip(experts, scores, strict=True))):
+                    await send(ReadExpert(**st.stamp(), layer=layer, expert=ld.expert, slot=ld.slot,
+                                          cls=ReadClass.PREFETCH, deadline=deadline,
+                                          score=scores[experts.index(ld.expert)]))
+            case ReadExpired(layer=layer, expert=expert, slot=slot):
+                if policy.read_expired(layer, expert, slot):
+                    await send(ReadExpert(**st.stamp(), layer=layer, expert=expert, slot=slot))
 
     async with inbox, to_reads, to_forward:
         task_status.started()

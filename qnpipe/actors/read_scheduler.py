@@ -15,7 +15,7 @@ import trio
 
 from qnpipe.actors.stamp import Stamper, drain
 from qnpipe.io.device import ExpertDevice
-from qnpipe.messages import PoolInbox, ReadDone, ReadExpert
+from qnpipe.messages import PoolInbox, Promote, ReadDone, ReadExpired, ReadInbox
 from qnpipe.policy.read_queue import Job, ReadQueue
 
 
@@ -30,10 +30,12 @@ class ReadSchedulerStats:
     bytes_read: int = 0
     device_s: float = 0.0
     peak_in_flight: int = 0
+    promoted: int = 0  # queued prefetches turned into demand reads
+    expired: int = 0  # prefetches not started: their deadline had passed
 
 
 async def read_scheduler(
-    inbox: trio.MemoryReceiveChannel[ReadExpert],
+    inbox: trio.MemoryReceiveChannel[ReadInbox],
     to_pool: trio.MemorySendChannel[PoolInbox],
     *,
     device: ExpertDevice,
@@ -65,16 +67,28 @@ async def read_scheduler(
     async with inbox, to_pool, trio.open_nursery() as nursery:
 
         def dispatch() -> None:
-            while jobs := queue.take():
+            now = trio.current_time()
+            while jobs := queue.take(now):
                 stats.peak_in_flight = max(stats.peak_in_flight, queue.peak_in_flight)
                 nursery.start_soon(run, jobs)
+            for job in queue.pop_expired():
+                stats.expired += 1
+                issued.pop(job.key, None)
+                msg = ReadExpired(**st.stamp(), layer=job.layer, expert=job.expert, slot=job.slot)
+                try:  # bounded like ReadDone: one message per outstanding read
+                    to_pool.send_nowait(msg)
+                except trio.WouldBlock:
+                    nursery.start_soon(to_pool.send, msg)
 
         task_status.started()
         async for first in inbox:
             # Take everything already waiting, so one step's misses are one batch on the device.
             for msg in drain(inbox, first):
+                if isinstance(msg, Promote):
+                    stats.promoted += queue.promote((msg.layer, msg.expert))
+                    continue
                 stats.requests += 1
-                job = Job(msg.layer, msg.expert, msg.slot, msg.cls)
+                job = Job(msg.layer, msg.expert, msg.slot, msg.cls, msg.deadline, msg.score)
                 if queue.push(job):
                     issued[job.key] = msg.t
                 else:

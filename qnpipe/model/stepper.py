@@ -29,10 +29,24 @@ from qnpipe.model.qwen3_next import Model, SparseMoeBlock
 
 @attrs.frozen
 class LayerRoute:
-    """MoE layer `layer` needs experts `ids [N, k]` (row = token of the step, router's order)."""
+    """MoE layer `layer` needs experts `ids [N, k]` (row = token of the step, router's order).
+
+    `predictions`: for each target layer the predictor looks at from here, the top experts
+    of that layer's gate applied to this layer's input, per token: (target, ids [N, W], probs [N, W]).
+    """
 
     layer: int
     ids: np.ndarray
+    predictions: tuple[tuple[int, np.ndarray, np.ndarray], ...] = ()
+
+
+@attrs.frozen
+class PredictPlan:
+    """What the forward computes for the predictor: target layers per MoE layer, top-`width` each."""
+
+    targets: dict[int, tuple[int, ...]]
+    width: int
+    use_moe_input: bool = True
 
 
 @attrs.frozen
@@ -62,7 +76,8 @@ Tail = Callable[[mx.array], Any]
 
 
 def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: mx.array,
-                  cache: list[Any]) -> Generator[LayerRoute | PartDone, PartGrant, mx.array]:
+                  cache: list[Any], plan: PredictPlan | None = None,
+                  ) -> Generator[LayerRoute | PartDone, PartGrant, mx.array]:
     """Post-final-norm hidden states `[B, L, H]` of `inputs [B, L]`, yielding at each MoE router.
 
     `slots` None: the experts attached to the model run in place (all resident, no yields).
@@ -78,12 +93,28 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
             continue
         x = layer.post_attention_layernorm(h)
         inds, scores = moe.route(x)
-        mx.eval(inds)
+        preds = _predict(m, plan, i, x, h) if plan is not None else []
+        mx.eval(inds, *[a for _, ids, p in preds for a in (ids, p)])  # one host sync for both
         k = inds.shape[-1]
-        grant = yield LayerRoute(i, np.array(inds).reshape(-1, k))
+        predictions = tuple((t, np.array(ids).reshape(-1, ids.shape[-1]),
+                             np.array(p.astype(mx.float32)).reshape(-1, p.shape[-1])) for t, ids, p in preds)
+        grant = yield LayerRoute(i, np.array(inds).reshape(-1, k), predictions)
         y = yield from _run_parts(slots[i], x, inds.shape, grant)
         h = h + moe.combine(x, y, scores)
     return m.norm(h)
+
+
+def _predict(m: Any, plan: PredictPlan, layer: int, x: mx.array, h: mx.array) -> list[tuple[int, mx.array, mx.array]]:
+    """Top-`width` experts of each target layer's gate on this layer's input (the router's own softmax)."""
+    out = []
+    for t in plan.targets.get(layer, ()):
+        target = m.layers[t]
+        xin = x if plan.use_moe_input else target.post_attention_layernorm(h)
+        probs = mx.softmax(target.mlp.gate(xin), axis=-1, precise=True)
+        w = min(plan.width, probs.shape[-1])
+        ids = mx.argpartition(probs, kth=-w, axis=-1)[..., -w:]
+        out.append((t, ids, mx.take_along_axis(probs, ids, axis=-1)))
+    return out
 
 
 def _run_parts(w: LayerExperts, x: mx.array, shape: tuple[int, ...],
@@ -106,16 +137,18 @@ def _run_parts(w: LayerExperts, x: mx.array, shape: tuple[int, ...],
 class MlxBackend:
     """One step at a time of `forward_steps`, driven from trio. MLX thread only."""
 
-    def __init__(self, model: Model, slots: dict[int, LayerExperts] | None) -> None:
+    def __init__(self, model: Model, slots: dict[int, LayerExperts] | None,
+                 plan: PredictPlan | None = None) -> None:
         self.model = model
         self.slots = slots
+        self.plan = plan
         self._gen: Generator[LayerRoute | PartDone, PartGrant, mx.array] | None = None
         self._tail: Tail | None = None
 
     def begin(self, inputs: Callable[[], mx.array], cache: list[Any], tail: Tail) -> Event:
         """Start a step on `inputs() [B, L]` (uint32, built here) and run it to its first yield."""
         self.abort()
-        self._gen = forward_steps(self.model, self.slots, inputs(), cache)
+        self._gen = forward_steps(self.model, self.slots, inputs(), cache, self.plan)
         self._tail = tail
         return self._advance(None)
 

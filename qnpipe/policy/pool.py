@@ -8,6 +8,7 @@ touches a clock: times come in as arguments.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -17,6 +18,41 @@ from qnpipe.policy.eviction import Eviction
 from qnpipe.policy.slot_table import Load, MissCause, SlotTable
 
 GrantKey = tuple[int, int, int]  # (step, layer, part)
+
+
+class MissKind(enum.StrEnum):
+    """The one cause of a miss (an expert a step needed that was not ready in memory).
+
+    Without prediction a miss is `cold` or `capacity`; with it, a non-cold miss is
+    `late` (predicted, its read still queued or in flight, or expired), `dropped`
+    (predicted, not read for a budget or no side slot), `evicted` (prefetched, evicted
+    before use) or `not_predicted`.
+    """
+
+    COLD = "cold"
+    CAPACITY = "capacity"
+    NOT_PREDICTED = "not_predicted"
+    LATE = "late"
+    DROPPED = "dropped"
+    EVICTED = "evicted"
+
+
+class HintFate(enum.IntEnum):
+    ISSUED = 0
+    DROPPED = 1
+    EVICTED = 2
+    EXPIRED = 3
+
+
+@attrs.define(slots=True)
+class PrefetchBudgets:
+    """Caps on speculation (0 or None = no cap where noted)."""
+
+    per_layer: int = 4  # prefetches issued per (step, target layer)
+    global_reads: int = 64  # prefetch reads issued and not finished, all layers
+    global_unused: int = 64  # prefetched experts in side regions not used yet, all layers
+    per_hint: int | None = None  # read.prefetch_budget_experts
+    window_layers: int = 0  # targets more than this many MoE layers ahead are dropped (0 = no limit)
 
 
 @attrs.define(slots=True)
@@ -31,15 +67,20 @@ class Grant:
     hits: int
     misses: int
     asked_t: float
+    side: frozenset[int] = frozenset()  # experts served from the side region
 
 
 @attrs.define(slots=True)
 class LayerCounters:
     hits: int = 0
+    side_hits: int = 0
     misses: int = 0
     cold: int = 0
     capacity: int = 0
     evictions: int = 0
+    causes: dict[MissKind, int] = attrs.field(factory=dict)
+    used: int = 0  # experts acquired (recall denominator)
+    predicted_used: int = 0  # ... of them among the predictor's candidates since the layer's last acquire
 
 
 @attrs.define
@@ -55,9 +96,35 @@ class PoolPolicy:
     counters: dict[int, LayerCounters] = attrs.field(init=False)
     reads: int = 0
     bytes_read: int = 0
+    # -- side region and prefetch (empty when the pool has no side region)
+    sides: dict[int, SlotTable] = attrs.field(factory=dict)
+    side_persistent: bool = True
+    predicting: bool = False
+    budgets: PrefetchBudgets = attrs.field(factory=PrefetchBudgets)
+    moe_order: dict[int, int] = attrs.field(factory=dict)  # layer -> its index among MoE layers
+    promotions: list[tuple[int, int, int]] = attrs.field(factory=list)  # (layer, expert, slot) now demanded
+    fates: dict[int, dict[int, HintFate]] = attrs.field(factory=dict)  # since the layer's last acquire
+    hinted: dict[int, set[int]] = attrs.field(factory=dict)
+    unused: dict[tuple[int, int], bool] = attrs.field(factory=dict)  # prefetched, not used yet
+    issued_per_step: dict[tuple[int, int], int] = attrs.field(factory=dict)
+    used_before: dict[int, set[int]] = attrs.field(factory=dict)
+    prefetch_reads_out: int = 0
+    prefetches_issued: int = 0
+    prefetches_done: int = 0
+    prefetches_used: int = 0
+    prefetches_expired: int = 0
+    hints_dropped_budget: int = 0
+    wasted_bytes: int = 0
 
     def __attrs_post_init__(self) -> None:
         self.counters = {layer: LayerCounters() for layer in self.tables}
+        self.moe_order = self.moe_order or {layer: i for i, layer in enumerate(sorted(self.tables))}
+
+    def _table_of(self, layer: int, slot: int) -> tuple[SlotTable, int]:
+        main = self.tables[layer]
+        if slot >= main.capacity:
+            return self.sides[layer], slot - main.capacity
+        return main, slot
 
     @classmethod
     def build(cls, capacities: Mapping[int, int], evictions: Mapping[int, Eviction],
@@ -73,32 +140,53 @@ class PoolPolicy:
         """
         if key in self.pending or key in self.held or key in self.deferred:
             raise AssertionError(f"grant {key} asked for twice")
-        table = self.tables[key[1]]
+        layer = key[1]
+        side = self.sides.get(layer)
+        if side is not None and any(e in side.slot_of for e in experts):
+            in_side = [e for e in experts if e in side.slot_of]
+            main_part = [e for e in experts if e not in side.slot_of]
+        else:
+            in_side, main_part = [], list(experts)
+        table = self.tables[layer]
         # Acquires still deferred at this layer keep their room: one made later must not take it,
         # or they could wait forever once the reads are done.
-        if len(experts) > (room := table.room_ever(experts, self.reserved(key[1]))):
+        if len(main_part) > (room := table.room_ever(main_part, self.reserved(layer))):
             raise CapacityError(
-                f"layer {key[1]}: a step needs {len(experts)} distinct experts, {room} of "
+                f"layer {layer}: a step needs {len(main_part)} distinct experts, {room} of "
                 f"{table.capacity} slots are usable (the rest are pinned, held or kept for waiting acquires)"
             )
-        if not table.can_acquire_now(experts):
+        if not table.can_acquire_now(main_part):
             self.deferred[key] = (tuple(experts), now)
             return [], None
-        plan = table.acquire(experts)
+        plan = table.acquire(main_part)
         slot_of = dict(plan.hits) | dict(plan.waiting) | {ld.expert: ld.slot for ld in plan.loads}
+        gen_of = {e: table.generation[s] for e, s in slot_of.items()}
+        hits = len(plan.hits)
+        missing = {e for e, _ in plan.waiting} | {ld.expert for ld in plan.loads}
+        if in_side:
+            assert side is not None
+            splan = side.acquire(in_side)  # all present: hits or loading, never a load
+            for e, s in (*splan.hits, *splan.waiting):
+                slot_of[e] = table.capacity + s
+                gen_of[e] = side.generation[s]
+            hits += len(splan.hits)
+            self.counters[layer].side_hits += len(splan.hits)
+            for e, s in splan.waiting:  # a prefetch still on its way: the step now waits for it
+                missing.add(e)
+                self.promotions.append((layer, e, table.capacity + s))
         slots = [slot_of[e] for e in experts]
-        c = self.counters[key[1]]
-        c.hits += len(plan.hits)
-        c.misses += len(plan.loads) + len(plan.waiting)
+        c = self.counters[layer]
+        c.hits += hits
+        c.misses += len(missing)
         for ld in plan.loads:
             if ld.cause is MissCause.COLD:
                 c.cold += 1
             else:
                 c.capacity += 1
             c.evictions += ld.evicted >= 0
-        grant = Grant(key, tuple(experts), slots, [table.generation[s] for s in slots],
-                      {e for e, _ in plan.waiting} | {ld.expert for ld in plan.loads},
-                      len(plan.hits), len(plan.loads) + len(plan.waiting), now)
+        self._attribute(layer, experts, missing, side)
+        grant = Grant(key, tuple(experts), slots, [gen_of[e] for e in experts], missing, hits, len(missing),
+                      now, frozenset(in_side))
         for e in grant.missing:
             self.waiters.setdefault((key[1], e), []).append(key)
         if grant.missing:
@@ -106,6 +194,98 @@ class PoolPolicy:
             return list(plan.loads), None
         self.held[key] = grant
         return list(plan.loads), grant
+
+    def _attribute(self, layer: int, experts: Sequence[int], missing: set[int], side: SlotTable | None) -> None:
+        """Give every miss of this acquire exactly one cause; count recall and used prefetches."""
+        c = self.counters[layer]
+        seen = self.used_before.setdefault(layer, set())
+        fates = self.fates.pop(layer, {})
+        hinted = self.hinted.pop(layer, set())
+        c.used += len(experts)
+        c.predicted_used += sum(e in hinted for e in experts)
+        for e in experts:
+            if self.unused.pop((layer, e), None) is not None:
+                self.prefetches_used += 1
+            if e not in missing:
+                continue
+            fate = fates.get(e)
+            if side is not None and e in side.slot_of:  # its prefetch is still on the way: used, late
+                kind = MissKind.LATE
+                self.prefetches_used += 1
+            elif fate is HintFate.EXPIRED:
+                kind = MissKind.LATE
+            elif fate is HintFate.DROPPED:
+                kind = MissKind.DROPPED
+            elif fate is HintFate.EVICTED:
+                kind = MissKind.EVICTED
+            elif e not in seen:
+                kind = MissKind.COLD
+            else:
+                kind = MissKind.NOT_PREDICTED if self.predicting else MissKind.CAPACITY
+            c.causes[kind] = c.causes.get(kind, 0) + 1
+        seen.update(experts)
+
+    def pop_promotions(self) -> list[tuple[int, int, int]]:
+        """(layer, expert, slot) of prefetches a step now waits for: to be read as demand reads."""
+        out, self.promotions = self.promotions, []
+        return out
+
+    # ----------------------------------------------------------------- prefetch
+
+    def prefetch(self, step: int, source: int, layer: int, ranked: Sequence[tuple[int, float]]) -> list[Load]:
+        """Plan the prefetch of `ranked` candidates (best first) for `layer`, hinted at MoE layer `source`.
+
+        Returns the side-region loads to issue; experts already in memory or on their way
+        are skipped, and those over a budget (or with no side slot to take) are dropped.
+        """
+        side = self.sides.get(layer)
+        main = self.tables[layer]
+        self.hinted.setdefault(layer, set()).update(e for e, _ in ranked)
+        if side is None:
+            return []
+        fates = self.fates.setdefault(layer, {})
+        b = self.budgets
+        ahead = self.moe_order[layer] - self.moe_order.get(source, -1)
+        loads: list[Load] = []
+        key = (step, layer)
+        for e, _ in ranked:
+            if e in main.slot_of or e in side.slot_of:
+                continue
+            over = ((b.window_layers and ahead > b.window_layers)
+                    or self.issued_per_step.get(key, 0) >= b.per_layer
+                    or self.prefetch_reads_out >= b.global_reads
+                    or len(self.unused) >= b.global_unused
+                    or (b.per_hint is not None and len(loads) >= b.per_hint))
+            ld = None if over else side.prefetch(e)
+            if ld is None:
+                fates[e] = HintFate.DROPPED
+                self.hints_dropped_budget += 1
+                continue
+            if ld.evicted >= 0:
+                self._wasted(layer, ld.evicted)
+            fates[e] = HintFate.ISSUED
+            self.issued_per_step[key] = self.issued_per_step.get(key, 0) + 1
+            self.prefetch_reads_out += 1
+            self.prefetches_issued += 1
+            loads.append(Load(e, main.capacity + ld.slot, ld.evicted, ld.cause))
+        return loads
+
+    def _wasted(self, layer: int, expert: int) -> None:
+        if self.unused.pop((layer, expert), None) is not None:
+            self.wasted_bytes += self.record_nbytes[layer]
+            self.fates.setdefault(layer, {})[expert] = HintFate.EVICTED
+
+    def read_expired(self, layer: int, expert: int, slot: int) -> bool:
+        """A prefetch's deadline passed before it started. True: a step waits for it, read it as demand."""
+        self.prefetch_reads_out -= 1
+        self.prefetches_expired += 1
+        if (layer, expert) in self.waiters:
+            self.prefetch_reads_out += 1  # it goes out again, now as a demand read
+            return True
+        table, local = self._table_of(layer, slot)
+        table.cancel_load(expert, local)
+        self.fates.setdefault(layer, {})[expert] = HintFate.EXPIRED
+        return False
 
     def reserved(self, layer: int) -> set[int]:
         """Experts of the acquires deferred at `layer`."""
@@ -125,9 +305,15 @@ class PoolPolicy:
         return loads, done
 
     def _read_done(self, layer: int, expert: int, slot: int) -> list[Grant]:
-        self.tables[layer].loaded(expert, slot)
+        table, local = self._table_of(layer, slot)
+        table.loaded(expert, local)
         self.reads += 1
         self.bytes_read += self.record_nbytes[layer]
+        if table is not self.tables[layer]:
+            self.prefetch_reads_out -= 1
+            self.prefetches_done += 1
+            if (layer, expert) not in self.waiters:
+                self.unused[(layer, expert)] = True
         done = []
         for key in self.waiters.pop((layer, expert), []):
             g = self.pending.get(key)
@@ -154,10 +340,29 @@ class PoolPolicy:
         table = self.tables[key[1]]
         if token_experts:
             gens = dict(zip(g.slots, g.generations, strict=True))
-            if (err := table.verify(token_experts, token_slots, gens)) is not None:
-                raise RouteError(f"route verification failed at step {key[0]}: {err}")
-        table.release(g.experts)
+            cap = table.capacity
+            pairs = list(zip(token_experts, token_slots, strict=True))
+            for t, sel, off in ((table, [p for p in pairs if p[1] < cap], 0),
+                                (self.sides.get(key[1]), [p for p in pairs if p[1] >= cap], cap)):
+                if not sel:
+                    continue
+                if t is None:
+                    raise RouteError(f"route verification failed at step {key[0]}: layer {key[1]} has no side "
+                                     f"region, yet a token read slot {sel[0][1]}")
+                err = t.verify([e for e, _ in sel], [s - off for _, s in sel],
+                               {s - off: gen for s, gen in gens.items() if (s >= cap) == (off > 0)})
+                if err is not None:
+                    raise RouteError(f"route verification failed at step {key[0]}: {err}")
+        table.release([e for e in g.experts if e not in g.side])
+        if g.side:
+            self.sides[key[1]].release(g.side)
 
     def forward_done(self) -> None:
         for t in self.tables.values():
             t.forward_done()
+        self.issued_per_step.clear()
+        for layer, side in self.sides.items():
+            side.forward_done()
+            if not self.side_persistent:  # the side region holds one step's speculation only
+                for e in side.clear_unused():
+                    self._wasted(layer, e)

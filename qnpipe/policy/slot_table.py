@@ -181,6 +181,42 @@ class SlotTable:
         self.eviction.inserted(expert, self.tick)
         return Load(expert, slot, evicted, cause)
 
+    def prefetch(self, expert: int) -> Load | None:
+        """Start loading `expert` without holding it (a prefetch), or None: present, or no slot to give.
+
+        Only a free slot or an evictable expert (ready, not held, not pinned) is taken.
+        """
+        if expert in self.slot_of:
+            return None
+        candidates = None
+        if not self._free:
+            candidates = [c for c, s in self.slot_of.items() if self.state[s] is SlotState.READY
+                          and c not in self.held and c not in self.pinned]
+            if not candidates:
+                return None
+        return self._load(expert, candidates)
+
+    def cancel_load(self, expert: int, slot: int) -> None:
+        """A load that will not happen (an expired prefetch): the slot is free again."""
+        if self.slot_of.get(expert) != slot or self.state[slot] is not SlotState.LOADING:
+            raise AssertionError(f"layer {self.layer}: cancel of expert {expert} in slot {slot}, not loading there")
+        self._drop(expert)
+
+    def clear_unused(self) -> list[int]:
+        """Free every ready expert no step holds and nothing pins; returns them (a side region cleared per step)."""
+        out = [e for e, s in self.slot_of.items() if self.state[s] is SlotState.READY
+               and e not in self.held and e not in self.pinned]
+        for e in out:
+            self._drop(e)
+        return out
+
+    def _drop(self, expert: int) -> None:
+        slot = self.slot_of.pop(expert)
+        self.eviction.removed(expert)
+        self.expert_of[slot] = FREE
+        self.state[slot] = SlotState.FREE
+        self._free.append(slot)
+
     def loaded(self, expert: int, slot: int) -> None:
         """The read of `expert` into `slot` completed."""
         if self.slot_of.get(expert) != slot or self.state[slot] is not SlotState.LOADING:
