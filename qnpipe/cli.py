@@ -358,9 +358,26 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 continue
             messages.append({"role": "user", "content": line})
             sys.stdout.write("assistant> ")
-            res = eng.generate(render_chat(eng.tokenizer, messages), max_tokens=args.max_tokens,
-                               temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                               on_text=_echo)
+            pieces: list[str] = []
+
+            def show(piece: str, pieces: list[str] = pieces) -> None:
+                pieces.append(piece)
+                _echo(piece)
+
+            try:
+                res = eng.generate(render_chat(eng.tokenizer, messages), max_tokens=args.max_tokens,
+                                   temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                   on_text=show)
+            except KeyboardInterrupt:
+                # Ctrl-C during an answer: the engine stopped it at its next layer and stays usable.
+                # The conversation keeps the part the user saw; back to the prompt.
+                print()
+                print("[answer interrupted]", file=sys.stderr)
+                if pieces:
+                    messages.append({"role": "assistant", "content": "".join(pieces)})
+                else:
+                    messages.pop()
+                continue
             print()
             if args.verbose:
                 _print_stats(res.stats)

@@ -93,6 +93,9 @@ class Forward:
             await self._cleanup()
             raise
         self.stats.steps += 1
+        # With every expert resident a step is one MLX call (shielded: run_on) and no channel is
+        # touched, so without this a cancellation (Ctrl-C) would never be seen between steps.
+        await trio.lowlevel.checkpoint_if_cancelled()
         return ev.value
 
     async def abandon(self) -> None:
