@@ -9,12 +9,16 @@ touches a clock: times come in as arguments.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from qnpipe.errors import CapacityError, RouteError
 from qnpipe.policy.eviction import Eviction
 from qnpipe.policy.slot_table import Load, MissCause, SlotTable
+
+if TYPE_CHECKING:
+    from qnpipe.policy.heat import Heat
 
 GrantKey = tuple[int, int, int]  # (step, layer, part)
 
@@ -55,6 +59,7 @@ class PoolPolicy:
     counters: dict[int, LayerCounters] = attrs.field(init=False)
     reads: int = 0
     bytes_read: int = 0
+    heat: Heat | None = None  # autopin: routing heat, counted at each acquire (qnpipe.policy.heat)
 
     def __attrs_post_init__(self) -> None:
         self.counters = {layer: LayerCounters() for layer in self.tables}
@@ -73,6 +78,8 @@ class PoolPolicy:
         """
         if key in self.pending or key in self.held or key in self.deferred:
             raise AssertionError(f"grant {key} asked for twice")
+        if self.heat is not None:  # once per layer-step: a deferred acquire coming back is not counted again
+            self.heat.count(key[0], key[1], experts)
         table = self.tables[key[1]]
         # Acquires still deferred at this layer keep their room: one made later must not take it,
         # or they could wait forever once the reads are done.
@@ -159,5 +166,7 @@ class PoolPolicy:
         table.release(g.experts)
 
     def forward_done(self) -> None:
+        if self.heat is not None:
+            self.heat.forward_done()
         for t in self.tables.values():
             t.forward_done()
