@@ -12,7 +12,6 @@ from collections.abc import Mapping
 
 # The feature names, shared so that one feature's warnings read the same.
 STREAMING_POOL = "the streaming expert pool (issue 9)"
-AUTOPIN = "autopin (persisted routing heat) of the streaming expert pool"
 SIDE_REGION = "the pool's side region (speculative slots)"
 PREFETCH = "routing prediction and prefetch (predictor, read_scheduler)"
 PREFIX = "prefix snapshots"
@@ -30,10 +29,6 @@ NOT_YET_IMPLEMENTED: Mapping[str, str] = {
     "model.mtp_weights_path": LOADER_PATHS,
     "model.hidden_variant": MTP,
     "memory.mlx_wired_limit_gb": MEMORY,
-    "pool.autopin": AUTOPIN,
-    "pool.autopin_usage_file": AUTOPIN,
-    "pool.autopin_save_every_forwards": AUTOPIN,
-    "pool.autopin_budget_frac": AUTOPIN,
     "pool.side_region_zerocopy": SIDE_REGION,
     "predict.candidate_mult": PREFETCH,
     "prefix.snapshot_head_tokens": PREFIX,

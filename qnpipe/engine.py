@@ -30,6 +30,7 @@ from qnpipe.actors.forward import Forward
 from qnpipe.actors.pool import pool
 from qnpipe.actors.predictor import PredictorStats, predictor
 from qnpipe.actors.read_scheduler import ReadSchedulerStats, read_scheduler
+from qnpipe.autopin import Autopin
 from qnpipe.config import Config, EvictPolicy, PoolCfg
 from qnpipe.errors import CapacityError, ConfigError, RouteError
 from qnpipe.io.device import ExpertDevice, StoreDevice
@@ -37,12 +38,13 @@ from qnpipe.io.reader import ExpertReader
 from qnpipe.io.store import ExpertStore
 from qnpipe.messages import Candidates, Granted, PoolInbox, ReadInbox
 from qnpipe.mlx_thread import MLXThread, run_on
-from qnpipe.model.args import ModelArgs
+from qnpipe.model.args import ModelArgs, model_id
 from qnpipe.model.checkpoint import Layout
 from qnpipe.model.runner import Runner
 from qnpipe.model.slots import LayerSlots, make_layer_slots
 from qnpipe.model.stepper import Event, MlxBackend, PartGrant, PredictPlan, Tail
 from qnpipe.policy.eviction import make_eviction
+from qnpipe.policy.heat import preload
 from qnpipe.policy.pool import PoolPolicy, PrefetchBudgets
 from qnpipe.policy.predict import predict_targets
 from qnpipe.policy.read_queue import ReadQueue
@@ -199,6 +201,7 @@ class Pipeline:
     read_stats: ReadSchedulerStats | None = None
     device: ExpertDevice | None = None
     predictor_stats: PredictorStats | None = None
+    autopin: Autopin | None = None
 
 
 def side_slots(cfg: Config) -> int:
@@ -235,8 +238,13 @@ def _root_cause(e: BaseException) -> BaseException:
 async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capacities: dict[int, int] | None,
                         device: ExpertDevice | None, record_nbytes: dict[int, int] | None = None,
                         check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None = None,
-                        ) -> AsyncIterator[Pipeline]:
+                        autopin: Autopin | None = None) -> AsyncIterator[Pipeline]:
     """Start the actors (none when `capacities` is None: all resident) and yield the pipeline.
+
+    With `autopin`, the pool counts routing heat, starts with each layer's hottest experts
+    pinned (their reads issued before the first step), and the heat is saved every
+    `pool.autopin_save_every_forwards` forwards and when the block is left. The forward's
+    capacity of a layer is its capacity minus its pins: a step can always get that many.
 
     An actor that fails stops the others; the forward then raises its error (e.g.
     `ReadError`) to whoever is generating. Leaving the block stops every actor.
@@ -252,42 +260,57 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
     read_tx, read_rx = trio.open_memory_channel[ReadInbox](2 * total)  # a read and at most one promotion each
     grant_tx, grant_rx = trio.open_memory_channel[Granted](2)
     policy = make_policy(cfg, capacities, record_nbytes)
+    preloads = []
+    if autopin is not None:
+        policy.heat = autopin.heat
+        for layer, experts in autopin.plan(capacities).items():
+            preloads += [(layer, ld) for ld in preload(policy, layer, experts)]
+    pass_caps = {layer: cap - len(policy.tables[layer].pinned) for layer, cap in capacities.items()}
     rstats = ReadSchedulerStats()
     pstats = PredictorStats()
     predicting = cfg.predict.cross_layer_prefetch
     # Advisory edge: one Candidates per (layer, target) of a step; a full inbox drops, never blocks.
     cand_tx, cand_rx = trio.open_memory_channel[Candidates](4 * len(capacities) + 8)
-    fwd = Forward(backend, pool_tx, grant_rx, capacities, num_experts, route_verify=cfg.diag.route_verify,
+    fwd = Forward(backend, pool_tx, grant_rx, pass_caps, num_experts, route_verify=cfg.diag.route_verify,
                   to_predictor=cand_tx if predicting else None, moe_order=dict(policy.moe_order),
                   check_bytes=check_bytes)
     scopes: list[trio.CancelScope] = []
-    async with trio.open_nursery() as nursery:
+    try:
+        async with trio.open_nursery() as nursery:
 
-        async def supervised(actor: Callable[..., Awaitable[None]], *,
-                             task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-            # Not the nursery's scope: that would cancel the caller's code inside the block too.
-            with trio.CancelScope() as scope:
-                scopes.append(scope)
-                try:
-                    await actor(task_status=task_status)
-                except Exception as e:  # handed to the forward; the other actors stop with it
-                    fwd.failure.append(_root_cause(e))
-                    for sc in scopes:
-                        sc.cancel()
+            async def supervised(actor: Callable[..., Awaitable[None]], *,
+                                 task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                # Not the nursery's scope: that would cancel the caller's code inside the block too.
+                with trio.CancelScope() as scope:
+                    scopes.append(scope)
+                    try:
+                        await actor(task_status=task_status)
+                    except Exception as e:  # handed to the forward; the other actors stop with it
+                        fwd.failure.append(_root_cause(e))
+                        for sc in scopes:
+                            sc.cancel()
 
-        await nursery.start(supervised, partial(pool, pool_rx, read_tx, grant_tx, policy=policy))
-        if predicting:
-            await nursery.start(supervised, partial(predictor, cand_rx, pool_tx.clone(), predict_cfg=cfg.predict,
-                                                    top=cfg.predict.width_experts, stats=pstats))
-        await nursery.start(supervised, partial(read_scheduler, read_rx, pool_tx.clone(), device=device,
-                                                queue=ReadQueue(cfg.read.workers, batch=cfg.read.batch_miss_read,
-                                                                max_prefetch_in_flight=cfg.read.bg_budget_experts
-                                                                or None),
-                                                stats=rstats))
-        try:
-            yield Pipeline(fwd, policy, rstats, device, pstats)
-        finally:
-            nursery.cancel_scope.cancel()
+            after_forward = None
+            if autopin is not None:
+                await nursery.start(autopin.run_saver)
+                after_forward = autopin.after_forward
+            await nursery.start(supervised, partial(pool, pool_rx, read_tx, grant_tx, policy=policy,
+                                                    preload=preloads, after_forward=after_forward))
+            if predicting:
+                await nursery.start(supervised, partial(predictor, cand_rx, pool_tx.clone(), predict_cfg=cfg.predict,
+                                                        top=cfg.predict.width_experts, stats=pstats))
+            await nursery.start(supervised, partial(read_scheduler, read_rx, pool_tx.clone(), device=device,
+                                                    queue=ReadQueue(cfg.read.workers, batch=cfg.read.batch_miss_read,
+                                                                    max_prefetch_in_flight=cfg.read.bg_budget_experts
+                                                                    or None),
+                                                    stats=rstats))
+            try:
+                yield Pipeline(fwd, policy, rstats, device, pstats, autopin)
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        if autopin is not None:  # after the saver stopped: one writer at a time
+            await autopin.save_final()
 
 
 @asynccontextmanager
@@ -303,6 +326,7 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
     device = StoreDevice(st.store, st.reader, lambda layer, slot: st.slots[layer].dest(slot),
                          verify_crc32=core.cfg.read.verify_crc32)
     nbytes = {layer: st.store.layer_file(layer).record_nbytes for layer in st.capacities}
+    autopin = Autopin.open(core.cfg, model_id(core.args), core.args.num_experts_per_tok)
 
     async def check_bytes(layer: int, experts: tuple[int, ...], slots: tuple[int, ...]) -> None:
         await trio.to_thread.run_sync(compare_slots_with_disk, st, layer, experts, slots)
@@ -310,7 +334,8 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
     try:
         async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=st.capacities,
                                  device=device, record_nbytes=nbytes,
-                                 check_bytes=check_bytes if core.cfg.read.verify_hit_bytes else None) as p:
+                                 check_bytes=check_bytes if core.cfg.read.verify_hit_bytes else None,
+                                 autopin=autopin) as p:
             yield p
     finally:
         device.close()

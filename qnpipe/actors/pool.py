@@ -7,6 +7,8 @@ is the forward's (qnpipe.model.slots); this actor only decides what goes where.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import trio
 
 from qnpipe.actors.stamp import Stamper, drain
@@ -34,9 +36,15 @@ async def pool(
     to_forward: trio.MemorySendChannel[Granted],
     *,
     policy: PoolPolicy,
+    preload: Sequence[tuple[int, Load]] = (),
+    after_forward: Callable[[], None] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the pool until `inbox` closes. Raises RouteError when route verification fails."""
+    """Run the pool until `inbox` closes. Raises RouteError when route verification fails.
+
+    `preload`: (layer, load) reads issued before anything else (autopin's pinned experts,
+    already placed in `policy`); `after_forward` runs after each ForwardDone (autopin's saves).
+    """
     st = Stamper()
 
     async def grant(g: Grant) -> None:
@@ -78,6 +86,8 @@ async def pool(
                 policy.release((step, layer, part), msg.token_experts, msg.token_slots)
             case ForwardDone():
                 policy.forward_done()
+                if after_forward is not None:
+                    after_forward()
             case PrefetchHint(step=step, source=source, layer=layer, experts=experts, scores=scores,
                               deadline=deadline):
                 for ld in policy.prefetch(step, source, layer, list(zip(experts, scores, strict=True))):
@@ -89,6 +99,8 @@ async def pool(
                     await send(ReadExpert(**st.stamp(), layer=layer, expert=expert, slot=slot))
 
     async with inbox, to_reads, to_forward:
+        for layer, ld in preload:
+            await read(layer, [ld])
         task_status.started()
         async for first in inbox:
             # Whatever else is already waiting is handled in the same turn: one wake-up, not one per message.

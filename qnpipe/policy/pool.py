@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from qnpipe.errors import CapacityError, RouteError
 from qnpipe.policy.eviction import Eviction
 from qnpipe.policy.slot_table import Load, MissCause, SlotTable
+
+if TYPE_CHECKING:
+    from qnpipe.policy.heat import Heat
 
 GrantKey = tuple[int, int, int]  # (step, layer, part)
 
@@ -115,6 +119,7 @@ class PoolPolicy:
     prefetches_expired: int = 0
     hints_dropped_budget: int = 0
     wasted_bytes: int = 0
+    heat: Heat | None = None  # autopin: routing heat, counted at each demand acquire (qnpipe.policy.heat)
 
     def __attrs_post_init__(self) -> None:
         self.counters = {layer: LayerCounters() for layer in self.tables}
@@ -140,6 +145,8 @@ class PoolPolicy:
         """
         if key in self.pending or key in self.held or key in self.deferred:
             raise AssertionError(f"grant {key} asked for twice")
+        if self.heat is not None:  # once per layer-step: a deferred acquire coming back is not counted again
+            self.heat.count(key[0], key[1], experts)
         layer = key[1]
         side = self.sides.get(layer)
         if side is not None and any(e in side.slot_of for e in experts):
@@ -358,6 +365,8 @@ class PoolPolicy:
             self.sides[key[1]].release(g.side)
 
     def forward_done(self) -> None:
+        if self.heat is not None:
+            self.heat.forward_done()
         for t in self.tables.values():
             t.forward_done()
         self.issued_per_step.clear()
