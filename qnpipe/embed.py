@@ -129,7 +129,8 @@ class _Runtime:
                          device_s=rs.device_s, stall_s=fs.stall_s, steps=fs.steps, layer_steps=fs.layer_steps,
                          split_layer_steps=fs.split_layer_steps,
                          slot_bytes=sum(s.nbytes for s in st.slots.values()) if st is not None else 0,
-                         layers=layers, side_hits=sum(c.side_hits for c in counters.values()),
+                         layers=layers, pinned=sum(len(t.pinned) for t in pol.tables.values()),
+                         side_hits=sum(c.side_hits for c in counters.values()),
                          prefetch_issued=pol.prefetches_issued, prefetch_done=pol.prefetches_done,
                          prefetch_used=pol.prefetches_used, prefetch_expired=pol.prefetches_expired,
                          useful_prefetch_ratio=pol.prefetches_used / pol.prefetches_issued

@@ -67,6 +67,7 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     slot_bytes: int = 0
     layers: tuple[LayerPoolStats, ...] = ()
     # -- prediction and prefetch (zero when predict.cross_layer_prefetch is off)
+    pinned: int = 0  # experts pinned by autopin (read once at start-up, not misses)
     side_hits: int = 0
     prefetch_issued: int = 0
     prefetch_done: int = 0

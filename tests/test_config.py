@@ -209,8 +209,8 @@ def test_a_field_without_its_feature_warns_once_naming_both() -> None:
         config._warned_names.clear()
         load(env={"MTP_CONF_TAU": "0.3"})  # the default: nothing to warn about
         load(overrides={"pool.expert_slots": 8})  # a field with a consumer
-    with pytest.warns(NotImplementedConfigWarning, match=r"pool\.side_region_slots=8 .*side region") as record:
-        with_overrides(Config(), expert_slots=32, side_region_slots=8)
+    with pytest.warns(NotImplementedConfigWarning, match=r"pool\.side_region_zerocopy=True .*side region") as record:
+        with_overrides(Config(), expert_slots=32, side_region_zerocopy=True)
     assert record[0].filename == __file__  # the caller's line, not qnpipe's
 
 
