@@ -29,6 +29,7 @@ import trio
 from qnpipe.actors.forward import Forward
 from qnpipe.actors.pool import pool
 from qnpipe.actors.read_scheduler import ReadSchedulerStats, read_scheduler
+from qnpipe.actors.recorder import Emit, Emitter, open_recording
 from qnpipe.config import Config, PoolCfg
 from qnpipe.errors import CapacityError, ConfigError, RouteError
 from qnpipe.io.device import ExpertDevice, StoreDevice
@@ -44,6 +45,7 @@ from qnpipe.model.stepper import Event, MlxBackend, PartGrant, Tail
 from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.pool import PoolPolicy
 from qnpipe.policy.read_queue import ReadQueue
+from qnpipe.trace import ModelShape
 
 
 @attrs.define
@@ -189,6 +191,7 @@ class Pipeline:
     policy: PoolPolicy | None = None
     read_stats: ReadSchedulerStats | None = None
     device: ExpertDevice | None = None
+    recording: Emitter | None = None  # the recorders' emitter when a trace is written (statistics())
 
 
 def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int, int]) -> PoolPolicy:
@@ -210,12 +213,29 @@ def _root_cause(e: BaseException) -> BaseException:
 async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capacities: dict[int, int] | None,
                         device: ExpertDevice | None, record_nbytes: dict[int, int] | None = None,
                         check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None = None,
-                        ) -> AsyncIterator[Pipeline]:
+                        shape: ModelShape | None = None) -> AsyncIterator[Pipeline]:
     """Start the actors (none when `capacities` is None: all resident) and yield the pipeline.
 
     An actor that fails stops the others; the forward then raises its error (e.g.
-    `ReadError`) to whoever is generating. Leaving the block stops every actor.
+    `ReadError`) to whoever is generating. Leaving the block stops every actor. With
+    `trace.event_log_path` (or `trace.route_trace`) set, a recorder per log gets every
+    actor's events (qnpipe.actors.recorder); `shape` goes in the log's header.
     """
+    # A layer-step emits a few records per expert it reads, and the forward yields to the
+    # recorder at least once per layer-step: 8 per slot (at least 4096) never fills.
+    size = max(4096, 8 * sum((capacities or {}).values()))
+    async with open_recording(cfg, shape=shape, capacities=capacities, channel_size=size) as emit:
+        async with _open_actors(cfg, backend, num_experts=num_experts, capacities=capacities, device=device,
+                                record_nbytes=record_nbytes, check_bytes=check_bytes, emit=emit) as p:
+            p.recording = emit
+            yield p
+
+
+@asynccontextmanager
+async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacities: dict[int, int] | None,
+                       device: ExpertDevice | None, record_nbytes: dict[int, int] | None,
+                       check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None,
+                       emit: Emit | None) -> AsyncIterator[Pipeline]:
     if capacities is None:
         yield Pipeline(Forward(backend, None, None, {}, num_experts))
         return
@@ -229,7 +249,7 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
     policy = make_policy(cfg, capacities, record_nbytes)
     rstats = ReadSchedulerStats()
     fwd = Forward(backend, pool_tx, grant_rx, capacities, num_experts, route_verify=cfg.diag.route_verify,
-                  check_bytes=check_bytes)
+                  check_bytes=check_bytes, emit=emit)
     scopes: list[trio.CancelScope] = []
     async with trio.open_nursery() as nursery:
 
@@ -245,10 +265,10 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
                     for sc in scopes:
                         sc.cancel()
 
-        await nursery.start(supervised, partial(pool, pool_rx, read_tx, grant_tx, policy=policy))
+        await nursery.start(supervised, partial(pool, pool_rx, read_tx, grant_tx, policy=policy, emit=emit))
         await nursery.start(supervised, partial(read_scheduler, read_rx, pool_tx.clone(), device=device,
                                                 queue=ReadQueue(cfg.read.workers, batch=cfg.read.batch_miss_read),
-                                                stats=rstats))
+                                                stats=rstats, emit=emit))
         try:
             yield Pipeline(fwd, policy, rstats, device)
         finally:
@@ -262,7 +282,7 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
     st = core.streaming
     if st is None:
         async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=None,
-                                 device=None) as p:
+                                 device=None, shape=ModelShape.of(core.args)) as p:
             yield p
         return
     device = StoreDevice(st.store, st.reader, lambda layer, slot: st.slots[layer].dest(slot),
@@ -275,7 +295,8 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
     try:
         async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=st.capacities,
                                  device=device, record_nbytes=nbytes,
-                                 check_bytes=check_bytes if core.cfg.read.verify_hit_bytes else None) as p:
+                                 check_bytes=check_bytes if core.cfg.read.verify_hit_bytes else None,
+                                 shape=ModelShape.of(core.args)) as p:
             yield p
     finally:
         device.close()

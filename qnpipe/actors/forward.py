@@ -23,9 +23,10 @@ import trio
 
 from qnpipe.actors.stamp import Stamper
 from qnpipe.errors import PipelineError
-from qnpipe.messages import Acquire, ForwardDone, Granted, PoolInbox, Release
+from qnpipe.messages import Acquire, ForwardDone, Granted, Msg, PoolInbox, Release
 from qnpipe.model.stepper import Event, LayerRoute, PartGrant, StepDone, Tail
 from qnpipe.policy.parts import plan_parts
+from qnpipe.trace import route_record
 
 
 class Backend(Protocol):
@@ -61,6 +62,7 @@ class Forward:
     route_verify: bool = False
     # read.verify_hit_bytes: (layer, experts, slots) -> raises when a slot's bytes differ from disk
     check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None = None
+    emit: Callable[[Msg], None] | None = None  # the recorder's (qnpipe.actors.recorder); None = no trace
     failure: list[BaseException] = attrs.field(factory=list)  # set by the engine when an actor died
     stats: ForwardStats = attrs.field(factory=ForwardStats)
     _step: int = 0
@@ -96,6 +98,8 @@ class Forward:
     async def _layer(self, route: LayerRoute) -> Event:
         assert self.to_pool is not None and self.grants is not None
         layer = route.layer
+        if self.emit is not None:
+            self.emit(route_record(self._st.stamp(), self._step, layer, route.ids, route.weights))
         parts = plan_parts(route.ids, self.capacities[layer], layer=layer)
         self.stats.layer_steps += 1
         self.stats.parts += len(parts)

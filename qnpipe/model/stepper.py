@@ -29,10 +29,14 @@ from qnpipe.model.qwen3_next import Model, SparseMoeBlock
 
 @attrs.frozen
 class LayerRoute:
-    """MoE layer `layer` needs experts `ids [N, k]` (row = token of the step, router's order)."""
+    """MoE layer `layer` needs experts `ids [N, k]` (row = token of the step, router's order).
+
+    `weights [N, k]` (float32) are the router's gate weights of those experts (None when not known).
+    """
 
     layer: int
     ids: np.ndarray
+    weights: np.ndarray | None = None
 
 
 @attrs.frozen
@@ -78,9 +82,9 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
             continue
         x = layer.post_attention_layernorm(h)
         inds, scores = moe.route(x)
-        mx.eval(inds)
+        mx.eval(inds, scores)
         k = inds.shape[-1]
-        grant = yield LayerRoute(i, np.array(inds).reshape(-1, k))
+        grant = yield LayerRoute(i, np.array(inds).reshape(-1, k), np.array(scores.astype(mx.float32)).reshape(-1, k))
         y = yield from _run_parts(slots[i], x, inds.shape, grant)
         h = h + moe.combine(x, y, scores)
     return m.norm(h)
