@@ -248,6 +248,18 @@ def iter_records(path: str | Path) -> Iterator[Header | Record | Footer]:
                                f"(the run did not close the log)")
 
 
+def canonical(records: list[Record]) -> list[Record]:
+    """`records` in the canonical order `(t, kind, layer, expert, seq)` (style §7.4), for golden comparisons.
+
+    The file holds them in the order the recorder received them: a message is recorded when
+    the pool receives it, so its `t` (when it was sent) may precede records written before it.
+    """
+    def key(r: Record) -> tuple[float, str, int, int, int]:
+        return (r.t, type(r).__struct_config__.tag or "", getattr(r, "layer", -1), getattr(r, "expert", -1), r.seq)
+
+    return sorted(records, key=key)
+
+
 def read_all(path: str | Path) -> tuple[Header, list[Record], Footer]:
     """The whole log: header, records, footer."""
     it = iter_records(path)
@@ -273,5 +285,5 @@ def read(path: str | Path) -> tuple[Header, list[Record]]:
 
 
 __all__ = ["MAGIC", "SCHEMA_VERSION", "Candidates", "Evicted", "Footer", "Header", "HintIssued", "ModelShape",
-           "ReadStarted", "Record", "Route", "Stalled", "TraceWriter", "iter_records", "read", "read_all",
+           "ReadStarted", "Record", "Route", "Stalled", "TraceWriter", "canonical", "iter_records", "read", "read_all",
            "route_record"]
