@@ -255,7 +255,7 @@ def canonical(records: list[Record]) -> list[Record]:
     the pool receives it, so its `t` (when it was sent) may precede records written before it.
     """
     def key(r: Record) -> tuple[float, str, int, int, int]:
-        return (r.t, type(r).__struct_config__.tag or "", getattr(r, "layer", -1), getattr(r, "expert", -1), r.seq)
+        return (r.t, str(type(r).__struct_config__.tag), getattr(r, "layer", -1), getattr(r, "expert", -1), r.seq)
 
     return sorted(records, key=key)
 
