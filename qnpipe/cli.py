@@ -63,6 +63,9 @@ def _add_gen_flags(p: argparse.ArgumentParser, default_tokens: int, json: bool =
     g.add_argument("--stats", action="store_true",
                    help="print the engine's figures on stderr: expert source, pool hits and misses by cause, "
                         "reads, bytes read, stall time, per-layer occupancy")
+    g.add_argument("--trace", metavar="FILE",
+                   help="write the event log (routes, acquires, grants, reads, evictions) to FILE; "
+                        "docs/trace-format.md (sets trace.event_log_path)")
     if json:
         g.add_argument("--json", action="store_true",
                        help="print one JSON object (text, tokens, stats, engine stats) instead of text")
@@ -77,6 +80,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out[key.strip()] = value.strip()
     if getattr(args, "prefill_chunk", None) is not None:
         out["forward.prefill_chunk_tokens"] = args.prefill_chunk
+    if getattr(args, "trace", None):
+        out["trace.event_log_path"] = args.trace
     return out
 
 

@@ -18,7 +18,6 @@ PREFIX = "prefix snapshots"
 MTP = "MTP self-speculative decoding"
 KV_QUANT = "KV-cache quantization"
 PROBES = "the diagnostic probes (recorder's event log)"
-TRACE = "the routing log and event log (recorder)"
 MEMORY = "MLX memory limits (the engine does not set them yet)"
 LOADER_PATHS = "the loader (it reads <model_dir>/config.json and <model_dir>/mtp.safetensors)"
 CHAT_TOOLS = "tool filtering of the chat template"
@@ -41,5 +40,4 @@ NOT_YET_IMPLEMENTED: Mapping[str, str] = {
     **{f"diag.{f}": PROBES for f in (
         "window_prof", "stream_prof", "prefetch_tprof", "predict_recall_prof", "miss_attrib", "union_prof",
         "accept_topk")},
-    **{f"trace.{f}": TRACE for f in ("route_trace", "route_trace_path", "route_trace_layers", "event_log_path")},
 }

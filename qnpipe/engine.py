@@ -30,6 +30,7 @@ from qnpipe.actors.forward import Forward
 from qnpipe.actors.pool import pool
 from qnpipe.actors.predictor import PredictorStats, predictor
 from qnpipe.actors.read_scheduler import ReadSchedulerStats, read_scheduler
+from qnpipe.actors.recorder import Emit, Emitter, open_recording
 from qnpipe.autopin import Autopin
 from qnpipe.config import Config, EvictPolicy, PoolCfg
 from qnpipe.errors import CapacityError, ConfigError, RouteError
@@ -49,6 +50,7 @@ from qnpipe.policy.pool import PoolPolicy, PrefetchBudgets
 from qnpipe.policy.predict import predict_targets
 from qnpipe.policy.read_queue import ReadQueue
 from qnpipe.policy.slot_table import SlotTable
+from qnpipe.trace import ModelShape
 
 
 @attrs.define
@@ -202,6 +204,7 @@ class Pipeline:
     device: ExpertDevice | None = None
     predictor_stats: PredictorStats | None = None
     autopin: Autopin | None = None
+    recording: Emitter | None = None  # the recorders' emitter when a trace is written (statistics())
 
 
 def side_slots(cfg: Config) -> int:
@@ -238,8 +241,12 @@ def _root_cause(e: BaseException) -> BaseException:
 async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capacities: dict[int, int] | None,
                         device: ExpertDevice | None, record_nbytes: dict[int, int] | None = None,
                         check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None = None,
-                        autopin: Autopin | None = None) -> AsyncIterator[Pipeline]:
+                        autopin: Autopin | None = None, shape: ModelShape | None = None,
+                        ) -> AsyncIterator[Pipeline]:
     """Start the actors (none when `capacities` is None: all resident) and yield the pipeline.
+
+    With `trace.event_log_path` (or `trace.route_trace`) set, a recorder per log gets every
+    actor's events (qnpipe.actors.recorder); `shape` goes in the log's header.
 
     With `autopin`, the pool counts routing heat, starts with each layer's hottest experts
     pinned (their reads issued before the first step), and the heat is saved every
@@ -249,6 +256,22 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
     An actor that fails stops the others; the forward then raises its error (e.g.
     `ReadError`) to whoever is generating. Leaving the block stops every actor.
     """
+    # A layer-step emits a few records per expert it reads, and the forward yields to the
+    # recorder at least once per layer-step: 8 per slot (at least 4096) never fills.
+    size = max(4096, 8 * sum((capacities or {}).values()))
+    async with open_recording(cfg, shape=shape, capacities=capacities, channel_size=size) as emit:
+        async with _open_actors(cfg, backend, num_experts=num_experts, capacities=capacities, device=device,
+                                record_nbytes=record_nbytes, check_bytes=check_bytes, autopin=autopin,
+                                emit=emit) as p:
+            p.recording = emit
+            yield p
+
+
+@asynccontextmanager
+async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacities: dict[int, int] | None,
+                       device: ExpertDevice | None, record_nbytes: dict[int, int] | None,
+                       check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None,
+                       autopin: Autopin | None, emit: Emit | None) -> AsyncIterator[Pipeline]:
     if capacities is None:
         yield Pipeline(Forward(backend, None, None, {}, num_experts))
         return
@@ -273,7 +296,7 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
     cand_tx, cand_rx = trio.open_memory_channel[Candidates](4 * len(capacities) + 8)
     fwd = Forward(backend, pool_tx, grant_rx, pass_caps, num_experts, route_verify=cfg.diag.route_verify,
                   to_predictor=cand_tx if predicting else None, moe_order=dict(policy.moe_order),
-                  check_bytes=check_bytes)
+                  check_bytes=check_bytes, emit=emit)
     scopes: list[trio.CancelScope] = []
     try:
         async with trio.open_nursery() as nursery:
@@ -295,7 +318,7 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
                 await nursery.start(autopin.run_saver)
                 after_forward = autopin.after_forward
             await nursery.start(supervised, partial(pool, pool_rx, read_tx, grant_tx, policy=policy,
-                                                    preload=preloads, after_forward=after_forward))
+                                                    preload=preloads, after_forward=after_forward, emit=emit))
             if predicting:
                 await nursery.start(supervised, partial(predictor, cand_rx, pool_tx.clone(), predict_cfg=cfg.predict,
                                                         top=cfg.predict.width_experts, stats=pstats))
@@ -303,7 +326,7 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
                                                     queue=ReadQueue(cfg.read.workers, batch=cfg.read.batch_miss_read,
                                                                     max_prefetch_in_flight=cfg.read.bg_budget_experts
                                                                     or None),
-                                                    stats=rstats))
+                                                    stats=rstats, emit=emit))
             try:
                 yield Pipeline(fwd, policy, rstats, device, pstats, autopin)
             finally:
@@ -320,7 +343,7 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
     st = core.streaming
     if st is None:
         async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=None,
-                                 device=None) as p:
+                                 device=None, shape=ModelShape.of(core.args)) as p:
             yield p
         return
     device = StoreDevice(st.store, st.reader, lambda layer, slot: st.slots[layer].dest(slot),
@@ -335,7 +358,7 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
         async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=st.capacities,
                                  device=device, record_nbytes=nbytes,
                                  check_bytes=check_bytes if core.cfg.read.verify_hit_bytes else None,
-                                 autopin=autopin) as p:
+                                 autopin=autopin, shape=ModelShape.of(core.args)) as p:
             yield p
     finally:
         device.close()

@@ -61,3 +61,7 @@ class PipelineError(QnpipeError, RuntimeError):
 
 class OutputError(QnpipeError):
     """An output directory (`convert --out`, `make-tiny OUT`) cannot be created or written; names path and reason."""
+
+
+class TraceSchemaError(QnpipeError):
+    """An event log is of a newer schema, truncated or corrupt; the message names the file and the record number."""

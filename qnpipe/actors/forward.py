@@ -23,9 +23,10 @@ import trio
 
 from qnpipe.actors.stamp import Stamper
 from qnpipe.errors import PipelineError
-from qnpipe.messages import Acquire, Candidates, ForwardDone, Granted, PoolInbox, Release
+from qnpipe.messages import Acquire, Candidates, ForwardDone, Granted, Msg, PoolInbox, Release
 from qnpipe.model.stepper import Event, LayerRoute, PartGrant, StepDone, Tail
 from qnpipe.policy.parts import plan_parts
+from qnpipe.trace import route_record
 
 
 class Backend(Protocol):
@@ -61,6 +62,7 @@ class Forward:
     capacities: dict[int, int]
     num_experts: int
     route_verify: bool = False
+    emit: Callable[[Msg], None] | None = None  # the recorder's (qnpipe.actors.recorder); None = no trace
     # read.verify_hit_bytes: (layer, experts, slots) -> raises when a slot's bytes differ from disk
     check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None = None
     to_predictor: trio.MemorySendChannel[Candidates] | None = None
@@ -117,6 +119,8 @@ class Forward:
             c = Candidates(**self._st.stamp(), step=self._step, layer=route.layer, target=target,
                            width=ids.shape[-1], token_experts=tuple(ids.reshape(-1).tolist()),
                            token_scores=tuple(probs.reshape(-1).tolist()), deadline=deadline)
+            if self.emit is not None:
+                self.emit(c)
             try:  # advisory: a busy predictor loses the hint, the forward never waits
                 self.to_predictor.send_nowait(c)
             except trio.WouldBlock:
@@ -126,6 +130,8 @@ class Forward:
         assert self.to_pool is not None and self.grants is not None
         self._hint(route)
         layer = route.layer
+        if self.emit is not None:
+            self.emit(route_record(self._st.stamp(), self._step, layer, route.ids, route.weights))
         parts = plan_parts(route.ids, self.capacities[layer], layer=layer)
         self.stats.layer_steps += 1
         self.stats.parts += len(parts)

@@ -16,6 +16,7 @@ from qnpipe.messages import (
     Acquire,
     ForwardDone,
     Granted,
+    Msg,
     PoolInbox,
     PrefetchHint,
     Promote,
@@ -28,6 +29,7 @@ from qnpipe.messages import (
 from qnpipe.policy.pool import Grant, PoolPolicy
 from qnpipe.policy.read_queue import ReadClass
 from qnpipe.policy.slot_table import Load
+from qnpipe.trace import Evicted
 
 
 async def pool(
@@ -38,6 +40,7 @@ async def pool(
     policy: PoolPolicy,
     preload: Sequence[tuple[int, Load]] = (),
     after_forward: Callable[[], None] | None = None,
+    emit: Callable[[Msg], None] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the pool until `inbox` closes. Raises RouteError when route verification fails.
@@ -52,12 +55,16 @@ async def pool(
         now = trio.current_time()
         msg = Granted(**st.stamp(), step=step, layer=layer, part=part, experts=g.experts, slots=tuple(g.slots),
                       generations=tuple(g.generations), hits=g.hits, misses=g.misses, waited_s=now - g.asked_t)
+        if emit is not None:
+            emit(msg)
         try:
             to_forward.send_nowait(msg)
         except trio.WouldBlock:
             await to_forward.send(msg)
 
     async def send(req: ReadInbox) -> None:
+        if emit is not None:
+            emit(req)
         try:
             to_reads.send_nowait(req)
         except trio.WouldBlock:
@@ -66,11 +73,16 @@ async def pool(
     async def read(layer: int, loads: list[Load]) -> None:
         # All of a step's misses reach the scheduler before it runs, so they go out as one batch.
         for ld in loads:
-            await send(ReadExpert(**st.stamp(), layer=layer, expert=ld.expert, slot=ld.slot))
+            req = ReadExpert(**st.stamp(), layer=layer, expert=ld.expert, slot=ld.slot)
+            if emit is not None and ld.evicted >= 0:
+                emit(Evicted(t=req.t, seq=req.seq, layer=layer, expert=ld.evicted, slot=ld.slot, for_expert=ld.expert))
+            await send(req)
         for ly, e, _slot in policy.pop_promotions():  # a step now waits on these prefetches
             await send(Promote(**st.stamp(), layer=ly, expert=e))
 
     async def handle(msg: PoolInbox) -> None:
+        if emit is not None:
+            emit(msg)
         match msg:
             case Acquire(step=step, layer=layer, part=part, experts=experts):
                 loads, ready = policy.acquire((step, layer, part), experts, msg.t)

@@ -8,15 +8,16 @@ time; each finished read goes back to the pool as `ReadDone`. A failed read
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import trio
 
 from qnpipe.actors.stamp import Stamper, drain
 from qnpipe.io.device import ExpertDevice
-from qnpipe.messages import PoolInbox, Promote, ReadDone, ReadExpired, ReadInbox
+from qnpipe.messages import Msg, PoolInbox, Promote, ReadDone, ReadExpired, ReadInbox
 from qnpipe.policy.read_queue import Job, ReadQueue
+from qnpipe.trace import ReadStarted
 
 
 @attrs.define
@@ -41,6 +42,7 @@ async def read_scheduler(
     device: ExpertDevice,
     queue: ReadQueue,
     stats: ReadSchedulerStats,
+    emit: Callable[[Msg], None] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve read requests until `inbox` closes and every read in flight has finished."""
@@ -49,6 +51,9 @@ async def read_scheduler(
 
     async def run(jobs: Sequence[Job]) -> None:
         started = trio.current_time()
+        if emit is not None:
+            for job in jobs:
+                emit(ReadStarted(**st.stamp(), layer=job.layer, expert=job.expert, slot=job.slot))
         nbytes = await device.read(jobs)
         stats.batches += 1
         stats.device_s += trio.current_time() - started

@@ -33,11 +33,13 @@ class LayerRoute:
 
     `predictions`: for each target layer the predictor looks at from here, the top experts
     of that layer's gate applied to this layer's input, per token: (target, ids [N, W], probs [N, W]).
+    `weights [N, k]` (float32) are the router's gate weights of those experts (None when not known).
     """
 
     layer: int
     ids: np.ndarray
     predictions: tuple[tuple[int, np.ndarray, np.ndarray], ...] = ()
+    weights: np.ndarray | None = None
 
 
 @attrs.frozen
@@ -94,11 +96,12 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
         x = layer.post_attention_layernorm(h)
         inds, scores = moe.route(x)
         preds = _predict(m, plan, i, x, h) if plan is not None else []
-        mx.eval(inds, *[a for _, ids, p in preds for a in (ids, p)])  # one host sync for both
+        mx.eval(inds, scores, *[a for _, ids, p in preds for a in (ids, p)])  # one host sync for all
         k = inds.shape[-1]
         predictions = tuple((t, np.array(ids).reshape(-1, ids.shape[-1]),
                              np.array(p.astype(mx.float32)).reshape(-1, p.shape[-1])) for t, ids, p in preds)
-        grant = yield LayerRoute(i, np.array(inds).reshape(-1, k), predictions)
+        grant = yield LayerRoute(i, np.array(inds).reshape(-1, k), predictions,
+                                 np.array(scores.astype(mx.float32)).reshape(-1, k))
         y = yield from _run_parts(slots[i], x, inds.shape, grant)
         h = h + moe.combine(x, y, scores)
     return m.norm(h)

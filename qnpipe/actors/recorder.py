@@ -1,0 +1,179 @@
+"""The recorder: the single writer of the event log (and of the routing log), format in qnpipe.trace.
+
+Actors get an `emit` callable (an `Emitter`); it puts each event on a bounded channel
+with `send_nowait` and never blocks: when a channel is full (or already closed) the
+event is counted as dropped, and the count goes in the log's footer and the recorder's
+statistics. The channel is sized so that nothing drops in a normal run: the forward
+yields to the scheduler at least once per layer-step (it waits for its grant or the MLX
+thread), and one layer-step emits at most a handful of records per expert it reads.
+
+Records are written in the order they arrive, which on one trio loop is a causal order
+(an event is emitted before what it causes is sent). `Granted` records with misses are
+followed by a derived `Stalled` record. The file is flushed every `flush_every_s` of
+trio time and renamed into place when the recorder stops (qnpipe.trace.TraceWriter).
+
+With no trace configured, `open_recording` yields None and no recorder runs.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+
+import attrs
+import msgspec
+import trio
+
+from qnpipe.actors.stamp import drain
+from qnpipe.config import Config
+from qnpipe.messages import Granted, Msg
+from qnpipe.trace import SCHEMA_VERSION, Header, ModelShape, Record, Route, Stalled, TraceWriter
+
+Emit = Callable[[Msg], None]
+
+
+class RecorderStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One log's figures: records written, events dropped because its channel was full or closed."""
+
+    path: str
+    records: int
+    dropped: int
+
+
+@attrs.define(eq=False)
+class _Sink:
+    tx: trio.MemorySendChannel[Record]
+    rx: trio.MemoryReceiveChannel[Record]
+    accept: Callable[[Msg], bool] | None  # None = every event
+    writer: TraceWriter
+    dropped: int = 0
+
+
+class Emitter:
+    """`emit(event)`: hand an event to every recorder that wants it, never blocking (drops are counted)."""
+
+    def __init__(self, sinks: list[_Sink]) -> None:
+        self._sinks = sinks
+
+    def __call__(self, ev: Msg) -> None:
+        for s in self._sinks:
+            if s.accept is not None and not s.accept(ev):
+                continue
+            try:
+                s.tx.send_nowait(ev)  # type: ignore[arg-type]  # every emitted Msg is a Record
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                s.dropped += 1
+
+    def statistics(self) -> list[RecorderStats]:
+        return [RecorderStats(path=str(s.writer.path), records=s.writer.records, dropped=s.dropped)
+                for s in self._sinks]
+
+
+def _write(writer: TraceWriter, ev: Record) -> None:
+    writer.write(ev)
+    if isinstance(ev, Granted) and ev.misses:
+        writer.write(Stalled(t=ev.t, seq=ev.seq, step=ev.step, layer=ev.layer, part=ev.part, misses=ev.misses,
+                             waited_s=ev.waited_s))
+
+
+async def recorder(
+    inbox: trio.MemoryReceiveChannel[Record],
+    *,
+    sink: _Sink,
+    flush_every_s: float = 1.0,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Write every event of `inbox` until it closes; then (or when cancelled) write the footer and rename."""
+    writer = sink.writer
+    task_status.started()
+    finished = False
+    try:
+        next_flush = trio.current_time() + flush_every_s
+        async for first in inbox:
+            for ev in drain(inbox, first):
+                _write(writer, ev)
+            if trio.current_time() >= next_flush:
+                writer.flush()
+                next_flush = trio.current_time() + flush_every_s
+        finished = True
+    finally:
+        # Shielded and bounded: the log is completed even while the pipeline is being cancelled.
+        with trio.move_on_after(1, shield=True):
+            if not finished:
+                for ev in _rest(inbox):
+                    _write(writer, ev)
+            writer.close(sink.dropped, trio.current_time())
+            await trio.lowlevel.checkpoint()
+        writer.abandon()  # no-op once closed
+        inbox.close()
+
+
+def _rest(inbox: trio.MemoryReceiveChannel[Record]) -> list[Record]:
+    out: list[Record] = []
+    while True:
+        try:
+            out.append(inbox.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return out
+
+
+def _route_filter(layers: tuple[int, ...]) -> Callable[[Msg], bool]:
+    wanted = set(layers)
+
+    def accept(ev: Msg) -> bool:
+        return isinstance(ev, Route) and (not wanted or ev.layer in wanted)
+
+    return accept
+
+
+@asynccontextmanager
+async def open_recording(cfg: Config, *, shape: ModelShape | None, capacities: dict[int, int] | None,
+                         channel_size: int) -> AsyncIterator[Emitter | None]:
+    """Start a recorder per configured log and yield the `Emitter` for the actors (None: nothing configured).
+
+    `trace.event_log_path` gets every event; `trace.route_trace` writes `trace.route_trace_path`
+    with only the `Route` records of `trace.route_trace_layers` (empty = all layers). Leaving
+    the block closes the channels, so each recorder writes its footer and renames its file.
+    """
+    trace_cfg = cfg.trace
+    wanted: list[tuple[str, str, Callable[[Msg], bool] | None, tuple[int, ...]]] = []
+    if trace_cfg.event_log_path:
+        wanted.append((trace_cfg.event_log_path, "events", None, ()))
+    if trace_cfg.route_trace:
+        wanted.append((trace_cfg.route_trace_path, "routes", _route_filter(trace_cfg.route_trace_layers), trace_cfg.route_trace_layers))
+    if not wanted:
+        yield None
+        return
+    fingerprint = cfg.fingerprint()
+    wall = time.time()  # the one wall-clock reading: for humans, in the header only
+    sinks: list[_Sink] = []
+    try:
+        for path, contents, accept, layers in wanted:
+            header = Header(schema_version=SCHEMA_VERSION, fingerprint=fingerprint, model=shape,
+                            clock_start_t=trio.current_time(), wall_start_unix_s=wall, contents=contents,
+                            layers=layers, capacities=dict(capacities or {}))
+            tx, rx = trio.open_memory_channel[Record](channel_size)
+            sinks.append(_Sink(tx, rx, accept, TraceWriter(path, header)))
+    except BaseException:
+        for s in sinks:
+            s.writer.abandon()
+        raise
+    emitter = Emitter(sinks)
+    async with trio.open_nursery() as nursery:
+        for s in sinks:
+            await nursery.start(partial(recorder, s.rx, sink=s))
+        try:
+            yield emitter
+        finally:
+            for s in sinks:
+                s.tx.close()
+    for st in emitter.statistics():
+        if st.dropped:
+            warnings.warn(f"{st.path}: {st.dropped} events were dropped (the recorder's channel was full)",
+                          stacklevel=2)
+
+
+__all__ = ["Emit", "Emitter", "RecorderStats", "open_recording", "recorder"]
