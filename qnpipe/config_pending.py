@@ -38,6 +38,6 @@ NOT_YET_IMPLEMENTED: Mapping[str, str] = {
         "adaptive_rescue", "tree_top2", "tree_top2_p1", "tree_verify", "tree_branches")},
     **{f"kv.{f}": KV_QUANT for f in ("quantize", "k_bits", "v_bits", "group_size", "rotate", "rot_seed")},
     **{f"diag.{f}": PROBES for f in (
-        "window_prof", "stream_prof", "prefetch_tprof", "predict_recall_prof", "miss_attrib", "union_prof",
+        "window_prof", "stream_prof", "prefetch_tprof", "miss_attrib",
         "accept_topk")},
 }

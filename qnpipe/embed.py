@@ -24,7 +24,7 @@ from qnpipe.config import Config
 from qnpipe.engine import Core, Pipeline, build_core, open_core_pipeline
 from qnpipe.io.reader import ExpertReader
 from qnpipe.mlx_thread import MLXThread, run_on
-from qnpipe.stats import EngineStats, GenerateResult, LayerPoolStats, PoolStats
+from qnpipe.stats import EngineStats, GenerateResult, LayerPoolStats, PoolStats, UnionProf
 from qnpipe.validate import check_generate_args
 
 Prompt = str | Sequence[int]
@@ -121,7 +121,9 @@ class _Runtime:
         st = self.core.streaming
         layers = tuple(LayerPoolStats(layer=layer, capacity=t.capacity, occupancy=t.occupancy,
                                       hits=counters[layer].hits, misses=counters[layer].misses,
-                                      evictions=counters[layer].evictions)
+                                      evictions=counters[layer].evictions,
+                                      prefetch_recall=counters[layer].predicted_used / counters[layer].used
+                                      if pol.predicting and counters[layer].used else 0.0)
                        for layer, t in sorted(pol.tables.items()))
         pool = PoolStats(hits=hits, misses=misses, misses_by_cause=by_cause,
                          hit_rate=hits / (hits + misses) if hits + misses else 0.0, reads=rs.reads,
@@ -141,7 +143,9 @@ class _Runtime:
                          hints=ps.hints if ps is not None else 0,
                          hints_dropped_full=ps.hints_dropped_full if ps is not None else 0,
                          hints_dropped_budget=pol.hints_dropped_budget, candidates_dropped=fs.candidates_dropped,
-                         stall_s_by_layer=dict(fs.stall_by_layer))
+                         stall_s_by_layer=dict(fs.stall_by_layer),
+                         union_prof=tuple(UnionProf(tokens=n, layer=ly, layer_steps=c, mean_union=s / c, max_union=mx)
+                                          for (n, ly), (c, s, mx) in sorted(fs.union_sizes.items())))
         return msgspec.structs.replace(self.totals, expert_bytes_read=rs.bytes_read,
                                        expert_misses_by_cause=by_cause, pool=pool)
 

@@ -33,7 +33,7 @@ from qnpipe.actors.read_scheduler import ReadSchedulerStats, read_scheduler
 from qnpipe.actors.recorder import Emit, Emitter, open_recording
 from qnpipe.autopin import Autopin
 from qnpipe.config import Config, EvictPolicy, PoolCfg
-from qnpipe.errors import CapacityError, ConfigError, RouteError
+from qnpipe.errors import CapacityError, ConfigError, RouteError, StallError
 from qnpipe.io.device import ExpertDevice, StoreDevice
 from qnpipe.io.reader import ExpertReader
 from qnpipe.io.store import ExpertStore
@@ -229,6 +229,30 @@ def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int
     return policy
 
 
+async def watchdog(fwd: Forward, limit_s: float, dump: Callable[[], str], *,
+                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Raise StallError when a step in progress has not moved for `limit_s` (SGLang's soft watchdog).
+
+    A silent deadlock thus becomes an error with every actor's state attached.
+    """
+    task_status.started()
+    last, since = fwd.progress, trio.current_time()
+    while True:
+        await trio.sleep(limit_s / 4)
+        now = trio.current_time()
+        if not fwd.busy or fwd.progress != last:
+            last, since = fwd.progress, now
+            continue
+        if now - since >= limit_s:
+            raise StallError(f"no progress for {now - since:.1f} s (diag.watchdog_s={limit_s}): {dump()}")
+
+
+def _dump(policy: PoolPolicy, queue: ReadQueue, rstats: ReadSchedulerStats, pstats: PredictorStats) -> str:
+    return (f"pool: pending {sorted(policy.pending)}, deferred {sorted(policy.deferred)}, held {sorted(policy.held)}, "
+            f"prefetch reads out {policy.prefetch_reads_out}; read queue: {len(queue.queued)} queued, "
+            f"{len(queue.in_flight)} in flight {sorted(queue.in_flight)}; read scheduler {rstats}; predictor {pstats}")
+
+
 def _root_cause(e: BaseException) -> BaseException:
     """The first real error inside an actor's nursery groups (what a caller can act on)."""
     while isinstance(e, BaseExceptionGroup):
@@ -296,7 +320,9 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
     cand_tx, cand_rx = trio.open_memory_channel[Candidates](4 * len(capacities) + 8)
     fwd = Forward(backend, pool_tx, grant_rx, pass_caps, num_experts, route_verify=cfg.diag.route_verify,
                   to_predictor=cand_tx if predicting else None, moe_order=dict(policy.moe_order),
-                  check_bytes=check_bytes, emit=emit)
+                  check_bytes=check_bytes, emit=emit, union_prof=cfg.diag.union_prof)
+    if cfg.diag.predict_recall_prof:
+        policy.recall_samples = []
     scopes: list[trio.CancelScope] = []
     try:
         async with trio.open_nursery() as nursery:
@@ -313,6 +339,11 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
                         for sc in scopes:
                             sc.cancel()
 
+            queue = ReadQueue(cfg.read.workers, batch=cfg.read.batch_miss_read,
+                              max_prefetch_in_flight=cfg.read.bg_budget_experts or None)
+            if cfg.diag.watchdog_s > 0:
+                await nursery.start(supervised, partial(watchdog, fwd, cfg.diag.watchdog_s,
+                                                        lambda: _dump(policy, queue, rstats, pstats)))
             after_forward = None
             if autopin is not None:
                 await nursery.start(autopin.run_saver)
@@ -323,10 +354,7 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
                 await nursery.start(supervised, partial(predictor, cand_rx, pool_tx.clone(), predict_cfg=cfg.predict,
                                                         top=cfg.predict.width_experts, stats=pstats))
             await nursery.start(supervised, partial(read_scheduler, read_rx, pool_tx.clone(), device=device,
-                                                    queue=ReadQueue(cfg.read.workers, batch=cfg.read.batch_miss_read,
-                                                                    max_prefetch_in_flight=cfg.read.bg_budget_experts
-                                                                    or None),
-                                                    stats=rstats, emit=emit))
+                                                    queue=queue, stats=rstats, emit=emit))
             try:
                 yield Pipeline(fwd, policy, rstats, device, pstats, autopin)
             finally:

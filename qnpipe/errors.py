@@ -55,6 +55,10 @@ class RouteError(QnpipeError, AssertionError):
     """Route verification failed: a token read a slot that does not hold the expert it routed to."""
 
 
+class StallError(QnpipeError, RuntimeError):
+    """The pipeline made no progress for `diag.watchdog_s` seconds; the message holds every actor's statistics."""
+
+
 class PipelineError(QnpipeError, RuntimeError):
     """The expert pipeline stopped (an actor failed); the engine must be reopened."""
 

@@ -34,6 +34,17 @@ class LayerPoolStats(msgspec.Struct, frozen=True, kw_only=True):
     hits: int
     misses: int
     evictions: int
+    prefetch_recall: float = 0.0  # predicted and used / used, this layer (0 without prediction)
+
+
+class UnionProf(msgspec.Struct, frozen=True, kw_only=True):
+    """diag.union_prof: the distinct experts a layer needed per step of `tokens` tokens."""
+
+    tokens: int
+    layer: int
+    layer_steps: int
+    mean_union: float
+    max_union: int
 
 
 class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,6 +92,8 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     hints_dropped_budget: int = 0
     candidates_dropped: int = 0
     stall_s_by_layer: dict[int, float] = msgspec.field(default_factory=dict)
+    # diag.union_prof: per (step length, layer): layer-steps, mean and max distinct experts
+    union_prof: tuple[UnionProf, ...] = ()
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -111,6 +111,24 @@ class Stalled(Msg, frozen=True, kw_only=True, tag="pool.stall"):
     waited_s: float
 
 
+class UnionSize(Msg, frozen=True, kw_only=True, tag="diag.union"):
+    """diag.union_prof: a layer-step of `tokens` tokens routed to `union` distinct experts."""
+
+    step: int
+    layer: int
+    tokens: int
+    union: int
+
+
+class RecallSample(Msg, frozen=True, kw_only=True, tag="diag.recall"):
+    """diag.predict_recall_prof: of the `used` experts of a layer-step, `predicted` were among the candidates."""
+
+    step: int
+    layer: int
+    used: int
+    predicted: int
+
+
 class Footer(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="trace.footer"):
     """The last frame: how many records were written and how many events were dropped (channel full)."""
 
@@ -120,7 +138,7 @@ class Footer(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="t
 
 
 Record = (Acquire | Granted | Release | ForwardDone | ReadExpert | ReadDone | Route | ReadStarted | Evicted
-          | Stalled | Candidates | PrefetchHint | Promote | ReadExpired)
+          | Stalled | Candidates | PrefetchHint | Promote | ReadExpired | UnionSize | RecallSample)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _FRAME_DECODER = msgspec.msgpack.Decoder(Record | Footer)
@@ -276,6 +294,6 @@ def read(path: str | Path) -> tuple[Header, list[Record]]:
     return header, records
 
 
-__all__ = ["MAGIC", "SCHEMA_VERSION", "Candidates", "Evicted", "Footer", "Header", "PrefetchHint", "ModelShape",
+__all__ = ["MAGIC", "SCHEMA_VERSION", "Candidates", "Evicted", "RecallSample", "UnionSize", "Footer", "Header", "PrefetchHint", "ModelShape",
            "ReadStarted", "Record", "Route", "Stalled", "TraceWriter", "canonical", "iter_records", "read", "read_all",
            "route_record"]

@@ -437,6 +437,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="prompt tokens of the warm-up prefill that fills the all-hit pool (default 128)")
     ap.add_argument("--bw-seconds", type=float, default=1.5)
     ap.add_argument("--no-allhit", action="store_true", help="skip the all-hit engine")
+    ap.add_argument("--no-prefetch", action="store_true", help="skip the prefetch engine")
+    ap.add_argument("--side", type=int, default=16, help="pool.side_region_slots of the prefetch run (default 16)")
+    ap.add_argument("--width", type=int, default=12, help="predict.width_experts of the prefetch run (default 12)")
+    ap.add_argument("--per-layer-budget", type=int, default=12,
+                    help="predict.per_layer_budget_experts of the prefetch run (default 12)")
     ap.add_argument("--profile", type=Path, default=None,
                     help="write cProfile stats of the demand run (engine loop thread and MLX thread) under this prefix")
     return ap.parse_args(argv)
@@ -461,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         store_bytes = sum(store.layer_file(la).num_experts * store.layer_file(la).record_nbytes for la in layers)
     slots = max(1, round(num_experts * args.pool_frac))
     patch_item()
-    read = {"read.workers": args.workers, "read.nocache": True, "read.backend": args.backend}
+    # Autopin off everywhere: its heat file would make each run start from the previous one's pins.
+    read = {"read.workers": args.workers, "read.nocache": True, "read.backend": args.backend, "pool.autopin": False}
     log(f"model {model_dir}: {len(layers)} MoE layers x {num_experts} experts, record {record_nbytes} B "
         f"(stride {stride}), store {store_bytes / 1e6:.0f} MB; demand pool {slots} slots/layer")
 
@@ -470,6 +476,12 @@ def main(argv: list[str] | None = None) -> int:
     engines["demand"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0, **read)
     if not args.no_allhit:
         engines["allhit"] = qnpipe.Engine(model_dir, expert_slots=num_experts, prefill_chunk_tokens=0, **read)
+    if not args.no_prefetch:
+        # The demand run's pool plus a side region that prefetches land in.
+        engines["prefetch"] = qnpipe.Engine(
+            model_dir, expert_slots=slots, prefill_chunk_tokens=0, **read,
+            **{"predict.cross_layer_prefetch": True, "pool.side_region_slots": args.side,
+               "predict.width_experts": args.width, "predict.per_layer_budget_experts": args.per_layer_budget})
     try:
         margs = engines["resident"].args
         k = margs.num_experts_per_tok
@@ -532,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"pipeline alone, {name}: {pipe[name]['wall_us']:.0f} us wall, {pipe[name]['cpu_us']:.0f} us cpu "
                 f"per layer-step ({pipe[name]['misses']:.2f} misses)")
         final_pool = engines["demand"].stats().pool
+        final_pools = {name: e.stats().pool for name, e in engines.items()}
         assert final_pool is not None
     finally:
         for e in engines.values():
@@ -551,6 +564,31 @@ def main(argv: list[str] | None = None) -> int:
     # step: insensitive to load drifting between the runs on a shared machine.
     own = [1.0 / (d["mlx"] + d["bytes"] / (b["gbps"] * 1e9)) for d, b in zip(runs["demand"], bw, strict=True)]
     own_ratio = [d["tok_s"] / o for d, o in zip(runs["demand"], own, strict=True)]
+    prefetch_keys: dict[str, Any] = {}
+    if "prefetch" in runs:
+        # Perfect overlap of the prefetch run's own reads (demand + prefetch) with compute.
+        obounds = [1.0 / max(res["step_s"], pf["bytes"] / (b["gbps"] * 1e9))
+                   for res, pf, b in zip(runs["resident"], runs["prefetch"], bw, strict=True)]
+        pf_pool = final_pools["prefetch"]
+        prefetch_keys = {
+            "tok_s_prefetch": rnd(m("prefetch", "tok_s"), 3),
+            "tok_s_overlap_bound": rnd(med(obounds), 3),
+            "ratio_prefetch_to_overlap_bound": rnd(med([pf["tok_s"] / ob for pf, ob in
+                                                        zip(runs["prefetch"], obounds, strict=True)])),
+            "ratio_prefetch_to_demand": rnd(med([pf["tok_s"] / d["tok_s"] for pf, d in
+                                                 zip(runs["prefetch"], runs["demand"], strict=True)])),
+            "prefetch_recall": rnd(pf_pool.prefetch_recall),
+            "useful_prefetch_ratio": rnd(pf_pool.useful_prefetch_ratio),
+            "misses_by_cause_prefetch": dict(pf_pool.misses_by_cause),
+            "misses_per_token_prefetch": rnd(m("prefetch", "misses"), 2),
+            "bytes_per_token_prefetch": round(m("prefetch", "bytes")),
+            "side_hits_prefetch": pf_pool.side_hits, "prefetch_issued": pf_pool.prefetch_issued,
+            "prefetch_expired": pf_pool.prefetch_expired, "wasted_bytes_prefetch": pf_pool.wasted_bytes,
+            "hints_dropped_budget": pf_pool.hints_dropped_budget, "hints_dropped_full": pf_pool.hints_dropped_full,
+            "overhead_frac_prefetch": rnd(med([p_["overhead"] / p_["wall"] for p_ in runs["prefetch"]])),
+            "prefetch_settings": {"side_region_slots": args.side, "width_experts": args.width,
+                                  "per_layer_budget_experts": args.per_layer_budget},
+        }
     out: dict[str, Any] = {
         "bench": "stream",
         "model": str(model_dir),
@@ -589,7 +627,9 @@ def main(argv: list[str] | None = None) -> int:
         "overhead_frac_allhit_direct": rnd(med([a["overhead"] / a["wall"] for a in runs["allhit"]]))
         if "allhit" in runs else None,
         "loadavg_start_end": [rnd(load0[0], 2), rnd(os.getloadavg()[0], 2)], "cpus": os.cpu_count(),
-        "targets": {"ratio_demand_to_serial_bound": ">= 0.9", "overhead_frac": "< 0.05"},
+        "targets": {"ratio_demand_to_serial_bound": ">= 0.9", "overhead_frac": "< 0.05",
+                    "ratio_prefetch_to_demand": "> 1", "ratio_prefetch_to_overlap_bound": ">= 0.85"},
+        **prefetch_keys,
         "breakdown_ms_per_token": {
             name: {key: rnd(m(name, key) * 1e3, 3) for key in ("wall", "mlx", "hop", "device", "overhead")
                    + (("stall",) if name != "resident" else ())}

@@ -26,7 +26,7 @@ from qnpipe.errors import PipelineError
 from qnpipe.messages import Acquire, Candidates, ForwardDone, Granted, Msg, PoolInbox, Release
 from qnpipe.model.stepper import Event, LayerRoute, PartGrant, StepDone, Tail
 from qnpipe.policy.parts import plan_parts
-from qnpipe.trace import route_record
+from qnpipe.trace import UnionSize, route_record
 
 
 class Backend(Protocol):
@@ -48,6 +48,7 @@ class ForwardStats:
     stall_s: float = 0.0  # waiting for grants that had misses
     stall_by_layer: dict[int, float] = attrs.field(factory=dict)
     candidates_dropped: int = 0  # the predictor's inbox was full
+    union_sizes: dict[tuple[int, int], list[int]] = attrs.field(factory=dict)  # (tokens, layer) -> [n, sum, max]
     hits: int = 0
     misses: int = 0
 
@@ -72,6 +73,9 @@ class Forward:
     failure: list[BaseException] = attrs.field(factory=list)  # set by the engine when an actor died
     stats: ForwardStats = attrs.field(factory=ForwardStats)
     _step: int = 0
+    union_prof: bool = False  # diag.union_prof: per-layer union sizes by step length
+    busy: bool = False  # a step is running (the watchdog only looks then)
+    progress: int = 0  # bumped at every layer and grant: what the watchdog watches
     _open: tuple[int, int, int] | None = None  # acquired, not yet released
     _st: Stamper = attrs.field(factory=Stamper)
 
@@ -80,6 +84,7 @@ class Forward:
         self._raise_failure()
         self._step += 1
         self._last_route_t = None
+        self.busy = True
         try:
             ev = await self.backend.begin(inputs, cache, tail)
             while isinstance(ev, LayerRoute):
@@ -94,6 +99,8 @@ class Forward:
         except BaseException:
             await self._cleanup()
             raise
+        finally:
+            self.busy = False
         self.stats.steps += 1
         # With every expert resident a step is one MLX call (shielded: run_on) and no channel is
         # touched, so without this a cancellation (Ctrl-C) would never be seen between steps.
@@ -128,11 +135,20 @@ class Forward:
 
     async def _layer(self, route: LayerRoute) -> Event:
         assert self.to_pool is not None and self.grants is not None
+        self.progress += 1
         self._hint(route)
         layer = route.layer
         if self.emit is not None:
             self.emit(route_record(self._st.stamp(), self._step, layer, route.ids, route.weights))
         parts = plan_parts(route.ids, self.capacities[layer], layer=layer)
+        if self.union_prof:
+            n, union = len(route.ids), len({e for _, _, ex in parts for e in ex})
+            acc = self.stats.union_sizes.setdefault((n, layer), [0, 0, 0])
+            acc[0] += 1
+            acc[1] += union
+            acc[2] = max(acc[2], union)
+            if self.emit is not None:
+                self.emit(UnionSize(**self._st.stamp(), step=self._step, layer=layer, tokens=n, union=union))
         self.stats.layer_steps += 1
         self.stats.parts += len(parts)
         self.stats.split_layer_steps += len(parts) > 1
@@ -145,6 +161,7 @@ class Forward:
                                                  experts=experts))
             self._open = key
             g = await self._grant(key)
+            self.progress += 1
             self.stats.hits += g.hits
             self.stats.misses += g.misses
             if g.misses:

@@ -29,7 +29,7 @@ from qnpipe.messages import (
 from qnpipe.policy.pool import Grant, PoolPolicy
 from qnpipe.policy.read_queue import ReadClass
 from qnpipe.policy.slot_table import Load
-from qnpipe.trace import Evicted
+from qnpipe.trace import Evicted, RecallSample
 
 
 async def pool(
@@ -86,6 +86,11 @@ async def pool(
         match msg:
             case Acquire(step=step, layer=layer, part=part, experts=experts):
                 loads, ready = policy.acquire((step, layer, part), experts, msg.t)
+                if policy.recall_samples:
+                    for ly, used, predicted in policy.recall_samples:
+                        if emit is not None:
+                            emit(RecallSample(**st.stamp(), step=step, layer=ly, used=used, predicted=predicted))
+                    policy.recall_samples.clear()
                 await read(layer, loads)
                 if ready is not None:
                     await grant(ready)

@@ -119,6 +119,7 @@ class PoolPolicy:
     prefetches_expired: int = 0
     hints_dropped_budget: int = 0
     wasted_bytes: int = 0
+    recall_samples: list[tuple[int, int, int]] | None = None  # diag.predict_recall_prof: (layer, used, predicted)
     heat: Heat | None = None  # autopin: routing heat, counted at each demand acquire (qnpipe.policy.heat)
 
     def __attrs_post_init__(self) -> None:
@@ -209,7 +210,10 @@ class PoolPolicy:
         fates = self.fates.pop(layer, {})
         hinted = self.hinted.pop(layer, set())
         c.used += len(experts)
-        c.predicted_used += sum(e in hinted for e in experts)
+        predicted = sum(e in hinted for e in experts)
+        c.predicted_used += predicted
+        if self.recall_samples is not None and self.predicting:
+            self.recall_samples.append((layer, len(experts), predicted))
         for e in experts:
             if self.unused.pop((layer, e), None) is not None:
                 self.prefetches_used += 1

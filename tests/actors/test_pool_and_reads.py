@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import pytest
 import trio
 import trio.testing
@@ -146,3 +147,29 @@ def test_read_error_reaches_the_forward_and_stops_the_actors() -> None:
             assert "expert 3 of layer 0" in str(fwd.failure[0])
 
     _run(scenario)
+
+
+def test_watchdog_turns_a_hung_device_into_a_stall_error_with_the_evidence() -> None:
+    from qnpipe.errors import StallError
+    from qnpipe.model.stepper import LayerRoute
+
+    class OneLayer:
+        async def begin(self, inputs: object, cache: object, tail: object) -> LayerRoute:
+            return LayerRoute(0, np.array([[1, 2]]))
+
+        async def resume(self, grant: object) -> object:
+            raise AssertionError("the device never answers, so no grant comes")
+
+        async def abort(self) -> None:
+            pass
+
+    cfg = with_overrides(Config(), {"diag.watchdog_s": 2.0})
+
+    async def scenario() -> float:
+        async with open_pipeline(cfg, OneLayer(), num_experts=8, capacities={0: 4},
+                                 device=FakeDevice(latency_s=1e9), record_nbytes={0: 100}) as p:
+            with pytest.raises(StallError, match=r"no progress for 2\.\d s .*pending \[\(1, 0, 0\)\].*in flight"):
+                await p.forward.run(None, None, lambda h: None)
+            return trio.current_time()
+
+    assert _run(scenario) < 3.0  # within a check interval of the limit, on the virtual clock

@@ -69,3 +69,44 @@ def test_prefetch_turns_misses_into_side_hits(streamed_models: dict[str, Path]) 
     assert on.side_hits > 0 and on.prefetch_used > 0
     assert on.misses < off.misses  # the trained model's routing is predictable from the layer before
     assert 0 < on.useful_prefetch_ratio <= 1
+
+
+def test_event_log_orders_hint_read_grant_and_profiles_unions_and_recall(streamed_models: dict[str, Path],
+                                                                        tmp_path: Path) -> None:
+    from qnpipe import trace
+    from qnpipe.messages import Granted, PrefetchHint, ReadDone, ReadExpert
+    from qnpipe.policy.read_queue import ReadClass
+
+    log = tmp_path / "run.qntrace"
+    over: dict[str, Any] = {"predict.cross_layer_prefetch": True, "pool.side_region_slots": 16,
+                            "diag.union_prof": True, "diag.predict_recall_prof": True,
+                            "trace.event_log_path": str(log)}
+    with qnpipe.Engine(streamed_models["trained-4bit"], expert_slots=6, **over) as eng:
+        eng.generate(PROMPT, max_tokens=12, stop_at_eos=False)
+        st = eng.stats().pool
+    assert st is not None and st.union_prof
+    k = 4
+    assert all(1 <= u.mean_union <= u.max_union <= u.tokens * k for u in st.union_prof)
+    assert {u.tokens for u in st.union_prof} >= {1}  # decode steps are one token long
+    assert any(layer.prefetch_recall > 0 for layer in st.layers)
+    _, records = trace.read(log)
+    kinds = {r.__class__.__name__ for r in records}
+    assert {"UnionSize", "RecallSample", "PrefetchHint", "Candidates"} <= kinds
+    hint_t: dict[tuple[int, int], float] = {}
+    read_t: dict[tuple[int, int], float] = {}
+    checked = 0
+    for r in records:
+        if isinstance(r, PrefetchHint):
+            for e in r.experts:
+                hint_t.setdefault((r.layer, e), r.t)
+        elif isinstance(r, ReadExpert) and r.cls is ReadClass.PREFETCH:
+            assert (r.layer, r.expert) in hint_t and hint_t[(r.layer, r.expert)] <= r.t  # hint before read
+            read_t[(r.layer, r.expert)] = r.t
+        elif isinstance(r, ReadDone) and (r.layer, r.expert) in read_t:
+            assert read_t[(r.layer, r.expert)] <= r.issued_t <= r.started_t <= r.t
+        elif isinstance(r, Granted):
+            for e in r.experts:
+                if (r.layer, e) in read_t:
+                    assert read_t[(r.layer, e)] <= r.t  # the prefetch was issued before the grant that used it
+                    checked += 1
+    assert checked > 0
