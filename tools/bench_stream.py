@@ -438,6 +438,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--bw-seconds", type=float, default=1.5)
     ap.add_argument("--no-allhit", action="store_true", help="skip the all-hit engine")
     ap.add_argument("--no-prefetch", action="store_true", help="skip the prefetch engine")
+    ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="another config field of the prefetch run, e.g. predict.stage_global_budget_experts=0")
     ap.add_argument("--side", type=int, default=16, help="pool.side_region_slots of the prefetch run (default 16)")
     ap.add_argument("--width", type=int, default=12, help="predict.width_experts of the prefetch run (default 12)")
     ap.add_argument("--per-layer-budget", type=int, default=12,
@@ -481,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         engines["prefetch"] = qnpipe.Engine(
             model_dir, expert_slots=slots, prefill_chunk_tokens=0, **read,
             **{"predict.cross_layer_prefetch": True, "pool.side_region_slots": args.side,
-               "predict.width_experts": args.width, "predict.per_layer_budget_experts": args.per_layer_budget})
+               "predict.width_experts": args.width, "predict.per_layer_budget_experts": args.per_layer_budget,
+               **dict(kv.split("=", 1) for kv in args.prefetch_set)})
     try:
         margs = engines["resident"].args
         k = margs.num_experts_per_tok
@@ -587,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
             "hints_dropped_budget": pf_pool.hints_dropped_budget, "hints_dropped_full": pf_pool.hints_dropped_full,
             "overhead_frac_prefetch": rnd(med([p_["overhead"] / p_["wall"] for p_ in runs["prefetch"]])),
             "prefetch_settings": {"side_region_slots": args.side, "width_experts": args.width,
-                                  "per_layer_budget_experts": args.per_layer_budget},
+                                  "per_layer_budget_experts": args.per_layer_budget,
+                                  **dict(kv.split("=", 1) for kv in args.prefetch_set)},
         }
     out: dict[str, Any] = {
         "bench": "stream",
