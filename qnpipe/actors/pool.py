@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from qnpipe.actors.stamp import Stamper, drain
+from qnpipe.actors.stamp import Stamper, drain, send_soon
 from qnpipe.messages import (
     Acquire,
     ForwardDone,
@@ -57,18 +57,12 @@ async def pool(
                       generations=tuple(g.generations), hits=g.hits, misses=g.misses, waited_s=now - g.asked_t)
         if emit is not None:
             emit(msg)
-        try:
-            to_forward.send_nowait(msg)
-        except trio.WouldBlock:
-            await to_forward.send(msg)
+        await send_soon(to_forward, msg)
 
     async def send(req: ReadInbox) -> None:
         if emit is not None:
             emit(req)
-        try:
-            to_reads.send_nowait(req)
-        except trio.WouldBlock:
-            await to_reads.send(req)
+        await send_soon(to_reads, req)
 
     async def read(layer: int, loads: list[Load]) -> None:
         # All of a step's misses reach the scheduler before it runs, so they go out as one batch.

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from qnpipe.actors.stamp import Stamper, drain
+from qnpipe.actors.stamp import Stamper, drain, send_soon
 from qnpipe.io.device import ExpertDevice
 from qnpipe.messages import Msg, PoolInbox, Promote, ReadDone, ReadExpired, ReadInbox
 from qnpipe.policy.read_queue import Job, ReadQueue
@@ -63,10 +63,7 @@ async def read_scheduler(
             stats.bytes_read += n
             done = ReadDone(**st.stamp(), layer=job.layer, expert=job.expert, slot=job.slot, nbytes=n,
                             issued_t=issued.pop(job.key), started_t=started)
-            try:  # the channel's bound is proven (engine.open_pipeline): this rarely waits
-                to_pool.send_nowait(done)
-            except trio.WouldBlock:
-                await to_pool.send(done)
+            await send_soon(to_pool, done)  # the channel's bound is proven (engine.open_pipeline)
         dispatch()
 
     async with inbox, to_pool, trio.open_nursery() as nursery:
