@@ -236,3 +236,24 @@ def test_any_value_for_any_toml_field(tmp_path: Path, field: str, value: str) ->
     p = tmp_path / "c.toml"
     p.write_text(f"[{section}]\n{name} = {value}\n")
     _only_ours(lambda: config.load(p, env={}))
+
+
+@FUZZ
+@given(data=st.binary(max_size=400), edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)),
+                                                     max_size=8), cut=st.none() | st.integers(0, 10_000))
+def test_heat_file_bytes_give_counts_or_one_warning(tmp_path: Path, data: bytes, edits: list[tuple[int, int]],
+                                                    cut: int | None) -> None:
+    """Random bytes, or a valid heat file mutated, as the autopin heat file: counts or a warning, never an error."""
+    from qnpipe.io.heat_file import HeatFileWarning, encode_heat, load_heat
+
+    good = encode_heat("m1", {0: {1: 5, 2: 3}, 3: {7: 1}})
+    for raw in (data, _mutate(good, edits, cut)):
+        p = tmp_path / "pool_usage.json"
+        p.write_bytes(raw)
+        with within(10), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            counts = load_heat(p, "m1")
+        assert isinstance(counts, dict)
+        if seen:
+            assert len(seen) == 1 and issubclass(seen[0].category, HeatFileWarning) and str(p) in str(seen[0].message)
+            assert counts == {}
