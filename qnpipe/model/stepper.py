@@ -104,6 +104,8 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
                                  np.array(scores.astype(mx.float32)).reshape(-1, k))
         y = yield from _run_parts(slots[i], x, inds.shape, grant)
         h = h + moe.combine(x, y, scores)
+        # Start computing this layer while Python builds the next one up to its router.
+        mx.async_eval(h)
     return m.norm(h)
 
 
