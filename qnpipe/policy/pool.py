@@ -54,7 +54,9 @@ class PrefetchBudgets:
 
     per_layer: int = 4  # prefetches issued per (step, target layer)
     global_reads: int = 64  # prefetch reads issued and not finished, all layers
-    global_unused: int = 64  # prefetched experts in side regions not used yet, all layers
+    # prefetches issued during the current forward step and not used yet, all layers; older
+    # unused ones are just cached side-region entries and do not count (they would fill it for good)
+    global_unused: int = 64
     per_hint: int | None = None  # read.prefetch_budget_experts
     window_layers: int = 0  # targets more than this many MoE layers ahead are dropped (0 = no limit)
 
@@ -110,6 +112,7 @@ class PoolPolicy:
     fates: dict[int, dict[int, HintFate]] = attrs.field(factory=dict)  # since the layer's last acquire
     hinted: dict[int, set[int]] = attrs.field(factory=dict)
     unused: dict[tuple[int, int], bool] = attrs.field(factory=dict)  # prefetched, not used yet
+    step_unused: set[tuple[int, int]] = attrs.field(factory=set)  # ... of them issued in the current step
     issued_per_step: dict[tuple[int, int], int] = attrs.field(factory=dict)
     used_before: dict[int, set[int]] = attrs.field(factory=dict)
     prefetch_reads_out: int = 0
@@ -215,6 +218,7 @@ class PoolPolicy:
         if self.recall_samples is not None and self.predicting:
             self.recall_samples.append((layer, len(experts), predicted))
         for e in experts:
+            self.step_unused.discard((layer, e))
             if self.unused.pop((layer, e), None) is not None:
                 self.prefetches_used += 1
             if e not in missing:
@@ -265,7 +269,7 @@ class PoolPolicy:
             over = ((b.window_layers and ahead > b.window_layers)
                     or self.issued_per_step.get(key, 0) >= b.per_layer
                     or self.prefetch_reads_out >= b.global_reads
-                    or len(self.unused) >= b.global_unused
+                    or len(self.step_unused) >= b.global_unused
                     or (b.per_hint is not None and len(loads) >= b.per_hint))
             ld = None if over else side.prefetch(e)
             if ld is None:
@@ -275,6 +279,7 @@ class PoolPolicy:
             if ld.evicted >= 0:
                 self._wasted(layer, ld.evicted)
             fates[e] = HintFate.ISSUED
+            self.step_unused.add((layer, e))
             self.issued_per_step[key] = self.issued_per_step.get(key, 0) + 1
             self.prefetch_reads_out += 1
             self.prefetches_issued += 1
@@ -282,6 +287,7 @@ class PoolPolicy:
         return loads
 
     def _wasted(self, layer: int, expert: int) -> None:
+        self.step_unused.discard((layer, expert))
         if self.unused.pop((layer, expert), None) is not None:
             self.wasted_bytes += self.record_nbytes[layer]
             self.fates.setdefault(layer, {})[expert] = HintFate.EVICTED
@@ -295,6 +301,7 @@ class PoolPolicy:
             return True
         table, local = self._table_of(layer, slot)
         table.cancel_load(expert, local)
+        self.step_unused.discard((layer, expert))
         self.fates.setdefault(layer, {})[expert] = HintFate.EXPIRED
         return False
 
@@ -374,6 +381,7 @@ class PoolPolicy:
         for t in self.tables.values():
             t.forward_done()
         self.issued_per_step.clear()
+        self.step_unused.clear()
         for layer, side in self.sides.items():
             side.forward_done()
             if not self.side_persistent:  # the side region holds one step's speculation only
