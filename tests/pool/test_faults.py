@@ -110,7 +110,8 @@ def test_corrupt_record_is_caught_on_a_streamed_read(reference, tmp_path: Path) 
             lf = store.layer_file(layer)
         # Which experts does this prompt read at that layer? Corrupt one of them.
         probe = SlowReader(workers=2)
-        with qnpipe.Engine(copy, expert_slots=64, reader=probe) as eng:
+        # Autopin off: its pins would read the corrupt record at start-up, before generate.
+        with qnpipe.Engine(copy, expert_slots=64, reader=probe, **_opt("pool.autopin", False)) as eng:
             eng.generate(PROMPT, max_tokens=4, stop_at_eos=False)
         expert = rng.choice(sorted({e for (ly, e) in probe.asked if ly == layer}))
         path = copy / "experts" / lf.file
@@ -120,7 +121,8 @@ def test_corrupt_record_is_caught_on_a_streamed_read(reference, tmp_path: Path) 
             b = f.read(1)
             f.seek(off)
             f.write(bytes([b[0] ^ 0x40]))
-        with qnpipe.Engine(copy, expert_slots=64, **_opt("read.verify_crc32", True)) as eng, \
+        with qnpipe.Engine(copy, expert_slots=64, **_opt("read.verify_crc32", True),
+                           **_opt("pool.autopin", False)) as eng, \
                 pytest.raises(ReadError, match=rf"expert {expert} of layer {layer}: crc32 mismatch"):
             eng.generate(PROMPT, max_tokens=4, stop_at_eos=False)
 
