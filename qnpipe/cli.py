@@ -26,6 +26,7 @@ examples:
   qnpipe make-tiny ./tiny --layout mlx --bits 4
   qnpipe convert ./Qwen3-Next-80B-A3B-Instruct --out ./qn80b-4bit --bits 4
   qnpipe verify-store ./qn80b-4bit
+  qnpipe replay run.qtrace --set pool.expert_slots=16     what-if on a log of generate --trace
 
 Configuration: defaults < --config FILE.toml < QNPIPE_* / legacy environment names < flags.
 Any setting can be given with --set SECTION.FIELD=VALUE (see docs/config.md).
@@ -464,7 +465,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         nbytes = int(own["replay"]["record_nbytes"]) if "record_nbytes" in own["replay"] else None
     except (msgspec.ValidationError, ValueError) as e:
         raise QnpipeError(f"--set: {e}") from None
-    report = replay(args.log, cfg, device_profile=device, cost=cost, record_nbytes=nbytes)
+    report = replay(args.log, cfg, device_profile=device, cost=cost, record_nbytes=nbytes, predictor=args.predict)
     print(to_json(report).decode() if args.json else describe(report))
     return 0
 
@@ -590,6 +591,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("log", metavar="LOG", help="event log (qnpipe generate --trace), docs/trace-format.md")
     r.add_argument("--device", default="apple-m5-internal", metavar="NAME",
                    help="built-in device profile the device.* settings start from (default %(default)s)")
+    r.add_argument("--predict", choices=["none", "previous"], default="none",
+                   help="none = demand reads only (default); previous = model-free prefetch: each MoE layer "
+                   "hints that the next routes as the previous token did (turns predict.cross_layer_prefetch on)")
     r.add_argument("--json", action="store_true", help="print the report as one JSON object")
     _add_config_flags(r, prefill=False, example="pool.expert_slots=16")
     r.set_defaults(func=cmd_replay)

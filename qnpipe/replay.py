@@ -22,7 +22,7 @@ import numpy as np
 import trio
 import trio.testing
 
-from qnpipe.config import Config
+from qnpipe.config import Config, with_overrides
 from qnpipe.engine import layer_capacities, open_pipeline
 from qnpipe.errors import ConfigError, TraceSchemaError
 from qnpipe.io.simssd import PROFILES, DeviceProfile, open_simssd
@@ -31,6 +31,8 @@ from qnpipe.model.stepper import Event, LayerRoute, PartDone, PartGrant, StepDon
 from qnpipe.policy.belady import belady_hits
 from qnpipe.policy.parts import plan_parts
 from qnpipe.trace import Header, ModelShape, Route, read
+
+PREDICTORS = ("none", "previous")
 
 
 class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -55,6 +57,7 @@ class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
     """What a replay measured, in virtual time (`steps` forwards: prefill chunks and decode steps)."""
 
     log: str
+    predictor: str
     device: DeviceProfile
     cost: CostModel
     capacities: dict[int, int]
@@ -137,16 +140,28 @@ class LogBackend:
     """The forward's `Backend` over recorded routes: begin -> the first MoE layer's route,
     resume -> the modelled compute then the next route, `StepDone` after the last layer."""
 
-    def __init__(self, log: ReplayLog, cost: CostModel) -> None:
+    def __init__(self, log: ReplayLog, cost: CostModel, *, predict_previous: bool = False) -> None:
         self._log = log
         self._cost = cost
         self._step = -1
         self._i = 0
         self.tokens = 0
+        self._previous = predict_previous
 
     def _route(self) -> LayerRoute:
-        layer, experts = self._log.steps[self._step][self._i]
-        return LayerRoute(layer, np.asarray(experts, dtype=np.int64).reshape(-1, self._log.shape.top_k))
+        step = self._log.steps[self._step]
+        layer, experts = step[self._i]
+        k = self._log.shape.top_k
+        ids = np.asarray(experts, dtype=np.int64).reshape(-1, k)
+        preds: tuple[tuple[int, np.ndarray, np.ndarray], ...] = ()
+        if self._previous and self._step > 0 and self._i + 1 < len(step):
+            # Model-free: the next layer will route as the previous token (last of the previous step) did.
+            target = step[self._i + 1][0]
+            before = dict(self._log.steps[self._step - 1]).get(target)
+            if before is not None:
+                guess = np.tile(np.asarray(before[-k:], dtype=np.int64), (len(ids), 1))
+                preds = ((target, guess, np.ones(guess.shape, dtype=np.float32)),)
+        return LayerRoute(layer, ids, preds)
 
     async def begin(self, inputs: Any, cache: Any, tail: Tail) -> Event:
         self._step += 1
@@ -178,13 +193,22 @@ def _belady(log: ReplayLog, caps: dict[int, int]) -> dict[int, tuple[int, int]]:
 
 
 def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile | str = "apple-m5-internal",
-           cost: CostModel | None = None, record_nbytes: int | None = None) -> ReplayReport:
+           cost: CostModel | None = None, record_nbytes: int | None = None,
+           predictor: str = "none") -> ReplayReport:
     """Replay `log_path` under `cfg`'s pool and read settings on a simulated device (see the module doc).
+
+    `predictor`: "none" (demand only) or "previous" (model-free: each MoE layer hints that the
+    next layer routes as the previous token did; turns `predict.cross_layer_prefetch` on, with
+    the config's prefetch budgets and side region).
 
     `record_nbytes` is the bytes of one expert record; by default the largest `read.done`
     of each layer in the log (a routing log has none: then it must be given).
     """
     cost = cost if cost is not None else CostModel()
+    if predictor not in PREDICTORS:
+        raise ConfigError(f"predictor {predictor!r}: unknown, known: {', '.join(PREDICTORS)}")
+    if predictor == "previous":
+        cfg = with_overrides(cfg, {"predict.cross_layer_prefetch": True})
     if isinstance(device_profile, str):
         if device_profile not in PROFILES:
             raise ConfigError(f"device profile {device_profile!r}: unknown, known: {sorted(PROFILES)}")
@@ -207,7 +231,7 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
     profile = device_profile
 
     async def main() -> ReplayReport:
-        backend = LogBackend(log, cost)
+        backend = LogBackend(log, cost, predict_previous=predictor == "previous")
         t0 = trio.current_time()
         async with open_simssd(profile, nbytes) as dev, \
                 open_pipeline(cfg, backend, num_experts=log.shape.num_experts, capacities=caps, device=dev,
@@ -232,7 +256,7 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
             layers.append(LayerReport(layer=layer, requests=c.hits + c.misses, hits=c.hits,
                                       hit_rate=_ratio(c.hits, c.hits + c.misses), belady_hit_rate=_ratio(bh, req)))
         return ReplayReport(
-            log=str(log_path), device=profile, cost=cost, capacities=caps, steps=steps, tokens=backend.tokens,
+            log=str(log_path), predictor=predictor, device=profile, cost=cost, capacities=caps, steps=steps, tokens=backend.tokens,
             virtual_s=elapsed, tok_s=_ratio(steps, elapsed), hit_rate=_ratio(hits, hits + misses),
             misses_by_cause=dict(sorted(causes.items())), bytes_per_token=dev.stats.bytes_read / steps,
             stall_s_per_token=stats.stall_s / steps, device_utilisation=_ratio(dev.stats.busy_s, elapsed),
@@ -262,5 +286,5 @@ def to_json(r: ReplayReport) -> bytes:
     return msgspec.json.encode(r)
 
 
-__all__ = ["CostModel", "LayerReport", "LogBackend", "ReplayLog", "ReplayReport", "describe", "load_log",
+__all__ = ["PREDICTORS", "CostModel", "LayerReport", "LogBackend", "ReplayLog", "ReplayReport", "describe", "load_log",
            "replay", "replay_capacities", "to_json"]

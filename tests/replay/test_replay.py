@@ -129,3 +129,36 @@ def test_simssd_serves_queue_depth_at_once_and_completes_in_a_fixed_order() -> N
 def test_belady_equals_the_brute_force_optimum(cap: int, reqs: list[set[int]]) -> None:
     seq = [sorted(r) for r in reqs]
     assert belady_hits(seq, cap) == brute_force_hits(seq, cap)
+
+
+def test_previous_token_predictor_replays_deterministically(logged: tuple[Path, dict[str, object]]) -> None:
+    path, _ = logged
+    cfg = _cfg(**{"pool.side_region_slots": "2"})
+    a, b = (replay(path, cfg, predictor="previous") for _ in range(2))
+    assert to_json(a) == to_json(b) and a.predictor == "previous"
+    demand = replay(path, cfg)
+    total = sum(x.requests - x.hits for x in a.layers)
+    assert sum(a.misses_by_cause.values()) == total and "capacity" not in a.misses_by_cause  # predicting causes
+    assert "capacity" in demand.misses_by_cause
+    with pytest.raises(ConfigError, match="predictor 'oracle'"):
+        replay(path, cfg, predictor="oracle")
+
+
+def test_replay_help_teaches_with_an_example(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["replay", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: qnpipe replay" in out and "examples:" in out and "qnpipe replay run.qtrace" in out
+
+
+def test_cli_replay_json_and_bad_settings(logged: tuple[Path, dict[str, object]],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = logged
+    assert main(["replay", str(path), "--json", "--set", f"pool.expert_slots={SLOTS}"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["device"]["bandwidth_bytes_per_s"] == 6.8e9 and len(rep["layers"]) == 3
+    assert main(["replay", str(path), "--set", "device.queue_depth=0"]) == 2
+    assert "queue_depth=0" in capsys.readouterr().err
+    assert main(["replay", str(path), "--device", "floppy"]) == 2
+    assert "apple-m5-internal" in capsys.readouterr().err
