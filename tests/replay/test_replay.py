@@ -7,13 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qnpipe import config
+from qnpipe import config, trace
 from qnpipe.cli import main
 from qnpipe.errors import ConfigError, TraceSchemaError
 from qnpipe.io.simssd import DeviceProfile, open_simssd
@@ -93,6 +94,35 @@ def test_truncated_log_fails_naming_the_record(logged: tuple[Path, dict[str, obj
     assert main(["replay", str(bad)]) == 2
 
 
+def test_a_route_that_does_not_fit_the_header_fails_naming_the_record(tmp_path: Path) -> None:
+    shape = trace.ModelShape(num_layers=2, moe_layers=(0, 1), num_experts=8, top_k=2, hidden_size=4)
+    path = tmp_path / "bad.qtrace"
+    w = trace.TraceWriter(path, trace.Header(schema_version=1, fingerprint="x", model=shape, clock_start_t=0.0,
+                                              wall_start_unix_s=0.0, contents="routes", capacities={0: 4, 1: 4}))
+    w.write(trace.Route(t=0.0, seq=0, step=1, layer=0, top_k=2, experts=(1, 2)))
+    w.write(trace.Route(t=0.0, seq=1, step=1, layer=1, top_k=2, experts=(1, 9)))
+    w.close(0, 0.0)
+    with pytest.raises(TraceSchemaError, match=r"record 2 \(trace.route step 1\): an expert id outside 0..7"):
+        replay(path, _cfg(), record_nbytes=10)
+
+
+def test_a_routing_log_replays_given_the_record_size(logged: tuple[Path, dict[str, object]], tmp_path: Path) -> None:
+    path, _ = logged
+    routes = tmp_path / "routes.qtrace"
+    header, records = trace.read(path)
+    w = trace.TraceWriter(routes, msgspec.structs.replace(header, contents="routes"))
+    for r in records:
+        if isinstance(r, trace.Route):
+            w.write(r)
+    w.close(0, 0.0)
+    with pytest.raises(ConfigError, match="record_nbytes"):
+        replay(routes, _cfg())
+    full = replay(path, _cfg())
+    nbytes = int(full.bytes_per_token * full.steps) // full.reads
+    again = replay(routes, _cfg(), record_nbytes=nbytes)
+    assert to_json(msgspec.structs.replace(again, log="")) == to_json(msgspec.structs.replace(full, log=""))
+
+
 def test_a_log_of_another_model_shape_fails_before_replay(logged: tuple[Path, dict[str, object]],
                                                            tmp_path: Path) -> None:
     path, _ = logged
@@ -122,6 +152,25 @@ def test_simssd_serves_queue_depth_at_once_and_completes_in_a_fixed_order() -> N
     assert len(runs) == 1
     # 1 MB = 0.5 + 0.25 + 1 s; 2 MB = 0.5 + 0.5 + 2 s; two in service, the rest FIFO
     assert runs.pop() == ((1.75, 0), (3.0, 1), (3.5, 2), (4.75, 3), (5.25, 4))
+
+
+def test_simssd_same_finish_times_complete_in_submission_order_and_busy_time_is_exact() -> None:
+    prof = DeviceProfile(bandwidth_bytes_per_s=1e6, latency_s=0.0, queue_depth=8)
+
+    async def main_() -> tuple[list[int], float, int]:
+        order: list[int] = []
+        async with open_simssd(prof, {0: 1_000_000}) as dev, trio.open_nursery() as n:
+            async def one(i: int) -> None:
+                await dev.read([Job(0, i, i), Job(0, i + 100, i + 100)])  # a batch of two
+                order.append(i)
+            for i in range(6):
+                n.start_soon(one, i)
+                await trio.lowlevel.checkpoint()
+        assert trio.current_time() == 2.0  # 12 reads of 1 s, 8 at once: 8 end at 1 s, 4 at 2 s
+        return order, dev.stats.busy_s, dev.stats.peak_in_service
+
+    runs = {repr(trio.run(main_, clock=trio.testing.MockClock(autojump_threshold=0))) for _ in range(30)}
+    assert runs == {repr(([0, 1, 2, 3, 4, 5], 2.0, 8))}
 
 
 @settings(max_examples=200, deadline=None)
