@@ -239,6 +239,7 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
             for _ in log.steps:
                 await p.forward.run(None, None, lambda h: None)
             elapsed = trio.current_time() - t0
+            busy = dev.busy_s()
             assert p.policy is not None
             counters = dict(p.policy.counters)
             stats = p.forward.stats
@@ -259,7 +260,7 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
             log=str(log_path), predictor=predictor, device=profile, cost=cost, capacities=caps, steps=steps, tokens=backend.tokens,
             virtual_s=elapsed, tok_s=_ratio(steps, elapsed), hit_rate=_ratio(hits, hits + misses),
             misses_by_cause=dict(sorted(causes.items())), bytes_per_token=dev.stats.bytes_read / steps,
-            stall_s_per_token=stats.stall_s / steps, device_utilisation=_ratio(dev.stats.busy_s, elapsed),
+            stall_s_per_token=stats.stall_s / steps, device_utilisation=_ratio(busy, elapsed),
             reads=dev.stats.reads, layers=layers)
 
     return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -52,7 +52,7 @@ class DeviceProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 PROFILES: dict[str, DeviceProfile] = {
-    # Apple M5 internal SSD, measured by the sibling project: ~6.8 GB/s, 36 us + 49 us per MB, 8 in flight.
+    # Apple M5 internal SSD, the figures of issue 11: ~6.8 GB/s, 36 us + 49 us per MB, 8 in flight.
     "apple-m5-internal": DeviceProfile(bandwidth_bytes_per_s=6.8e9, latency_s=36e-6, per_mb_latency_s=49e-6,
                                        queue_depth=8),
 }
@@ -69,7 +69,7 @@ class _Batch:
 class SimStats:
     reads: int = 0
     bytes_read: int = 0
-    busy_s: float = 0.0  # time with at least one read in service
+    busy_s: float = 0.0  # time with at least one read in service (closed intervals: see SimSSD.busy_s)
     service_s: float = 0.0  # sum of every read's service time
     peak_in_service: int = 0
     peak_waiting: int = 0
@@ -100,6 +100,11 @@ class SimSSD:
 
     def statistics(self) -> None:
         return None
+
+    def busy_s(self) -> float:
+        """Seconds so far with at least one read in service (including the interval still open)."""
+        open_s = trio.current_time() - self._busy_since if self._busy_since is not None else 0.0
+        return self.stats.busy_s + open_s
 
     def _admit(self, now: float) -> None:
         while self._waiting and len(self._heap) < self.profile.queue_depth:
