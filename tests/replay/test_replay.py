@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +71,8 @@ def test_same_log_and_config_give_byte_identical_reports(logged: tuple[Path, dic
     assert len(runs) == 1
     cmd = [sys.executable, "-m", "qnpipe", "replay", str(path), "--json", "--set", f"pool.expert_slots={SLOTS}",
            "--set", "device.queue_depth=2", "--set", "cost.per_layer_s=0.0001"]
-    outs = {subprocess.run(cmd, check=True, capture_output=True).stdout for _ in range(2)}
+    outs = {subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+            for seed in ("1", "2")}
     assert len(outs) == 1
     assert json.loads(outs.pop())["device"]["queue_depth"] == 2
 
