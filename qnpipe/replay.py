@@ -1,0 +1,291 @@
+"""Replay a routing or event log through the real pool and read scheduler, in virtual time.
+
+    report = replay("run.qtrace", cfg, device_profile=PROFILES["apple-m5-internal"],
+                    cost=CostModel(per_layer_s=2e-3, per_token_s=0.0))
+
+The log's `trace.route` records drive a `LogBackend` (the forward's `Backend` seam) step by
+step; each layer's compute is modelled (`await trio.sleep(cost)`), reads go to a `SimSSD`,
+and the run happens under `MockClock(autojump_threshold=0)` (style §7.4): no model, no
+MLX work, no threads, the same report on every run. The pool and read scheduler are the
+live actors (`qnpipe.engine.open_pipeline`), so hit rates and miss causes are the
+policy's own. Each layer's Belady optimum (`qnpipe.policy.belady`) is reported beside it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, cast
+
+import msgspec
+import numpy as np
+import trio
+import trio.testing
+
+from qnpipe.config import Config, with_overrides
+from qnpipe.engine import layer_capacities, open_pipeline
+from qnpipe.errors import ConfigError, TraceSchemaError
+from qnpipe.io.simssd import PROFILES, DeviceProfile, open_simssd
+from qnpipe.messages import ReadDone
+from qnpipe.model.stepper import Event, LayerRoute, PartDone, PartGrant, StepDone, Tail
+from qnpipe.policy.belady import belady_hits
+from qnpipe.policy.parts import plan_parts
+from qnpipe.trace import Header, ModelShape, Route, read
+
+PREDICTORS = ("none", "previous")
+
+
+class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Modelled compute: each MoE layer part takes `per_layer_s + per_token_s * tokens`."""
+
+    per_layer_s: float = 2e-3
+    per_token_s: float = 0.0
+
+    def layer_s(self, tokens: int) -> float:
+        return self.per_layer_s + self.per_token_s * tokens
+
+
+class LayerReport(msgspec.Struct, frozen=True, kw_only=True):
+    layer: int
+    requests: int  # experts acquired (one per distinct expert of each part)
+    hits: int
+    hit_rate: float
+    belady_hit_rate: float
+
+
+class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a replay measured, in virtual time (`steps` forwards: prefill chunks and decode steps)."""
+
+    log: str
+    predictor: str
+    device: DeviceProfile
+    cost: CostModel
+    capacities: dict[int, int]
+    steps: int
+    tokens: int
+    virtual_s: float
+    tok_s: float  # steps per virtual second
+    hit_rate: float
+    misses_by_cause: dict[str, int]
+    bytes_per_token: float  # per step
+    stall_s_per_token: float  # per step
+    device_utilisation: float  # fraction of the virtual time with a read in service
+    reads: int
+    layers: list[LayerReport]
+
+
+class ReplayLog(msgspec.Struct, frozen=True, kw_only=True):
+    """A log's routes by step: `steps[i]` = ((layer, experts [N*k]), ...) in layer order."""
+
+    shape: ModelShape
+    steps: list[list[tuple[int, tuple[int, ...]]]]
+    record_nbytes: dict[int, int]  # from the log's read.done records (empty for a routing log)
+
+
+def load_log(path: str | Path) -> ReplayLog:
+    """The routes of a log, checked against its header's model shape (TraceSchemaError names the record)."""
+    header, records = read(path)
+    shape = _shape(path, header)
+    moe = set(shape.moe_layers)
+    by_step: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    nbytes: dict[int, int] = {}
+    for n, r in enumerate(records, start=1):
+        if isinstance(r, ReadDone):
+            nbytes[r.layer] = max(nbytes.get(r.layer, 0), r.nbytes)
+        if not isinstance(r, Route):
+            continue
+        why = None
+        if r.layer not in moe:
+            why = f"layer {r.layer} is not a MoE layer of the log's model {sorted(moe)}"
+        elif r.top_k != shape.top_k or not r.experts or len(r.experts) % r.top_k:
+            why = f"{len(r.experts)} experts at top_k={r.top_k} do not fit the model's top_k={shape.top_k}"
+        elif not all(0 <= e < shape.num_experts for e in r.experts):
+            why = f"an expert id outside 0..{shape.num_experts - 1}"
+        if why is not None:
+            raise TraceSchemaError(f"{path}: record {n} (trace.route step {r.step}): {why}")
+        by_step.setdefault(r.step, []).append((r.layer, r.experts))
+    if not by_step:
+        raise TraceSchemaError(f"{path}: no trace.route records to replay")
+    return ReplayLog(shape=shape, steps=[by_step[s] for s in sorted(by_step)], record_nbytes=nbytes)
+
+
+def _shape(path: str | Path, header: Header) -> ModelShape:
+    if header.model is None:
+        raise TraceSchemaError(f"{path}: record 0 (header) has no model shape: nothing to replay against")
+    return header.model
+
+
+def replay_capacities(cfg: Config, shape: ModelShape) -> dict[int, int]:
+    """The config's slots per MoE layer of the log's model; ConfigError when they do not fit its shape."""
+    args = _ShapeArgs(shape)
+    caps = layer_capacities(cfg, cast(Any, args))
+    if path := cfg.pool.capacity_profile_path:
+        given = {int(k) for k in json.loads(Path(path).read_text(encoding="utf-8"))["layer_caps"]}
+        if extra := sorted(given - set(shape.moe_layers)):
+            raise ConfigError(f"pool.capacity_profile_path={path}: layers {extra} are not MoE layers of the "
+                              f"log's model (MoE layers {list(shape.moe_layers)}): a profile for another model?")
+    return caps
+
+
+class _ShapeArgs:
+    """The three ModelArgs fields `layer_capacities` reads, from a log's ModelShape."""
+
+    def __init__(self, shape: ModelShape) -> None:
+        self.moe_layers = list(shape.moe_layers)
+        self.num_experts = shape.num_experts
+        self.num_experts_per_tok = shape.top_k
+
+
+class LogBackend:
+    """The forward's `Backend` over recorded routes: begin -> the first MoE layer's route,
+    resume -> the modelled compute then the next route, `StepDone` after the last layer."""
+
+    def __init__(self, log: ReplayLog, cost: CostModel, *, predict_previous: bool = False) -> None:
+        self._log = log
+        self._cost = cost
+        self._step = -1
+        self._i = 0
+        self.tokens = 0
+        self._previous = predict_previous
+
+    def _route(self) -> LayerRoute:
+        step = self._log.steps[self._step]
+        layer, experts = step[self._i]
+        k = self._log.shape.top_k
+        ids = np.asarray(experts, dtype=np.int64).reshape(-1, k)
+        preds: tuple[tuple[int, np.ndarray, np.ndarray], ...] = ()
+        if self._previous and self._step > 0 and self._i + 1 < len(step):
+            # Model-free: the next layer will route as the previous token (last of the previous step) did.
+            target = step[self._i + 1][0]
+            before = dict(self._log.steps[self._step - 1]).get(target)
+            if before is not None:
+                guess = np.tile(np.asarray(before[-k:], dtype=np.int64), (len(ids), 1))
+                preds = ((target, guess, np.ones(guess.shape, dtype=np.float32)),)
+        return LayerRoute(layer, ids, preds)
+
+    async def begin(self, inputs: Any, cache: Any, tail: Tail) -> Event:
+        self._step += 1
+        self._i = 0
+        self.tokens += len(self._log.steps[self._step][0][1]) // self._log.shape.top_k
+        return self._route()
+
+    async def resume(self, grant: PartGrant) -> Event:
+        await trio.sleep(self._cost.layer_s(grant.hi - grant.lo))
+        if not grant.last:
+            return PartDone()
+        self._i += 1
+        if self._i == len(self._log.steps[self._step]):
+            return StepDone(None)
+        return self._route()
+
+    async def abort(self) -> None:
+        pass
+
+
+def _belady(log: ReplayLog, caps: dict[int, int]) -> dict[int, tuple[int, int]]:
+    """Per layer (requests, Belady hits), the requests split into parts as the forward splits them."""
+    seqs: dict[int, list[tuple[int, ...]]] = {layer: [] for layer in caps}
+    for step in log.steps:
+        for layer, experts in step:
+            ids = np.asarray(experts, dtype=np.int64).reshape(-1, log.shape.top_k)
+            seqs[layer] += [tuple(ex) for _, _, ex in plan_parts(ids, caps[layer], layer=layer)]
+    return {layer: (sum(map(len, s)), belady_hits(s, caps[layer])) for layer, s in seqs.items()}
+
+
+def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile | str = "apple-m5-internal",
+           cost: CostModel | None = None, record_nbytes: int | None = None,
+           predictor: str = "none") -> ReplayReport:
+    """Replay `log_path` under `cfg`'s pool and read settings on a simulated device (see the module doc).
+
+    `predictor`: "none" (demand only) or "previous" (model-free: each MoE layer hints that the
+    next layer routes as the previous token did; turns `predict.cross_layer_prefetch` on, with
+    the config's prefetch budgets and side region).
+
+    `record_nbytes` is the bytes of one expert record; by default the largest `read.done`
+    of each layer in the log (a routing log has none: then it must be given).
+    """
+    cost = cost if cost is not None else CostModel()
+    if predictor not in PREDICTORS:
+        raise ConfigError(f"predictor {predictor!r}: unknown, known: {', '.join(PREDICTORS)}")
+    if predictor == "previous":
+        cfg = with_overrides(cfg, {"predict.cross_layer_prefetch": True})
+    if isinstance(device_profile, str):
+        if device_profile not in PROFILES:
+            raise ConfigError(f"device profile {device_profile!r}: unknown, known: {sorted(PROFILES)}")
+        device_profile = PROFILES[device_profile]
+    try:
+        device_profile.check()
+    except ValueError as e:
+        raise ConfigError(f"device profile: {e}") from None
+    log = load_log(log_path)
+    caps = replay_capacities(cfg, log.shape)
+    if record_nbytes is not None:
+        nbytes = dict.fromkeys(caps, record_nbytes)
+    elif set(caps) <= set(log.record_nbytes):
+        nbytes = {layer: log.record_nbytes[layer] for layer in caps}
+    else:
+        raise ConfigError(f"{log_path}: the log has no read.done record of layers "
+                          f"{sorted(set(caps) - set(log.record_nbytes))}: give the record size "
+                          f"(record_nbytes, --set replay.record_nbytes=N)")
+    belady = _belady(log, caps)
+    profile = device_profile
+
+    async def main() -> ReplayReport:
+        backend = LogBackend(log, cost, predict_previous=predictor == "previous")
+        t0 = trio.current_time()
+        async with open_simssd(profile, nbytes) as dev, \
+                open_pipeline(cfg, backend, num_experts=log.shape.num_experts, capacities=caps, device=dev,
+                              record_nbytes=nbytes, shape=log.shape) as p:
+            for _ in log.steps:
+                await p.forward.run(None, None, lambda h: None)
+            elapsed = trio.current_time() - t0
+            busy = dev.busy_s()
+            assert p.policy is not None
+            counters = dict(p.policy.counters)
+            stats = p.forward.stats
+        steps = len(log.steps)
+        hits = sum(c.hits for c in counters.values())
+        misses = sum(c.misses for c in counters.values())
+        causes: dict[str, int] = {}
+        for c in counters.values():
+            for k, v in c.causes.items():
+                causes[str(k)] = causes.get(str(k), 0) + v
+        layers = []
+        for layer in sorted(caps):
+            c = counters[layer]
+            req, bh = belady[layer]
+            layers.append(LayerReport(layer=layer, requests=c.hits + c.misses, hits=c.hits,
+                                      hit_rate=_ratio(c.hits, c.hits + c.misses), belady_hit_rate=_ratio(bh, req)))
+        return ReplayReport(
+            log=str(log_path), predictor=predictor, device=profile, cost=cost, capacities=caps, steps=steps, tokens=backend.tokens,
+            virtual_s=elapsed, tok_s=_ratio(steps, elapsed), hit_rate=_ratio(hits, hits + misses),
+            misses_by_cause=dict(sorted(causes.items())), bytes_per_token=dev.stats.bytes_read / steps,
+            stall_s_per_token=stats.stall_s / steps, device_utilisation=_ratio(busy, elapsed),
+            reads=dev.stats.reads, layers=layers)
+
+    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def describe(r: ReplayReport) -> str:
+    """The report as a table for a terminal."""
+    lines = [f"replay of {r.log}: {r.steps} steps ({r.tokens} tokens) in {r.virtual_s:.4f} virtual s",
+             f"  {r.tok_s:.2f} steps/s, hit rate {r.hit_rate:.3f}, misses {r.misses_by_cause or '{}'}",
+             f"  {r.bytes_per_token / 2**20:.3f} MiB read and {r.stall_s_per_token * 1e3:.3f} ms stalled per step, "
+             f"device busy {r.device_utilisation:.1%} ({r.reads} reads)",
+             f"  {'layer':>5} {'slots':>5} {'requests':>8} {'hits':>6} {'hit rate':>8} {'belady':>7}"]
+    lines += [f"  {x.layer:>5} {r.capacities[x.layer]:>5} {x.requests:>8} {x.hits:>6} {x.hit_rate:>8.3f} "
+              f"{x.belady_hit_rate:>7.3f}" for x in r.layers]
+    return "\n".join(lines)
+
+
+def to_json(r: ReplayReport) -> bytes:
+    """The report as JSON: fields in declaration order, dicts in insertion order (sorted when built)."""
+    return msgspec.json.encode(r)
+
+
+__all__ = ["PREDICTORS", "CostModel", "LayerReport", "LogBackend", "ReplayLog", "ReplayReport", "describe", "load_log",
+           "replay", "replay_capacities", "to_json"]
