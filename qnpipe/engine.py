@@ -16,6 +16,7 @@ expert store) there are no actors: the forward runs the model straight through.
 from __future__ import annotations
 
 import json
+import time
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -266,7 +267,7 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
                         device: ExpertDevice | None, record_nbytes: dict[int, int] | None = None,
                         check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None = None,
                         autopin: Autopin | None = None, shape: ModelShape | None = None,
-                        ) -> AsyncIterator[Pipeline]:
+                        wall_start_unix_s: float = 0.0) -> AsyncIterator[Pipeline]:
     """Start the actors (none when `capacities` is None: all resident) and yield the pipeline.
 
     With `trace.event_log_path` (or `trace.route_trace`) set, a recorder per log gets every
@@ -283,7 +284,8 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
     # A layer-step emits a few records per expert it reads, and the forward yields to the
     # recorder at least once per layer-step: 8 per slot (at least 4096) never fills.
     size = max(4096, 8 * sum((capacities or {}).values()))
-    async with open_recording(cfg, shape=shape, capacities=capacities, channel_size=size) as emit:
+    async with open_recording(cfg, shape=shape, capacities=capacities, channel_size=size,
+                              wall_start_unix_s=wall_start_unix_s) as emit:
         async with _open_actors(cfg, backend, num_experts=num_experts, capacities=capacities, device=device,
                                 record_nbytes=record_nbytes, check_bytes=check_bytes, autopin=autopin,
                                 emit=emit) as p:
@@ -371,7 +373,7 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
     st = core.streaming
     if st is None:
         async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=None,
-                                 device=None, shape=ModelShape.of(core.args)) as p:
+                                 device=None, shape=ModelShape.of(core.args), wall_start_unix_s=time.time()) as p:
             yield p
         return
     device = StoreDevice(st.store, st.reader, lambda layer, slot: st.slots[layer].dest(slot),
@@ -386,7 +388,8 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
         async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=st.capacities,
                                  device=device, record_nbytes=nbytes,
                                  check_bytes=check_bytes if core.cfg.read.verify_hit_bytes else None,
-                                 autopin=autopin, shape=ModelShape.of(core.args)) as p:
+                                 autopin=autopin, shape=ModelShape.of(core.args),
+                                 wall_start_unix_s=time.time()) as p:
             yield p
     finally:
         device.close()

@@ -17,7 +17,6 @@ With no trace configured, `open_recording` yields None and no recorder runs.
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -131,8 +130,11 @@ def _route_filter(layers: tuple[int, ...]) -> Callable[[Msg], bool]:
 
 @asynccontextmanager
 async def open_recording(cfg: Config, *, shape: ModelShape | None, capacities: dict[int, int] | None,
-                         channel_size: int) -> AsyncIterator[Emitter | None]:
+                         channel_size: int, wall_start_unix_s: float = 0.0) -> AsyncIterator[Emitter | None]:
     """Start a recorder per configured log and yield the `Emitter` for the actors (None: nothing configured).
+
+    `wall_start_unix_s` goes in the header for humans only; the caller reads the wall clock
+    (the live engine does, replay leaves 0), so nothing here depends on it.
 
     `trace.event_log_path` gets every event; `trace.route_trace` writes `trace.route_trace_path`
     with only the `Route` records of `trace.route_trace_layers` (empty = all layers). Leaving
@@ -148,12 +150,11 @@ async def open_recording(cfg: Config, *, shape: ModelShape | None, capacities: d
         yield None
         return
     fingerprint = cfg.fingerprint()
-    wall = time.time()  # the one wall-clock reading: for humans, in the header only
     sinks: list[_Sink] = []
     try:
         for path, contents, accept, layers in wanted:
             header = Header(schema_version=SCHEMA_VERSION, fingerprint=fingerprint, model=shape,
-                            clock_start_t=trio.current_time(), wall_start_unix_s=wall, contents=contents,
+                            clock_start_t=trio.current_time(), wall_start_unix_s=wall_start_unix_s, contents=contents,
                             layers=layers, capacities=dict(capacities or {}))
             tx, rx = trio.open_memory_channel[Record](channel_size)
             sinks.append(_Sink(tx, rx, accept, TraceWriter(path, header)))
