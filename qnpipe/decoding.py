@@ -18,15 +18,11 @@ from mlx_lm.sample_utils import make_sampler
 
 from qnpipe.actors.forward import Forward
 from qnpipe.mlx_thread import MLXThread, run_on
+from qnpipe.model.decode import chunks
 from qnpipe.model.qwen3_next import Model
 from qnpipe.stats import FinishReason, GenerateResult, GenerateStats
 
 TextCallback = Callable[[str], None]
-
-
-def chunks(n: int, chunk: int) -> list[tuple[int, int]]:
-    step = n if chunk <= 0 else chunk
-    return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
 async def logits(fwd: Forward, thread: MLXThread, model: Model, tokens: Sequence[int], chunk: int) -> np.ndarray:

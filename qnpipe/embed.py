@@ -41,14 +41,10 @@ def _resolve(model_dir: str | Path | None, cfg: Config | None, overrides: dict[s
     return config_mod.with_overrides(cfg, overrides) if overrides else cfg
 
 
-def _gen_kwargs(max_tokens: int, temperature: float, top_p: float, seed: int | None,
+def _gen_kwargs(prompt: Prompt, max_tokens: int, temperature: float, top_p: float, seed: int | None,
                 stop_at_eos: bool) -> dict[str, Any]:
-    if max_tokens < 0:
-        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    """The checked generation arguments (ValueError naming the first bad one: qnpipe.validate)."""
+    check_generate_args(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
             "stop_at_eos": stop_at_eos}
 
@@ -187,8 +183,7 @@ class AsyncEngine:
         which is what is left after a cancellation. Cancelling stops the work at the next
         layer; the engine stays usable.
         """
-        check_generate_args(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-        kw = _gen_kwargs(max_tokens, temperature, top_p, seed, stop_at_eos)
+        kw = _gen_kwargs(prompt, max_tokens, temperature, top_p, seed, stop_at_eos)
         return await self._rt.generate(prompt, kw, on_text, on_prefill, partial)
 
     def stats(self) -> EngineStats:
@@ -335,8 +330,7 @@ class Engine:
         A KeyboardInterrupt while waiting stops the generation at its next layer, then
         propagates; `partial` then holds the tokens generated so far.
         """
-        check_generate_args(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-        _gen_kwargs(max_tokens, temperature, top_p, seed, stop_at_eos)
+        _gen_kwargs(prompt, max_tokens, temperature, top_p, seed, stop_at_eos)  # errors in the caller's thread
         eng = self._eng
 
         async def run() -> GenerateResult:

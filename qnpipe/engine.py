@@ -151,7 +151,8 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
     if cfg.predict.cross_layer_prefetch:
         plan = PredictPlan(predict_targets(args.moe_layers, cfg.predict), cfg.predict.width_experts,
                            cfg.predict.use_moe_input)
-    backend = MlxBackend(runner.loaded.model, {layer: s.experts for layer, s in slots.items()}, plan)
+    traced = bool(cfg.trace.event_log_path or cfg.trace.route_trace)
+    backend = MlxBackend(runner.loaded.model, {layer: s.experts for layer, s in slots.items()}, plan, traced)
     return Core(cfg, runner, streaming, backend)
 
 

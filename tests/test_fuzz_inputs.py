@@ -6,16 +6,14 @@ Covered: a safetensors header, a store's index.json, a layer file, a TOML config
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import signal
 import struct
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from deadline import deadline
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,23 +28,9 @@ FUZZ = settings(max_examples=60, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
-@contextlib.contextmanager
-def within(seconds: int) -> Iterator[None]:
-    def boom(signum: int, frame: object) -> None:
-        raise TimeoutError(f"a fuzz case took more than {seconds}s")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def _only_ours(fn) -> None:
     """Run fn; any exception must be a QnpipeError (a TimeoutError from `within` fails the test)."""
-    with within(10), warnings.catch_warnings():
+    with deadline(10), warnings.catch_warnings():
         # "has no effect yet" warns once per process: the same input must act the same every time.
         warnings.simplefilter("ignore", NotImplementedConfigWarning)
         try:
@@ -179,7 +163,7 @@ def test_random_or_mutated_layer_file(store: Path, data: bytes | None, edits, cu
     good = p.read_bytes()
     p.write_bytes(_mutate(good, edits, cut) if data is None else data * (len(good) // max(1, len(data))))
     _only_ours(lambda: _open_and_read(store))
-    with within(10):
+    with deadline(10):
         report = verify_store(store)
     _, index = read_index(store)
     lf = index.layers[0]
@@ -250,7 +234,7 @@ def test_heat_file_bytes_give_counts_or_one_warning(tmp_path: Path, data: bytes,
     for raw in (data, _mutate(good, edits, cut)):
         p = tmp_path / "pool_usage.json"
         p.write_bytes(raw)
-        with within(10), warnings.catch_warnings(record=True) as seen:
+        with deadline(10), warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             counts = load_heat(p, "m1")
         assert isinstance(counts, dict)

@@ -21,7 +21,7 @@ import attrs
 import numpy as np
 import trio
 
-from qnpipe.actors.stamp import Stamper
+from qnpipe.actors.stamp import Stamper, send_soon
 from qnpipe.errors import PipelineError
 from qnpipe.messages import Acquire, Candidates, ForwardDone, Granted, Msg, PoolInbox, Release
 from qnpipe.model.stepper import Event, LayerRoute, PartGrant, StepDone, Tail
@@ -91,7 +91,7 @@ class Forward:
                 ev = await self._layer(ev)
             assert isinstance(ev, StepDone), ev
             if self.to_pool is not None:
-                await _deliver(self.to_pool, ForwardDone(**self._st.stamp(), step=self._step))
+                await send_soon(self.to_pool, ForwardDone(**self._st.stamp(), step=self._step), shield=True)
         except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             await self._cleanup()
             self._raise_failure()
@@ -157,8 +157,8 @@ class Forward:
         for p, (lo, hi, experts) in enumerate(parts):
             key = (self._step, layer, p)
             t0 = trio.current_time()
-            await _deliver(self.to_pool, Acquire(**self._st.stamp(), step=key[0], layer=layer, part=p,
-                                                 experts=experts))
+            await send_soon(self.to_pool, Acquire(**self._st.stamp(), step=key[0], layer=layer, part=p,
+                                                  experts=experts), shield=True)
             self._open = key
             g = await self._grant(key)
             self.progress += 1
@@ -180,7 +180,7 @@ class Forward:
                               token_slots=tuple(slots.reshape(-1).tolist()))
             else:
                 rel = Release(**self._st.stamp(), step=key[0], layer=layer, part=p)
-            await _deliver(self.to_pool, rel)
+            await send_soon(self.to_pool, rel, shield=True)
             self._open = None
         assert ev is not None
         return ev
@@ -209,16 +209,3 @@ class Forward:
     def _raise_failure(self) -> None:
         if self.failure:
             raise self.failure[0]
-
-
-async def _deliver(tx: trio.MemorySendChannel[PoolInbox], msg: PoolInbox) -> None:
-    """Send a must-deliver message: at once when there is room (no checkpoint), else wait, shielded.
-
-    Either way it is delivered or the channel is broken: a cancellation never drops it
-    halfway, so what the forward believes it holds is what the pool believes it granted.
-    """
-    try:
-        tx.send_nowait(msg)
-    except trio.WouldBlock:
-        with trio.CancelScope(shield=True):
-            await tx.send(msg)

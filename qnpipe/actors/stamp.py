@@ -41,9 +41,14 @@ def drain(inbox: trio.MemoryReceiveChannel[T], first: T) -> Iterator[T]:
             return
 
 
-async def send_soon(tx: trio.MemorySendChannel[T], msg: T) -> None:
-    """Send without a checkpoint when there is room (the usual case on a proven bound), else wait."""
+async def send_soon(tx: trio.MemorySendChannel[T], msg: T, *, shield: bool = False) -> None:
+    """Send without a checkpoint when there is room (the usual case on a proven bound), else wait.
+
+    `shield`: a must-deliver message; a cancellation then never drops it halfway, so what the
+    sender believes it holds is what the receiver believes it gave.
+    """
     try:
         tx.send_nowait(msg)
     except trio.WouldBlock:
-        await tx.send(msg)
+        with trio.CancelScope(shield=shield):
+            await tx.send(msg)

@@ -78,9 +78,11 @@ Tail = Callable[[mx.array], Any]
 
 
 def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: mx.array,
-                  cache: list[Any], plan: PredictPlan | None = None,
+                  cache: list[Any], plan: PredictPlan | None = None, weights: bool = False,
                   ) -> Generator[LayerRoute | PartDone, PartGrant, mx.array]:
     """Post-final-norm hidden states `[B, L, H]` of `inputs [B, L]`, yielding at each MoE router.
+
+    `weights`: also hand the router's gate weights to the host (the event log records them).
 
     `slots` None: the experts attached to the model run in place (all resident, no yields).
     """
@@ -100,8 +102,8 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
         k = inds.shape[-1]
         predictions = tuple((t, np.array(ids).reshape(-1, ids.shape[-1]),
                              np.array(p.astype(mx.float32)).reshape(-1, p.shape[-1])) for t, ids, p in preds)
-        grant = yield LayerRoute(i, np.array(inds).reshape(-1, k), predictions,
-                                 np.array(scores.astype(mx.float32)).reshape(-1, k))
+        w = np.array(scores.astype(mx.float32)).reshape(-1, k) if weights else None
+        grant = yield LayerRoute(i, np.array(inds).reshape(-1, k), predictions, w)
         y = yield from _run_parts(slots[i], x, inds.shape, grant)
         h = h + moe.combine(x, y, scores)
         # Start computing this layer while Python builds the next one up to its router.
@@ -143,17 +145,18 @@ class MlxBackend:
     """One step at a time of `forward_steps`, driven from trio. MLX thread only."""
 
     def __init__(self, model: Model, slots: dict[int, LayerExperts] | None,
-                 plan: PredictPlan | None = None) -> None:
+                 plan: PredictPlan | None = None, weights: bool = False) -> None:
         self.model = model
         self.slots = slots
         self.plan = plan
+        self.weights = weights
         self._gen: Generator[LayerRoute | PartDone, PartGrant, mx.array] | None = None
         self._tail: Tail | None = None
 
     def begin(self, inputs: Callable[[], mx.array], cache: list[Any], tail: Tail) -> Event:
         """Start a step on `inputs() [B, L]` (uint32, built here) and run it to its first yield."""
         self.abort()
-        self._gen = forward_steps(self.model, self.slots, inputs(), cache, self.plan)
+        self._gen = forward_steps(self.model, self.slots, inputs(), cache, self.plan, self.weights)
         self._tail = tail
         return self._advance(None)
 

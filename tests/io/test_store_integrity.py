@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import shutil
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from deadline import deadline
 
 from qnpipe.errors import StoreError
 from qnpipe.io.store import read_index
@@ -25,21 +23,6 @@ def qn(tmp_path: Path, tiny_qn4: Path) -> Path:
     d = tmp_path / "qn"
     shutil.copytree(tiny_qn4, d)
     return d
-
-
-@contextlib.contextmanager
-def deadline(seconds: int) -> Iterator[None]:
-    """Fail (instead of hanging) when the block takes longer than `seconds`."""
-    def boom(signum: int, frame: object) -> None:
-        raise TimeoutError(f"took more than {seconds}s (a blocking open or read?)")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _xor(path: Path, offset: int, mask: int) -> None:
