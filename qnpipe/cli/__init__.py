@@ -1,0 +1,88 @@
+"""The `qnpipe` command: the only argv parser. Turns flags into config overrides and calls the API.
+
+Each subcommand lives in its own module of this package, which has a `register(sub, fmt)`
+adding its parser; COMMANDS lists them in the order `qnpipe --help` shows them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+
+from qnpipe.cli import replay_cmd, run, store
+from qnpipe.cli.common import DEMO_MODEL_DIR
+from qnpipe.errors import QnpipeError
+
+__all__ = ["COMMANDS", "DEMO_MODEL_DIR", "build_parser", "main"]
+
+COMMANDS = (run, store, replay_cmd)
+
+EPILOG = """\
+examples:
+  qnpipe demo                                   generate from the built-in tiny model
+  qnpipe generate MODEL_DIR -p "def fib(n):" -n 64
+  qnpipe generate MODEL_DIR --chat -p "Hi" --temperature 0.7 --top-p 0.8 --seed 1
+  qnpipe chat MODEL_DIR --system "You are terse."
+  qnpipe make-tiny ./tiny --layout mlx --bits 4
+  qnpipe convert ./Qwen3-Next-80B-A3B-Instruct --out ./qn80b-4bit --bits 4
+  qnpipe verify-store ./qn80b-4bit
+  qnpipe replay run.qtrace --set pool.expert_slots=16     what-if on a log of generate --trace
+
+Configuration: defaults < --config FILE.toml < QNPIPE_* / legacy environment names < flags.
+Any setting can be given with --set SECTION.FIELD=VALUE (see docs/config.md).
+"""
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="qnpipe", formatter_class=fmt, epilog=EPILOG,
+        description="Run mixture-of-experts models (Qwen3-Next) whose experts do not fit in memory.",
+    )
+    from qnpipe import __version__
+
+    p.add_argument("--version", action="version", version=f"qnpipe {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in COMMANDS:
+        module.register(sub, fmt)
+    return p
+
+
+def _quiet_broken_pipe() -> int:
+    """The reader of stdout went away (`qnpipe generate ... | head`): stop quietly, as standard tools do."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return 128 + 13  # as if killed by SIGPIPE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # A shell without job control starts background jobs with SIGINT ignored; `kill -INT` must still stop us.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
+    except QnpipeError as e:
+        print(f"qnpipe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (FileExistsError, FileNotFoundError) as e:
+        print(f"qnpipe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # disk full, I/O error, ... while writing or reading: name the file, no traceback
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"qnpipe {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nqnpipe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

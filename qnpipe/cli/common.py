@@ -1,0 +1,248 @@
+"""What the subcommands share: config flags, generation flags, the model pre-check, stats printing."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from qnpipe.errors import QnpipeError
+
+# The embedded default model: a tiny Qwen3-Next trained on the Python standard library
+# (tools/train_tiny.py; its MODEL_CARD.md has the figures). Ships inside the package.
+DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "tiny_trained"
+
+
+def add_config_flags(p: argparse.ArgumentParser, *, prefill: bool = True,
+                      example: str = "forward.prefill_chunk_tokens=0") -> None:
+    g = p.add_argument_group("configuration")
+    g.add_argument("--config", metavar="FILE.toml", help="TOML file of settings (see docs/config.md)")
+    g.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="sets",
+                   help=f"override one setting, e.g. --set {example} (repeatable)")
+    if prefill:  # convert runs no forward
+        g.add_argument("--prefill-chunk", type=int, metavar="N",
+                       help="prefill N prompt tokens per forward (0 = whole prompt); PREFILL_CHUNK")
+
+
+def echo(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def add_gen_flags(p: argparse.ArgumentParser, default_tokens: int, json: bool = True) -> None:
+    from qnpipe.validate import check_max_tokens, check_seed, check_temperature, check_top_p
+
+    g = p.add_argument_group("generation")
+    g.add_argument("-n", "--max-tokens", type=int_arg(check_max_tokens), default=default_tokens, metavar="N",
+                   help=f"stop after N new tokens (default {default_tokens}); generation also stops at EOS")
+    g.add_argument("--temperature", type=float_arg(check_temperature), default=0.0, metavar="T",
+                   help="sampling temperature; 0 = greedy (default)")
+    g.add_argument("--top-p", type=float_arg(check_top_p), default=1.0, metavar="P",
+                   help="nucleus sampling mass, (0, 1] (default 1)")
+    g.add_argument("--seed", type=int_arg(check_seed), default=None,
+                   help="random seed for sampling, >= 0 (reproducible output)")
+    g.add_argument("--stats", action="store_true",
+                   help="print the engine's figures on stderr: expert source, pool hits and misses by cause, "
+                        "reads, bytes read, stall time, per-layer occupancy")
+    g.add_argument("--trace", metavar="FILE",
+                   help="write the event log (routes, acquires, grants, reads, evictions) to FILE; "
+                        "docs/trace-format.md (sets trace.event_log_path)")
+    if json:
+        g.add_argument("--json", action="store_true",
+                       help="print one JSON object (text, tokens, stats, engine stats) instead of text")
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in args.sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise QnpipeError(f"--set expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    if getattr(args, "prefill_chunk", None) is not None:
+        out["forward.prefill_chunk_tokens"] = args.prefill_chunk
+    if getattr(args, "trace", None):
+        out["trace.event_log_path"] = args.trace
+    return out
+
+
+def load_config(args: argparse.Namespace) -> Any:
+    from qnpipe import config
+
+    overrides = config_overrides(args)
+    positional = getattr(args, "model_dir", None) or getattr(args, "model", None)
+    if positional is not None:
+        for key in ("model.model_dir", "model_dir"):
+            if key in overrides and overrides[key] != str(positional):
+                warn(args, f"the model directory {positional} given on the command line wins over "
+                            f"--set {key}={overrides[key]}")
+    return config.load(args.config, overrides=overrides)
+
+
+def checked(check: Any) -> Any:
+    """An argparse `type=` that parses with `check` (qnpipe.validate), so bad values exit 2 before loading."""
+    def parse(text: str) -> Any:
+        try:
+            return check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = getattr(check, "__name__", "value")
+    return parse
+
+
+def int_arg(check: Any) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+        return check(value, name="value")
+    return checked(parse)
+
+
+def float_arg(check: Any) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+        return check(value, name="value")
+    return checked(parse)
+
+
+def text_arg(allow_empty: bool = False) -> Any:
+    from qnpipe.validate import check_text
+
+    def parse(text: str) -> str:
+        if not text and not allow_empty:
+            raise ValueError("empty text: give at least one character")
+        return check_text(text, "value")
+    return checked(parse)
+
+
+def precheck_model(model_dir: str | Path, cfg: Any) -> None:
+    """The cheap checks of a model directory, before MLX is imported or anything loads.
+
+    config.json (sizes, model type), the tokenizer files, settings that depend on the model
+    (forward.moe_topk_override against num_experts) and a qnpipe directory's store index and
+    layer files (the validation verify-store makes). The loader repeats them.
+    """
+    from qnpipe.chat.tokenizer import check_tokenizer_files
+    from qnpipe.model.args import args_from_dict, read_config
+    from qnpipe.validate import check_topk_override
+
+    model_dir = Path(model_dir)
+    config = read_config(model_dir)
+    margs = args_from_dict(config, str(model_dir / "config.json"))
+    check_tokenizer_files(model_dir)
+    check_topk_override(cfg.forward.moe_topk_override, margs.num_experts)
+    if isinstance(config.get("qnpipe"), dict) or (model_dir / "experts" / "index.json").is_file():
+        from qnpipe.io.store import ExpertStore, model_id
+        from qnpipe.io.store_check import check_against_model
+
+        qcfg = config.get("quantization") or config.get("quantization_config")
+        with ExpertStore.open(cfg.model.expert_dir or model_dir, expected_model_id=model_id(margs)) as store:
+            check_against_model(store.index, store.root / "index.json", margs, qcfg if isinstance(qcfg, dict) else None)
+
+
+def warn(args: argparse.Namespace, msg: str) -> None:
+    print(f"qnpipe {args.command}: warning: {msg}", file=sys.stderr)
+
+
+def print_stats(stats: Any) -> None:
+    s = stats
+    print(
+        f"\n[{s.prompt_tokens} prompt tokens in {s.prefill_s:.2f}s ({s.prefill_tok_s:.1f} tok/s); "
+        f"{s.generated_tokens} generated, decode {s.decode_tok_s:.1f} tok/s; "
+        f"peak memory {s.peak_memory_bytes / 2**20:.0f} MiB; stop: {s.finish_reason}]",
+        file=sys.stderr,
+    )
+
+
+class PrefillBar:
+    """A transient progress bar on stderr while a long prompt (>= MIN_TOKENS) is prefilled."""
+
+    MIN_TOKENS = 256
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.progress: Any = None
+        self.task: Any = None
+
+    def __enter__(self) -> PrefillBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled or total < self.MIN_TOKENS:
+            return
+        if self.progress is None and done < total:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                                     TimeRemainingColumn(), transient=True, console=Console(stderr=True))
+            self.task = self.progress.add_task("prefill", total=total)
+            self.progress.start()
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done)
+            if done >= total:
+                self.close()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def then(self, fn: Any) -> Any:
+        """`fn`, called after the bar is gone (text must not interleave with it)."""
+        def call(*a: Any) -> Any:
+            self.close()
+            return fn(*a)
+
+        return call
+
+
+def run_generate(eng: Any, prompt: str | list[int], args: argparse.Namespace) -> int:
+    from qnpipe.validate import check_prompt, context_warning
+
+    try:
+        prompt = check_prompt(prompt)
+    except ValueError as e:
+        raise QnpipeError(str(e)) from None
+    if isinstance(prompt, str):
+        prompt = eng.encode(prompt)  # the same ids generate() would make; counted for the warning
+    if (w := context_warning(len(prompt), eng.args.max_position_embeddings)) is not None:
+        warn(args, w)
+
+    with PrefillBar(enabled=not args.json and sys.stderr.isatty()) as bar:
+        res = eng.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                           seed=args.seed, on_text=None if args.json else bar.then(echo), on_prefill=bar.update)
+    if args.json:
+        print(msgspec.json.encode({"text": res.text, "tokens": res.tokens, "stats": res.stats,
+                                   "engine": eng.stats()}).decode())
+    else:
+        print()
+        print_stats(res.stats)
+        if getattr(args, "stats", False):
+            print_engine_stats(eng.stats())
+    return 0
+
+
+def print_engine_stats(st: Any) -> None:
+    p = st.pool
+    if p is None:
+        print(f"[experts: {st.expert_source}, {st.resident_expert_bytes / 2**20:.1f} MiB in memory]", file=sys.stderr)
+        return
+    causes = ", ".join(f"{k} {v}" for k, v in sorted(p.misses_by_cause.items()))
+    occ = " ".join(f"{ly.layer}:{ly.occupancy}/{ly.capacity}" for ly in p.layers)
+    print(f"[experts: pool, {p.slot_bytes / 2**20:.1f} MiB of slots; hits {p.hits}, misses {p.misses} ({causes}), "
+          f"hit rate {p.hit_rate:.3f}; {p.reads} reads, {p.bytes_read / 2**20:.1f} MiB read, "
+          f"stall {p.stall_s:.3f}s; {p.split_layer_steps} layer-steps in parts]\n[occupancy {occ}]",
+          file=sys.stderr)

@@ -1,0 +1,117 @@
+"""`qnpipe make-tiny`, `convert` and `verify-store`: the commands that write or check model directories."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from qnpipe.cli.common import add_config_flags, load_config
+from qnpipe.errors import QnpipeError
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from qnpipe.tiny import make_tiny
+
+    if args.layout == "hf" and args.bits is not None:
+        raise QnpipeError("--bits needs --layout mlx (the original HF layout is never quantized)")
+    try:
+        out = make_tiny(Path(args.out), layout=args.layout, bits=args.bits, group_size=args.group_size,
+                        seed=args.seed, force=args.force)
+    except FileExistsError:
+        raise QnpipeError(f"{Path(args.out).absolute()} exists and is not empty (pass --force to replace it)") from None
+    print(out)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from qnpipe.convert import convert
+
+    mtp_bits = args.mtp_bits
+    if mtp_bits is None:
+        mtp_bits = load_config(args).mtp.bits
+    report = convert(args.src, args.out, bits=args.bits, group_size=args.group_size, dtype=args.dtype,
+                     mtp_bits=mtp_bits, mtp_from=args.mtp_from, force=args.force,
+                     progress=not (args.json or args.quiet),
+                     log=lambda msg: print(msg, file=sys.stderr))
+    if args.json:
+        print(msgspec.json.encode(report).decode())
+    elif not args.quiet:
+        print(f"{report.out}: {report.moe_layers} MoE layers x {report.num_experts} experts, "
+              f"{report.bytes_written / 2**20:.1f} MiB written in {report.seconds:.1f}s "
+              f"({report.bytes_per_s / 2**20:.1f} MiB/s), peak RSS {report.peak_rss_bytes / 2**20:.0f} MiB",
+              file=sys.stderr)
+        print(report.out)
+    return 0
+
+
+def cmd_verify_store(args: argparse.Namespace) -> int:
+    from qnpipe.verify import describe, verify_store
+
+    report = verify_store(args.dir, progress=not args.json)
+    if args.json:
+        print(msgspec.json.encode({**msgspec.to_builtins(report), "ok": report.ok}).decode())
+    else:
+        print(describe(report))
+    return 0 if report.ok else 1
+
+
+def register(sub: Any, fmt: Any) -> None:
+    t = sub.add_parser("make-tiny", help="write a deterministic random tiny Qwen3-Next model (for tests)",
+                       formatter_class=fmt,
+                       description="Write a tiny Qwen3-Next (hidden 128, 8 layers, 64 experts, top-4, vocab 1024)\n"
+                       "with random weights, MTP tensors, a small real tokenizer and a Qwen chat template.")
+    t.add_argument("out", metavar="OUT", help="directory to create")
+    t.add_argument("--layout", choices=["hf", "mlx"], default="hf",
+                   help="hf = original Hugging Face layout (default); mlx = mlx-lm converted")
+    t.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8], help="quantize (mlx layout only)")
+    t.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="quantization group size")
+    t.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
+    t.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    t.set_defaults(func=cmd_make_tiny)
+
+    v = sub.add_parser("convert", help="convert a checkpoint into a qnpipe model directory (expert store)",
+                       formatter_class=fmt,
+                       description="Convert an original Hugging Face Qwen3-Next checkpoint, or an mlx-lm converted one,\n"
+                       "into a qnpipe model directory: non-expert weights in safetensors, the MTP head in\n"
+                       "mtp.safetensors, and experts/ with one file per MoE layer (one read per expert).\n"
+                       "Memory stays near one chunk of experts; the output appears only when complete.\n"
+                       "Layout: docs/store-format.md.",
+                       epilog="examples:\n"
+                       "  qnpipe convert ./Qwen3-Next-80B-A3B-Instruct --out ./qn80b-4bit --bits 4\n"
+                       "  qnpipe convert ./Qwen3-Next-80B-A3B-Instruct-4bit --out ./qn80b-4bit \\\n"
+                       "      --mtp-from ./Qwen3-Next-80B-A3B-Instruct\n"
+                       "  qnpipe convert ./tiny --out ./tiny-qn --json")
+    v.add_argument("src", metavar="SRC", help="checkpoint directory (original HF or mlx-lm layout)")
+    v.add_argument("--out", required=True, metavar="DIR", help="model directory to create")
+    v.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8],
+                   help="quantize an unquantized source as `mlx_lm.convert -q` does (router and "
+                   "shared-expert gate at 8 bits)")
+    v.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
+                   help="quantization group size (default 64)")
+    v.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
+                   help="float type of the output (default: torch_dtype of an HF source, as mlx-lm; "
+                   "unchanged for an mlx-lm source)")
+    v.add_argument("--mtp-bits", type=int, choices=[0, 2, 3, 4, 5, 6, 8], metavar="N",
+                   help="quantize the MTP head to N bits, 0 = keep float (default: mtp.bits, MTP_BITS, 4)")
+    v.add_argument("--mtp-from", metavar="HF_DIR",
+                   help="take mtp.* from this original checkpoint (an mlx-lm source has no MTP)")
+    v.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    v.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    v.add_argument("--json", action="store_true", help="print one JSON object with the figures (no progress bar)")
+    add_config_flags(v, prefill=False, example="mtp.bits=8")
+    v.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("verify-store", help="check every expert record against its checksum", formatter_class=fmt,
+                       description="Read every expert record of a qnpipe model directory and compare its crc32 with\n"
+                       "experts/index.json. Bad records are listed by layer, expert, file and offset;\n"
+                       "exit status 1 if any is bad (2 if the index itself is missing or invalid, or does\n"
+                       "not match the model's config.json: the checks the loader makes).",
+                       epilog="examples:\n  qnpipe verify-store ./qn80b-4bit\n"
+                       "  qnpipe verify-store ./qn80b-4bit/experts --json")
+    s.add_argument("dir", metavar="DIR", help="qnpipe model directory, or its experts/ directory")
+    s.add_argument("--json", action="store_true", help="print one JSON object (counts, throughput, bad records)")
+    s.set_defaults(func=cmd_verify_store)
