@@ -11,13 +11,13 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from qnpipe.cli import replay_cmd, run, store
+from qnpipe.cli import replay_cmd, run, store, trace_cmd
 from qnpipe.cli.common import DEMO_MODEL_DIR
 from qnpipe.errors import QnpipeError
 
 __all__ = ["COMMANDS", "DEMO_MODEL_DIR", "build_parser", "main"]
 
-COMMANDS = (run, store, replay_cmd)
+COMMANDS = (run, store, replay_cmd, trace_cmd)
 
 EPILOG = """\
 examples:

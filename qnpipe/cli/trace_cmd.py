@@ -1,0 +1,22 @@
+"""`qnpipe trace ...`: the tools around event logs (import, stats, synth, plot, fit-cost).
+
+Each `trace` subcommand lives in its own module with a `register(tsub, fmt)`; TRACE_COMMANDS
+lists them. The group is added only when it has at least one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TRACE_COMMANDS: tuple[Any, ...] = ()
+
+
+def register(sub: Any, fmt: Any) -> None:
+    if not TRACE_COMMANDS:
+        return
+    t = sub.add_parser("trace", help="work with event logs: import, stats, synth, plot, fit-cost", formatter_class=fmt,
+                       description="Tools around event logs (docs/trace-format.md): import other tools' routing\n"
+                       "logs, describe a log, write synthetic ones, draw a timeline, fit a cost model.")
+    tsub = t.add_subparsers(dest="trace_command", metavar="SUBCOMMAND", required=True)
+    for module in TRACE_COMMANDS:
+        module.register(tsub, fmt)
