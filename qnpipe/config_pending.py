@@ -29,7 +29,6 @@ NOT_YET_IMPLEMENTED: Mapping[str, str] = {
     "model.hidden_variant": MTP,
     "memory.mlx_wired_limit_gb": MEMORY,
     "pool.side_region_zerocopy": SIDE_REGION,
-    "predict.candidate_mult": PREFETCH,
     "prefix.snapshot_head_tokens": PREFIX,
     "prefix.max_entries": PREFIX,
     "chat.tools_allow": CHAT_TOOLS,

@@ -164,7 +164,10 @@ class PredictCfg(_Section, frozen=True):
 
     cross_layer_prefetch: Annotated[bool, _doc("predict and prefetch experts of later layers")] = False
     ahead_layers: Annotated[NonNegInt, _doc("fixed layers ahead (0 = ahead_lo/ahead_hi by cutoff_layer)")] = 0
-    candidate_mult: Annotated[PosInt, _doc("candidate multiplier")] = 2
+    # One token lists W candidates per target; a step of several tokens (prefill chunk, verify)
+    # lists more, all of which its layer may need: keep up to W x mult of them.
+    candidate_mult: Annotated[PosInt, _doc(
+        "a step's hint per target layer names at most width_experts x candidate_mult experts")] = 2
     # Realised hit tops out at 24 (~0.90); wider reads miss their window and steal bandwidth.
     width_experts: Annotated[PosInt, _doc("candidates per predicted layer (top-W of its gate)")] = 24
     cutoff_layer: Annotated[NonNegInt, _doc("layers below predict ahead_lo_layers ahead, the rest ahead_hi_layers")] = 6

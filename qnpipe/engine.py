@@ -48,7 +48,7 @@ from qnpipe.model.stepper import Event, MlxBackend, PartGrant, PredictPlan, Tail
 from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.heat import preload
 from qnpipe.policy.pool import PoolPolicy, PrefetchBudgets
-from qnpipe.policy.predict import predict_targets
+from qnpipe.policy.predict import hint_top, predict_targets
 from qnpipe.policy.read_queue import ReadQueue
 from qnpipe.policy.slot_table import SlotTable
 from qnpipe.trace import ModelShape
@@ -355,7 +355,7 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
                                                     preload=preloads, after_forward=after_forward, emit=emit))
             if predicting:
                 await nursery.start(supervised, partial(predictor, cand_rx, pool_tx.clone(), predict_cfg=cfg.predict,
-                                                        top=cfg.predict.width_experts, stats=pstats))
+                                                        top=hint_top(cfg.predict), stats=pstats))
             await nursery.start(supervised, partial(read_scheduler, read_rx, pool_tx.clone(), device=device,
                                                     queue=queue, stats=rstats, emit=emit))
             try:

@@ -26,6 +26,11 @@ def predict_targets(moe_layers: Sequence[int], predict_cfg: PredictCfg) -> dict[
     return out
 
 
+def hint_top(predict_cfg: PredictCfg) -> int:
+    """Most experts one hint names: a token's `width_experts`, times `candidate_mult` for a step's tokens."""
+    return predict_cfg.width_experts * predict_cfg.candidate_mult
+
+
 def rank(token_experts: Sequence[int], token_scores: Sequence[float], width: int, *, agg: PredictAgg,
          union_k: int, top: int, min_score: float) -> list[tuple[int, float]]:
     """The step's candidates for one target layer, best first: [(expert, score)], at most `top`.
