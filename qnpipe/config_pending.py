@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 # The feature names, shared so that one feature's warnings read the same.
 STREAMING_POOL = "the streaming expert pool (issue 9)"
-SIDE_REGION = "the pool's side region (speculative slots)"
+SIDE_REGION_COPY = "a side region copied into the resident region (qnpipe's is always read in place)"
 PREFETCH = "routing prediction and prefetch (predictor, read_scheduler)"
 PREFIX = "prefix snapshots"
 MTP = "MTP self-speculative decoding"
@@ -28,7 +28,7 @@ NOT_YET_IMPLEMENTED: Mapping[str, str] = {
     "model.mtp_weights_path": LOADER_PATHS,
     "model.hidden_variant": MTP,
     "memory.mlx_wired_limit_gb": MEMORY,
-    "pool.side_region_zerocopy": SIDE_REGION,
+    "pool.side_region_zerocopy": SIDE_REGION_COPY,
     "prefix.snapshot_head_tokens": PREFIX,
     "prefix.max_entries": PREFIX,
     "chat.tools_allow": CHAT_TOOLS,

@@ -209,9 +209,17 @@ def test_a_field_without_its_feature_warns_once_naming_both() -> None:
         config._warned_names.clear()
         load(env={"MTP_CONF_TAU": "0.3"})  # the default: nothing to warn about
         load(overrides={"pool.expert_slots": 8})  # a field with a consumer
-    with pytest.warns(NotImplementedConfigWarning, match=r"pool\.side_region_zerocopy=True .*side region") as record:
-        with_overrides(Config(), expert_slots=32, side_region_zerocopy=True)
+    with pytest.warns(NotImplementedConfigWarning, match=r"model\.config_path='c\.json' .*loader") as record:
+        with_overrides(Config(), {"model.config_path": "c.json"})
     assert record[0].filename == __file__  # the caller's line, not qnpipe's
+
+
+def test_the_side_region_is_always_read_in_place_and_the_legacy_copy_mode_warns() -> None:
+    assert Config().pool.side_region_zerocopy is True
+    assert load(overrides={"pool.side_region_slots": 0}).pool.side_region_slots == 0  # no side region: fine
+    with pytest.warns(NotImplementedConfigWarning, match=r"side_region_zerocopy=False has no effect.*in place") as record:
+        assert load(env={"ZEROCOPY_DUAL_SOURCE": "0"}).pool.side_region_zerocopy is False
+    assert len(record) == 1
 
 
 def test_two_legacy_names_for_one_field_must_agree() -> None:
@@ -293,8 +301,6 @@ def test_cross_field_rules() -> None:
         load(env={"TREE_TOP2_P1": "1"})
     with pytest.raises(ConfigError, match="exclusive"):
         load(env={}, overrides={"adaptive_depth": True, "tree_top2": True})
-    with pytest.raises(ConfigError, match="side_region_slots"):
-        load(env={"ZEROCOPY_DUAL_SOURCE": "1", "POOL_SPEC_SLOTS": "0"})
     with pytest.raises(ConfigError, match="adaptive_depth"):
         MtpCfg(adaptive_rescue=True)  # the rule holds for direct construction too
     assert load(env={"MTP_ADAPTIVE_DEPTH": "1", "MTP_ADAPTIVE_RESCUE": "1"}).mtp.adaptive_rescue
