@@ -4,7 +4,7 @@ Top: one row per MoE layer, its compute (granted to released) and its stalls (wa
 reads). Bottom: one row per device lane, each read from the moment its batch went to the
 device to its completion, coloured by what became of it; a prefetch also shows its hint
 (a triangle) and issue, joined to its bar by a thin line, and a tick where the forward
-needed it. Times are milliseconds from the window's start.
+needed it (a dotted line from the bar's end to it: the slack of one that landed in time). Times are milliseconds from the window's start.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def draw(tl: Timeline, out: str | Path, *, title: str = "") -> Path:
             bottom.plot([x(first), x(r.started_t)], [y, y], color=COLOURS[r.outcome], linewidth=0.8)
         if r.hint_t is not None:
             bottom.plot([x(r.hint_t)], [y], marker=">", markersize=4, color="black", linestyle="none")
+        if r.needed_t is not None and r.needed_t > r.done_t:  # the slack of a prefetch that landed in time
+            bottom.plot([x(r.done_t), x(r.needed_t)], [y, y], color=COLOURS[r.outcome], linewidth=0.8, linestyle=":")
         if r.needed_t is not None:
             bottom.plot([x(r.needed_t)], [y], marker="|", markersize=9, color="black", linestyle="none")
         if label:
