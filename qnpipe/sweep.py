@@ -268,17 +268,29 @@ def _point_or_raise(p: Point, get: Callable[[], ReplayReport]) -> ReplayReport:
         return get()
     except QnpipeError as e:
         where = ", ".join(f"{k}={v}" for k, v in p.values.items())
-        raise type(e)(f"grid point {p.index} ({where}): {e}") from None
+        msg = f"grid point {p.index} ({where}): {e}"
+        try:
+            named = type(e)(msg)
+        except TypeError:  # an error class with more to its constructor than a message
+            named = QnpipeError(msg)
+        raise named from e
 
 
 def _run_processes(log: str, points: Sequence[Point], jobs: int, tick: Callable[[], None]) -> list[ReplayReport]:
     # spawn: the parent may hold threads (MLX, a progress bar) that fork would copy half-way.
-    with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(points))), mp_context=get_context("spawn")) as ex:
+    ex = ProcessPoolExecutor(max_workers=max(1, min(jobs, len(points))), mp_context=get_context("spawn"))
+    try:
         futures: dict[Future[ReplayReport], int] = {ex.submit(run_point, log, p): i for i, p in enumerate(points)}
         for f in as_completed(futures):
             _point_or_raise(points[futures[f]], f.result)
             tick()
         return [_point_or_raise(p, f.result) for f, p in zip(futures, points, strict=True)]
+    except BaseException:
+        # A failed point or Ctrl-C: drop the points not started instead of waiting for all of them.
+        ex.shutdown(wait=False, cancel_futures=True)
+        raise
+    finally:
+        ex.shutdown()
 
 
 def _run_dask(log: str, points: Sequence[Point], scheduler: Any, tick: Callable[[], None]) -> list[ReplayReport]:
@@ -289,9 +301,13 @@ def _run_dask(log: str, points: Sequence[Point], scheduler: Any, tick: Callable[
         # pure=False: each point is its own task (no hashing of the configs for a cache key).
         futures = client.map(run_point, [log] * len(points), list(points), pure=False)
         index = {f.key: i for i, f in enumerate(futures)}
-        for f in as_completed(futures):
-            _point_or_raise(points[index[f.key]], f.result)
-            tick()
+        try:
+            for f in as_completed(futures):
+                _point_or_raise(points[index[f.key]], f.result)
+                tick()
+        except BaseException:
+            client.cancel(futures)
+            raise
         return [_point_or_raise(p, f.result) for f, p in zip(futures, points, strict=True)]
     finally:
         if client is not scheduler:

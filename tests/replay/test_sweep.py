@@ -47,9 +47,21 @@ def _points(log: Path) -> list[sweep.Point]:
                       fixed={"replay.record_nbytes": str(NBYTES)})
 
 
+CLI = ["--grid", *GRID, "--set", f"replay.record_nbytes={NBYTES}", "--no-progress"]
+
+
 @pytest.fixture(scope="module")
-def by_processes(log: Path) -> sweep.SweepResult:
-    return sweep.run(log, _points(log), executor="processes", jobs=2)
+def processes_json(log: Path) -> bytes:
+    """The sweep's JSON file from `qnpipe sweep` through two local worker processes (the default executor)."""
+    out = log.with_name("processes.json")
+    assert main(["sweep", str(log), *CLI, "--jobs", "2", "-o", str(out)]) == 0
+    assert not list(log.parent.glob("*.partial"))
+    return out.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def by_processes(processes_json: bytes) -> sweep.SweepResult:
+    return msgspec.json.decode(processes_json, type=sweep.SweepResult)
 
 
 def test_points_through_processes_equal_the_serial_replay_of_each_point(log: Path,
@@ -82,19 +94,18 @@ def test_a_dask_local_cluster_gives_the_same_json_as_local_processes(log: Path,
         with Client(cluster) as client:
             by_client = sweep.run(log, _points(log), executor="dask", scheduler=client)
     assert sweep.to_json(by_address) == sweep.to_json(by_processes) == sweep.to_json(by_client)
+    assert sweep.to_json(by_address) == sweep.to_json(sweep.run(log, _points(log), executor="serial"))
 
 
-def test_the_cli_writes_identical_json_through_processes_and_dask(log: Path, tmp_path: Path) -> None:
-    args = ["sweep", str(log), "--grid", *GRID, "--set", f"replay.record_nbytes={NBYTES}", "--no-progress"]
-    assert main([*args, "--jobs", "2", "-o", str(tmp_path / "p.json")]) == 0
+def test_the_cli_writes_identical_json_through_processes_and_dask(log: Path, tmp_path: Path,
+                                                                 processes_json: bytes) -> None:
+    assert processes_json == sweep.to_json(msgspec.json.decode(processes_json, type=sweep.SweepResult)) + b"\n"
     with _cluster(threads=1) as cluster:
-        assert main([*args, "--executor", "dask", "--scheduler", cluster.scheduler_address,
+        assert main(["sweep", str(log), *CLI, "--executor", "dask", "--scheduler", cluster.scheduler_address,
                      "-o", str(tmp_path / "d.json")]) == 0
-    data = (tmp_path / "p.json").read_bytes()
-    assert data == (tmp_path / "d.json").read_bytes()
-    got = msgspec.json.decode(data)
+    assert (tmp_path / "d.json").read_bytes() == processes_json
+    got = msgspec.json.decode(processes_json)
     assert [list(p["values"].values()) for p in got["points"]] == [list(x) for x in POINTS]
-    assert not list(tmp_path.glob("*.partial"))
 
 
 @pytest.mark.parametrize(("item", "named"), [
@@ -185,3 +196,53 @@ def test_help_teaches_the_grid_and_the_executors(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "usage: qnpipe sweep" in out and "examples:" in out and "--executor dask --scheduler" in out
     assert "cartesian product" in out
+
+
+def test_results_come_in_grid_order_when_points_finish_out_of_order(log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    real = sweep.replay
+    last_done = threading.Event()
+    finished: list[tuple[int, str]] = []
+
+    def replay_slowly(path: object, cfg: config.Config, **kw: object) -> object:
+        key = (cfg.pool.expert_slots, cfg.pool.evict_policy.value)
+        if key == POINTS[0]:  # the first point waits for the last one (two worker threads)
+            assert last_done.wait(20)
+        r = real(path, cfg, **kw)  # type: ignore[arg-type]
+        finished.append(key)
+        if key == POINTS[-1]:
+            last_done.set()
+        return r
+
+    monkeypatch.setattr(sweep, "replay", replay_slowly)
+    with _cluster(threads=2) as cluster:
+        result = sweep.run(log, _points(log), executor="dask", scheduler=cluster.scheduler_address)
+    assert finished[-1] == POINTS[0] and finished != POINTS
+    assert [(p.values["pool.expert_slots"], p.values["pool.evict_policy"]) for p in result.points] == POINTS
+    assert [p.index for p in result.points] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("executor", ["serial", "dask"])
+@pytest.mark.parametrize("error", ["schema", "read"])
+def test_a_point_that_fails_in_its_replay_is_named(log: Path, monkeypatch: pytest.MonkeyPatch, executor: str,
+                                                   error: str) -> None:
+    from qnpipe.errors import QnpipeError, ReadError, TraceSchemaError
+
+    real = sweep.replay
+
+    def fail_at_8(path: object, cfg: config.Config, **kw: object) -> object:
+        if cfg.pool.expert_slots == 8:
+            if error == "schema":
+                raise TraceSchemaError("device on fire")
+            raise ReadError("device on fire", layer=0, expert=1, path="x", offset=0, nbytes=1)
+        return real(path, cfg, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sweep, "replay", fail_at_8)
+    expected = TraceSchemaError if error == "schema" else QnpipeError
+    with pytest.raises(expected, match=r"grid point 2 \(pool.expert_slots=8, pool.evict_policy=lru\): .*device on fire"):
+        if executor == "serial":
+            sweep.run(log, _points(log), executor="serial")
+        else:
+            with _cluster(threads=1) as cluster:
+                sweep.run(log, _points(log), executor="dask", scheduler=cluster.scheduler_address)
