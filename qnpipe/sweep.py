@@ -160,6 +160,7 @@ def plan(log: str | Path, axes: Sequence[Axis], cfg: Config, *, base: Settings |
     base = base if base is not None else Settings(device=PROFILES["apple-m5-internal"], cost=CostModel())
     shape = load_log(log)
     points: list[Point] = []
+    logs: dict[str, int] = {}  # event or routing log written by a point -> the point
     for index, combo in enumerate(itertools.product(*(a.values for a in axes))):
         given = dict(zip((a.field for a in axes), combo, strict=True))
         where = "grid point " + ", ".join(f"{k}={v}" for k, v in given.items())
@@ -174,6 +175,12 @@ def plan(log: str | Path, axes: Sequence[Axis], cfg: Config, *, base: Settings |
             raise ConfigError(f"{where}: the log {log} has no read.done record of layers "
                               f"{sorted(set(caps) - set(shape.record_nbytes))}: give the record size "
                               f"(--set replay.record_nbytes=N)")
+        for path in (pcfg.trace.event_log_path, pcfg.trace.route_trace_path if pcfg.trace.route_trace else ""):
+            if path and path in logs:
+                raise ConfigError(f"{where}: writes the log {path} that grid point {logs[path]} writes too: "
+                                  f"sweep trace.event_log_path (or leave it unset) so each point has its own")
+            if path:
+                logs[path] = index
         points.append(Point(index=index, values={a.field: _typed(a.field, pcfg, s) for a in axes}, cfg=pcfg,
                             device=s.device, cost=s.cost, record_nbytes=s.record_nbytes, predictor=s.predictor))
     return points

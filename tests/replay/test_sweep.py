@@ -130,6 +130,16 @@ def test_a_bad_grid_fails_before_any_replay_naming_it(log: Path, tmp_path: Path,
     assert not ran and not out.exists()
 
 
+def test_points_may_write_event_logs_only_to_files_of_their_own(log: Path, tmp_path: Path) -> None:
+    base = config.load(None, env={}, overrides={"trace.event_log_path": str(tmp_path / "one.qtrace")})
+    with pytest.raises(ConfigError, match=r"grid point pool.expert_slots=8: writes the log .*one.qtrace that grid point 0"):
+        sweep.plan(log, sweep.parse_grid(["pool.expert_slots=4,8"]), base, fixed={"replay.record_nbytes": NBYTES})
+    each = sweep.parse_grid([f"trace.event_log_path={tmp_path / 'a.qtrace'},{tmp_path / 'b.qtrace'}"])
+    sweep.run(log, sweep.plan(log, each, config.load(None, env={}), fixed={"replay.record_nbytes": NBYTES}),
+              executor="serial")
+    assert (tmp_path / "a.qtrace").is_file() and (tmp_path / "b.qtrace").is_file()
+
+
 def test_a_routing_log_without_the_record_size_fails_before_any_replay(log: Path) -> None:
     with pytest.raises(ConfigError, match=r"grid point pool.expert_slots=4: .*replay.record_nbytes"):
         sweep.plan(log, sweep.parse_grid(["pool.expert_slots=4"]), config.load(None, env={}))
@@ -246,3 +256,13 @@ def test_a_point_that_fails_in_its_replay_is_named(log: Path, monkeypatch: pytes
         else:
             with _cluster(threads=1) as cluster:
                 sweep.run(log, _points(log), executor="dask", scheduler=cluster.scheduler_address)
+
+
+def test_progress_counts_every_point_and_json_prints_the_file(log: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[tuple[int, int]] = []
+    sweep.run(log, _points(log), executor="serial", progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]
+    out = tmp_path / "s.json"
+    assert main(["sweep", str(log), *CLI, "--executor", "serial", "--json", "-o", str(out)]) == 0
+    assert capsys.readouterr().out.encode() == out.read_bytes()
