@@ -319,8 +319,14 @@ def _override_path(key: str) -> str:
 
 
 def override_path(key: str) -> str:
-    """The dotted path an override key names, resolved as ``load`` resolves it (``expert_slots`` ->
-    ``pool.expert_slots``); ConfigError naming the key when it is unknown or ambiguous."""
+    """The dotted path an override key names, resolved as ``load`` resolves it (``expert_slots``,
+    ``EXPERT_SLOTS`` -> ``pool.expert_slots``); ConfigError naming the key when it is unknown, ambiguous
+    or a legacy switch that qnpipe replaces."""
+    if key in LEGACY_BY_NAME:
+        legacy = LEGACY_BY_NAME[key]
+        if legacy.kind is Kind.REPLACED:
+            raise ConfigError(f"legacy switch {key} has no effect in qnpipe: replaced by {legacy.target}")
+        return legacy.target
     return _override_path(key.replace("-", "_"))
 
 

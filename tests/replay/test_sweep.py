@@ -158,6 +158,9 @@ def test_short_names_resolve_and_values_split_on_semicolons() -> None:
                                                    ("device.queue_depth", ("1", "2")),
                                                    ("cost.per_layer_s", ("0.001",))]
     assert sweep.parse_grid(["diag.union_prof=true"])[0].field == "diag.union_prof"
+    assert sweep.parse_grid(["EXPERT_SLOTS=4"])[0].field == "pool.expert_slots"  # a legacy name, as config reads it
+    with pytest.raises(ConfigError, match="legacy switch RESIDENT_POOL has no effect"):
+        sweep.parse_grid(["RESIDENT_POOL=1,0"])
     with pytest.raises(ConfigError, match="already swept"):
         sweep.parse_grid(["expert_slots=4", "pool.expert_slots=8"])
 
