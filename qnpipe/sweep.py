@@ -68,7 +68,7 @@ class Axis(msgspec.Struct, frozen=True, kw_only=True):
 
 def parse_grid(items: Sequence[str]) -> list[Axis]:
     """`KEY=V1,V2,...` items as axes; values are split on `;` instead when the list holds one
-    (for values with commas, such as layer sets: `pool.pin_layers=0-3;4-7`). ConfigError names the item."""
+    (for values with commas, such as layer sets: `trace.route_trace_layers=0-3;4,6`). ConfigError names the item."""
     axes: list[Axis] = []
     for item in items:
         key, sep, rest = item.partition("=")

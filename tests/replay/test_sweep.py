@@ -152,7 +152,7 @@ def test_unknown_metric_and_dask_without_scheduler_fail_at_once(log: Path, capsy
     assert "--scheduler" in capsys.readouterr().err
 
 
-def test_short_names_resolve_and_values_split_on_semicolons() -> None:
+def test_short_names_resolve_and_values_split_on_semicolons(tmp_path: Path) -> None:
     axes = sweep.parse_grid(["expert_slots=4,8", "queue_depth=1;2", "per_layer_s=0.001"])
     assert [(a.field, a.values) for a in axes] == [("pool.expert_slots", ("4", "8")),
                                                    ("device.queue_depth", ("1", "2")),
@@ -161,6 +161,11 @@ def test_short_names_resolve_and_values_split_on_semicolons() -> None:
     assert sweep.parse_grid(["EXPERT_SLOTS=4"])[0].field == "pool.expert_slots"  # a legacy name, as config reads it
     with pytest.raises(ConfigError, match="legacy switch RESIDENT_POOL has no effect"):
         sweep.parse_grid(["RESIDENT_POOL=1,0"])
+    layers = sweep.parse_grid(["trace.route_trace_layers=0-1;2,3"])
+    assert layers[0].values == ("0-1", "2,3")
+    points = sweep.plan(write_routes(tmp_path / "r.qtrace"), layers, config.load(None, env={}),
+                        fixed={"replay.record_nbytes": NBYTES})
+    assert [p.values["trace.route_trace_layers"] for p in points] == [(0, 1), (2, 3)]
     with pytest.raises(ConfigError, match="already swept"):
         sweep.parse_grid(["expert_slots=4", "pool.expert_slots=8"])
 
