@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from qnpipe.cli.common import add_config_flags
@@ -90,6 +91,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise QnpipeError(f"--jobs {args.jobs}: must be >= 1")
     metric = check_metric(args.metric)
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        raise QnpipeError(f"-o {args.output}: no such directory {Path(args.output).resolve().parent}")
     cfg, base, fixed = _base(args)
     points = plan(args.log, parse_grid(args.grid), cfg, base=base, fixed=fixed)
     bar = _Bar(enabled=sys.stderr.isatty() and not args.no_progress)

@@ -150,6 +150,8 @@ def test_unknown_metric_and_dask_without_scheduler_fail_at_once(log: Path, capsy
     assert "--metric 'speed': unknown, known: " in capsys.readouterr().err
     assert main(["sweep", str(log), "--grid", "pool.expert_slots=4", "--executor", "dask"]) == 2
     assert "--scheduler" in capsys.readouterr().err
+    assert main(["sweep", str(log), "--grid", "pool.expert_slots=4", "-o", str(log.parent / "no" / "s.json")]) == 2
+    assert "no such directory" in capsys.readouterr().err
 
 
 def test_short_names_resolve_and_values_split_on_semicolons(tmp_path: Path) -> None:
