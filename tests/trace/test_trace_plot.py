@@ -190,3 +190,43 @@ def test_help_teaches_the_window(capsys: pytest.CaptureFixture[str]) -> None:
         main(["trace", "plot", "--help"])
     out = capsys.readouterr().out
     assert "usage: qnpipe trace plot" in out and "examples:" in out and "--steps" in out
+
+
+@pytest.fixture(scope="module")
+def live_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The event log of a live run of a streamed tiny model with prefetch on."""
+    import contextlib
+    import io
+
+    from qnpipe.convert import convert
+    from qnpipe.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("live")
+    hf = make_tiny(root / "hf", layout="hf", seed=3, config_overrides={
+        "num_hidden_layers": 3, "full_attention_interval": 3, "num_experts": 16, "num_experts_per_tok": 2})
+    convert(hf, root / "q")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["generate", str(root / "q"), "--tokens", "5,6,7,8,9", "-n", "10", "--json",
+                     "--set", "pool.expert_slots=4", "--set", "predict.cross_layer_prefetch=true",
+                     "--trace", str(root / "run.qtrace")]) == 0
+    return root / "run.qtrace"
+
+
+def test_a_live_runs_prefetches_are_drawn_with_their_hints(live_log: Path, tmp_path: Path) -> None:
+    header, records = trace.read(live_log)
+    tl = timeline(header, records, (1, None))
+    prefetches = [r for r in tl.reads if r.cls == "prefetch"]
+    assert prefetches and all(r.hint_t is not None and r.hint_t <= r.issued_t for r in prefetches)
+    assert {r.outcome for r in prefetches} <= {"in time", "late", "unused"}
+    assert all(r.issued_t <= r.started_t <= r.done_t for r in tl.reads)
+    assert all(r.needed_t is None or r.needed_t >= r.issued_t for r in tl.reads)
+    issued = sum(1 for x in records if isinstance(x, ReadExpert) and x.cls is ReadClass.PREFETCH)
+    done = {(x.layer, x.expert, x.issued_t) for x in records if isinstance(x, ReadDone)}
+    assert len(prefetches) == sum(1 for x in records if isinstance(x, ReadExpert) and x.cls is ReadClass.PREFETCH
+                                  and (x.layer, x.expert, x.t) in done) <= issued
+    for lane in range(tl.lanes):
+        mine = sorted((r.started_t, r.done_t) for r in tl.reads if r.lane == lane)
+        assert all(a[1] <= b[0] for a, b in zip(mine, mine[1:], strict=False))
+    out = tmp_path / "live.png"
+    assert main(["trace", "plot", str(live_log), "-o", str(out), "--steps", "2:5"]) == 0
+    _png_size(out)
