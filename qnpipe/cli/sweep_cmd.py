@@ -84,6 +84,12 @@ class _Bar:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from qnpipe.sweep import check_metric, parse_grid, plan, run, to_json, write_json
 
+    if args.log is None:  # `qnpipe sweep --grid a=1,2 LOG`: the list of --grid took the log
+        logs = [g for g in args.grid if "=" not in g]
+        if len(logs) != 1:
+            raise QnpipeError("give the LOG to sweep (qnpipe sweep LOG --grid KEY=V1,V2 ...)")
+        args.log = logs[0]
+        args.grid = [g for g in args.grid if g != args.log]
     if args.executor == "dask" and not args.scheduler:
         raise QnpipeError("--executor dask needs --scheduler ADDRESS (e.g. tcp://10.0.0.5:8786)")
     if args.scheduler and args.executor != "dask":
@@ -134,7 +140,8 @@ def register(sub: Any, fmt: Any) -> None:
                        "      --metric hit_rate --plot-dir plots/ -o sweep.json\n"
                        "  qnpipe sweep routes.qtrace --set replay.record_nbytes=1048576 \\\n"
                        "      --grid device.queue_depth=1,2,4,8 --executor dask --scheduler tcp://10.0.0.5:8786")
-    s.add_argument("log", metavar="LOG", help="event or routing log (qnpipe generate --trace), docs/trace-format.md")
+    s.add_argument("log", metavar="LOG", nargs="?",
+                   help="event or routing log (qnpipe generate --trace), docs/trace-format.md")
     s.add_argument("--grid", metavar="KEY=V1,V2", nargs="+", action="extend", default=[], required=True,
                    help="a swept field and its values (repeatable; several may follow one --grid)")
     s.add_argument("--metric", default="tok_s", metavar="NAME",

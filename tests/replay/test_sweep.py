@@ -268,6 +268,15 @@ def test_a_point_that_fails_in_its_replay_is_named(log: Path, monkeypatch: pytes
                 sweep.run(log, _points(log), executor="dask", scheduler=cluster.scheduler_address)
 
 
+def test_the_log_may_follow_the_grid(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep", "--grid", "pool.expert_slots=4,8", str(log), "--executor", "serial", "--set",
+                 f"replay.record_nbytes={NBYTES}", "--json"]) == 0
+    assert [p["values"] for p in msgspec.json.decode(capsys.readouterr().out)["points"]] == [
+        {"pool.expert_slots": 4}, {"pool.expert_slots": 8}]
+    assert main(["sweep", "--grid", "pool.expert_slots=4,8"]) == 2
+    assert "give the LOG" in capsys.readouterr().err
+
+
 def test_progress_counts_every_point_and_json_prints_the_file(log: Path, tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     seen: list[tuple[int, int]] = []
