@@ -57,6 +57,7 @@ __all__ = [
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",
     "parse_layer_set", "PoolCfg", "PredictAgg", "PredictCfg", "PrefixCfg", "ReadCfg",
     "ReadBackend", "ReplacedSwitchWarning", "LEGACY_NAMES", "TraceCfg", "with_overrides",
+    "override_path",
 ]
 
 ENV_PREFIX = "QNPIPE_"
@@ -315,6 +316,18 @@ def _override_path(key: str) -> str:
         raise ConfigError(f"override {key!r} is ambiguous: use one of {', '.join(paths)}")
     candidates = [*_FIELDS, *_FLAT, *OVERRIDE_ALIASES]
     raise ConfigError(f"unknown override {key!r}{_suggest(key, candidates)} (allowed: section.field, see docs/config.md)")
+
+
+def override_path(key: str) -> str:
+    """The dotted path an override key names, resolved as ``load`` resolves it (``expert_slots``,
+    ``EXPERT_SLOTS`` -> ``pool.expert_slots``); ConfigError naming the key when it is unknown, ambiguous
+    or a legacy switch that qnpipe replaces."""
+    if key in LEGACY_BY_NAME:
+        legacy = LEGACY_BY_NAME[key]
+        if legacy.kind is Kind.REPLACED:
+            raise ConfigError(f"legacy switch {key} has no effect in qnpipe: replaced by {legacy.target}")
+        return legacy.target
+    return _override_path(key.replace("-", "_"))
 
 
 def _override_settings(overrides: Mapping[str, object]) -> list[_Setting]:

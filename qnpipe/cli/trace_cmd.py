@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-TRACE_COMMANDS: tuple[Any, ...] = ()
+from qnpipe.cli import trace_plot
+
+TRACE_COMMANDS: tuple[Any, ...] = (trace_plot,)
 
 
 def register(sub: Any, fmt: Any) -> None:

@@ -1,0 +1,165 @@
+"""`qnpipe sweep`: a grid of settings, one replay per point, in parallel processes or on a Dask cluster."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from qnpipe.cli.common import add_config_flags
+from qnpipe.errors import QnpipeError
+
+
+def _base(args: argparse.Namespace) -> tuple[Any, Any, dict[str, str]]:
+    """(config, base replay settings, the replay's own --set values) from --config, --set, --device, --predict."""
+    from qnpipe import config
+    from qnpipe.io.simssd import PROFILES
+    from qnpipe.replay import CostModel
+    from qnpipe.sweep import Settings, resolve_key, split_settings
+
+    if args.device not in PROFILES:
+        raise QnpipeError(f"--device {args.device}: unknown, known: {', '.join(sorted(PROFILES))}")
+    sets: dict[str, str] = {}
+    for item in args.sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise QnpipeError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            sets[resolve_key(key)] = value.strip()
+        except QnpipeError as e:
+            raise QnpipeError(f"--set {item!r}: {e}") from None
+    conf, own = split_settings(sets)
+    cfg = config.load(args.config, overrides=conf)
+    base = Settings(device=PROFILES[args.device], cost=CostModel(), predictor=args.predict)
+    # The replay's own --set values are checked with the grid (plan), as part of every point.
+    return cfg, base, {f"{s}.{k}": v for s, d in own.items() for k, v in d.items()}
+
+
+def table(result: Any, metric: str) -> Any:
+    from rich.table import Table
+
+    from qnpipe.sweep import fmt_metric, fmt_value, table_metrics
+
+    names = [m for m in table_metrics(metric) if result.points and m in result.points[0].metrics]
+    t = Table(title=f"sweep of {result.log}: {len(result.points)} points")
+    t.add_column("#", justify="right")
+    for f in result.fields:
+        t.add_column(f, justify="right")
+    for m in names:
+        t.add_column(m, justify="right", style="bold" if m == metric else None)
+    for p in result.points:
+        t.add_row(str(p.index), *(fmt_value(p.values[f]) for f in result.fields),
+                  *(fmt_metric(m, p.metrics[m]) for m in names))
+    return t
+
+
+class _Bar:
+    """A transient rich progress bar of points on stderr (nothing when stderr is not a terminal)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.progress: Any = None
+        self.task: Any = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.progress is None:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("points"),
+                                     TimeElapsedColumn(), transient=True, console=Console(stderr=True))
+            self.task = self.progress.add_task("sweep", total=total)
+            self.progress.start()
+        self.progress.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from qnpipe.sweep import check_metric, parse_grid, plan, run, to_json, write_json
+
+    if args.log is None:  # `qnpipe sweep --grid a=1,2 LOG`: the list of --grid took the log
+        logs = [g for g in args.grid if "=" not in g]
+        if len(logs) != 1:
+            raise QnpipeError("give the LOG to sweep (qnpipe sweep LOG --grid KEY=V1,V2 ...)")
+        args.log = logs[0]
+        args.grid = [g for g in args.grid if g != args.log]
+    if args.executor == "dask" and not args.scheduler:
+        raise QnpipeError("--executor dask needs --scheduler ADDRESS (e.g. tcp://10.0.0.5:8786)")
+    if args.scheduler and args.executor != "dask":
+        raise QnpipeError("--scheduler is for --executor dask")
+    if args.jobs is not None and args.jobs < 1:
+        raise QnpipeError(f"--jobs {args.jobs}: must be >= 1")
+    metric = check_metric(args.metric)
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        raise QnpipeError(f"-o {args.output}: no such directory {Path(args.output).resolve().parent}")
+    cfg, base, fixed = _base(args)
+    points = plan(args.log, parse_grid(args.grid), cfg, base=base, fixed=fixed)
+    bar = _Bar(enabled=sys.stderr.isatty() and not args.no_progress)
+    try:
+        result = run(args.log, points, executor=args.executor, jobs=args.jobs, scheduler=args.scheduler,
+                     progress=bar)
+    finally:
+        bar.close()
+    if args.output:
+        write_json(result, args.output)
+    if args.plot_dir:
+        from qnpipe.sweep_plot import plot
+
+        plot(result, metric, args.plot_dir)
+    if args.json:
+        print(to_json(result).decode())
+    else:
+        from rich.console import Console
+
+        Console(width=None if sys.stdout.isatty() else 200).print(table(result, metric))
+    return 0
+
+
+def register(sub: Any, fmt: Any) -> None:
+    s = sub.add_parser("sweep", help="replay a log at every point of a grid of settings (parallel, or on Dask)",
+                       formatter_class=fmt,
+                       description="Replay a log (qnpipe replay) at every point of the cartesian product of the\n"
+                       "--grid fields, in parallel worker processes (--jobs, default one per core) or on a\n"
+                       "Dask cluster (--executor dask --scheduler ADDRESS), and print a table of the points\n"
+                       "with their headline metrics. A grid field is any config field (pool.expert_slots, or\n"
+                       "a short name such as expert_slots when it names one field) or a replay setting\n"
+                       "(cost.*, device.*, replay.record_nbytes, replay.predictor). Every point is checked\n"
+                       "before any replay runs: an unknown field or a bad value fails at once, naming it.\n"
+                       "Values are comma-separated, or ';'-separated when a value holds commas.\n"
+                       "Results are in grid order and the same whatever the executor (docs/replay.md).",
+                       epilog="examples:\n"
+                       "  qnpipe sweep run.qtrace --grid pool.expert_slots=4,8,16 --grid pool.evict_policy=lru,lfu\n"
+                       "  qnpipe sweep run.qtrace --grid expert_slots=8,16 replay.predictor=none,previous \\\n"
+                       "      --metric hit_rate --plot-dir plots/ -o sweep.json\n"
+                       "  qnpipe sweep routes.qtrace --set replay.record_nbytes=1048576 \\\n"
+                       "      --grid device.queue_depth=1,2,4,8 --executor dask --scheduler tcp://10.0.0.5:8786")
+    s.add_argument("log", metavar="LOG", nargs="?",
+                   help="event or routing log (qnpipe generate --trace), docs/trace-format.md")
+    s.add_argument("--grid", metavar="KEY=V1,V2", nargs="+", action="extend", default=[], required=True,
+                   help="a swept field and its values (repeatable; several may follow one --grid)")
+    s.add_argument("--metric", default="tok_s", metavar="NAME",
+                   help="the metric the plots show and the table emphasises: tok_s (default), hit_rate, "
+                   "belady_hit_rate, misses, stall_s_per_token, bytes_per_token, device_utilisation, ...")
+    s.add_argument("-o", "--output", metavar="FILE", help="write the whole sweep as JSON to FILE (atomically)")
+    s.add_argument("--plot-dir", metavar="DIR", help="write a PNG of the metric against each swept field to DIR")
+    s.add_argument("--jobs", type=int, metavar="N", help="worker processes (default: the machine's cores)")
+    s.add_argument("--executor", choices=["processes", "dask", "serial"], default="processes",
+                   help="processes (default): local worker processes; dask: a dask.distributed cluster "
+                   "(needs --scheduler); serial: one after another in this process")
+    s.add_argument("--scheduler", metavar="ADDRESS", help="Dask scheduler address, e.g. tcp://10.0.0.5:8786")
+    s.add_argument("--device", default="apple-m5-internal", metavar="NAME",
+                   help="built-in device profile the device.* settings start from (default %(default)s)")
+    s.add_argument("--predict", default="none", metavar="NAME",
+                   help="the replay's predictor at every point unless swept as replay.predictor "
+                   "(none = demand only, default; previous: see qnpipe replay --help)")
+    s.add_argument("--json", action="store_true", help="print the whole sweep as JSON instead of the table")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_config_flags(s, prefill=False, example="pool.evict_policy=lru")
+    s.set_defaults(func=cmd_sweep)

@@ -1,0 +1,45 @@
+"""`qnpipe trace plot`: a timeline PNG of a window of steps of an event log (compute, reads, stalls)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from qnpipe.timeline import parse_steps, timeline
+    from qnpipe.trace import read
+    from qnpipe.trace_plot import draw
+
+    window = parse_steps(args.steps) if args.steps else (None, None)
+    header, records = read(args.log)
+    tl = timeline(header, records, window, path=args.log)
+    draw(tl, args.output, title=f"{Path(args.log).name}: steps {tl.first}..{tl.last}")
+    late = sum(r.outcome == "late" for r in tl.reads)
+    print(f"{args.output}: steps {tl.first}..{tl.last}, {len(tl.layers)} layers, {len(tl.reads)} reads on "
+          f"{tl.lanes} lanes ({late} late prefetches), {len(tl.stalls)} stalls")
+    return 0
+
+
+def register(tsub: Any, fmt: Any) -> None:
+    p = tsub.add_parser("plot", help="draw a timeline of a window of steps (compute, reads per lane, stalls)",
+                        formatter_class=fmt,
+                        description="Draw a PNG timeline of a window of steps of an event log (a live run's,\n"
+                        "qnpipe generate --trace, or a replay's, qnpipe replay --set trace.event_log_path=FILE):\n"
+                        "per MoE layer its compute and stalls; per device lane every read from the device\n"
+                        "start to completion, coloured demand / prefetch in time / late / unused, with each\n"
+                        "prefetch's hint and issue time and the moment the forward needed it.",
+                        epilog="examples:\n"
+                        "  qnpipe generate ./tiny-qn -p 'def fib(n):' -n 16 --trace run.qtrace\n"
+                        "  qnpipe trace plot run.qtrace -o run.png                 the first 4 steps\n"
+                        "  qnpipe trace plot run.qtrace -o late.png --steps 10:13  steps 10, 11 and 12\n"
+                        "  qnpipe replay run.qtrace --predict previous --set trace.event_log_path=re.qtrace\n"
+                        "  qnpipe trace plot re.qtrace -o re.png --steps 5")
+    p.add_argument("log", metavar="LOG", help="event log, docs/trace-format.md")
+    p.add_argument("-o", "--output", metavar="PNG", required=True, help="the PNG file to write")
+    p.add_argument("--steps", metavar="A:B",
+                   help="steps A to B-1 (a Python slice: A: = from A, :B = up to B-1, : = all; A alone = step A); "
+                   "default: the first 4 steps")
+    p.set_defaults(func=cmd_plot)
