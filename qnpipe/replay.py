@@ -25,7 +25,8 @@ import trio.testing
 from qnpipe.config import Config, with_overrides
 from qnpipe.engine import layer_capacities, open_pipeline
 from qnpipe.errors import ConfigError, TraceSchemaError
-from qnpipe.io.simssd import PROFILES, DeviceProfile, open_simssd
+from qnpipe.io.measure import named_profile
+from qnpipe.io.simssd import DeviceProfile, open_simssd
 from qnpipe.messages import ReadDone
 from qnpipe.model.stepper import Event, LayerRoute, PartDone, PartGrant, StepDone, Tail
 from qnpipe.policy.belady import belady_hits
@@ -36,10 +37,13 @@ PREDICTORS = ("none", "previous")
 
 
 class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Modelled compute: each MoE layer part takes `per_layer_s + per_token_s * tokens`."""
+    """Modelled compute: each MoE layer part takes `per_layer_s + per_token_s * tokens`, and each
+    step `per_step_s` more before its first MoE layer (head, sampling, the decode loop; fitted
+    by `qnpipe.cost_fit`)."""
 
     per_layer_s: float = 2e-3
     per_token_s: float = 0.0
+    per_step_s: float = 0.0
 
     def layer_s(self, tokens: int) -> float:
         return self.per_layer_s + self.per_token_s * tokens
@@ -167,6 +171,8 @@ class LogBackend:
         self._step += 1
         self._i = 0
         self.tokens += len(self._log.steps[self._step][0][1]) // self._log.shape.top_k
+        if self._cost.per_step_s:
+            await trio.sleep(self._cost.per_step_s)
         return self._route()
 
     async def resume(self, grant: PartGrant) -> Event:
@@ -210,9 +216,7 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
     if predictor == "previous":
         cfg = with_overrides(cfg, {"predict.cross_layer_prefetch": True})
     if isinstance(device_profile, str):
-        if device_profile not in PROFILES:
-            raise ConfigError(f"device profile {device_profile!r}: unknown, known: {sorted(PROFILES)}")
-        device_profile = PROFILES[device_profile]
+        device_profile = named_profile(device_profile, cfg.read.device_profile_path)
     try:
         device_profile.check()
     except ValueError as e:

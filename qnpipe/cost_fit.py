@@ -1,0 +1,166 @@
+"""The compute cost model of a live run, fitted from its event log (`qnpipe trace fit-cost`).
+
+    fit = fit_cost("run.qtrace")          # CostFit: the CostModel, its residual, what it saw
+    save_cost("run.cost.json", fit)
+    replay("run.qtrace", cfg, cost=load_cost("run.cost.json").cost)
+
+What a replay models as compute is everything the forward does between one layer part's
+grant and its next acquire: the experts' work, the layers up to the next MoE router, and the
+actors' messaging. The log holds it as the gap between consecutive `pool.acquire` records
+(the forward's own stamps, in its `seq` order), minus the part's wait when it had misses
+(`pool.granted` t - `pool.acquire` t: the device, which the replay models itself). A hit's
+wait stays in the gap: the replay's pool answers a hit in no virtual time, the live one in a
+few message hops. Each gap is one sample
+
+    gap = per_layer_s + per_token_s * tokens + per_step_s * [the next acquire is the next step's]
+
+with `tokens` the part's token count (`plan_parts` on the `trace.route`, as the forward
+splits it; the header's capacities). `fit_cost` solves it by least squares over every gap
+of the log; a coefficient the log cannot determine (every part of one token count: no
+per_token_s; one step: no per_step_s) or that comes out negative is fixed at 0 and the rest
+refitted. The last part of the log has no next acquire and is not a sample.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from qnpipe.errors import ConfigError, TraceSchemaError
+from qnpipe.messages import Acquire, Granted
+from qnpipe.policy.parts import plan_parts
+from qnpipe.replay import CostModel
+from qnpipe.trace import Route, read
+
+COST_KIND = "qnpipe.cost-model"
+COST_VERSION = 1
+TERMS = ("per_layer_s", "per_token_s", "per_step_s")
+
+
+class CostFit(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The cost file `qnpipe trace fit-cost` writes and `qnpipe replay --cost` reads."""
+
+    kind: str = COST_KIND
+    version: int = COST_VERSION
+    cost: CostModel
+    log: str
+    samples: int  # gaps fitted
+    steps: int
+    fitted: list[str]  # the terms the least squares determined (the others are 0)
+    rms_residual_s: float
+    mean_gap_s: float
+    live_s: float  # sum of every gap and every part's wait: the forward's time from the first acquire to the last
+
+
+class CostFitError(TraceSchemaError):
+    """The log cannot give a cost model (no acquires, no grants to pair them with); names the file."""
+
+
+def fit_cost(path: str | Path) -> CostFit:
+    """The least-squares `CostModel` of the event log at `path` (see the module doc)."""
+    header, records = read(path)
+    if header.model is None:
+        raise CostFitError(f"{path}: record 0 (header) has no model shape")
+    k = header.model.top_k
+    routes: dict[tuple[int, int], Route] = {}
+    acquires: list[Acquire] = []
+    grants: dict[tuple[int, int, int], Granted] = {}
+    for r in records:
+        if isinstance(r, Route):
+            routes[(r.step, r.layer)] = r
+        elif isinstance(r, Acquire):
+            acquires.append(r)
+        elif isinstance(r, Granted):
+            grants[(r.step, r.layer, r.part)] = r
+    acquires.sort(key=lambda a: a.seq)
+    if len(acquires) < 2:
+        raise CostFitError(f"{path}: {len(acquires)} pool.acquire record(s): a cost fit needs a streamed run's event "
+                           "log (qnpipe generate --trace, with experts not all resident)")
+    part_tokens: dict[tuple[int, int, int], int] = {}
+    rows, gaps = [], []
+    live_s = 0.0
+    for a, nxt in zip(acquires, acquires[1:], strict=False):
+        key = (a.step, a.layer, a.part)
+        g = grants.get(key)
+        if g is None:
+            raise CostFitError(f"{path}: pool.acquire (step {a.step}, layer {a.layer}, part {a.part}) has no "
+                               "pool.granted record")
+        if (a.step, a.layer) not in routes:
+            raise CostFitError(f"{path}: pool.acquire (step {a.step}, layer {a.layer}) has no trace.route record")
+        if key not in part_tokens:
+            _parts_of(routes[(a.step, a.layer)], k, header.capacities, part_tokens)
+        wait = g.t - a.t if g.misses else 0.0
+        gap = nxt.t - a.t - wait
+        live_s += nxt.t - a.t
+        rows.append((1.0, float(part_tokens[key]), float(nxt.step != a.step)))
+        gaps.append(gap)
+    x = np.array(rows)
+    y = np.array(gaps)
+    use = [0] + [j for j in (1, 2) if np.ptp(x[:, j]) > 0]
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, use], y, rcond=None)
+        negative = [j for j, c in zip(use, coef, strict=True) if c < 0 and j != 0]
+        if not negative:
+            break
+        use.remove(negative[0])
+    full = np.zeros(3)
+    full[use] = coef
+    full[0] = max(full[0], 0.0)
+    resid = y - x @ full
+    cost = CostModel(per_layer_s=float(full[0]), per_token_s=float(full[1]), per_step_s=float(full[2]))
+    return CostFit(cost=cost, log=str(path), samples=len(y), steps=len({a.step for a in acquires}),
+                   fitted=[TERMS[j] for j in use], rms_residual_s=float(np.sqrt(np.mean(resid**2))),
+                   mean_gap_s=float(y.mean()), live_s=live_s)
+
+
+def _parts_of(route: Route, k: int, caps: dict[int, int], out: dict[tuple[int, int, int], int]) -> None:
+    ids = np.asarray(route.experts, dtype=np.int64).reshape(-1, k)
+    cap = caps.get(route.layer, ids.size)
+    for p, (lo, hi, _) in enumerate(plan_parts(ids, cap, layer=route.layer)):
+        out[(route.step, route.layer, p)] = hi - lo
+
+
+def save_cost(path: str | os.PathLike[str], fit: CostFit) -> None:
+    """Replace `path` with `fit` as JSON atomically (temp file in the same directory, fsync, rename)."""
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgspec.json.format(msgspec.json.encode(fit), indent=2) + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def load_cost(path: str | os.PathLike[str]) -> CostFit:
+    """The cost file at `path`; ConfigError naming the file when absent, corrupt or not a cost file."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the cost file ({e.strerror or e}): write one with "
+                          "`qnpipe trace fit-cost LOG -o FILE`") from None
+    try:
+        fit = msgspec.json.decode(data, type=CostFit)
+    except msgspec.DecodeError as e:
+        raise ConfigError(f"{p}: not a cost file ({e})") from None
+    if fit.kind != COST_KIND or fit.version > COST_VERSION:
+        raise ConfigError(f"{p}: kind {fit.kind!r} version {fit.version}: expected {COST_KIND!r} "
+                          f"version <= {COST_VERSION}")
+    bad = [t for t in TERMS if not getattr(fit.cost, t) >= 0]
+    if bad:
+        raise ConfigError(f"{p}: cost.{bad[0]}={getattr(fit.cost, bad[0])}: must be >= 0")
+    return fit
+
+
+__all__ = ["COST_KIND", "COST_VERSION", "CostFit", "CostFitError", "fit_cost", "load_cost", "save_cost"]
