@@ -19,6 +19,13 @@ splits it; the header's capacities). `fit_cost` solves it by least squares over 
 of the log; a coefficient the log cannot determine (every part of one token count: no
 per_token_s; one step: no per_step_s) or that comes out negative is fixed at 0 and the rest
 refitted. The last part of the log has no next acquire and is not a sample.
+
+`read_hop_s` (given the device profile the replay will use): the live miss path's time beyond
+that device, the mean over the parts with misses of their wait (`pool.granted` t -
+`pool.acquire` t) less the time the profile takes to read their misses alone
+(`ceil(misses / queue_depth) * service_s(record bytes)`): the messages to the read
+scheduler and back, the hand-off to the reader's threads, and on a busy machine the wait
+for a core. The replay adds it to each read batch (with demand reads, one per such part).
 """
 
 from __future__ import annotations
@@ -31,14 +38,15 @@ import msgspec
 import numpy as np
 
 from qnpipe.errors import ConfigError, TraceSchemaError
-from qnpipe.messages import Acquire, Granted
+from qnpipe.io.simssd import DeviceProfile
+from qnpipe.messages import Acquire, Granted, ReadDone
 from qnpipe.policy.parts import plan_parts
 from qnpipe.replay import CostModel
 from qnpipe.trace import Route, read
 
 COST_KIND = "qnpipe.cost-model"
 COST_VERSION = 1
-TERMS = ("per_layer_s", "per_token_s", "per_step_s")
+TERMS = ("per_layer_s", "per_token_s", "per_step_s", "read_hop_s")
 
 
 class CostFit(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -54,20 +62,25 @@ class CostFit(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     rms_residual_s: float
     mean_gap_s: float
     live_s: float  # sum of every gap and every part's wait: the forward's time from the first acquire to the last
+    miss_parts: int = 0  # the samples of read_hop_s
+    read_hop_rms_residual_s: float = 0.0
+    device: DeviceProfile | None = None  # the profile read_hop_s was fitted against (None: read_hop_s is 0)
 
 
 class CostFitError(TraceSchemaError):
     """The log cannot give a cost model (no acquires, no grants to pair them with); names the file."""
 
 
-def fit_cost(path: str | Path) -> CostFit:
-    """The least-squares `CostModel` of the event log at `path` (see the module doc)."""
+def fit_cost(path: str | Path, device: DeviceProfile | None = None) -> CostFit:
+    """The least-squares `CostModel` of the event log at `path` (see the module doc); with
+    `device`, also its `read_hop_s` against that device."""
     header, records = read(path)
     if header.model is None:
         raise CostFitError(f"{path}: record 0 (header) has no model shape")
     k = header.model.top_k
     routes: dict[tuple[int, int], Route] = {}
     acquires: list[Acquire] = []
+    nbytes: dict[int, int] = {}
     grants: dict[tuple[int, int, int], Granted] = {}
     for r in records:
         if isinstance(r, Route):
@@ -76,6 +89,8 @@ def fit_cost(path: str | Path) -> CostFit:
             acquires.append(r)
         elif isinstance(r, Granted):
             grants[(r.step, r.layer, r.part)] = r
+        elif isinstance(r, ReadDone):
+            nbytes[r.layer] = max(nbytes.get(r.layer, 0), r.nbytes)
     acquires.sort(key=lambda a: a.seq)
     if len(acquires) < 2:
         raise CostFitError(f"{path}: {len(acquires)} pool.acquire record(s): a cost fit needs a streamed run's event "
@@ -83,6 +98,7 @@ def fit_cost(path: str | Path) -> CostFit:
     part_tokens: dict[tuple[int, int, int], int] = {}
     rows, gaps = [], []
     live_s = 0.0
+    waits: list[tuple[float, int, int]] = []  # (live wait, misses, record bytes) of each part with misses
     for a, nxt in zip(acquires, acquires[1:], strict=False):
         key = (a.step, a.layer, a.part)
         g = grants.get(key)
@@ -94,6 +110,8 @@ def fit_cost(path: str | Path) -> CostFit:
         if key not in part_tokens:
             _parts_of(routes[(a.step, a.layer)], k, header.capacities, part_tokens)
         wait = g.t - a.t if g.misses else 0.0
+        if g.misses and a.layer in nbytes:
+            waits.append((wait, g.misses, nbytes[a.layer]))
         gap = nxt.t - a.t - wait
         live_s += nxt.t - a.t
         rows.append((1.0, float(part_tokens[key]), float(nxt.step != a.step)))
@@ -111,10 +129,22 @@ def fit_cost(path: str | Path) -> CostFit:
     full[use] = coef
     full[0] = max(full[0], 0.0)
     resid = y - x @ full
-    cost = CostModel(per_layer_s=float(full[0]), per_token_s=float(full[1]), per_step_s=float(full[2]))
+    hop, hop_resid = _read_hop(waits, device) if device is not None and waits else (0.0, 0.0)
+    cost = CostModel(per_layer_s=float(full[0]), per_token_s=float(full[1]), per_step_s=float(full[2]),
+                     read_hop_s=hop)
     return CostFit(cost=cost, log=str(path), samples=len(y), steps=len({a.step for a in acquires}),
-                   fitted=[TERMS[j] for j in use], rms_residual_s=float(np.sqrt(np.mean(resid**2))),
-                   mean_gap_s=float(y.mean()), live_s=live_s)
+                   fitted=[TERMS[j] for j in use] + (["read_hop_s"] if hop else []),
+                   rms_residual_s=float(np.sqrt(np.mean(resid**2))), mean_gap_s=float(y.mean()), live_s=live_s,
+                   miss_parts=len(waits), read_hop_rms_residual_s=hop_resid,
+                   device=device)
+
+
+def _read_hop(waits: list[tuple[float, int, int]], device: DeviceProfile) -> tuple[float, float]:
+    """Mean (and rms residual) over the parts with misses of their live wait less the time
+    `device` takes to read their misses alone (whole rounds of `queue_depth` reads)."""
+    extra = [w - -(-misses // device.queue_depth) * device.service_s(nbytes) for w, misses, nbytes in waits]
+    hop = max(float(np.mean(extra)), 0.0)
+    return hop, float(np.sqrt(np.mean((np.array(extra) - hop) ** 2)))
 
 
 def _parts_of(route: Route, k: int, caps: dict[int, int], out: dict[tuple[int, int, int], int]) -> None:

@@ -38,12 +38,13 @@ PREDICTORS = ("none", "previous")
 
 class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Modelled compute: each MoE layer part takes `per_layer_s + per_token_s * tokens`, and each
-    step `per_step_s` more before its first MoE layer (head, sampling, the decode loop; fitted
-    by `qnpipe.cost_fit`)."""
+    step `per_step_s` more before its first MoE layer (head, sampling, the decode loop); each
+    read batch waits `read_hop_s` before it reaches the device. Fitted by `qnpipe.cost_fit`."""
 
     per_layer_s: float = 2e-3
     per_token_s: float = 0.0
     per_step_s: float = 0.0
+    read_hop_s: float = 0.0  # the live read path's time per read batch beyond the device (thread hand-offs)
 
     def layer_s(self, tokens: int) -> float:
         return self.per_layer_s + self.per_token_s * tokens
@@ -188,6 +189,21 @@ class LogBackend:
         pass
 
 
+class _HoppedDevice:
+    """A device whose reads wait `hop_s` first: the live read path's hand-off to the reader's threads."""
+
+    def __init__(self, dev: Any, hop_s: float) -> None:
+        self._dev = dev
+        self._hop_s = hop_s
+
+    async def read(self, jobs: Any) -> list[int]:
+        await trio.sleep(self._hop_s)
+        return await self._dev.read(jobs)
+
+    def statistics(self) -> None:
+        return None
+
+
 def _belady(log: ReplayLog, caps: dict[int, int]) -> dict[int, tuple[int, int]]:
     """Per layer (requests, Belady hits), the requests split into parts as the forward splits them."""
     seqs: dict[int, list[tuple[int, ...]]] = {layer: [] for layer in caps}
@@ -238,7 +254,8 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
         backend = LogBackend(log, cost, predict_previous=predictor == "previous")
         t0 = trio.current_time()
         async with open_simssd(profile, nbytes) as dev, \
-                open_pipeline(cfg, backend, num_experts=log.shape.num_experts, capacities=caps, device=dev,
+                open_pipeline(cfg, backend, num_experts=log.shape.num_experts, capacities=caps,
+                              device=_HoppedDevice(dev, cost.read_hop_s) if cost.read_hop_s else dev,
                               record_nbytes=nbytes, shape=log.shape) as p:
             for _ in log.steps:
                 await p.forward.run(None, None, lambda h: None)
