@@ -25,7 +25,7 @@ import trio.testing
 from qnpipe.config import Config, with_overrides
 from qnpipe.engine import layer_capacities, open_pipeline
 from qnpipe.errors import ConfigError, TraceSchemaError
-from qnpipe.io.measure import named_profile
+from qnpipe.io.device_file import named_profile
 from qnpipe.io.simssd import DeviceProfile, open_simssd
 from qnpipe.messages import ReadDone
 from qnpipe.model.stepper import Event, LayerRoute, PartDone, PartGrant, StepDone, Tail

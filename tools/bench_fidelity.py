@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     import qnpipe
     from qnpipe import config
     from qnpipe.cost_fit import fit_cost
-    from qnpipe.io.measure import load_profile, measure_profile
+    from qnpipe.io.device_file import load_profile
+    from qnpipe.io.measure import measure_profile
     from qnpipe.io.store import ExpertStore
     from qnpipe.replay import replay
 

@@ -25,7 +25,8 @@ def _ints(flag: str, text: str) -> list[int]:
 
 def cmd_bench_io(args: argparse.Namespace) -> int:
     from qnpipe import config
-    from qnpipe.io.measure import measure_profile, save_profile
+    from qnpipe.io.device_file import save_profile
+    from qnpipe.io.measure import measure_profile
 
     cfg = config.load(args.config, overrides=config_overrides(args))
     records = _ints("--records", args.records)
@@ -61,7 +62,8 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
 def register(sub: Any, fmt: Any) -> None:
     b = sub.add_parser("bench", help="measure this machine (bench io: fit a device profile for replay)",
                        formatter_class=fmt,
-                       description="Benchmarks of this machine whose results qnpipe uses.")
+                       description="Benchmarks of this machine whose results qnpipe uses.",
+                       epilog="examples:\n  qnpipe bench io\n  qnpipe bench io --dir /mnt/nvme -o nvme.json")
     bsub = b.add_subparsers(dest="bench_command", metavar="SUBCOMMAND", required=True)
     r = bsub.add_parser("io", help="fit and save the measured device profile (replay --device measured)",
                         formatter_class=fmt,

@@ -13,7 +13,7 @@ def cmd_fit_cost(args: argparse.Namespace) -> int:
 
     from qnpipe import config
     from qnpipe.cost_fit import fit_cost, save_cost
-    from qnpipe.io.measure import named_profile
+    from qnpipe.io.device_file import named_profile
 
     device = None
     if args.device:

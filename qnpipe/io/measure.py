@@ -3,7 +3,7 @@
     files = make_files(d, total=1 << 30, nfiles=8, unit=stride)
     sample = bench_reader(ReadBackend.C, files, record=98304, qd=4, seconds=1.0, batch=32, submitters=2, seed=1)
     measured = measure_profile(d, records=(13824, 98304, 1769472), qds=(1, 2, 4, 8, 16), seconds=0.5)
-    save_profile("device-measured.json", measured)
+    save_profile("qnpipe-device.json", measured)  # qnpipe.io.device_file
 
 The fit, on the model `SimSSD` serves (`service_s(n) = latency + per_mb * MB + n / bandwidth`,
 at most `queue_depth` reads in service at once, so `min(qd, queue_depth) / service_s(n)`
@@ -29,41 +29,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import msgspec
 import numpy as np
 
 from qnpipe.config import ReadBackend
-from qnpipe.errors import ConfigError, DeviceProfileError
+from qnpipe.io.device_file import MeasuredProfile, ReadSample
 from qnpipe.io.reader import ReadRequest, aligned_len, alloc_aligned
-from qnpipe.io.simssd import PROFILES, DeviceProfile
+from qnpipe.io.simssd import DeviceProfile
 from qnpipe.io.ssd import SsdReader, c_extension_available, choose_backend, nocache_mode
 
-PROFILE_KIND = "qnpipe.device-profile"
-PROFILE_VERSION = 1
-
 Log = Callable[[str], None]
-
-
-class ReadSample(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One cell: random reads of `record_nbytes` with `qd` in flight, for `seconds`."""
-
-    record_nbytes: int
-    qd: int
-    reads_per_s: float
-    bytes_per_s: float  # record bytes (not the aligned read length)
-
-
-class MeasuredProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The profile file `qnpipe bench io` writes and `--device measured` reads."""
-
-    kind: str = PROFILE_KIND
-    version: int = PROFILE_VERSION
-    profile: DeviceProfile
-    latency_fit_residual_s: float  # rms of the qd-1 read times around latency + slope * n
-    rate_fit_residual: float  # rms of log(measured / modelled reads per second) over every sample
-    backend: str
-    mode: str  # the reader's cache mode (direct I/O or not)
-    samples: list[ReadSample]
 
 
 def _noop(msg: str) -> None:
@@ -230,66 +204,4 @@ def measure_profile(d: Path, *, records: Sequence[int], qds: Sequence[int], seco
                            backend=used.value, mode=nocache_mode(True).value, samples=samples)
 
 
-# ---------------------------------------------------------------------------- the file
-
-
-def save_profile(path: str | os.PathLike[str], measured: MeasuredProfile) -> None:
-    """Replace `path` with `measured` as JSON atomically (temp file in the same directory, fsync, rename)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(msgspec.json.format(msgspec.json.encode(measured), indent=2) + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def load_profile(path: str | os.PathLike[str]) -> MeasuredProfile:
-    """The profile file at `path`; DeviceProfileError naming the file when absent, corrupt or invalid."""
-    p = Path(path)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise DeviceProfileError(f"{p}: no measured device profile here: run `qnpipe bench io` first "
-                                 "(or set read.device_profile_path)") from None
-    try:
-        measured = msgspec.json.decode(data, type=MeasuredProfile)
-    except msgspec.DecodeError as e:
-        raise DeviceProfileError(f"{p}: not a device profile ({e}); run `qnpipe bench io` again") from None
-    if measured.kind != PROFILE_KIND or measured.version > PROFILE_VERSION:
-        raise DeviceProfileError(f"{p}: kind {measured.kind!r} version {measured.version}: expected "
-                                 f"{PROFILE_KIND!r} version <= {PROFILE_VERSION}")
-    try:
-        measured.profile.check()
-    except ValueError as e:
-        raise DeviceProfileError(f"{p}: profile: {e}") from None
-    return measured
-
-
-def device_names() -> list[str]:
-    """Every name `named_profile` knows: the built-in profiles and `measured`."""
-    return sorted([*PROFILES, "measured"])
-
-
-def named_profile(name: str, measured_path: str | os.PathLike[str]) -> DeviceProfile:
-    """A built-in profile by name, or (`measured`) the one `qnpipe bench io` saved at `measured_path`.
-
-    ConfigError for an unknown name; DeviceProfileError when the measured file is absent or bad.
-    """
-    if name == "measured":
-        return load_profile(measured_path).profile
-    if name not in PROFILES:
-        raise ConfigError(f"device profile {name!r}: unknown, known: {', '.join(device_names())}")
-    return PROFILES[name]
-
-
-__all__ = ["PROFILE_KIND", "PROFILE_VERSION", "device_names", "named_profile", "MeasuredProfile", "ReadSample", "bench_reader",
-           "fit_profile", "load_profile", "make_files", "measure_profile", "modelled_reads_per_s", "save_profile"]
+__all__ = ["bench_reader", "fit_profile", "make_files", "measure_profile", "modelled_reads_per_s"]

@@ -10,7 +10,8 @@ import pytest
 import qnpipe
 from qnpipe import config
 from qnpipe.cost_fit import fit_cost
-from qnpipe.io.measure import measure_profile, save_profile
+from qnpipe.io.device_file import save_profile
+from qnpipe.io.measure import measure_profile
 from qnpipe.replay import replay
 
 SHAPE = {"num_hidden_layers": 4, "full_attention_interval": 4, "num_experts": 32, "num_experts_per_tok": 4}

@@ -12,7 +12,8 @@ from qnpipe import config, trace
 from qnpipe.cli import main
 from qnpipe.cost_fit import fit_cost, load_cost
 from qnpipe.errors import ConfigError, DeviceProfileError, TraceSchemaError
-from qnpipe.io.measure import MeasuredProfile, ReadSample, fit_profile, load_profile, modelled_reads_per_s, save_profile
+from qnpipe.io.device_file import MeasuredProfile, ReadSample, load_profile, save_profile
+from qnpipe.io.measure import fit_profile, modelled_reads_per_s
 from qnpipe.io.simssd import DeviceProfile
 from qnpipe.messages import Acquire
 from qnpipe.replay import CostModel, replay
@@ -125,3 +126,15 @@ def test_fit_cost_cli_writes_the_cost_file_replay_cost_reads(replayed_log: tuple
 def test_fit_cost_of_a_routing_log_says_it_needs_an_event_log() -> None:
     with pytest.raises(TraceSchemaError, match=r"0 pool.acquire record\(s\): a cost fit needs a streamed run's event log"):
         fit_cost(LOG)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["bench", "io"], "fit a device profile"), (["bench"], "Benchmarks of this machine"),
+    (["trace", "fit-cost"], "Fit per_layer_s, per_token_s and per_step_s"),
+    (["replay"], "qnpipe replay run.qtrace --cost run.cost.json --device measured")])
+def test_help_of_the_new_commands_teaches(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert f"usage: qnpipe {' '.join(argv)}" in out and says in out and "examples:" in out
