@@ -138,3 +138,17 @@ def test_help_of_the_new_commands_teaches(argv: list[str], says: str, capsys: py
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert f"usage: qnpipe {' '.join(argv)}" in out and says in out and "examples:" in out
+
+
+def test_bench_io_and_fit_cost_refuse_bad_arguments_naming_them(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "io", "--records", "13824,x", "--dir", str(tmp_path)]) == 2
+    assert "--records '13824,x': expected comma-separated integers" in capsys.readouterr().err
+    assert main(["bench", "io", "--qd", "2,4", "--dir", str(tmp_path)]) == 2
+    assert "qd 1" in capsys.readouterr().err
+    assert main(["bench", "io", "--dir", str(tmp_path / "nope")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert main(["trace", "fit-cost", str(LOG), "-o", str(tmp_path / "c.json"), "--device", "measured",
+                 "--set", f"read.device_profile_path={tmp_path / 'none.json'}"]) == 2
+    assert "run `qnpipe bench io` first" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
