@@ -3,6 +3,9 @@ model fitted from that log, gives the live run's misses by cause (within 2%) and
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,7 @@ import pytest
 import qnpipe
 from qnpipe import config
 from qnpipe.cost_fit import fit_cost
-from qnpipe.io.device_file import save_profile
+from qnpipe.io.device_file import load_profile, save_profile
 from qnpipe.io.measure import measure_profile
 from qnpipe.replay import replay
 
@@ -21,20 +24,30 @@ LIVE: dict[str, object] = {"pool.expert_slots": SLOTS, "read.workers": 16, "read
         "forward.prefill_chunk_tokens": 0}
 
 
-@pytest.mark.slow
-def test_replay_of_a_live_run_reproduces_its_misses_and_tok_s(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def model_and_device(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A streamed tiny model and this machine's device profile, measured next to it."""
     from qnpipe.convert import convert
     from qnpipe.io.store import ExpertStore
     from qnpipe.tiny import make_tiny
 
-    model = tmp_path / "q"
-    convert(make_tiny(tmp_path / "hf", layout="hf", seed=3, config_overrides=SHAPE), model)
+    root = tmp_path_factory.mktemp("fidelity")
+    model = root / "q"
+    convert(make_tiny(root / "hf", layout="hf", seed=3, config_overrides=SHAPE), model)
     with ExpertStore.open(model) as store:
         record = store.layer_file(next(iter(store.layers))).record_nbytes
-    measured = measure_profile(tmp_path, records=(13824, record, 4 * record), qds=(1, 2, 4, 8), seconds=0.15,
+    measured = measure_profile(root, records=(13824, record, 4 * record), qds=(1, 2, 4, 8), seconds=0.15,
                                size_bytes=64 << 20)
-    save_profile(tmp_path / "device.json", measured)
-    cfg = config.load(None, overrides={**LIVE, "read.device_profile_path": str(tmp_path / "device.json")})
+    save_profile(root / "device.json", measured)
+    return model, root / "device.json"
+
+
+@pytest.mark.slow
+def test_replay_of_a_live_run_reproduces_its_misses_and_tok_s(model_and_device: tuple[Path, Path],
+                                                              tmp_path: Path) -> None:
+    model, device = model_and_device
+    measured = load_profile(device)
+    cfg = config.load(None, overrides={**LIVE, "read.device_profile_path": str(device)})
 
     with qnpipe.Engine(model, config.load(None, overrides=LIVE)) as warm:  # MLX's first calls out of the traced run
         warm.generate([3], max_tokens=4, temperature=1.0, seed=1, stop_at_eos=False)
@@ -52,3 +65,16 @@ def test_replay_of_a_live_run_reproduces_its_misses_and_tok_s(tmp_path: Path) ->
         assert abs(r.misses_by_cause[cause] - live) <= 0.02 * live, (cause, r.misses_by_cause, pool.misses_by_cause)
     live_tok_s = res.stats.decode_tok_s
     assert abs(r.tok_s - live_tok_s) <= 0.15 * live_tok_s, (r.tok_s, live_tok_s, fit)
+
+
+@pytest.mark.slow
+def test_bench_fidelity_prints_its_figures(model_and_device: tuple[Path, Path]) -> None:
+    model, device = model_and_device
+    tool = Path(__file__).resolve().parents[2] / "tools" / "bench_fidelity.py"
+    proc = subprocess.run([sys.executable, str(tool), "--model", str(model), "--profile", str(device), "--rounds", "2",
+                           "--tokens", "12", "--pool-frac", "0.25"], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["misses_rel_err"] <= 0.02 and 0 <= out["tok_s_rel_err"] < 1 and out["tok_s_rel_err_cross"] is not None
+    assert out["pool_slots_per_layer"] == 8 and len(out["per_round"]) == 2
