@@ -10,8 +10,9 @@ import msgspec
 from qnpipe.cli.common import add_config_flags, config_overrides
 from qnpipe.errors import QnpipeError
 
-_REPLAY_KEYS = {"cost.per_layer_s", "cost.per_token_s", "cost.per_step_s", "cost.read_hop_s", "device.bandwidth_bytes_per_s", "device.latency_s",
-                "device.per_mb_latency_s", "device.queue_depth", "replay.record_nbytes"}
+_REPLAY_KEYS = {"cost.per_layer_s", "cost.per_token_s", "cost.per_step_s", "cost.read_hop_s",
+                "device.bandwidth_bytes_per_s", "device.latency_s", "device.per_mb_latency_s", "device.queue_depth",
+                "replay.record_nbytes"}
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -55,9 +56,9 @@ def register(sub: Any, fmt: Any) -> None:
                        "(--device, device.*), in virtual time: no model, same report on every run.\n"
                        "Reports steps/s, hit rate, misses by cause, bytes and stall per step, device\n"
                        "utilisation, and per layer the hit rate beside Belady's optimum at that capacity.\n"
-                       "Replay settings: cost.per_layer_s, cost.per_token_s, cost.per_step_s, cost.read_hop_s,\n"
-                       "device.bandwidth_bytes_per_s,\n"
-                       "device.latency_s, device.per_mb_latency_s, device.queue_depth, replay.record_nbytes;\n"
+                       "Replay settings: cost.per_layer_s, cost.per_token_s, cost.per_step_s, cost.read_hop_s\n"
+                       "(over --cost), device.bandwidth_bytes_per_s, device.latency_s, device.per_mb_latency_s,\n"
+                       "device.queue_depth (over --device), replay.record_nbytes;\n"
                        "any other --set is a config setting (pool.expert_slots, pool.evict_policy, read.workers).",
                        epilog="examples:\n"
                        "  qnpipe generate ./tiny-qn -p 'def fib(n):' -n 32 --trace run.qtrace\n"
