@@ -18,7 +18,10 @@ with `tokens` the part's token count (`plan_parts` on the `trace.route`, as the 
 splits it; the header's capacities). `fit_cost` solves it by least squares over every gap
 of the log; a coefficient the log cannot determine (every part of one token count: no
 per_token_s; one step: no per_step_s) or that comes out negative is fixed at 0 and the rest
-refitted. The last part of the log has no next acquire and is not a sample.
+refitted. The last part of the log has no next acquire and is not a sample. The log does not
+mark where one generate call ends and the next begins, so a step boundary more than
+`PAUSE_FACTOR` (10) times the median boundary is taken for the caller's pause between calls
+and left out (`CostFit.pauses` counts them).
 
 `read_hop_s` (given the device profile the replay will use): the live miss path's time beyond
 that device, the mean over the parts with misses of their wait (`pool.granted` t -
@@ -47,6 +50,7 @@ from qnpipe.trace import Route, read
 COST_KIND = "qnpipe.cost-model"
 COST_VERSION = 1
 TERMS = ("per_layer_s", "per_token_s", "per_step_s", "read_hop_s")
+PAUSE_FACTOR = 10.0
 
 
 class CostFit(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -57,11 +61,12 @@ class CostFit(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     cost: CostModel
     log: str
     samples: int  # gaps fitted
+    pauses: int  # step boundaries left out as pauses between generate calls (see fit_cost)
     steps: int
     fitted: list[str]  # the terms the least squares determined (the others are 0)
     rms_residual_s: float
     mean_gap_s: float
-    live_s: float  # sum of every gap and every part's wait: the forward's time from the first acquire to the last
+    live_s: float  # the time from the first acquire to the last (pauses included)
     miss_parts: int = 0  # the samples of read_hop_s
     read_hop_rms_residual_s: float = 0.0
     device: DeviceProfile | None = None  # the profile read_hop_s was fitted against (None: read_hop_s is 0)
@@ -118,6 +123,11 @@ def fit_cost(path: str | Path, device: DeviceProfile | None = None) -> CostFit:
         gaps.append(gap)
     x = np.array(rows)
     y = np.array(gaps)
+    # A step boundary also holds whatever the caller did between generate calls (the log does
+    # not mark them): a boundary 10x longer than the median one is such a pause, not a step.
+    boundary = x[:, 2] > 0
+    pauses = boundary & (y > PAUSE_FACTOR * np.median(y[boundary])) if boundary.any() else boundary
+    x, y = x[~pauses], y[~pauses]
     use = [0] + [j for j in (1, 2) if np.ptp(x[:, j]) > 0]
     while True:
         coef, *_ = np.linalg.lstsq(x[:, use], y, rcond=None)
@@ -132,7 +142,8 @@ def fit_cost(path: str | Path, device: DeviceProfile | None = None) -> CostFit:
     hop, hop_resid = _read_hop(waits, device) if device is not None and waits else (0.0, 0.0)
     cost = CostModel(per_layer_s=float(full[0]), per_token_s=float(full[1]), per_step_s=float(full[2]),
                      read_hop_s=hop)
-    return CostFit(cost=cost, log=str(path), samples=len(y), steps=len({a.step for a in acquires}),
+    return CostFit(cost=cost, log=str(path), samples=len(y), pauses=int(pauses.sum()),
+                   steps=len({a.step for a in acquires}),
                    fitted=[TERMS[j] for j in use] + (["read_hop_s"] if hop else []),
                    rms_residual_s=float(np.sqrt(np.mean(resid**2))), mean_gap_s=float(y.mean()), live_s=live_s,
                    miss_parts=len(waits), read_hop_rms_residual_s=hop_resid,

@@ -152,3 +152,18 @@ def test_bench_io_and_fit_cost_refuse_bad_arguments_naming_them(tmp_path: Path,
                  "--set", f"read.device_profile_path={tmp_path / 'none.json'}"]) == 2
     assert "run `qnpipe bench io` first" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fit_cost_leaves_out_a_pause_between_generate_calls(replayed_log: tuple[Path, CostModel],
+                                                             tmp_path: Path) -> None:
+    path, cost = replayed_log
+    header, records = trace.read(path)
+    paused = tmp_path / "paused.qtrace"
+    w = trace.TraceWriter(paused, header)
+    for r in records:  # the caller idles 5 s before step 21, as between two generate calls
+        w.write(msgspec.structs.replace(r, t=r.t + 5.0) if getattr(r, "step", 0) >= 21 else r)
+    w.close(0, 0.0)
+    fit = fit_cost(paused)
+    assert fit.pauses == 1 and fit.samples == fit_cost(path).samples - 1
+    assert fit.cost.per_step_s == pytest.approx(cost.per_step_s, rel=1e-6)
+    assert fit.cost.per_layer_s == pytest.approx(cost.per_layer_s, rel=1e-6)
