@@ -73,7 +73,7 @@ def register(sub: Any, fmt: Any) -> None:
                         "per-read latency + per MB, reads in service at once; docs/replay.md) and save it as JSON\n"
                         "to -o or read.device_profile_path, where `qnpipe replay --device measured` finds it.",
                         epilog="examples:\n"
-                        "  qnpipe bench io                                   ~15 s, saves ./qnpipe-device.json\n"
+                        "  qnpipe bench io                                   ~20 s, saves ./qnpipe-device.json\n"
                         "  qnpipe bench io --dir /mnt/nvme --size-mib 4096 --seconds 2 -o nvme.json\n"
                         "  qnpipe replay run.qtrace --device measured --set read.device_profile_path=nvme.json")
     r.add_argument("--dir", default=".", help="where to write the test files (default: the current directory)")
