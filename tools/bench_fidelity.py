@@ -24,7 +24,8 @@ are not in a traced run. Prints progress on stderr and one JSON line on stdout.
 
     python tools/bench_fidelity.py                            # the bench model of bench_stream.py
     python tools/bench_fidelity.py --rounds 1 --tokens 32 --profile qnpipe-device.json
-    python tools/bench_fidelity.py --set predict.cross_layer_prefetch=true   # when replay predicts from the log
+    # a prefetch run, once replay predicts from the log's recorded candidates (a predictor name):
+    python tools/bench_fidelity.py --set predict.cross_layer_prefetch=true --predict NAME
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile", type=Path, help="device profile file of `qnpipe bench io` (default: measure now)")
     ap.add_argument("--measure-seconds", type=float, default=0.4, help="seconds per measured cell (default 0.4)")
     ap.add_argument("--measure-mib", type=float, default=1024, help="size of the measurement's files (default 1024)")
+    ap.add_argument("--predict", default="none",
+                    help="the replay's predictor (qnpipe.replay.PREDICTORS; default none: demand reads, as the "
+                    "live run without prefetch)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
                     help="another config field of the live run and the replay")
     return ap.parse_args(argv)
@@ -118,12 +122,14 @@ def main(argv: list[str] | None = None) -> int:
             assert pool is not None
             fit = fit_cost(path, device)
             t0 = time.perf_counter()
-            rep = replay(path, config.load(None, overrides=live_set), device_profile=device, cost=fit.cost)
+            rep = replay(path, config.load(None, overrides=live_set), device_profile=device, cost=fit.cost,
+                         predictor=args.predict)
             replay_s = time.perf_counter() - t0
             bare = replay(path, config.load(None, overrides=live_set), device_profile=device,
-                          cost=msgspec.structs.replace(fit.cost, read_hop_s=0.0))
+                          cost=msgspec.structs.replace(fit.cost, read_hop_s=0.0), predictor=args.predict)
             cross = None if previous is None else replay(path, config.load(None, overrides=live_set),
-                                                         device_profile=device, cost=previous).tok_s
+                                                         device_profile=device, cost=previous,
+                                                         predictor=args.predict).tok_s
             previous = fit.cost
             live_tok_s = res.stats.decode_tok_s
             causes = sorted(set(pool.misses_by_cause) | set(rep.misses_by_cause))
