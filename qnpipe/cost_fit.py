@@ -18,7 +18,11 @@ with `tokens` the part's token count (`plan_parts` on the `trace.route`, as the 
 splits it; the header's capacities). `fit_cost` solves it by least squares over every gap
 of the log; a coefficient the log cannot determine (every part of one token count: no
 per_token_s; one step: no per_step_s) or that comes out negative is fixed at 0 and the rest
-refitted. The last part of the log has no next acquire and is not a sample. The log does not
+refitted. With `per_layer`, each MoE layer gets its own intercept (`layer_table`; the gap of
+a part of layer L holds L's experts and the next layer's work up to its router); a term the
+layer intercepts already explain is left out (in decode the last layer's gaps are all step
+boundaries, so `per_step_s` goes into that layer's entry). The last part of the log has no
+next acquire and is not a sample. The log does not
 mark where one generate call ends and the next begins, so a step boundary more than
 `PAUSE_FACTOR` (10) times the median boundary is taken for the caller's pause between calls
 and left out (`CostFit.pauses` counts them).
@@ -76,9 +80,10 @@ class CostFitError(TraceSchemaError):
     """The log cannot give a cost model (no acquires, no grants to pair them with); names the file."""
 
 
-def fit_cost(path: str | Path, device: DeviceProfile | None = None) -> CostFit:
+def fit_cost(path: str | Path, device: DeviceProfile | None = None, *, per_layer: bool = False) -> CostFit:
     """The least-squares `CostModel` of the event log at `path` (see the module doc); with
-    `device`, also its `read_hop_s` against that device."""
+    `device`, also its `read_hop_s` against that device; `per_layer`: one `per_layer_s` per
+    MoE layer (`CostModel.layer_table`) instead of one for all."""
     header, records = read(path)
     if header.model is None:
         raise CostFitError(f"{path}: record 0 (header) has no model shape")
@@ -101,7 +106,9 @@ def fit_cost(path: str | Path, device: DeviceProfile | None = None) -> CostFit:
         raise CostFitError(f"{path}: {len(acquires)} pool.acquire record(s): a cost fit needs a streamed run's event "
                            "log (qnpipe generate --trace, with experts not all resident)")
     part_tokens: dict[tuple[int, int, int], int] = {}
-    rows, gaps = [], []
+    rows: list[tuple[float, float]] = []
+    gaps: list[float] = []
+    layers: list[int] = []
     live_s = 0.0
     waits: list[tuple[float, int, int]] = []  # (live wait, misses, record bytes) of each part with misses
     for a, nxt in zip(acquires, acquires[1:], strict=False):
@@ -119,35 +126,49 @@ def fit_cost(path: str | Path, device: DeviceProfile | None = None) -> CostFit:
             waits.append((wait, g.misses, nbytes[a.layer]))
         gap = nxt.t - a.t - wait
         live_s += nxt.t - a.t
-        rows.append((1.0, float(part_tokens[key]), float(nxt.step != a.step)))
+        rows.append((float(part_tokens[key]), float(nxt.step != a.step)))
+        layers.append(a.layer)
         gaps.append(gap)
     x = np.array(rows)
     y = np.array(gaps)
+    layer_of = np.array(layers)
     # A step boundary also holds whatever the caller did between generate calls (the log does
     # not mark them): a boundary 10x longer than the median one is such a pause, not a step.
-    boundary = x[:, 2] > 0
+    boundary = x[:, 1] > 0
     pauses = boundary & (y > PAUSE_FACTOR * np.median(y[boundary])) if boundary.any() else boundary
-    x, y = x[~pauses], y[~pauses]
-    use = [0] + [j for j in (1, 2) if np.ptp(x[:, j]) > 0]
+    x, y, layer_of = x[~pauses], y[~pauses], layer_of[~pauses]
+    table_layers = sorted(set(layer_of.tolist())) if per_layer else []
+    base = (np.stack([layer_of == la for la in table_layers], axis=1).astype(np.float64) if per_layer
+            else np.ones((len(y), 1)))
+    design = np.concatenate([base, x], axis=1)  # intercept(s), tokens, step boundary
+    nb = base.shape[1]
+    extra = [nb + j for j in (0, 1) if np.ptp(x[:, j]) > 0]
+    # A term the intercepts already explain (per layer: the last layer's gaps are all step
+    # boundaries in decode) cannot be told apart: leave it out, the step term first.
+    while extra and np.linalg.matrix_rank(design[:, list(range(nb)) + extra]) < nb + len(extra):
+        extra.pop()
     while True:
-        coef, *_ = np.linalg.lstsq(x[:, use], y, rcond=None)
-        negative = [j for j, c in zip(use, coef, strict=True) if c < 0 and j != 0]
+        use = list(range(nb)) + extra
+        coef, *_ = np.linalg.lstsq(design[:, use], y, rcond=None)
+        negative = [j for j, c in zip(use, coef, strict=True) if c < 0 and j >= nb]
         if not negative:
             break
-        use.remove(negative[0])
-    full = np.zeros(3)
+        extra.remove(negative[0])
+    full = np.zeros(design.shape[1])
     full[use] = coef
-    full[0] = max(full[0], 0.0)
-    resid = y - x @ full
+    full[:nb] = np.maximum(full[:nb], 0.0)
+    resid = y - design @ full
     hop, hop_resid = _read_hop(waits, device) if device is not None and waits else (0.0, 0.0)
-    cost = CostModel(per_layer_s=float(full[0]), per_token_s=float(full[1]), per_step_s=float(full[2]),
-                     read_hop_s=hop)
+    table = {int(la): float(c) for la, c in zip(table_layers, full[:nb], strict=True)} if per_layer else {}
+    # Without a table entry a layer costs the mean: the table's, weighted by its samples.
+    per_layer_s = float(np.mean(design[:, :nb] @ full[:nb]))
+    cost = CostModel(per_layer_s=per_layer_s, per_token_s=float(full[nb]), per_step_s=float(full[nb + 1]),
+                     read_hop_s=hop, layer_table=table)
+    names = ["layer_table" if per_layer else "per_layer_s"] + [TERMS[1 + j - nb] for j in extra]
     return CostFit(cost=cost, log=str(path), samples=len(y), pauses=int(pauses.sum()),
-                   steps=len({a.step for a in acquires}),
-                   fitted=[TERMS[j] for j in use] + (["read_hop_s"] if hop else []),
+                   steps=len({a.step for a in acquires}), fitted=names + (["read_hop_s"] if hop else []),
                    rms_residual_s=float(np.sqrt(np.mean(resid**2))), mean_gap_s=float(y.mean()), live_s=live_s,
-                   miss_parts=len(waits), read_hop_rms_residual_s=hop_resid,
-                   device=device)
+                   miss_parts=len(waits), read_hop_rms_residual_s=hop_resid, device=device)
 
 
 def _read_hop(waits: list[tuple[float, int, int]], device: DeviceProfile) -> tuple[float, float]:

@@ -37,7 +37,8 @@ PREDICTORS = ("none", "previous")
 
 
 class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Modelled compute: each MoE layer part takes `per_layer_s + per_token_s * tokens`, and each
+    """Modelled compute: each MoE layer part takes `per_layer_s + per_token_s * tokens` (its layer's
+    `layer_table` entry in place of `per_layer_s` when it has one), and each
     step `per_step_s` more before its first MoE layer (head, sampling, the decode loop); each
     read batch waits `read_hop_s` before it reaches the device. Fitted by `qnpipe.cost_fit`."""
 
@@ -45,9 +46,11 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     per_token_s: float = 0.0
     per_step_s: float = 0.0
     read_hop_s: float = 0.0  # the live read path's time per read batch beyond the device (thread hand-offs)
+    layer_table: dict[int, float] = msgspec.field(default_factory=dict)  # per_layer_s of the layers listed
 
-    def layer_s(self, tokens: int) -> float:
-        return self.per_layer_s + self.per_token_s * tokens
+    def layer_s(self, tokens: int, layer: int | None = None) -> float:
+        base = self.per_layer_s if layer is None else self.layer_table.get(layer, self.per_layer_s)
+        return base + self.per_token_s * tokens
 
 
 class LayerReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -177,7 +180,7 @@ class LogBackend:
         return self._route()
 
     async def resume(self, grant: PartGrant) -> Event:
-        await trio.sleep(self._cost.layer_s(grant.hi - grant.lo))
+        await trio.sleep(self._cost.layer_s(grant.hi - grant.lo, self._log.steps[self._step][self._i][0]))
         if not grant.last:
             return PartDone()
         self._i += 1

@@ -36,6 +36,9 @@ CASES: dict[str, dict[str, Any]] = {
         "log": "skewed-4x32-top4", "set": {"pool.expert_slots": 12, "pool.evict_policy": "lfu", "read.workers": 4},
         "device": {"bandwidth_bytes_per_s": 1e9, "latency_s": 6e-5, "per_mb_latency_s": 7e-4, "queue_depth": 2},
         "cost": {"per_layer_s": 2e-3, "per_token_s": 1e-4, "per_step_s": 7e-4, "read_hop_s": 9e-4}},
+    "skewed-layer-table-8": {"log": "skewed-4x32-top4", "set": {"pool.expert_slots": 8},
+                             "cost": {"per_layer_s": 2e-3, "per_step_s": 5e-4,
+                                      "layer_table": {0: 1e-3, 1: 1e-3, 2: 1e-3, 3: 4e-3}}},
     "skewed-previous-8": {"log": "skewed-4x32-top4", "set": {"pool.expert_slots": 8}, "predictor": "previous"},
     "uniform-fifo-4": {"log": "uniform-3x16-top2", "set": {"pool.expert_slots": 4, "pool.evict_policy": "fifo"}},
 }

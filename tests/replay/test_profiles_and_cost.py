@@ -167,3 +167,23 @@ def test_fit_cost_leaves_out_a_pause_between_generate_calls(replayed_log: tuple[
     assert fit.pauses == 1 and fit.samples == fit_cost(path).samples - 1
     assert fit.cost.per_step_s == pytest.approx(cost.per_step_s, rel=1e-6)
     assert fit.cost.per_layer_s == pytest.approx(cost.per_layer_s, rel=1e-6)
+
+
+def test_fit_cost_per_layer_recovers_each_layer_s_cost(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    table = {0: 1e-3, 1: 2e-3, 2: 1.5e-3, 3: 3e-3}
+    cost = CostModel(per_layer_s=9.0, per_token_s=2e-4, per_step_s=8e-4, layer_table=table)
+    path = tmp_path / "layers.qtrace"
+    replay(LOG, _cfg(**{"trace.event_log_path": path}), cost=cost, record_nbytes=NBYTES)
+    fit = fit_cost(path, per_layer=True)
+    # The 6-token first step splits layer 3 into parts, so the step term is told apart from layer 3's.
+    assert fit.fitted == ["layer_table", "per_token_s", "per_step_s"] and fit.rms_residual_s < 1e-9
+    assert fit.cost.layer_table == pytest.approx(table, rel=1e-6)
+    assert fit.cost.per_step_s == pytest.approx(8e-4, rel=1e-6)
+    assert min(table.values()) < fit.cost.per_layer_s < max(table.values())
+    # A replay with the fitted table takes the live (here: the first replay's) time.
+    assert replay(LOG, _cfg(), cost=fit.cost, record_nbytes=NBYTES).virtual_s == pytest.approx(
+        replay(LOG, _cfg(), cost=cost, record_nbytes=NBYTES).virtual_s, rel=1e-9)
+    out = tmp_path / "c.json"
+    assert main(["trace", "fit-cost", str(path), "-o", str(out), "--per-layer"]) == 0
+    assert "per layer: 0: 1.000 ms, 1: 2.000 ms, 2: 1.500 ms, 3: 3.000 ms" in capsys.readouterr().out
+    assert load_cost(out).cost.layer_table == pytest.approx(table, rel=1e-6)
