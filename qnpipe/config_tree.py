@@ -154,6 +154,8 @@ class ReadCfg(_Section, frozen=True):
     verify_hit_bytes: Annotated[bool, _doc("diagnostic: after a hit, compare slot bytes with disk")] = False
     verify_crc32: Annotated[bool, _doc("diagnostic: check each record's crc32 as it is read")] = False
     backend: Annotated[ReadBackend, _doc("preads via the C extension, the Python fallback, or auto")] = ReadBackend.AUTO
+    device_profile_path: Annotated[str, _doc("measured device profile: written by qnpipe bench io, read by "
+                                             "qnpipe replay --device measured")] = "qnpipe-device.json"
 
 
 class PredictCfg(_Section, frozen=True):

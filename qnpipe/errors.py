@@ -69,3 +69,7 @@ class OutputError(QnpipeError):
 
 class TraceSchemaError(QnpipeError):
     """An event log is of a newer schema, truncated or corrupt; the message names the file and the record number."""
+
+
+class DeviceProfileError(QnpipeError):
+    """A device profile file (`qnpipe bench io`) is missing, corrupt or invalid; the message names the file."""

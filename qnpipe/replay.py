@@ -25,7 +25,8 @@ import trio.testing
 from qnpipe.config import Config, with_overrides
 from qnpipe.engine import layer_capacities, open_pipeline
 from qnpipe.errors import ConfigError, TraceSchemaError
-from qnpipe.io.simssd import PROFILES, DeviceProfile, open_simssd
+from qnpipe.io.device_file import named_profile
+from qnpipe.io.simssd import DeviceProfile, open_simssd
 from qnpipe.messages import ReadDone
 from qnpipe.model.stepper import Event, LayerRoute, PartDone, PartGrant, StepDone, Tail
 from qnpipe.policy.belady import belady_hits
@@ -36,13 +37,20 @@ PREDICTORS = ("none", "previous")
 
 
 class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Modelled compute: each MoE layer part takes `per_layer_s + per_token_s * tokens`."""
+    """Modelled compute: each MoE layer part takes `per_layer_s + per_token_s * tokens` (its layer's
+    `layer_table` entry in place of `per_layer_s` when it has one), and each
+    step `per_step_s` more before its first MoE layer (head, sampling, the decode loop); each
+    read batch waits `read_hop_s` before it reaches the device. Fitted by `qnpipe.cost_fit`."""
 
     per_layer_s: float = 2e-3
     per_token_s: float = 0.0
+    per_step_s: float = 0.0
+    read_hop_s: float = 0.0  # the live read path's time per read batch beyond the device (thread hand-offs)
+    layer_table: dict[int, float] = msgspec.field(default_factory=dict)  # per_layer_s of the layers listed
 
-    def layer_s(self, tokens: int) -> float:
-        return self.per_layer_s + self.per_token_s * tokens
+    def layer_s(self, tokens: int, layer: int | None = None) -> float:
+        base = self.per_layer_s if layer is None else self.layer_table.get(layer, self.per_layer_s)
+        return base + self.per_token_s * tokens
 
 
 class LayerReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -167,10 +175,12 @@ class LogBackend:
         self._step += 1
         self._i = 0
         self.tokens += len(self._log.steps[self._step][0][1]) // self._log.shape.top_k
+        if self._cost.per_step_s:
+            await trio.sleep(self._cost.per_step_s)
         return self._route()
 
     async def resume(self, grant: PartGrant) -> Event:
-        await trio.sleep(self._cost.layer_s(grant.hi - grant.lo))
+        await trio.sleep(self._cost.layer_s(grant.hi - grant.lo, self._log.steps[self._step][self._i][0]))
         if not grant.last:
             return PartDone()
         self._i += 1
@@ -180,6 +190,21 @@ class LogBackend:
 
     async def abort(self) -> None:
         pass
+
+
+class _HoppedDevice:
+    """A device whose reads wait `hop_s` first: the live read path's hand-off to the reader's threads."""
+
+    def __init__(self, dev: Any, hop_s: float) -> None:
+        self._dev = dev
+        self._hop_s = hop_s
+
+    async def read(self, jobs: Any) -> list[int]:
+        await trio.sleep(self._hop_s)
+        return await self._dev.read(jobs)
+
+    def statistics(self) -> None:
+        return None
 
 
 def _belady(log: ReplayLog, caps: dict[int, int]) -> dict[int, tuple[int, int]]:
@@ -210,9 +235,7 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
     if predictor == "previous":
         cfg = with_overrides(cfg, {"predict.cross_layer_prefetch": True})
     if isinstance(device_profile, str):
-        if device_profile not in PROFILES:
-            raise ConfigError(f"device profile {device_profile!r}: unknown, known: {sorted(PROFILES)}")
-        device_profile = PROFILES[device_profile]
+        device_profile = named_profile(device_profile, cfg.read.device_profile_path)
     try:
         device_profile.check()
     except ValueError as e:
@@ -234,7 +257,8 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
         backend = LogBackend(log, cost, predict_previous=predictor == "previous")
         t0 = trio.current_time()
         async with open_simssd(profile, nbytes) as dev, \
-                open_pipeline(cfg, backend, num_experts=log.shape.num_experts, capacities=caps, device=dev,
+                open_pipeline(cfg, backend, num_experts=log.shape.num_experts, capacities=caps,
+                              device=_HoppedDevice(dev, cost.read_hop_s) if cost.read_hop_s else dev,
                               record_nbytes=nbytes, shape=log.shape) as p:
             for _ in log.steps:
                 await p.forward.run(None, None, lambda h: None)

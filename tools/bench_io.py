@@ -32,15 +32,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 from qnpipe.config import ReadBackend
-from qnpipe.io.reader import ReadRequest, aligned_len, alloc_aligned
-from qnpipe.io.ssd import SsdReader, c_extension_available, nocache_mode
+from qnpipe.io import measure
+from qnpipe.io.reader import aligned_len, alloc_aligned
+from qnpipe.io.ssd import c_extension_available, nocache_mode
 
 REPO = Path(__file__).resolve().parents[1]
 # 80B at 4 bits: 3 x (512 KiB weight + 2 x 32 KiB scales/biases); the tiny test model's
@@ -90,78 +90,13 @@ def default_dir() -> Path:
 
 
 def make_files(d: Path, total: int, nfiles: int, unit: int) -> list[Path]:
-    """`nfiles` files of random bytes, `total` bytes in all (each a multiple of `unit`), fsynced
-    and dropped from the page cache."""
-    per = max(total // nfiles // unit, 1) * unit
-    chunk = 64 << 20
-    rng = np.random.default_rng(1234)
-    paths = []
-    t0 = time.perf_counter()
-    for i in range(nfiles):
-        path = d / f"layer_{i:03d}.bin"
-        with open(path, "wb") as f:
-            left = per
-            while left:
-                n = min(chunk, left)
-                f.write(rng.bytes(n))
-                left -= n
-            f.flush()
-            os.fsync(f.fileno())
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        paths.append(path)
-    log(f"wrote {nfiles} files x {per / 2**30:.2f} GiB in {d} ({time.perf_counter() - t0:.1f} s)")
-    return paths
+    return measure.make_files(d, total, nfiles, unit, log)
 
 
 # ---------------------------------------------------------------------------- measurements
 
 
-def bench_reader(backend: ReadBackend, files: list[Path], record: int, qd: int, seconds: float, batch: int,
-                 submitters: int, seed: int, scatter: tuple[int, ...] = ()) -> dict[str, float]:
-    """`submitters` threads call read_batch back to back on one reader (as the read scheduler's
-    worker threads would), so the `qd` workers do not wait while the next batch is built.
-    Every batch draws fresh random (file, expert) pairs, uniform with replacement like fio's
-    randread: cycling a small prebuilt set would be re-reading a few hundred MB that a host
-    or device cache may hold. `scatter`: tensor sizes; each record then lands in separate
-    per-tensor buffers (one preadv with len(scatter) iovecs), as into the pool's slot arrays."""
-    stride = aligned_len(record)
-    per_file = os.path.getsize(files[0]) // stride
-    paths = [str(p) for p in files]
-
-    def submit(k: int) -> None:
-        rng = np.random.default_rng(seed * 1000 + k)
-        if scatter:
-            bufs = [tuple(alloc_aligned(n) for n in scatter) for _ in range(batch)]
-        else:
-            bufs = [alloc_aligned(record) for _ in range(batch)]
-        go.wait()
-        while time.perf_counter() - t0 < seconds:
-            fs = rng.integers(0, len(paths), batch).tolist()
-            es = rng.integers(0, per_file, batch).tolist()
-            reader.read_batch([
-                ReadRequest(path=paths[f], offset=e * stride, nbytes=record, buf=b, layer=f, expert=e)
-                for f, e, b in zip(fs, es, bufs, strict=True)
-            ])
-            counts[k] += batch
-
-    counts = [0] * submitters
-    go = threading.Event()
-    with SsdReader(workers=qd, backend=backend) as reader:
-        warm = alloc_aligned(record)
-        reader.read_batch([ReadRequest(path=p, offset=0, nbytes=record, buf=warm) for p in paths])  # open files
-        threads = [threading.Thread(target=submit, args=(k,)) for k in range(submitters)]
-        for t in threads:
-            t.start()
-        t0 = time.perf_counter()
-        go.set()
-        for t in threads:
-            t.join()
-        dt = time.perf_counter() - t0
-        stats = reader.statistics()
-    assert stats.bounced_reads == 0 and stats.direct_fallbacks == 0, stats
-    reads = sum(counts)
-    return {"gbps": reads * stride / dt / 1e9, "iops": reads / dt}
+bench_reader = measure.bench_reader  # the package's measurement (qnpipe bench io fits a profile with it)
 
 
 def bench_fio(engine: str, files: list[Path], record: int, qd: int, seconds: float) -> dict[str, float] | str:

@@ -1,0 +1,106 @@
+"""The device profile file: what `qnpipe bench io` saves and `--device measured` loads, and profiles by name.
+
+    save_profile("qnpipe-device.json", measured)      # a MeasuredProfile (qnpipe.io.measure)
+    profile = named_profile("measured", cfg.read.device_profile_path)
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import msgspec
+
+from qnpipe.errors import ConfigError, DeviceProfileError
+from qnpipe.io.simssd import PROFILES, DeviceProfile
+
+PROFILE_KIND = "qnpipe.device-profile"
+PROFILE_VERSION = 1
+
+
+class ReadSample(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One cell: random reads of `record_nbytes` with `qd` in flight, for `seconds`."""
+
+    record_nbytes: int
+    qd: int
+    reads_per_s: float
+    bytes_per_s: float  # record bytes (not the aligned read length)
+
+
+class MeasuredProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The profile file `qnpipe bench io` writes and `--device measured` reads."""
+
+    kind: str = PROFILE_KIND
+    version: int = PROFILE_VERSION
+    profile: DeviceProfile
+    latency_fit_residual_s: float  # rms of the qd-1 read times around the profile's service_s
+    rate_fit_residual: float  # rms of log(measured / modelled reads per second) over every sample
+    backend: str
+    mode: str  # the reader's cache mode (direct I/O or not)
+    samples: list[ReadSample]
+
+
+# ---------------------------------------------------------------------------- the file
+
+
+def save_profile(path: str | os.PathLike[str], measured: MeasuredProfile) -> None:
+    """Replace `path` with `measured` as JSON atomically (temp file in the same directory, fsync, rename)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgspec.json.format(msgspec.json.encode(measured), indent=2) + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def load_profile(path: str | os.PathLike[str]) -> MeasuredProfile:
+    """The profile file at `path`; DeviceProfileError naming the file when absent, corrupt or invalid."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise DeviceProfileError(f"{p}: no measured device profile here: run `qnpipe bench io` first "
+                                 "(or set read.device_profile_path)") from None
+    try:
+        measured = msgspec.json.decode(data, type=MeasuredProfile)
+    except msgspec.DecodeError as e:
+        raise DeviceProfileError(f"{p}: not a device profile ({e}); run `qnpipe bench io` again") from None
+    if measured.kind != PROFILE_KIND or measured.version > PROFILE_VERSION:
+        raise DeviceProfileError(f"{p}: kind {measured.kind!r} version {measured.version}: expected "
+                                 f"{PROFILE_KIND!r} version <= {PROFILE_VERSION}")
+    try:
+        measured.profile.check()
+    except ValueError as e:
+        raise DeviceProfileError(f"{p}: profile: {e}") from None
+    return measured
+
+
+def device_names() -> list[str]:
+    """Every name `named_profile` knows: the built-in profiles and `measured`."""
+    return sorted([*PROFILES, "measured"])
+
+
+def named_profile(name: str, measured_path: str | os.PathLike[str]) -> DeviceProfile:
+    """A built-in profile by name, or (`measured`) the one `qnpipe bench io` saved at `measured_path`.
+
+    ConfigError for an unknown name; DeviceProfileError when the measured file is absent or bad.
+    """
+    if name == "measured":
+        return load_profile(measured_path).profile
+    if name not in PROFILES:
+        raise ConfigError(f"device profile {name!r}: unknown, known: {', '.join(device_names())}")
+    return PROFILES[name]
+
+
+__all__ = ["PROFILE_KIND", "PROFILE_VERSION", "MeasuredProfile", "ReadSample", "device_names", "load_profile",
+           "named_profile", "save_profile"]
