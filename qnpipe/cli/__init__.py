@@ -35,6 +35,8 @@ examples:
 Configuration: defaults < --config FILE.toml < QNPIPE_* / legacy environment names < flags.
 Any setting can be given with --set SECTION.FIELD=VALUE (see docs/config.md).
 """
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
