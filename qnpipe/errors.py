@@ -69,3 +69,7 @@ class OutputError(QnpipeError):
 
 class TraceSchemaError(QnpipeError):
     """An event log is of a newer schema, truncated or corrupt; the message names the file and the record number."""
+
+
+class TraceImportError(QnpipeError):
+    """Another tool's routing log cannot be imported; the message names the file, the line or record, and what was wrong."""
