@@ -1,7 +1,7 @@
 """What the importers share: reading a source line by line, the models they know, writing the log.
 
-An importer turns a source into `Request`s (each a list of steps, each step the routes of the
-layers recorded, in layer order) and hands them to `write_log`, which writes a routing log
+An importer turns a source into `Imported`: `Request`s (each a list of steps, each step the
+routes of the layers recorded, in layer order); `write_log` writes them as a routing log
 (docs/trace-format.md: `contents = "routes"`, a `trace.request` record before each request's
 first `trace.route`). Imported logs have no times: every `t` is 0 and `seq` counts records.
 """
@@ -36,6 +36,15 @@ class Request(msgspec.Struct):
 
     name: str
     steps: list[list[LayerRoute]]
+
+
+class Imported(msgspec.Struct, frozen=True, kw_only=True):
+    """An importer's result, before it is written: the requests, and what was left out (reason -> routes)."""
+
+    shape: ModelShape
+    requests: list[Request]
+    skipped: dict[str, int]
+    sources: list[Path]  # the files read, for the fingerprint
 
 
 class ImportSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,13 +144,27 @@ def fingerprint(paths: list[Path]) -> str:
     return "import:" + h.hexdigest()
 
 
-def write_log(out: Path, *, fmt: str, source: Path, shape: ModelShape, requests: list[Request],
-              print_as: str, skipped: dict[str, int], sources: list[Path]) -> ImportSummary:
-    """Write `requests` one after another as a routing log at `out` (temp name, then renamed)."""
+def cut(imp: Imported, max_steps: int) -> Imported:
+    """The first `max_steps` steps of the log `imp` makes (its requests in order); the rest counted as skipped."""
+    left, requests, dropped = max_steps, [], 0
+    for r in imp.requests:
+        keep = r.steps[:max(left, 0)]
+        left -= len(keep)
+        dropped += sum(len(lr.experts) for s in r.steps[len(keep):] for lr in s) // imp.shape.top_k
+        requests.append(Request(r.name, keep))
+    skipped = dict(imp.skipped)
+    if dropped:
+        skipped[f"(token, layer) routes after step {max_steps} (max_steps)"] = dropped
+    return msgspec.structs.replace(imp, requests=requests, skipped=skipped)
+
+
+def write_log(out: Path, imp: Imported, *, fmt: str, source: Path) -> ImportSummary:
+    """Write `imp`'s requests one after another as a routing log at `out` (temp name, then renamed)."""
+    shape, requests = imp.shape, imp.requests
     if not any(r.steps for r in requests):
-        raise TraceImportError(f"{source}: no routing records left to import ({_why(skipped)})")
+        raise TraceImportError(f"{source}: no routing records left to import ({_why(imp.skipped)})")
     layers = tuple(sorted({lr.layer for r in requests for s in r.steps for lr in s}))
-    header = Header(schema_version=SCHEMA_VERSION, fingerprint=fingerprint(sources), model=shape,
+    header = Header(schema_version=SCHEMA_VERSION, fingerprint=fingerprint(imp.sources), model=shape,
                     clock_start_t=0.0, wall_start_unix_s=0.0, contents="routes", layers=layers)
     out.parent.mkdir(parents=True, exist_ok=True)
     w = TraceWriter(out, header)
@@ -163,9 +186,9 @@ def write_log(out: Path, *, fmt: str, source: Path, shape: ModelShape, requests:
         w.abandon()
         w.partial.unlink(missing_ok=True)
         raise
-    return ImportSummary(format=fmt, source=print_as, log=str(out), model=shape, layers=layers,
+    return ImportSummary(format=fmt, source=str(source), log=str(out), model=shape, layers=layers,
                          requests=sum(1 for r in requests if r.steps), steps=step, routes=routes,
-                         token_routes=token_routes, skipped=dict(sorted(skipped.items())))
+                         token_routes=token_routes, skipped=dict(sorted(imp.skipped.items())))
 
 
 def _why(skipped: dict[str, int]) -> str:

@@ -23,7 +23,7 @@ import numpy as np
 
 from qnpipe.errors import TraceImportError
 from qnpipe.importers import torch_zip
-from qnpipe.importers.common import ImportSummary, LayerRoute, Progress, Request, write_log
+from qnpipe.importers.common import Imported, LayerRoute, Progress, Request
 from qnpipe.trace import ModelShape
 
 # FLAME-MoE (cmu-flame): 64 routed experts, top-6; the captures number layers 2..9 (1-based, layer 1 dense).
@@ -79,7 +79,7 @@ def _check(c: _Capture, shape: ModelShape) -> None:
         raise TraceImportError(f"{c.path}: {why}")
 
 
-def import_flame_pt(src: Path, out: Path, progress: Progress | None = None) -> ImportSummary:
+def import_flame_pt(src: Path, progress: Progress | None = None) -> Imported:
     files = sorted(src.rglob("*.pt")) if src.is_dir() else [src]
     if not files:
         raise TraceImportError(f"{src}: no .pt files")
@@ -106,8 +106,7 @@ def import_flame_pt(src: Path, out: Path, progress: Progress | None = None) -> I
     if not encoder and not decoder:
         raise TraceImportError(f"{caps[0].path}: neither sequence_length nor token_position: unknown layout")
     requests = _sequences(encoder) if encoder else _positions(decoder)
-    return write_log(out, fmt="flame-pt", source=src, shape=shape, requests=requests, print_as=str(src),
-                     skipped={}, sources=files)
+    return Imported(shape=shape, requests=requests, skipped={}, sources=files)
 
 
 def _by_layer(caps: list[_Capture]) -> dict[int, _Capture]:

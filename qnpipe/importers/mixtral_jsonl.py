@@ -26,14 +26,13 @@ import msgspec
 from qnpipe.errors import TraceImportError
 from qnpipe.importers.common import (
     MIXTRAL_8X7B,
-    ImportSummary,
+    Imported,
     LayerRoute,
     Progress,
     Request,
     check_route,
     decode_line,
     jsonl_lines,
-    write_log,
 )
 
 MISSING = "(token, layer) routes missing from the source (its logger drops [0.5, 0.5] gates)"
@@ -52,7 +51,7 @@ class MixtralRecord(msgspec.Struct, frozen=True):
 _DECODER = msgspec.json.Decoder(MixtralRecord)
 
 
-def import_mixtral_jsonl(src: Path, out: Path, progress: Progress | None = None) -> ImportSummary:
+def import_mixtral_jsonl(src: Path, progress: Progress | None = None) -> Imported:
     shape = MIXTRAL_8X7B
     layout: str | None = None
     per_layer: dict[tuple[str, int | str], dict[int, list[LayerRoute]]] = {}  # token_idx layout
@@ -95,8 +94,7 @@ def import_mixtral_jsonl(src: Path, out: Path, progress: Progress | None = None)
         requests, missing = _from_counters(per_layer, len(shape.moe_layers))
     else:
         requests, missing = _from_blocks(timed, len(shape.moe_layers))
-    return write_log(out, fmt="mixtral-jsonl", source=src, shape=shape, requests=requests, print_as=str(src),
-                     skipped={MISSING: missing} if missing else {}, sources=[src])
+    return Imported(shape=shape, requests=requests, skipped={MISSING: missing} if missing else {}, sources=[src])
 
 
 def _name(key: tuple[str, int | str]) -> str:

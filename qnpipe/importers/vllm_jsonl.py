@@ -26,14 +26,13 @@ import msgspec
 from qnpipe.errors import TraceImportError
 from qnpipe.importers.common import (
     VLLM_MODELS,
-    ImportSummary,
+    Imported,
     LayerRoute,
     Progress,
     Request,
     check_route,
     decode_line,
     jsonl_lines,
-    write_log,
 )
 
 DUMMY = "rows of vLLM profiling (dummy) passes"
@@ -59,7 +58,7 @@ _DECODER = msgspec.json.Decoder(VllmMeta | VllmRoute)
 Pass = list[tuple[int, list[tuple[tuple[int, ...], tuple[float, ...]]]]]  # [(layer, rows of (ids, weights))]
 
 
-def import_vllm_jsonl(src: Path, out: Path, progress: Progress | None = None) -> ImportSummary:
+def import_vllm_jsonl(src: Path, progress: Progress | None = None) -> Imported:
     lines = jsonl_lines(src, progress)
     first = next(lines, None)
     if first is None:
@@ -99,8 +98,7 @@ def import_vllm_jsonl(src: Path, out: Path, progress: Progress | None = None) ->
             raise TraceImportError(f"{src}: line {n}: token_idx {r.token_idx}, expected {want} or 0 "
                                    f"(rows of a pass count from 0)")
     requests, skipped = _requests(passes)
-    return write_log(out, fmt="vllm-jsonl", source=src, shape=shape, requests=requests, print_as=str(src),
-                     skipped={k: v for k, v in skipped.items() if v}, sources=[src])
+    return Imported(shape=shape, requests=requests, skipped={k: v for k, v in skipped.items() if v}, sources=[src])
 
 
 def _rows(p: Pass) -> int:
