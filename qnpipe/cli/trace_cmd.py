@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from qnpipe.cli import trace_import
+from qnpipe.cli import trace_import, trace_stats_cmd
 
-TRACE_COMMANDS: tuple[Any, ...] = (trace_import,)
+TRACE_COMMANDS: tuple[Any, ...] = (trace_import, trace_stats_cmd)
 
 
 def register(sub: Any, fmt: Any) -> None:
