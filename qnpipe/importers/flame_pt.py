@@ -75,6 +75,8 @@ def _check(c: _Capture, shape: ModelShape) -> None:
     elif c.indices.size and (c.indices.min() < 0 or c.indices.max() >= shape.num_experts):
         row = int(np.nonzero((c.indices < 0).any(1) | (c.indices >= shape.num_experts).any(1))[0][0])
         why = f"token {row}: expert ids {c.indices[row].tolist()} outside 0..{shape.num_experts - 1}"
+    elif dup := np.nonzero((np.sort(c.indices, axis=1)[:, 1:] == np.sort(c.indices, axis=1)[:, :-1]).any(1))[0].tolist():
+        why = f"token {dup[0]}: expert ids {c.indices[dup[0]].tolist()}: an expert chosen twice"
     if why is not None:
         raise TraceImportError(f"{c.path}: {why}")
 

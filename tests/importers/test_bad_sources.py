@@ -146,3 +146,27 @@ def test_cli_import_prints_the_summary_and_fails_cleanly(tmp_path: Path, capsys:
     with pytest.raises(SystemExit) as e:
         main(["trace", "import", "--help"])
     assert e.value.code == 0 and "examples:" in capsys.readouterr().out
+
+
+def _patched(src: Path, dst: Path, row: int, col: int, value: int | None) -> Path:
+    """`src` with indices[row, col] set to `value` (None: to indices[row, 0], a repeated expert)."""
+    import numpy as np
+
+    with zipfile.ZipFile(src) as z:
+        entries = {n: z.read(n) for n in z.namelist()}
+    name = next(n for n in entries if n.endswith("/data/2"))  # the third tensor: indices [N, 6] int64
+    ids = np.frombuffer(entries[name], dtype="<i8").copy().reshape(-1, 6)
+    ids[row, col] = ids[row, 0] if value is None else value
+    entries[name] = ids.tobytes()
+    with zipfile.ZipFile(dst, "w") as z:
+        for n, b in entries.items():
+            z.writestr(n, b)
+    return dst
+
+
+def test_bad_expert_ids_in_a_pt_file_name_the_token(flame_dir: Path, tmp_path: Path) -> None:
+    good = next((flame_dir / "Encoder_Batch_0-32" / "Layer_2").glob("*.pt"))
+    with pytest.raises(TraceImportError, match=r"big.pt: token 5: expert ids \[64, .*\] outside 0..63"):
+        import_log("flame-pt", _patched(good, tmp_path / "big.pt", 5, 0, 64), tmp_path / "out.qtrace")
+    with pytest.raises(TraceImportError, match=r"dup.pt: token 7: expert ids .*: an expert chosen twice"):
+        import_log("flame-pt", _patched(good, tmp_path / "dup.pt", 7, 3, None), tmp_path / "out.qtrace")
