@@ -84,12 +84,12 @@ def import_vllm_jsonl(src: Path, progress: Progress | None = None) -> Imported:
         check_route(src, f"line {n}", shape, r.layer, r.topk_ids, r.topk_weights)
         row = (tuple(r.topk_ids), tuple(r.topk_weights))
         if r.token_idx == 0:
-            if not passes or r.layer <= passes[-1][-1][0]:
-                passes.append([])
-            elif len(passes[-1][-1][1]) != len(passes[-1][0][1]):
-                raise TraceImportError(f"{src}: line {n}: layer {passes[-1][-1][0]}'s pass has "
+            if passes and len(passes[-1][-1][1]) != len(passes[-1][0][1]):
+                raise TraceImportError(f"{src}: line {n - 1}: layer {passes[-1][-1][0]}'s pass has "
                                        f"{len(passes[-1][-1][1])} rows, layer {passes[-1][0][0]}'s "
                                        f"{len(passes[-1][0][1])}: one forward pass has one batch")
+            if not passes or r.layer <= passes[-1][-1][0]:
+                passes.append([])
             passes[-1].append((r.layer, [row]))
         elif passes and r.token_idx == len(passes[-1][-1][1]):
             passes[-1][-1][1].append(row)
@@ -97,6 +97,9 @@ def import_vllm_jsonl(src: Path, progress: Progress | None = None) -> Imported:
             want = len(passes[-1][-1][1]) if passes else 0
             raise TraceImportError(f"{src}: line {n}: token_idx {r.token_idx}, expected {want} or 0 "
                                    f"(rows of a pass count from 0)")
+    if passes and len(passes[-1][-1][1]) != len(passes[-1][0][1]):
+        raise TraceImportError(f"{src}: the last pass of layer {passes[-1][-1][0]} has {len(passes[-1][-1][1])} "
+                               f"rows, layer {passes[-1][0][0]}'s {len(passes[-1][0][1])}: truncated?")
     requests, skipped = _requests(passes)
     return Imported(shape=shape, requests=requests, skipped={k: v for k, v in skipped.items() if v}, sources=[src])
 

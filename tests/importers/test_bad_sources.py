@@ -170,3 +170,24 @@ def test_bad_expert_ids_in_a_pt_file_name_the_token(flame_dir: Path, tmp_path: P
         import_log("flame-pt", _patched(good, tmp_path / "big.pt", 5, 0, 64), tmp_path / "out.qtrace")
     with pytest.raises(TraceImportError, match=r"dup.pt: token 7: expert ids .*: an expert chosen twice"):
         import_log("flame-pt", _patched(good, tmp_path / "dup.pt", 7, 3, None), tmp_path / "out.qtrace")
+
+
+def _row(i: int, layer: int, ids: list[int]) -> str:
+    return json.dumps({"type": "route", "token_idx": i, "layer": layer, "topk_ids": ids, "topk_weights": [0.1] * 4})
+
+
+def test_vllm_passes_of_several_layers_must_share_one_batch(tmp_path: Path) -> None:
+    meta = META.replace('"layers_logged": [0]', '"layers_logged": [0, 1]')
+    ok = [meta, _row(0, 0, [1, 2, 3, 4]), _row(1, 0, [5, 6, 7, 8]), _row(0, 1, [1, 2, 3, 5]), _row(1, 1, [2, 6, 7, 8])]
+    with pytest.raises(TraceImportError, match=r"line 4: layer 1's pass has 1 rows, layer 0's 2: one forward pass"):
+        import_log("vllm-jsonl", _write(tmp_path, [*ok[:4], *ok[1:3]]), tmp_path / "out.qtrace")
+    with pytest.raises(TraceImportError, match=r"the last pass of layer 1 has 1 rows, layer 0's 2: truncated"):
+        import_log("vllm-jsonl", _write(tmp_path, ok[:4]), tmp_path / "out.qtrace")
+    s = import_log("vllm-jsonl", _write(tmp_path, ok), tmp_path / "out.qtrace")
+    assert (s.requests, s.steps, s.layers) == (2, 2, (0, 1))  # one pass of two rows: two requests of one token
+
+
+def test_a_single_vllm_request_keeps_its_prefill(tmp_path: Path) -> None:
+    lines = [META, *[_vllm(i) for i in range(3)], *[_vllm(0, [9, 8, 7, i]) for i in range(4)]]
+    s = import_log("vllm-jsonl", _write(tmp_path, lines), tmp_path / "out.qtrace")
+    assert (s.requests, s.steps, s.token_routes, s.skipped) == (1, 5, 7, {})  # a 3-row prefill, then 4 decode steps
