@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import MARIO, WEIRAN
+from real_traces import MARIO, WEIRAN
 
 from qnpipe.cli import main
 from qnpipe.errors import TraceImportError

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import MARIO, TOTANI, WEIRAN
+from real_traces import MARIO, TOTANI, WEIRAN
 
 from qnpipe import config
 from qnpipe.importers import import_log

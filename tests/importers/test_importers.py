@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import MARIO, TOTANI, WEIRAN
+from real_traces import MARIO, TOTANI, WEIRAN
 
 from qnpipe import trace
 from qnpipe.importers import import_log, vllm_jsonl
