@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, TypeVar
@@ -89,7 +90,7 @@ def jsonl_lines(path: Path, progress: Progress | None = None) -> Iterator[tuple[
             while True:
                 try:
                     line = f.readline()
-                except (OSError, EOFError, gzip.BadGzipFile) as e:
+                except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError
                     raise TraceImportError(f"{path}: line {n + 1}: cannot decompress ({e})") from None
                 if not line:
                     break

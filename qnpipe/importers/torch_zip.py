@@ -11,6 +11,7 @@ import collections
 import io
 import pickle
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def load(path: Path) -> Any:
             return _Unpickler(z.read(pkl[0]), z, prefix).load()
     except TraceImportError:
         raise
-    except (zipfile.BadZipFile, EOFError) as e:
+    except (zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError) as e:
         raise TraceImportError(f"{path}: not a readable torch zip file ({e})") from None
     except (pickle.UnpicklingError, KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
         raise TraceImportError(f"{path}: corrupt torch pickle ({e})") from None
