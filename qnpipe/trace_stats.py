@@ -120,17 +120,25 @@ def bucket(d: int) -> str:
     return f"{lo}-{2 * lo - 1}"
 
 
-def stack_distances(sets: list[np.ndarray], n_exp: int) -> list[int]:
+def stack_distances(sets: list[np.ndarray], n_exp: int) -> np.ndarray:
     """Per expert of each set, in order: distinct other experts used since its previous use (-1 = first use)."""
     last = np.full(n_exp, -1, dtype=np.int64)
-    out: list[int] = []
+    out = []
     for j, s in enumerate(sets):
         used = np.sort(last[last >= 0])
-        for e in s.tolist():
-            p = int(last[e])
-            out.append(-1 if p < 0 else int(len(used) - np.searchsorted(used, p, side="right")))
+        prev = last[s]
+        d = len(used) - np.searchsorted(used, prev, side="right")  # experts whose last use is after prev
+        out.append(np.where(prev < 0, -1, d))
         last[s] = j
-    return out
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+def reuse_histogram(dist: np.ndarray) -> dict[str, int]:
+    """Warm stack distances counted by `bucket` (first uses, -1, left out), buckets in increasing order."""
+    warm = dist[dist >= 0]
+    idx = np.where(warm == 0, 0, np.floor(np.log2(np.maximum(warm, 1))).astype(np.int64) + 1)
+    counts = np.bincount(idx)
+    return {bucket(0 if i == 0 else 1 << (i - 1)): int(c) for i, c in enumerate(counts) if c}
 
 
 def _layer(layer: int, rows: list[tuple[int, np.ndarray]], request_of: np.ndarray, n_exp: int,
@@ -140,10 +148,7 @@ def _layer(layer: int, rows: list[tuple[int, np.ndarray]], request_of: np.ndarra
     sets = [np.unique(r) for _, r in rows]
     unions = np.asarray([len(s) for s in sets])
     dist = stack_distances(sets, n_exp)
-    warm = sorted(d for d in dist if d >= 0)
-    hist: dict[str, int] = {}
-    for d in warm:
-        hist[bucket(d)] = hist.get(bucket(d), 0) + 1
+    warm = dist[dist >= 0]
     by_request: dict[int, list[np.ndarray]] = {}
     for i, r in rows:
         by_request.setdefault(int(request_of[i]), []).append(r)
@@ -155,9 +160,8 @@ def _layer(layer: int, rows: list[tuple[int, np.ndarray]], request_of: np.ndarra
     return LayerStats(layer=layer, layer_steps=len(rows), tokens=len(ids), top10_share=top, entropy_bits=h,
                       entropy_norm=hn, gini=gini, unused=int((np.bincount(ids.reshape(-1), minlength=n_exp) == 0).sum()),
                       union_mean=float(unions.mean()), union_max=int(unions.max()),
-                      tokens_per_step=len(ids) / len(rows), reuse_cold=dist.count(-1),
-                      reuse_median=float(np.median(warm)) if warm else -1.0,
-                      reuse_hist=dict(sorted(hist.items(), key=lambda kv: int(kv[0].split("-")[0]))),
+                      tokens_per_step=len(ids) / len(rows), reuse_cold=int((dist < 0).sum()),
+                      reuse_median=float(np.median(warm)) if len(warm) else -1.0, reuse_hist=reuse_histogram(dist),
                       prev_token_hit=hits / (pairs * k) if pairs else -1.0)
 
 
@@ -203,5 +207,5 @@ def to_json(s: TraceStats) -> bytes:
     return msgspec.json.encode(s)
 
 
-__all__ = ["CrossLayerStats", "LayerStats", "TraceStats", "bucket", "describe", "popularity", "stack_distances",
-           "to_json", "trace_stats"]
+__all__ = ["CrossLayerStats", "LayerStats", "TraceStats", "bucket", "describe", "popularity", "reuse_histogram",
+           "stack_distances", "to_json", "trace_stats"]

@@ -14,7 +14,7 @@ import pytest
 from qnpipe import trace
 from qnpipe.cli import main
 from qnpipe.errors import TraceSchemaError
-from qnpipe.trace_stats import bucket, popularity, stack_distances, trace_stats
+from qnpipe.trace_stats import bucket, popularity, reuse_histogram, stack_distances, trace_stats
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "traces"
 SHAPE = trace.ModelShape(num_layers=2, moe_layers=(0, 1), num_experts=4, top_k=2, hidden_size=8)
@@ -73,7 +73,9 @@ def test_the_building_blocks() -> None:
     _, _, _, gini = popularity(np.array([0, 0, 0, 8]))
     assert gini == pytest.approx(0.75)  # all on one of 4: (n - 1) / n
     sets = [np.array(s) for s in ([0], [1], [2], [0], [1], [1])]
-    assert stack_distances(sets, 3) == [-1, -1, -1, 2, 2, 0]
+    assert stack_distances(sets, 3).tolist() == [-1, -1, -1, 2, 2, 0]
+    assert reuse_histogram(np.array([-1, 0, 0, 1, 2, 3, 4, 9, 100])) == {"0": 2, "1": 1, "2-3": 2, "4-7": 1, "8-15": 1,
+                                                                         "64-127": 1}
 
 
 def test_a_log_without_routes_or_with_a_bad_route_fails_naming_it(tmp_path: Path) -> None:
