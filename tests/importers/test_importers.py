@@ -138,3 +138,22 @@ def test_vllm_rows_are_requests_their_tokens_share_experts_over_time(tmp_path: P
     same = overlap(tokens[:, :-1], tokens[:, 1:])  # a request's token and its next
     other = overlap(tokens[:, :-1], np.roll(tokens, -1, axis=0)[:, 1:])  # ... and the next row's next
     assert same > 0.12 and other < 0.09  # measured 0.130 and 0.081: row i of every pass is one request
+
+
+def test_the_two_mixtral_files_of_one_run_agree_token_for_token(tmp_path: Path) -> None:
+    # humaneval_2's problem 0 and routing_raw are the same generation of HumanEval/0 (83 decoded tokens).
+    import_log("mixtral-jsonl", MARIO / "humaneval_2_routing.jsonl.gz", tmp_path / "he.qtrace")
+    import_log("mixtral-jsonl", MARIO / "routing_raw.jsonl.gz", tmp_path / "raw.qtrace")
+    _, _, he = _read(tmp_path / "he.qtrace")
+    _, _, raw = _read(tmp_path / "raw.qtrace")
+    full = 0
+    for layer in range(32):
+        counted = [r.experts for r in he if r.layer == layer and r.step <= 83]  # token_idx order
+        exact = {r.step - 2: r.experts for r in raw if r.layer == layer and r.step > 1}  # decode token -> route
+        agree = [counted[i] == exact[i] for i in range(len(counted)) if i in exact]
+        if len(counted) == 83:  # this layer lost no token in humaneval_2: the raw log's steps line up exactly
+            full += 1
+            assert all(agree) and len(agree) == len(exact), layer
+        else:  # a lost token shifts the rest (the token_idx caveat): they disagree from there on
+            assert not all(agree), layer
+    assert full == 25
