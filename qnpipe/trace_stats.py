@@ -175,11 +175,14 @@ def _cross(a: int, b: int, pairs: list[tuple[np.ndarray, np.ndarray]], n_exp: in
     pop = np.bincount(dst[:half].reshape(-1), minlength=n_exp)
     rank = np.empty(n_exp, dtype=np.int64)
     rank[np.lexsort((np.arange(n_exp), -pop))] = np.arange(n_exp)  # ties: the more popular, then the lower id
-    test_src, test_dst = src[half:], dst[half:]
-    score = table[test_src].sum(axis=1)  # [tokens, experts]: co-occurrence counts from the token's experts
-    guess = np.argsort(-score * n_exp + rank, axis=1, kind="stable")[:, :k]
-    hits = int((guess[:, :, None] == test_dst[:, None, :]).sum())
-    base = int((np.argsort(rank)[:k][None, :, None] == test_dst[:, None, :]).sum())
+    hits = base = 0
+    popular = np.argsort(rank)[:k]
+    for lo in range(half, len(src), 4096):  # chunks: the scores are [tokens, k, experts] before the sum
+        test_src, test_dst = src[lo:lo + 4096], dst[lo:lo + 4096]
+        score = table[test_src].sum(axis=1)  # [tokens, experts]: co-occurrence counts from the token's experts
+        guess = np.argsort(-score * n_exp + rank, axis=1, kind="stable")[:, :k]
+        hits += int((guess[:, :, None] == test_dst[:, None, :]).sum())
+        base += int((popular[None, :, None] == test_dst[:, None, :]).sum())
     test = len(src) - half
     return CrossLayerStats(layer=a, next_layer=b, train_tokens=half, test_tokens=test,
                            hit_at_k=hits / (test * k) if test else -1.0,
