@@ -141,6 +141,9 @@ def test_cli_import_prints_the_summary_and_fails_cleanly(tmp_path: Path, capsys:
     assert line.startswith("imported ") and "25 request(s), 2050 steps" in line and "8448 rows of vLLM profiling" in line
     assert main(["trace", "import", "vllm-jsonl", str(MARIO / "routing_raw.jsonl.gz"), "-o", str(out), "--json"]) == 2
     assert "routing_raw.jsonl.gz: line 1: Object missing required field `type`" in capsys.readouterr().err
+    assert main(["trace", "import", "vllm-jsonl", str(WEIRAN / "moe_layer0.jsonl.gz"), "-o", str(out),
+                 "--max-steps", "0"]) == 2
+    assert "max_steps=0: want at least 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["trace", "import", "csv", "x", "-o", str(out)])
     with pytest.raises(SystemExit) as e:
