@@ -26,9 +26,11 @@ from qnpipe.importers import torch_zip
 from qnpipe.importers.common import Imported, LayerRoute, Progress, Request
 from qnpipe.trace import ModelShape
 
-# FLAME-MoE (cmu-flame): 64 routed experts, top-6; the captures number layers 2..9 (1-based, layer 1 dense).
+# FLAME-MoE-290M-1.3B (cmu-flame; CMU-FLAME/FLAME-MoE-Traces README, its release launcher): 9 layers of hidden
+# size 1024, layer 1 dense and 2..9 MoE (Megatron numbers them from 1, as the captures do), 64 routed experts
+# top-6 plus 2 shared (not logged). num_layers = 10 so that the source's numbers are valid indices.
 FLAME_MODELS = {"flame-moe-290m": ModelShape(num_layers=10, moe_layers=tuple(range(2, 10)), num_experts=64, top_k=6,
-                                             hidden_size=512)}
+                                             hidden_size=1024)}
 
 
 class FlameMeta(msgspec.Struct, frozen=True):
