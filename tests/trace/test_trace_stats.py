@@ -109,6 +109,10 @@ def test_cli_stats_of_an_imported_real_trace(tmp_path: Path, capsys: pytest.Capt
     assert main(["trace", "stats", str(log)]) == 0
     out = capsys.readouterr().out
     assert "1 request(s), 84 steps" in out and "cross-layer hit@2" in out
+    with pytest.raises(SystemExit) as e:
+        main(["trace", "stats", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "usage: qnpipe trace stats" in out and "examples:" in out
 
 
 def test_cli_stats_of_a_native_log(tmp_path: Path) -> None:
