@@ -73,3 +73,7 @@ class TraceSchemaError(QnpipeError):
 
 class DeviceProfileError(QnpipeError):
     """A device profile file (`qnpipe bench io`) is missing, corrupt or invalid; the message names the file."""
+
+
+class TraceImportError(QnpipeError):
+    """Another tool's routing log cannot be imported; the message names the file, the line or record, and what was wrong."""

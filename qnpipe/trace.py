@@ -129,6 +129,19 @@ class RecallSample(Msg, frozen=True, kw_only=True, tag="diag.recall"):
     predicted: int
 
 
+class RequestStart(Msg, frozen=True, kw_only=True, tag="trace.request"):
+    """Request `request` (0-based) begins: the `trace.route` records from step `first_step` on are its own.
+
+    Written by `qnpipe trace import` when a source holds several requests; they follow one another
+    in the log (steps keep counting), as a single-stream engine would serve them. `name` is the
+    source's id for it (a problem id, a batch row).
+    """
+
+    request: int
+    first_step: int
+    name: str = ""
+
+
 class Footer(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="trace.footer"):
     """The last frame: how many records were written and how many events were dropped (channel full)."""
 
@@ -138,7 +151,7 @@ class Footer(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="t
 
 
 Record = (Acquire | Granted | Release | ForwardDone | ReadExpert | ReadDone | Route | ReadStarted | Evicted
-          | Stalled | Candidates | PrefetchHint | Promote | ReadExpired | UnionSize | RecallSample)
+          | Stalled | Candidates | PrefetchHint | Promote | ReadExpired | UnionSize | RecallSample | RequestStart)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _FRAME_DECODER = msgspec.msgpack.Decoder(Record | Footer)
@@ -295,5 +308,5 @@ def read(path: str | Path) -> tuple[Header, list[Record]]:
 
 
 __all__ = ["MAGIC", "SCHEMA_VERSION", "Candidates", "Evicted", "RecallSample", "UnionSize", "Footer", "Header", "PrefetchHint", "ModelShape",
-           "ReadStarted", "Record", "Route", "Stalled", "TraceWriter", "canonical", "iter_records", "read", "read_all",
+           "ReadStarted", "Record", "RequestStart", "Route", "Stalled", "TraceWriter", "canonical", "iter_records", "read", "read_all",
            "route_record"]

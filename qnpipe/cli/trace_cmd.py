@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from qnpipe.cli import trace_fit_cost, trace_plot
+from qnpipe.cli import trace_fit_cost, trace_import, trace_plot, trace_stats_cmd
 
-TRACE_COMMANDS: tuple[Any, ...] = (trace_plot, trace_fit_cost)
+TRACE_COMMANDS: tuple[Any, ...] = (trace_import, trace_stats_cmd, trace_plot, trace_fit_cost)
 
 
 def register(sub: Any, fmt: Any) -> None:

@@ -1,0 +1,60 @@
+"""`qnpipe trace import FORMAT SRC -o LOG`: another tool's routing log as a qnpipe routing log."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _size(src: Path) -> int:
+    if src.is_dir():
+        return sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    return src.stat().st_size if src.exists() else 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from qnpipe.importers import describe, import_log
+    from qnpipe.outdir import ByteProgress
+
+    src = Path(args.src)
+    total = _size(src)
+    bar = ByteProgress(sys.stderr.isatty() and not args.quiet and total > 8 << 20, total, f"importing {src.name}")
+    try:
+        summary = import_log(args.format, src, args.out, progress=bar.advance, max_steps=args.max_steps)
+    finally:
+        bar.stop()
+    print(msgspec.json.encode(summary).decode() if args.json else describe(summary))
+    return 0
+
+
+def register(tsub: Any, fmt: Any) -> None:
+    from qnpipe.importers import FORMATS
+
+    p = tsub.add_parser("import", help="convert another tool's routing log into a qnpipe routing log",
+                        formatter_class=fmt,
+                        description="Convert a routing log written by another tool into a qnpipe routing log\n"
+                        "(docs/trace-format.md, \"Imported logs\"), ready for `qnpipe replay` and `qnpipe trace stats`.\n"
+                        "Formats:\n"
+                        "  mixtral-jsonl  Mario928/speculative-moe JSON lines of Mixtral-8x7B (token_idx or token_pos)\n"
+                        "  vllm-jsonl     vLLM MoE-logger JSON lines (meta line, then route rows per forward batch)\n"
+                        "  flame-pt       FLAME-MoE .pt captures (a file or a folder of them), read without torch\n"
+                        "Several requests in one source become consecutive requests of the log, each opened by a\n"
+                        "trace.request record. What cannot be attributed (profiling passes, batched prefill rows,\n"
+                        "tokens the source's logger dropped) is left out and counted in the summary line.\n"
+                        "Sources ending in .gz are read gunzipped. A progress bar shows on big files.",
+                        epilog="examples:\n"
+                        "  qnpipe trace import mixtral-jsonl routing_raw.jsonl -o mixtral.qtrace\n"
+                        "  qnpipe trace import vllm-jsonl moe_layer0.jsonl -o qwen-l0.qtrace --max-steps 500\n"
+                        "  qnpipe trace import flame-pt Sample_routing_traces/Encoder_Batch_0-32 -o flame.qtrace\n"
+                        "  qnpipe replay mixtral.qtrace --set pool.expert_slots=4 --set replay.record_nbytes=1048576")
+    p.add_argument("format", metavar="FORMAT", choices=sorted(FORMATS), help=f"one of: {', '.join(FORMATS)}")
+    p.add_argument("src", metavar="SRC", help="the source file (or, for flame-pt, a folder of .pt files)")
+    p.add_argument("-o", "--out", metavar="LOG", required=True, help="the routing log to write")
+    p.add_argument("--max-steps", type=int, metavar="N", help="keep the first N steps only (requests in order)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_import)
