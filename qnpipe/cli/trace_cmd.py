@@ -18,7 +18,13 @@ def register(sub: Any, fmt: Any) -> None:
         return
     t = sub.add_parser("trace", help="work with event logs: import, stats, synth, plot, fit-cost", formatter_class=fmt,
                        description="Tools around event logs (docs/trace-format.md): import other tools' routing\n"
-                       "logs, describe a log, write synthetic ones, draw a timeline, fit a cost model.")
+                       "logs, describe a log, write synthetic ones, draw a timeline, fit a cost model.",
+                       epilog="examples:\n"
+                       "  qnpipe trace import vllm-jsonl moe_layer0.jsonl -o qwen15-l0.qtrace\n"
+                       "  qnpipe trace stats run.qtrace --json\n"
+                       "  qnpipe trace plot run.qtrace -o timeline.png --steps 10:14\n"
+                       "  qnpipe trace fit-cost run.qtrace -o cost.json --device measured\n"
+                       "each subcommand has its own --help.")
     tsub = t.add_subparsers(dest="trace_command", metavar="SUBCOMMAND", required=True)
     for module in TRACE_COMMANDS:
         module.register(tsub, fmt)
