@@ -17,7 +17,7 @@ _REPLAY_KEYS = {"cost.per_layer_s", "cost.per_token_s", "device.bandwidth_bytes_
 def cmd_replay(args: argparse.Namespace) -> int:
     from qnpipe import config
     from qnpipe.io.simssd import PROFILES, DeviceProfile
-    from qnpipe.replay import CostModel, describe, replay, to_json
+    from qnpipe.replay import CostModel, PredictorOpts, describe, replay, to_json
 
     if args.device not in PROFILES:
         raise QnpipeError(f"--device {args.device}: unknown, known: {', '.join(sorted(PROFILES))}")
@@ -39,12 +39,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
         nbytes = int(own["replay"]["record_nbytes"]) if "record_nbytes" in own["replay"] else None
     except (msgspec.ValidationError, ValueError) as e:
         raise QnpipeError(f"--set: {e}") from None
-    report = replay(args.log, cfg, device_profile=device, cost=cost, record_nbytes=nbytes, predictor=args.predict)
+    opts = PredictorOpts(train_frac=args.train_frac, train_log=args.train_log or "", recall=args.recall, seed=args.seed)
+    report = replay(args.log, cfg, device_profile=device, cost=cost, record_nbytes=nbytes, predictor=args.predict,
+                    opts=opts)
     print(to_json(report).decode() if args.json else describe(report))
     return 0
 
 
 def register(sub: Any, fmt: Any) -> None:
+    from qnpipe.replay import PREDICTORS
+
     r = sub.add_parser("replay", help="replay an event log on a simulated SSD in virtual time (what-if)",
                        formatter_class=fmt,
                        description="Replay the routes of a log written by `qnpipe generate --trace FILE` through the real\n"
@@ -59,13 +63,24 @@ def register(sub: Any, fmt: Any) -> None:
                        "  qnpipe generate ./tiny-qn -p 'def fib(n):' -n 32 --trace run.qtrace\n"
                        "  qnpipe replay run.qtrace --set pool.expert_slots=16 --set pool.evict_policy=lru\n"
                        "  qnpipe replay run.qtrace --json --set device.bandwidth_bytes_per_s=3e9 "
-                       "--set cost.per_layer_s=0.004")
+                       "--set cost.per_layer_s=0.004\n"
+                       "  qnpipe replay run.qtrace --predict recorded --set pool.side_region_slots=8\n"
+                       "  qnpipe replay synth.qtrace --predict transition --train-frac 0.2 --set replay.record_nbytes=1700000\n"
+                       "  qnpipe replay synth.qtrace --predict oracle --recall 0.8 --seed 1 --set replay.record_nbytes=1700000")
     r.add_argument("log", metavar="LOG", help="event log (qnpipe generate --trace), docs/trace-format.md")
     r.add_argument("--device", default="apple-m5-internal", metavar="NAME",
                    help="built-in device profile the device.* settings start from (default %(default)s)")
-    r.add_argument("--predict", choices=["none", "previous"], default="none",
-                   help="none = demand reads only (default); previous = model-free prefetch: each MoE layer "
-                   "hints that the next routes as the previous token did (turns predict.cross_layer_prefetch on)")
+    r.add_argument("--predict", choices=PREDICTORS, default="none",
+                   help="none = demand reads only (default); recorded = the log's own predict.candidates; "
+                   "previous = the next layer routes as the previous token did; transition = a layer-to-layer "
+                   "table learned from --train-frac or --train-log; oracle = the true next-layer experts at "
+                   "--recall. Any but none turns predict.cross_layer_prefetch on (docs/replay.md)")
+    r.add_argument("--train-frac", type=float, default=0.0, metavar="F",
+                   help="the log's first F of steps train the predictor and are not replayed (default 0)")
+    r.add_argument("--train-log", metavar="LOG", help="transition: learn the table from this log instead")
+    r.add_argument("--recall", type=float, default=1.0, metavar="R",
+                   help="oracle: each true expert is hinted with probability R (default 1)")
+    r.add_argument("--seed", type=int, default=0, help="oracle: seed of its draws (default 0)")
     r.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_config_flags(r, prefill=False, example="pool.expert_slots=16")
     r.set_defaults(func=cmd_replay)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-TRACE_COMMANDS: tuple[Any, ...] = ()
+from qnpipe.cli import trace_synth
+
+TRACE_COMMANDS: tuple[Any, ...] = (trace_synth,)
 
 
 def register(sub: Any, fmt: Any) -> None:
