@@ -7,6 +7,8 @@ with the `--predict` predictor (default `previous`), the Qwen3-Next 80B 4-bit re
 `pool.expert_slots=64` and an 8-slot side region. Prints one JSON line:
 
   layer_steps_per_s   MoE layer-steps replayed per wall second (the median run); target >= 50,000
+  layer_steps_per_cpu_s  ... per second of this process's CPU time (the figure to compare on a
+                      loaded machine: other processes' load inflates wall time, far less CPU time)
   layer_steps         layer-steps of one replay (tokens x layers, minus any training steps)
   replay_s            wall seconds of the median replay (load, Belady, predictions and the trio run)
   load_s, predict_s   wall seconds of `load_log` and `predictions` alone (parts of replay_s; the rest
@@ -80,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
             predictions(loaded, a.predict, opts, width=cfg.predict.width_experts,
                         first=int(len(loaded.steps) * a.train_frac))
             predict_s = time.perf_counter() - t0
-        walls, digests = [], set()
+        walls, cpus, digests = [], [], set()
         for _ in range(a.repeat):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             report = replay(log, cfg, record_nbytes=RECORD_80B_4BIT, predictor=a.predict, opts=opts)
             walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
             digests.add(hashlib.sha256(to_json(report).replace(str(log).encode(), b"LOG")).hexdigest())
         if a.profile is not None:
             cProfile.runctx("replay(log, cfg, record_nbytes=RECORD_80B_4BIT, predictor=a.predict, opts=opts)",
@@ -95,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     steps = report.steps * a.layers
     wall = statistics.median(walls)
-    out = {"layer_steps_per_s": round(steps / wall, 1), "layer_steps": steps, "replay_s": round(wall, 4),
+    cpu = statistics.median(cpus)
+    out = {"layer_steps_per_s": round(steps / wall, 1), "layer_steps_per_cpu_s": round(steps / cpu, 1),
+           "layer_steps": steps, "replay_s": round(wall, 4), "cpu_s": round(cpu, 4),
            "load_s": round(load_s, 4), "predict_s": round(predict_s, 4), "synth_s": round(synth_s, 4), "predictor": a.predict,
            "hit_rate": round(report.hit_rate, 4), "tokens": a.tokens, "layers": a.layers, "experts": a.experts,
            "top_k": a.top_k, "digest": digests.pop()}
