@@ -18,7 +18,8 @@ def register(sub: Any, fmt: Any) -> None:
         return
     t = sub.add_parser("trace", help="work with event logs: import, stats, synth, plot, fit-cost", formatter_class=fmt,
                        description="Tools around event logs (docs/trace-format.md): import other tools' routing\n"
-                       "logs, describe a log, write synthetic ones, draw a timeline, fit a cost model.")
+                       "logs, describe a log, write synthetic ones, draw a timeline, fit a cost model.",
+                       epilog="examples:\n  qnpipe trace synth -o synth.qtrace --layers 48 --experts 512 --top-k 10 --seed 1")
     tsub = t.add_subparsers(dest="trace_command", metavar="SUBCOMMAND", required=True)
     for module in TRACE_COMMANDS:
         module.register(tsub, fmt)

@@ -10,7 +10,6 @@ can hit more often with the same capacity; `brute_force_hits` checks that on tin
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
 _NEVER = 1 << 62
@@ -32,13 +31,14 @@ def belady_hits(requests: Sequence[Sequence[int]], capacity: int) -> int:
     cache: dict[int, int] = {}  # expert -> its next use
     hits = 0
     for i, r in enumerate(reqs):
-        hits += sum(e in cache for e in r)
         missing = [e for e in r if e not in cache]
+        hits += len(r) - len(missing)
         over = len(cache) + len(missing) - capacity
         if over > 0:
-            # nlargest = sorted(reverse=True)[:over], in O(n) for the few victims a request needs
-            victims = heapq.nlargest(over, (e for e in cache if e not in r), key=lambda e: (cache[e], e))
-            for e in victims:
+            # farthest next use first, ties to the higher id: (next use, id) tuples compared in C
+            ranked = [(u, e) for e, u in cache.items() if e not in r]
+            victims = [max(ranked)] if over == 1 else sorted(ranked, reverse=True)[:over]
+            for _, e in victims:
                 del cache[e]
         for e in r:
             cache[e] = next_use[i][e]
