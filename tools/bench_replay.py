@@ -14,6 +14,10 @@ with the `--predict` predictor (default `previous`), the Qwen3-Next 80B 4-bit re
   load_s, predict_s   wall seconds of `load_log` and `predictions` alone (parts of replay_s; the rest
                       is Belady and the actors on the virtual clock)
   synth_s             wall seconds to write the log
+  hop_cpu_us, jump_cpu_us  the trio floor, measured here too: CPU microseconds of one message hop
+                      between two tasks (half a channel round trip) and of one `trio.sleep` on
+                      MockClock(autojump_threshold=0) (a clock jump); a replayed layer-step with a miss
+                      makes about ten hops and two jumps
   digest              sha256 of the report's JSON (the same for the same inputs, before and after
                       any speed-up: the replay must stay byte-identical)
 
@@ -34,6 +38,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import trio
+import trio.testing
 
 from qnpipe import config
 from qnpipe.replay import PREDICTORS, PredictorOpts, load_log, predictions, replay, to_json
@@ -59,6 +66,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3, help="replays measured; the median is reported (default 3)")
     p.add_argument("--profile", type=Path, default=None, help="write a cProfile of one more replay here")
     return p.parse_args(argv)
+
+
+def trio_floor(n: int = 5000) -> tuple[float, float]:
+    """CPU microseconds of one hop between two tasks and of one virtual-time sleep (MockClock autojump)."""
+    async def run() -> tuple[float, float]:
+        a_tx, a_rx = trio.open_memory_channel[int](1)
+        b_tx, b_rx = trio.open_memory_channel[int](1)
+
+        async def echo() -> None:
+            async for m in a_rx:
+                b_tx.send_nowait(m)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(echo)
+            c0 = time.process_time()
+            for i in range(n):
+                a_tx.send_nowait(i)
+                await b_rx.receive()
+            hop = (time.process_time() - c0) / (2 * n)
+            c0 = time.process_time()
+            for _ in range(n):
+                await trio.sleep(1e-3)
+            jump = (time.process_time() - c0) / n
+            nursery.cancel_scope.cancel()
+        return hop * 1e6, jump * 1e6
+
+    return trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(digests) != 1:
         print(f"bench_replay: the replays differ ({len(digests)} reports)", file=sys.stderr)
         return 1
+    hop_us, jump_us = trio_floor()
     steps = report.steps * a.layers
     wall = statistics.median(walls)
     cpu = statistics.median(cpus)
@@ -103,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
            "layer_steps": steps, "replay_s": round(wall, 4), "cpu_s": round(cpu, 4),
            "load_s": round(load_s, 4), "predict_s": round(predict_s, 4), "synth_s": round(synth_s, 4), "predictor": a.predict,
            "hit_rate": round(report.hit_rate, 4), "tokens": a.tokens, "layers": a.layers, "experts": a.experts,
-           "top_k": a.top_k, "digest": digests.pop()}
+           "top_k": a.top_k, "hop_cpu_us": round(hop_us, 2), "jump_cpu_us": round(jump_us, 2),
+           "digest": digests.pop()}
     print(json.dumps(out), flush=True)
     return 0
 
