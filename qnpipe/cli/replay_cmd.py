@@ -10,6 +10,8 @@ import msgspec
 from qnpipe.cli.common import add_config_flags, config_overrides
 from qnpipe.errors import QnpipeError
 
+# qnpipe.replay.PREDICTORS, spelled out: importing qnpipe.replay here would load MLX for every command.
+PREDICTORS = ("none", "previous", "recorded", "transition", "oracle")
 _REPLAY_KEYS = {"cost.per_layer_s", "cost.per_token_s", "device.bandwidth_bytes_per_s", "device.latency_s",
                 "device.per_mb_latency_s", "device.queue_depth", "replay.record_nbytes"}
 
@@ -47,8 +49,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any, fmt: Any) -> None:
-    from qnpipe.replay import PREDICTORS
-
     r = sub.add_parser("replay", help="replay an event log on a simulated SSD in virtual time (what-if)",
                        formatter_class=fmt,
                        description="Replay the routes of a log written by `qnpipe generate --trace FILE` through the real\n"

@@ -123,6 +123,18 @@ def test_prefetch_report_adds_up(synthetic: Path, predictor: str) -> None:
     assert r.resident_hit_rate + r.side_hit_rate == pytest.approx(r.hit_rate)
 
 
+def test_cli_knows_every_predictor_and_starts_without_mlx() -> None:
+    import subprocess
+    import sys
+
+    from qnpipe.cli import replay_cmd
+    from qnpipe.replay import PREDICTORS
+
+    assert replay_cmd.PREDICTORS == PREDICTORS
+    code = "import sys; from qnpipe.cli import build_parser; build_parser(); print('mlx' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
 def test_cli_replay_predictors_print_the_whole_report(synthetic: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["replay", str(synthetic), "--set", f"replay.record_nbytes={NBYTES}", "--set", "pool.expert_slots=4"]
     assert main([*base, "--predict", "oracle", "--recall", "0.5", "--seed", "3", "--json"]) == 0
