@@ -27,13 +27,17 @@ from qnpipe.engine import layer_capacities, open_pipeline
 from qnpipe.errors import ConfigError, TraceSchemaError
 from qnpipe.io.device_file import named_profile
 from qnpipe.io.simssd import DeviceProfile, open_simssd
-from qnpipe.messages import ReadDone
+from qnpipe.messages import Candidates, ReadDone
 from qnpipe.model.stepper import Event, LayerRoute, PartDone, PartGrant, StepDone, Tail
 from qnpipe.policy.belady import belady_hits
+from qnpipe.policy.model_free import TransitionTable, oracle_guess, previous_guess
 from qnpipe.policy.parts import plan_parts
 from qnpipe.trace import Header, ModelShape, Route, read
 
-PREDICTORS = ("none", "previous")
+PREDICTORS = ("none", "previous", "recorded", "transition", "oracle")
+
+# What a LogBackend hands the forward at one layer-step: (target, ids [N, W], scores [N, W]) per target.
+Predictions = tuple[tuple[int, np.ndarray, np.ndarray], ...]
 
 
 class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -59,6 +63,33 @@ class LayerReport(msgspec.Struct, frozen=True, kw_only=True):
     hits: int
     hit_rate: float
     belady_hit_rate: float
+    side_hits: int = 0  # of `hits`, served from the side region (prefetched)
+    prefetch_recall: float = 0.0  # fraction of the acquired experts that were hinted before
+
+
+class PredictorOpts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A replay predictor's settings: `train_frac` of the log's first steps train (and are not replayed),
+    or `train_log` does; `recall` and `seed` are the oracle's."""
+
+    train_frac: float = 0.0
+    train_log: str = ""
+    recall: float = 1.0
+    seed: int = 0
+
+
+class PrefetchReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What prediction bought: hints' recall, and prefetch reads that a step used (useful) or never did (wasted)."""
+
+    issued: int  # prefetch reads the pool issued
+    reads: int  # ... that finished (side-region reads)
+    useful: int  # finished or late prefetches a step used
+    wasted: int  # finished prefetches no step used (evicted, cleared or still unused at the end)
+    useful_bytes: int
+    wasted_bytes: int
+    expired: int  # not started: deadline passed
+    dropped: int  # hinted experts not read (budgets, no side slot)
+    recall: float  # fraction of acquired experts hinted beforehand
+    precision: float  # useful / reads
 
 
 class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +111,11 @@ class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
     device_utilisation: float  # fraction of the virtual time with a read in service
     reads: int
     layers: list[LayerReport]
+    resident_hit_rate: float = 0.0  # hits from the resident slots / requests
+    side_hit_rate: float = 0.0  # hits from the side region / requests (hit_rate = the two summed)
+    prefetch: PrefetchReport | None = None  # None without a predictor
+    predictor_opts: PredictorOpts = PredictorOpts()
+    train_steps: int = 0  # the log's first steps used for training only, not replayed
 
 
 class ReplayLog(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,6 +124,8 @@ class ReplayLog(msgspec.Struct, frozen=True, kw_only=True):
     shape: ModelShape
     steps: list[list[tuple[int, tuple[int, ...]]]]
     record_nbytes: dict[int, int]  # from the log's read.done records (empty for a routing log)
+    # the recorded predict.candidates: by steps' index, MoE layer -> ((target, width, experts, scores), ...)
+    candidates: dict[tuple[int, int], list[tuple[int, int, tuple[int, ...], tuple[float, ...]]]] = {}
 
 
 def load_log(path: str | Path) -> ReplayLog:
@@ -97,9 +135,18 @@ def load_log(path: str | Path) -> ReplayLog:
     moe = set(shape.moe_layers)
     by_step: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
     nbytes: dict[int, int] = {}
+    cands: dict[tuple[int, int], list[tuple[int, int, tuple[int, ...], tuple[float, ...]]]] = {}
     for n, r in enumerate(records, start=1):
         if isinstance(r, ReadDone):
             nbytes[r.layer] = max(nbytes.get(r.layer, 0), r.nbytes)
+        if isinstance(r, Candidates):
+            if (r.layer not in moe or r.target not in moe or r.width < 1 or len(r.token_experts) % r.width
+                    or len(r.token_scores) != len(r.token_experts)
+                    or not all(0 <= e < shape.num_experts for e in r.token_experts)):
+                raise TraceSchemaError(f"{path}: record {n} (predict.candidates step {r.step}): layers "
+                                       f"{r.layer}->{r.target}, width {r.width}, {len(r.token_experts)} experts and "
+                                       f"{len(r.token_scores)} scores do not fit the model")
+            cands.setdefault((r.step, r.layer), []).append((r.target, r.width, r.token_experts, r.token_scores))
         if not isinstance(r, Route):
             continue
         why = None
@@ -114,7 +161,10 @@ def load_log(path: str | Path) -> ReplayLog:
         by_step.setdefault(r.step, []).append((r.layer, r.experts))
     if not by_step:
         raise TraceSchemaError(f"{path}: no trace.route records to replay")
-    return ReplayLog(shape=shape, steps=[by_step[s] for s in sorted(by_step)], record_nbytes=nbytes)
+    order = sorted(by_step)
+    index = {s: i for i, s in enumerate(order)}
+    return ReplayLog(shape=shape, steps=[by_step[s] for s in order], record_nbytes=nbytes,
+                     candidates={(index[s], layer): c for (s, layer), c in cands.items() if s in index})
 
 
 def _shape(path: str | Path, header: Header) -> ModelShape:
@@ -148,27 +198,19 @@ class LogBackend:
     """The forward's `Backend` over recorded routes: begin -> the first MoE layer's route,
     resume -> the modelled compute then the next route, `StepDone` after the last layer."""
 
-    def __init__(self, log: ReplayLog, cost: CostModel, *, predict_previous: bool = False) -> None:
+    def __init__(self, log: ReplayLog, cost: CostModel, *,
+                 predictions: list[list[Predictions]] | None = None) -> None:
         self._log = log
         self._cost = cost
         self._step = -1
         self._i = 0
         self.tokens = 0
-        self._previous = predict_previous
+        self._predictions = predictions  # [step][i]: what the predictor gets at the step's i-th MoE layer
 
     def _route(self) -> LayerRoute:
-        step = self._log.steps[self._step]
-        layer, experts = step[self._i]
-        k = self._log.shape.top_k
-        ids = np.asarray(experts, dtype=np.int64).reshape(-1, k)
-        preds: tuple[tuple[int, np.ndarray, np.ndarray], ...] = ()
-        if self._previous and self._step > 0 and self._i + 1 < len(step):
-            # Model-free: the next layer will route as the previous token (last of the previous step) did.
-            target = step[self._i + 1][0]
-            before = dict(self._log.steps[self._step - 1]).get(target)
-            if before is not None:
-                guess = np.tile(np.asarray(before[-k:], dtype=np.int64), (len(ids), 1))
-                preds = ((target, guess, np.ones(guess.shape, dtype=np.float32)),)
+        layer, experts = self._log.steps[self._step][self._i]
+        ids = np.asarray(experts, dtype=np.int64).reshape(-1, self._log.shape.top_k)
+        preds = self._predictions[self._step][self._i] if self._predictions is not None else ()
         return LayerRoute(layer, ids, preds)
 
     async def begin(self, inputs: Any, cache: Any, tail: Tail) -> Event:
@@ -205,6 +247,61 @@ class _HoppedDevice:
 
     def statistics(self) -> None:
         return None
+def predictions(log: ReplayLog, predictor: str, opts: PredictorOpts, *, width: int,
+                first: int = 0) -> list[list[Predictions]]:
+    """What the predictor gets at each MoE layer of each replayed step (`log.steps[first:]`), by `predictor`:
+
+    `recorded`: the log's own `predict.candidates` (the live gates' top-W); `previous`: the next
+    layer routes as the previous token did; `transition`: the next layer's top-`width` experts
+    by a `TransitionTable` learned from `log.steps[:first]` (or `opts.train_log`); `oracle`: the
+    next layer's true experts at `opts.recall` (seeded by `opts.seed`). ConfigError when the log
+    has nothing to learn from.
+    """
+    k, num = log.shape.top_k, log.shape.num_experts
+    table: TransitionTable | None = None
+    if predictor == "recorded" and not log.candidates:
+        raise ConfigError("predictor 'recorded': the log has no predict.candidates records (a live run "
+                          "with predict.cross_layer_prefetch=true and a trace records them)")
+    if predictor == "transition":
+        table = TransitionTable(log.shape.moe_layers, num)
+        if opts.train_log:
+            train = load_log(opts.train_log)
+            if train.shape != log.shape:
+                raise ConfigError(f"train_log={opts.train_log}: its model {train.shape} is not the log's {log.shape}")
+            table.learn_steps(train.steps, k)
+        elif first == 0:
+            raise ConfigError("predictor 'transition' learns from the log's first steps or another log: "
+                              "give train_frac > 0 (--train-frac) or train_log (--train-log)")
+        else:
+            table.learn_steps(log.steps[:first], k)
+    rng = np.random.default_rng(opts.seed)
+    before: dict[int, tuple[int, ...]] = dict(log.steps[first - 1]) if first > 0 else {}
+    out: list[list[Predictions]] = []
+    for j in range(first, len(log.steps)):
+        step = log.steps[j]
+        row: list[Predictions] = []
+        for i, (layer, experts) in enumerate(step):
+            preds: Predictions = ()
+            nxt = step[i + 1] if i + 1 < len(step) else None
+            if predictor == "recorded":
+                preds = tuple((target, np.asarray(e, dtype=np.int64).reshape(-1, w),
+                               np.asarray(sc, dtype=np.float64).reshape(-1, w))
+                              for target, w, e, sc in log.candidates.get((j, layer), ()))
+            elif nxt is not None:
+                target, n = nxt[0], len(experts) // k
+                guess = None
+                if predictor == "previous" and target in before:
+                    guess = previous_guess(before[target], n, k)
+                elif table is not None and table.next_of.get(layer) == target:
+                    guess = table.guess(layer, np.asarray(experts, dtype=np.int64).reshape(-1, k), width)
+                elif predictor == "oracle":
+                    guess = oracle_guess(np.asarray(nxt[1], dtype=np.int64).reshape(-1, k), num, opts.recall, rng)
+                if guess is not None:
+                    preds = ((target, *guess),)
+            row.append(preds)
+        out.append(row)
+        before = dict(step)
+    return out
 
 
 def _belady(log: ReplayLog, caps: dict[int, int]) -> dict[int, tuple[int, int]]:
@@ -219,20 +316,28 @@ def _belady(log: ReplayLog, caps: dict[int, int]) -> dict[int, tuple[int, int]]:
 
 def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile | str = "apple-m5-internal",
            cost: CostModel | None = None, record_nbytes: int | None = None,
-           predictor: str = "none") -> ReplayReport:
+           predictor: str = "none", opts: PredictorOpts | None = None) -> ReplayReport:
     """Replay `log_path` under `cfg`'s pool and read settings on a simulated device (see the module doc).
 
-    `predictor`: "none" (demand only) or "previous" (model-free: each MoE layer hints that the
-    next layer routes as the previous token did; turns `predict.cross_layer_prefetch` on, with
-    the config's prefetch budgets and side region).
+    `predictor`: "none" (demand only) or one of `predictions`' (recorded, previous, transition,
+    oracle); any but "none" turns `predict.cross_layer_prefetch` on, with the config's prefetch
+    budgets, ranking and side region. With `opts.train_frac`, the log's first steps train the
+    predictor and only the rest is replayed (for every predictor, so reports compare).
 
     `record_nbytes` is the bytes of one expert record; by default the largest `read.done`
     of each layer in the log (a routing log has none: then it must be given).
     """
     cost = cost if cost is not None else CostModel()
+    opts = opts if opts is not None else PredictorOpts()
     if predictor not in PREDICTORS:
         raise ConfigError(f"predictor {predictor!r}: unknown, known: {', '.join(PREDICTORS)}")
-    if predictor == "previous":
+    if not 0.0 <= opts.train_frac < 1.0:
+        raise ConfigError(f"train_frac={opts.train_frac}: must be in [0, 1)")
+    if not 0.0 <= opts.recall <= 1.0:
+        raise ConfigError(f"recall={opts.recall}: must be in [0, 1]")
+    if opts.seed < 0:
+        raise ConfigError(f"seed={opts.seed}: must be >= 0")
+    if predictor != "none":
         cfg = with_overrides(cfg, {"predict.cross_layer_prefetch": True})
     if isinstance(device_profile, str):
         device_profile = named_profile(device_profile, cfg.read.device_profile_path)
@@ -241,6 +346,13 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
     except ValueError as e:
         raise ConfigError(f"device profile: {e}") from None
     log = load_log(log_path)
+    first = int(len(log.steps) * opts.train_frac)
+    if first >= len(log.steps):
+        raise ConfigError(f"train_frac={opts.train_frac}: leaves none of the log's {len(log.steps)} steps to replay")
+    preds = None
+    if predictor != "none":
+        preds = predictions(log, predictor, opts, width=cfg.predict.width_experts, first=first)
+    log = msgspec.structs.replace(log, steps=log.steps[first:], candidates={})
     caps = replay_capacities(cfg, log.shape)
     if record_nbytes is not None:
         nbytes = dict.fromkeys(caps, record_nbytes)
@@ -254,7 +366,7 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
     profile = device_profile
 
     async def main() -> ReplayReport:
-        backend = LogBackend(log, cost, predict_previous=predictor == "previous")
+        backend = LogBackend(log, cost, predictions=preds)
         t0 = trio.current_time()
         async with open_simssd(profile, nbytes) as dev, \
                 open_pipeline(cfg, backend, num_experts=log.shape.num_experts, capacities=caps,
@@ -267,6 +379,7 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
             assert p.policy is not None
             counters = dict(p.policy.counters)
             stats = p.forward.stats
+            policy = p.policy
         steps = len(log.steps)
         hits = sum(c.hits for c in counters.values())
         misses = sum(c.misses for c in counters.values())
@@ -279,13 +392,27 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
             c = counters[layer]
             req, bh = belady[layer]
             layers.append(LayerReport(layer=layer, requests=c.hits + c.misses, hits=c.hits,
-                                      hit_rate=_ratio(c.hits, c.hits + c.misses), belady_hit_rate=_ratio(bh, req)))
+                                      hit_rate=_ratio(c.hits, c.hits + c.misses), belady_hit_rate=_ratio(bh, req),
+                                      side_hits=c.side_hits, prefetch_recall=_ratio(c.predicted_used, c.used)))
+        side = sum(c.side_hits for c in counters.values())
+        prefetch = None
+        if predictor != "none":
+            reads = sum(c.prefetch_reads for c in counters.values())
+            useful = sum(c.prefetch_used for c in counters.values())
+            prefetch = PrefetchReport(
+                issued=policy.prefetches_issued, reads=reads, useful=useful, wasted=reads - useful,
+                useful_bytes=sum(c.prefetch_used * nbytes[ly] for ly, c in counters.items()),
+                wasted_bytes=sum((c.prefetch_reads - c.prefetch_used) * nbytes[ly] for ly, c in counters.items()),
+                expired=policy.prefetches_expired, dropped=policy.hints_dropped_budget,
+                recall=_ratio(sum(c.predicted_used for c in counters.values()), sum(c.used for c in counters.values())),
+                precision=_ratio(useful, reads))
         return ReplayReport(
             log=str(log_path), predictor=predictor, device=profile, cost=cost, capacities=caps, steps=steps, tokens=backend.tokens,
             virtual_s=elapsed, tok_s=_ratio(steps, elapsed), hit_rate=_ratio(hits, hits + misses),
             misses_by_cause=dict(sorted(causes.items())), bytes_per_token=dev.stats.bytes_read / steps,
             stall_s_per_token=stats.stall_s / steps, device_utilisation=_ratio(busy, elapsed),
-            reads=dev.stats.reads, layers=layers)
+            reads=dev.stats.reads, layers=layers, resident_hit_rate=_ratio(hits - side, hits + misses),
+            side_hit_rate=_ratio(side, hits + misses), prefetch=prefetch, predictor_opts=opts, train_steps=first)
 
     return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
@@ -297,9 +424,14 @@ def _ratio(a: float, b: float) -> float:
 def describe(r: ReplayReport) -> str:
     """The report as a table for a terminal."""
     lines = [f"replay of {r.log}: {r.steps} steps ({r.tokens} tokens) in {r.virtual_s:.4f} virtual s",
-             f"  {r.tok_s:.2f} steps/s, hit rate {r.hit_rate:.3f}, misses {r.misses_by_cause or '{}'}",
+             f"  {r.tok_s:.2f} steps/s, hit rate {r.hit_rate:.3f} (resident {r.resident_hit_rate:.3f}, "
+             f"side {r.side_hit_rate:.3f}), misses {r.misses_by_cause or '{}'}",
              f"  {r.bytes_per_token / 2**20:.3f} MiB read and {r.stall_s_per_token * 1e3:.3f} ms stalled per step, "
              f"device busy {r.device_utilisation:.1%} ({r.reads} reads)",
+             *([f"  prefetch ({r.predictor}): recall {r.prefetch.recall:.3f}, {r.prefetch.reads} reads: "
+                f"{r.prefetch.useful} useful ({r.prefetch.useful_bytes / 2**20:.1f} MiB), {r.prefetch.wasted} wasted "
+                f"({r.prefetch.wasted_bytes / 2**20:.1f} MiB); {r.prefetch.expired} expired, "
+                f"{r.prefetch.dropped} dropped"] if r.prefetch is not None else []),
              f"  {'layer':>5} {'slots':>5} {'requests':>8} {'hits':>6} {'hit rate':>8} {'belady':>7}"]
     lines += [f"  {x.layer:>5} {r.capacities[x.layer]:>5} {x.requests:>8} {x.hits:>6} {x.hit_rate:>8.3f} "
               f"{x.belady_hit_rate:>7.3f}" for x in r.layers]
@@ -311,5 +443,5 @@ def to_json(r: ReplayReport) -> bytes:
     return msgspec.json.encode(r)
 
 
-__all__ = ["PREDICTORS", "CostModel", "LayerReport", "LogBackend", "ReplayLog", "ReplayReport", "describe", "load_log",
-           "replay", "replay_capacities", "to_json"]
+__all__ = ["PREDICTORS", "CostModel", "LayerReport", "LogBackend", "PredictorOpts", "Predictions", "PrefetchReport",
+           "ReplayLog", "ReplayReport", "describe", "load_log", "predictions", "replay", "replay_capacities", "to_json"]

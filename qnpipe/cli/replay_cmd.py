@@ -10,6 +10,8 @@ import msgspec
 from qnpipe.cli.common import add_config_flags, config_overrides
 from qnpipe.errors import QnpipeError
 
+# qnpipe.replay.PREDICTORS, spelled out: importing qnpipe.replay here would load MLX for every command.
+PREDICTORS = ("none", "previous", "recorded", "transition", "oracle")
 _REPLAY_KEYS = {"cost.per_layer_s", "cost.per_token_s", "cost.per_step_s", "cost.read_hop_s",
                 "device.bandwidth_bytes_per_s", "device.latency_s", "device.per_mb_latency_s", "device.queue_depth",
                 "replay.record_nbytes"}
@@ -20,7 +22,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from qnpipe.cost_fit import load_cost
     from qnpipe.io.device_file import device_names, named_profile
     from qnpipe.io.simssd import DeviceProfile
-    from qnpipe.replay import CostModel, describe, replay, to_json
+    from qnpipe.replay import CostModel, PredictorOpts, describe, replay, to_json
 
     if args.device not in device_names():
         raise QnpipeError(f"--device {args.device}: unknown, known: {', '.join(device_names())}")
@@ -43,7 +45,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         nbytes = int(own["replay"]["record_nbytes"]) if "record_nbytes" in own["replay"] else None
     except (msgspec.ValidationError, ValueError) as e:
         raise QnpipeError(f"--set: {e}") from None
-    report = replay(args.log, cfg, device_profile=device, cost=cost, record_nbytes=nbytes, predictor=args.predict)
+    opts = PredictorOpts(train_frac=args.train_frac, train_log=args.train_log or "", recall=args.recall, seed=args.seed)
+    report = replay(args.log, cfg, device_profile=device, cost=cost, record_nbytes=nbytes, predictor=args.predict,
+                    opts=opts)
     print(to_json(report).decode() if args.json else describe(report))
     return 0
 
@@ -66,16 +70,27 @@ def register(sub: Any, fmt: Any) -> None:
                        "  qnpipe replay run.qtrace --json --set device.bandwidth_bytes_per_s=3e9 "
                        "--set cost.per_layer_s=0.004\n"
                        "  qnpipe trace fit-cost run.qtrace -o run.cost.json && qnpipe bench io\n"
-                       "  qnpipe replay run.qtrace --cost run.cost.json --device measured")
+                       "  qnpipe replay run.qtrace --cost run.cost.json --device measured\n"
+                       "  qnpipe replay run.qtrace --predict recorded --set pool.side_region_slots=8\n"
+                       "  qnpipe replay synth.qtrace --predict transition --train-frac 0.2 --set replay.record_nbytes=1700000\n"
+                       "  qnpipe replay synth.qtrace --predict oracle --recall 0.8 --seed 1 --set replay.record_nbytes=1700000")
     r.add_argument("log", metavar="LOG", help="event log (qnpipe generate --trace), docs/trace-format.md")
     r.add_argument("--device", default="apple-m5-internal", metavar="NAME",
                    help="device profile the device.* settings start from: apple-m5-internal (default) or measured "
                    "(the file `qnpipe bench io` saved at read.device_profile_path)")
     r.add_argument("--cost", metavar="COST",
                    help="cost file of `qnpipe trace fit-cost` the cost.* settings start from (default: cost.* alone)")
-    r.add_argument("--predict", choices=["none", "previous"], default="none",
-                   help="none = demand reads only (default); previous = model-free prefetch: each MoE layer "
-                   "hints that the next routes as the previous token did (turns predict.cross_layer_prefetch on)")
+    r.add_argument("--predict", choices=PREDICTORS, default="none",
+                   help="none = demand reads only (default); recorded = the log's own predict.candidates; "
+                   "previous = the next layer routes as the previous token did; transition = a layer-to-layer "
+                   "table learned from --train-frac or --train-log; oracle = the true next-layer experts at "
+                   "--recall. Any but none turns predict.cross_layer_prefetch on (docs/replay.md)")
+    r.add_argument("--train-frac", type=float, default=0.0, metavar="F",
+                   help="the log's first F of steps train the predictor and are not replayed (default 0)")
+    r.add_argument("--train-log", metavar="LOG", help="transition: learn the table from this log instead")
+    r.add_argument("--recall", type=float, default=1.0, metavar="R",
+                   help="oracle: each true expert is hinted with probability R (default 1)")
+    r.add_argument("--seed", type=int, default=0, help="oracle: seed of its draws (default 0)")
     r.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_config_flags(r, prefill=False, example="pool.expert_slots=16")
     r.set_defaults(func=cmd_replay)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from qnpipe.cli import trace_fit_cost, trace_import, trace_plot, trace_stats_cmd
+from qnpipe.cli import trace_fit_cost, trace_import, trace_plot, trace_stats_cmd, trace_synth
 
-TRACE_COMMANDS: tuple[Any, ...] = (trace_import, trace_stats_cmd, trace_plot, trace_fit_cost)
+TRACE_COMMANDS: tuple[Any, ...] = (trace_import, trace_stats_cmd, trace_synth, trace_plot, trace_fit_cost)
 
 
 def register(sub: Any, fmt: Any) -> None:
@@ -22,6 +22,7 @@ def register(sub: Any, fmt: Any) -> None:
                        epilog="examples:\n"
                        "  qnpipe trace import vllm-jsonl moe_layer0.jsonl -o qwen15-l0.qtrace\n"
                        "  qnpipe trace stats run.qtrace --json\n"
+                       "  qnpipe trace synth -o synth.qtrace --layers 48 --experts 512 --top-k 10 --seed 1\n"
                        "  qnpipe trace plot run.qtrace -o timeline.png --steps 10:14\n"
                        "  qnpipe trace fit-cost run.qtrace -o cost.json --device measured\n"
                        "each subcommand has its own --help.")

@@ -31,12 +31,14 @@ def belady_hits(requests: Sequence[Sequence[int]], capacity: int) -> int:
     cache: dict[int, int] = {}  # expert -> its next use
     hits = 0
     for i, r in enumerate(reqs):
-        hits += sum(e in cache for e in r)
         missing = [e for e in r if e not in cache]
+        hits += len(r) - len(missing)
         over = len(cache) + len(missing) - capacity
         if over > 0:
-            victims = sorted((e for e in cache if e not in r), key=lambda e: (cache[e], e), reverse=True)[:over]
-            for e in victims:
+            # farthest next use first, ties to the higher id: (next use, id) tuples compared in C
+            ranked = [(u, e) for e, u in cache.items() if e not in r]
+            victims = [max(ranked)] if over == 1 else sorted(ranked, reverse=True)[:over]
+            for _, e in victims:
                 del cache[e]
         for e in r:
             cache[e] = next_use[i][e]

@@ -87,6 +87,8 @@ class LayerCounters:
     causes: dict[MissKind, int] = attrs.field(factory=dict)
     used: int = 0  # experts acquired (recall denominator)
     predicted_used: int = 0  # ... of them among the predictor's candidates since the layer's last acquire
+    prefetch_reads: int = 0  # side-region reads finished
+    prefetch_used: int = 0  # prefetches a step used (once each; late ones included)
 
 
 @attrs.define
@@ -221,12 +223,14 @@ class PoolPolicy:
             self.step_unused.discard((layer, e))
             if self.unused.pop((layer, e), None) is not None:
                 self.prefetches_used += 1
+                c.prefetch_used += 1
             if e not in missing:
                 continue
             fate = fates.get(e)
             if side is not None and e in side.slot_of:  # its prefetch is still on the way: used, late
                 kind = MissKind.LATE
                 self.prefetches_used += 1
+                c.prefetch_used += 1
             elif fate is HintFate.EXPIRED:
                 kind = MissKind.LATE
             elif fate is HintFate.DROPPED:
@@ -330,6 +334,7 @@ class PoolPolicy:
         if table is not self.tables[layer]:
             self.prefetch_reads_out -= 1
             self.prefetches_done += 1
+            self.counters[layer].prefetch_reads += 1
             if (layer, expert) not in self.waiters:
                 self.unused[(layer, expert)] = True
         done = []

@@ -77,6 +77,9 @@ class SlotTable:
     seen: set[int] = attrs.field(init=False, factory=set)
     tick: int = attrs.field(init=False, default=0)
     _free: list[int] = attrs.field(init=False)
+    # Kept with `state` so the per-acquire checks need not scan every slot (replay runs them per layer-step).
+    _loading: set[int] = attrs.field(init=False, factory=set)  # experts whose read is in flight
+    _ready: int = attrs.field(init=False, default=0)  # slots READY
 
     def __attrs_post_init__(self) -> None:
         if self.capacity < 1:
@@ -105,10 +108,8 @@ class SlotTable:
 
     def available_for(self, experts: Iterable[int]) -> int:
         """Slots a step needing `experts` can use: capacity minus pins, holds and reads in flight it does not share."""
-        need = set(experts)
-        blocked = {e for e in self.pinned if e not in need} | {e for e in self.held if e not in need}
         # A read still in flight with no hold (its step was released early) keeps its slot too.
-        blocked |= {e for e, s in self.slot_of.items() if self.state[s] is SlotState.LOADING and e not in need}
+        blocked = (self.pinned | self.held.keys() | self._loading).difference(experts)
         return self.capacity - len(blocked)
 
     def can_acquire_now(self, experts: Sequence[int]) -> bool:
@@ -118,12 +119,15 @@ class SlotTable:
         they become evictable when their reads finish.
         """
         need = set(experts)
-        missing = sum(e not in self.slot_of for e in need)
+        slot_of = self.slot_of
+        missing = sum(e not in slot_of for e in need)
         if missing <= len(self._free):
             return True
-        evictable = sum(1 for e, s in self.slot_of.items() if self.state[s] is SlotState.READY
-                        and e not in self.held and e not in self.pinned and e not in need)
-        return missing <= len(self._free) + evictable
+        # evictable = READY slots whose expert is not held, pinned or needed
+        state = self.state
+        kept = sum(1 for e in self.pinned | self.held.keys() | need
+                   if (s := slot_of.get(e)) is not None and state[s] is SlotState.READY)
+        return missing <= len(self._free) + self._ready - kept
 
     # ----------------------------------------------------------------- decisions
 
@@ -154,11 +158,15 @@ class SlotTable:
         loads = []
         for e in missing:
             if not self._free and candidates is None:
-                candidates = [c for c, s in self.slot_of.items() if self.state[s] is SlotState.READY
-                              and c not in self.held and c not in self.pinned]
+                candidates = self._evictable()
             loads.append(self._load(e, candidates))
         loads = tuple(loads)
         return AcquirePlan(tuple(hits), loads, tuple(waiting))
+
+    def _evictable(self) -> list[int]:
+        """Ready experts no step holds and nothing pins, in `slot_of` order (the victim search's ties)."""
+        blocked = self._loading.union(self.held.keys(), self.pinned)
+        return [c for c in self.slot_of if c not in blocked]
 
     def _load(self, expert: int, candidates: list[int] | None) -> Load:
         evicted = FREE
@@ -171,11 +179,13 @@ class SlotTable:
             candidates.remove(evicted)
             slot = self.slot_of.pop(evicted)
             self.eviction.removed(evicted)
+            self._ready -= 1  # candidates are READY
         cause = MissCause.CAPACITY if expert in self.seen else MissCause.COLD
         self.seen.add(expert)
         self.slot_of[expert] = slot
         self.expert_of[slot] = expert
         self.state[slot] = SlotState.LOADING
+        self._loading.add(expert)
         self.generation[slot] += 1
         self.tick += 1
         self.eviction.inserted(expert, self.tick)
@@ -190,8 +200,7 @@ class SlotTable:
             return None
         candidates = None
         if not self._free:
-            candidates = [c for c, s in self.slot_of.items() if self.state[s] is SlotState.READY
-                          and c not in self.held and c not in self.pinned]
+            candidates = self._evictable()
             if not candidates:
                 return None
         return self._load(expert, candidates)
@@ -204,8 +213,7 @@ class SlotTable:
 
     def clear_unused(self) -> list[int]:
         """Free every ready expert no step holds and nothing pins; returns them (a side region cleared per step)."""
-        out = [e for e, s in self.slot_of.items() if self.state[s] is SlotState.READY
-               and e not in self.held and e not in self.pinned]
+        out = self._evictable()
         for e in out:
             self._drop(e)
         return out
@@ -214,6 +222,9 @@ class SlotTable:
         slot = self.slot_of.pop(expert)
         self.eviction.removed(expert)
         self.expert_of[slot] = FREE
+        if self.state[slot] is SlotState.READY:
+            self._ready -= 1
+        self._loading.discard(expert)
         self.state[slot] = SlotState.FREE
         self._free.append(slot)
 
@@ -223,6 +234,8 @@ class SlotTable:
             raise AssertionError(f"layer {self.layer}: read done for expert {expert} in slot {slot}, "
                                  f"which the table does not expect")
         self.state[slot] = SlotState.READY
+        self._loading.discard(expert)
+        self._ready += 1
 
     def release(self, experts: Iterable[int]) -> None:
         """Drop one hold on each of `experts` (acquired before)."""

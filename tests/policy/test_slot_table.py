@@ -184,6 +184,20 @@ class SlotTableMachine(RuleBasedStateMachine):
         assert t.held == self.held and t.pinned == self.pinned
 
 
+    @invariant()
+    def room_checks_match_a_full_scan(self) -> None:
+        # available_for / can_acquire_now keep counters instead of scanning: they must equal the scan.
+        t = self.table
+        for need in (set(), set(t.slot_of) & {0, 1, 2}, {0, 3, 5, 7}):
+            blocked = {e for e in t.pinned | set(t.held) if e not in need}
+            blocked |= {e for e, s in t.slot_of.items() if t.state[s] is SlotState.LOADING and e not in need}
+            assert t.available_for(need) == self.capacity - len(blocked)
+            missing = sum(e not in t.slot_of for e in need)
+            free = self.capacity - len(t.slot_of)
+            evictable = sum(1 for e, s in t.slot_of.items() if t.state[s] is SlotState.READY
+                            and e not in t.held and e not in t.pinned and e not in need)
+            assert t.can_acquire_now(sorted(need)) == (missing <= free + evictable)
+
 TestSlotTableMachine = SlotTableMachine.TestCase
 TestSlotTableMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 

@@ -191,8 +191,8 @@ def test_previous_token_predictor_replays_deterministically(logged: tuple[Path, 
     total = sum(x.requests - x.hits for x in a.layers)
     assert sum(a.misses_by_cause.values()) == total and "capacity" not in a.misses_by_cause  # predicting causes
     assert "capacity" in demand.misses_by_cause
-    with pytest.raises(ConfigError, match="predictor 'oracle'"):
-        replay(path, cfg, predictor="oracle")
+    with pytest.raises(ConfigError, match="predictor 'clairvoyant'"):
+        replay(path, cfg, predictor="clairvoyant")
 
 
 def test_replay_help_teaches_with_an_example(capsys: pytest.CaptureFixture[str]) -> None:

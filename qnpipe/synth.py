@@ -1,0 +1,199 @@
+"""Synthetic routing logs: seeded, at any shape, with tunable popularity, locality and cross-layer correlation.
+
+    path = write_synth("synth.qtrace", SynthSpec(layers=48, experts=512, top_k=10, tokens=1000, seed=1,
+                                                 locality=0.3, cross_layer=0.5, popularity="zipf:1.1"))
+
+Every step is one token (a decode step). Each of its `top_k` experts at a layer is chosen,
+in this order of preference:
+
+- with probability `locality`, the expert the previous token put in the same position at
+  this layer (temporal locality: shorter reuse distances);
+- else with probability `cross_layer`, the fixed partner (a seeded permutation per layer)
+  of the expert this token put in that position at the previous layer (cross-layer
+  correlation: a transition table learns it);
+- else (or when that expert is already chosen) a draw from the layer's popularity:
+  a table's row (`popularity="FILE"`, e.g. the Qwen3-30B-A3B CSVs of
+  /work/shared/traces/raw/SOURCES.md §5), Zipf (`"zipf:a"`, ranks shuffled per layer) or uniform.
+
+The output is a routing log (docs/trace-format.md, `contents = "routes"`): the header's
+model is the synthetic shape (every layer a MoE layer), `t` is 0 throughout, and the same
+spec always gives the same bytes (one `numpy.random.Generator` drawn in a fixed order).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from qnpipe.errors import ConfigError, TraceSchemaError
+from qnpipe.trace import SCHEMA_VERSION, Header, ModelShape, Route, TraceWriter
+
+
+class SynthSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What `synth` makes: the shape, the seed and the three knobs (see the module doc)."""
+
+    layers: int = 48
+    experts: int = 512
+    top_k: int = 10
+    tokens: int = 1000
+    seed: int = 0
+    locality: float = 0.0  # P(reuse the previous token's expert in the same position)
+    cross_layer: float = 0.0  # P(the partner of the previous layer's expert), when not reused
+    popularity: str = "uniform"  # "uniform", "zipf:A" or a CSV table's path
+
+    def check(self) -> SynthSpec:
+        """Self, or ConfigError naming the bad field."""
+        for name in ("layers", "experts", "top_k", "tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"synth {name}={getattr(self, name)}: must be >= 1")
+        if self.top_k > self.experts:
+            raise ConfigError(f"synth top_k={self.top_k}: more than the {self.experts} experts")
+        if self.seed < 0:
+            raise ConfigError(f"synth seed={self.seed}: must be >= 0")
+        for name in ("locality", "cross_layer"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ConfigError(f"synth {name}={v}: must be in [0, 1]")
+        return self
+
+
+def popularity(spec: SynthSpec, rng: np.random.Generator) -> np.ndarray:
+    """Per-layer routing probabilities `[layers, experts]` (rows sum to 1) for `spec.popularity`."""
+    src = spec.popularity
+    if src == "uniform":
+        return np.full((spec.layers, spec.experts), 1.0 / spec.experts)
+    if src.startswith("zipf:"):
+        try:
+            a = float(src[5:])
+        except ValueError:
+            a = -1.0
+        if not a >= 0:
+            raise ConfigError(f"synth popularity={src!r}: zipf:A needs a number A >= 0")
+        by_rank = 1.0 / np.arange(1, spec.experts + 1) ** a
+        rows = np.stack([by_rank[rng.permutation(spec.experts)] for _ in range(spec.layers)])
+    else:
+        table = read_popularity_table(src)
+        # The table's layers and experts stretched over the shape (each entry covers a block).
+        li = np.arange(spec.layers) * len(table) // spec.layers
+        ei = np.arange(spec.experts) * table.shape[1] // spec.experts
+        rows = table[li][:, ei]
+    rows = np.maximum(rows, 1e-12)
+    return rows / rows.sum(axis=1, keepdims=True)
+
+
+def read_popularity_table(path: str | Path) -> np.ndarray:
+    """A CSV of per-layer expert popularity `[layers, experts]`: a `Layer` column and `Expert_<i>` columns.
+
+    Rows of the same layer (e.g. one per language) are averaged. TraceSchemaError names the
+    file and the row of anything malformed.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise TraceSchemaError(f"{p}: cannot read the popularity table ({e.strerror or e})") from None
+    rows = list(csv.reader(text.splitlines()))
+    if not rows or "Layer" not in rows[0]:
+        raise TraceSchemaError(f"{p}: row 1 (header): no 'Layer' column: not a popularity table")
+    head = rows[0]
+    cols = [i for i, name in enumerate(head) if name.startswith("Expert_")]
+    if not cols:
+        raise TraceSchemaError(f"{p}: row 1 (header): no Expert_<i> columns")
+    at = head.index("Layer")
+    sums: dict[int, np.ndarray] = {}
+    counts: dict[int, int] = {}
+    for n, row in enumerate(rows[1:], start=2):
+        if not row:
+            continue
+        try:
+            layer = int(row[at])
+            vals = np.array([float(row[i]) for i in cols])
+        except (ValueError, IndexError):
+            raise TraceSchemaError(f"{p}: row {n}: not a layer number and {len(cols)} numbers") from None
+        if layer < 0 or not np.all(np.isfinite(vals)) or np.any(vals < 0):
+            raise TraceSchemaError(f"{p}: row {n}: layer {layer}: values must be finite and >= 0")
+        sums[layer] = sums.get(layer, 0) + vals
+        counts[layer] = counts.get(layer, 0) + 1
+    if sorted(sums) != list(range(len(sums))) or not sums:
+        raise TraceSchemaError(f"{p}: layers {sorted(sums)}: expected 0..N-1, each at least once")
+    return np.stack([sums[layer] / counts[layer] for layer in range(len(sums))])
+
+
+def synth(spec: SynthSpec) -> list[list[tuple[int, ...]]]:
+    """The routes: `out[token][layer]` = that token's `top_k` distinct expert ids at that layer."""
+    spec.check()
+    rng = np.random.default_rng(spec.seed)
+    pop = popularity(spec, rng)
+    partner = np.stack([rng.permutation(spec.experts) for _ in range(spec.layers)])
+    n, k, e_count = spec.tokens, spec.top_k, spec.experts
+    # Drawn up front in one fixed order: the knobs' coins, and popularity draws with room for rejects.
+    coins = rng.random((n, spec.layers, k, 2))
+    extra = 2 * k
+    cdf = np.cumsum(pop, axis=1)
+    cdf[:, -1] = 1.0
+    u = rng.random((spec.layers, n * (k + extra)))
+    draws = np.stack([np.searchsorted(cdf[layer], u[layer], side="right") for layer in range(spec.layers)])
+    draws = np.minimum(draws, e_count - 1).reshape(spec.layers, n, k + extra)
+    reuse = (coins[..., 0] < spec.locality).tolist()
+    cross = (coins[..., 1] < spec.cross_layer).tolist()
+    partner_l = partner.tolist()
+    out: list[list[tuple[int, ...]]] = []
+    prev: list[list[int]] | None = None
+    for t in range(n):
+        row: list[tuple[int, ...]] = []
+        below: list[int] | None = None
+        for layer in range(spec.layers):
+            chosen: list[int] = []
+            seen: set[int] = set()
+            pool = draws[layer, t].tolist()
+            pi = 0
+            for j in range(k):
+                e = -1
+                if prev is not None and reuse[t][layer][j] and prev[layer][j] not in seen:
+                    e = prev[layer][j]
+                elif below is not None and cross[t][layer][j] and partner_l[layer][below[j]] not in seen:
+                    e = partner_l[layer][below[j]]
+                while e < 0:
+                    if pi < len(pool):
+                        cand = pool[pi]
+                        pi += 1
+                    else:  # rejects used up (a very skewed table): the least id not chosen yet
+                        cand = next(x for x in range(e_count) if x not in seen)
+                    if cand not in seen:
+                        e = cand
+                chosen.append(e)
+                seen.add(e)
+            row.append(tuple(chosen))
+            below = chosen
+        out.append(row)
+        prev = [list(r) for r in row]
+    return out
+
+
+def write_synth(path: str | Path, spec: SynthSpec) -> Path:
+    """Write the routing log of `spec` to `path` (temp name, then renamed); returns the path."""
+    routes = synth(spec)
+    shape = ModelShape(num_layers=spec.layers, moe_layers=tuple(range(spec.layers)), num_experts=spec.experts,
+                       top_k=spec.top_k, hidden_size=0)
+    digest = hashlib.sha256(b"synth:" + msgspec.json.encode(spec)).hexdigest()
+    header = Header(schema_version=SCHEMA_VERSION, fingerprint=digest, model=shape, clock_start_t=0.0,
+                    wall_start_unix_s=0.0, contents="routes")
+    w = TraceWriter(path, header)
+    try:
+        seq = 0
+        for t, row in enumerate(routes, start=1):
+            for layer, experts in enumerate(row):
+                seq += 1
+                w.write(Route(t=0.0, seq=seq, step=t, layer=layer, top_k=spec.top_k, experts=experts))
+        w.close(0, 0.0)
+    except BaseException:
+        w.abandon()
+        raise
+    return Path(path)
+
+
+__all__ = ["SynthSpec", "popularity", "read_popularity_table", "synth", "write_synth"]
