@@ -129,6 +129,10 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
                     verify=cfg.read.verify_crc32, topk_override=cfg.forward.moe_topk_override)
     if (k := cfg.forward.moe_topk_override) is not None:
         _override_topk(runner, k)
+    if cfg.kv.quantize:
+        from qnpipe.model.kvquant import kv_factory
+
+        runner.loaded.model.kv_factory = kv_factory(cfg.kv, runner.loaded.args.head_dim)
     if not stream:
         asked = cfg.pool.expert_slots != PoolCfg().expert_slots or cfg.pool.capacity_profile_path
         if asked and not cfg.pool.eager_load and runner.loaded.layout is not Layout.QNPIPE:
