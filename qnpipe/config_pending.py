@@ -16,7 +16,6 @@ SIDE_REGION = "the pool's side region (speculative slots)"
 PREFETCH = "routing prediction and prefetch (predictor, read_scheduler)"
 MTP = "MTP self-speculative decoding"
 PROBES = "the diagnostic probes (recorder's event log)"
-MEMORY = "MLX memory limits (the engine does not set them yet)"
 LOADER_PATHS = "the loader (it reads <model_dir>/config.json and <model_dir>/mtp.safetensors)"
 
 NOT_YET_IMPLEMENTED: Mapping[str, str] = {
@@ -24,7 +23,6 @@ NOT_YET_IMPLEMENTED: Mapping[str, str] = {
     "model.config_path": LOADER_PATHS,
     "model.mtp_weights_path": LOADER_PATHS,
     "model.hidden_variant": MTP,
-    "memory.mlx_wired_limit_gb": MEMORY,
     "pool.side_region_zerocopy": SIDE_REGION,
     "predict.candidate_mult": PREFETCH,
     **{f"mtp.{f}": MTP for f in (
