@@ -186,3 +186,15 @@ def test_a_file_of_another_model_is_ignored(prompts: list[list[int]], tmp_path: 
         with pytest.warns(SnapshotFileWarning, match="another model"):
             eng.next_logits(prompts[0])
         assert eng.stats().prefix.disk_loads == 0  # type: ignore[union-attr]
+
+
+def test_an_unwritable_directory_warns_once_and_the_answer_comes(prompts: list[list[int]], tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with qnpipe.Engine(DEMO_MODEL_DIR, snapshot_head_tokens=HEAD, snapshot_dir=str(blocker / "snaps")) as eng:
+        with pytest.warns(SnapshotFileWarning, match="not written") as rec:
+            a = eng.generate(prompts[0], max_tokens=4)
+            b = eng.generate(prompts[1][1:], max_tokens=4)
+        assert len(rec) == 1 and a.tokens and b.tokens
+        st = eng.stats().prefix
+    assert st is not None and st.disk_writes == 0 and st.captures == 4
