@@ -166,7 +166,12 @@ class PrefixCache:
         key = plan.capture.get(end)
         if key is None:
             return
-        snap = await run_on(thread, snapshots.capture, cache, end)
+        try:
+            snap = await run_on(thread, snapshots.capture, cache, end)
+        except SnapshotError as e:  # a cache kind without snapshots: answer without them from now on
+            self.head = 0
+            warnings.warn(f"prefix snapshots turned off for this engine: {e}", SnapshotFileWarning, stacklevel=2)
+            return
         head = end == self.head
         self._put(key, snap, head)
         self._count(captures=1)
