@@ -219,3 +219,13 @@ def test_a_state_that_cannot_be_captured_turns_snapshots_off_with_a_warning(
         again = eng.generate(prompts[0], max_tokens=24, stop_at_eos=False)
         assert eng.stats().prefix is None  # off
     assert got.tokens == again.tokens == ref[0]
+
+
+def test_a_file_made_with_another_prefill_chunk_is_ignored(prompts: list[list[int]], tmp_path: Path) -> None:
+    """Another chunk computes the head's state in other steps: not the same bits, so not reused."""
+    with qnpipe.Engine(DEMO_MODEL_DIR, snapshot_head_tokens=HEAD, snapshot_dir=str(tmp_path)) as eng:
+        eng.next_logits(prompts[0])
+    with qnpipe.Engine(DEMO_MODEL_DIR, snapshot_head_tokens=HEAD, snapshot_dir=str(tmp_path),
+                       prefill_chunk_tokens=4) as eng:
+        with pytest.warns(SnapshotFileWarning, match="forward"):
+            eng.next_logits(prompts[0])
