@@ -137,4 +137,6 @@ class ChatSession:
         self.last = res.stats
         if self.args.verbose:
             print_stats(res.stats)
+        if getattr(self.args, "stats", False):
+            print_engine_stats(self.eng.stats())
         self.conv.add("assistant", res.text)

@@ -111,7 +111,8 @@ def register(sub: Any, fmt: Any) -> None:
 
     c = sub.add_parser("chat", help="interactive chat with the model's chat template", formatter_class=fmt,
                        description="Multi-turn chat on the terminal, the answer streamed as it is generated.\n"
-                       "Each turn resumes from the previous turn's state (prefix snapshots, docs/chat.md).\n"
+                       "Once the conversation is longer than prefix.snapshot_head_tokens, each turn resumes\n"
+                       "from the previous turn's state instead of prefilling it again (docs/chat.md).\n"
                        "Commands: /reset clears the turns, /system [TEXT] shows or sets the system message,\n"
                        "/stats prints the figures (snapshots, peak memory, pool), /save FILE and /load FILE\n"
                        "store and restore the conversation (JSON), /help, /quit or Ctrl-D leaves.\n"
@@ -119,7 +120,7 @@ def register(sub: Any, fmt: Any) -> None:
                        epilog="examples:\n  qnpipe chat MODEL_DIR --system 'You are terse.'\n"
                        "  qnpipe chat MODEL_DIR -n 256 --temperature 0.7 --seed 1\n"
                        "  qnpipe chat MODEL_DIR --set prefix.snapshot_dir=~/.cache/qnpipe-snaps   (reuse heads across runs)")
-    c.add_argument("model_dir", metavar="MODEL_DIR")
+    c.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (original HF, mlx-lm, or qnpipe convert layout)")
     c.add_argument("--system", type=text_arg(allow_empty=True), help="system message")
     c.add_argument("-v", "--verbose", action="store_true", help="print stats after each answer")
     add_gen_flags(c, 512, json=False)
