@@ -92,8 +92,12 @@ class RotatedQuantizedKVCache:
         rot = mx.array(rotation(head_dim, kv_cfg.rot_seed)) if kv_cfg.rotate else None
         return cls(kv_cfg.k_bits, kv_cfg.v_bits, kv_cfg.group_size, rot)
 
-    def _rotate(self, x: mx.array) -> mx.array:
-        return x if self.rot is None else (x @ self.rot.astype(x.dtype))
+    def _rotate(self, x: mx.array, back: bool = False) -> mx.array:
+        # In float32: R in bf16 is orthogonal only to ~3 digits, and the rotation must cancel.
+        if self.rot is None:
+            return x
+        r = self.rot.T if back else self.rot
+        return (x.astype(mx.float32) @ r).astype(x.dtype)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
         """Quantize and append `keys`/`values [B, H, L, D]`; the packed cache so far."""
@@ -149,7 +153,7 @@ class RotatedQuantizedKVCache:
         out = mx.quantized_matmul(p, *qv, transpose=False, group_size=self.group_size, bits=self.v_bits)
         if rep > 1:
             out = out.reshape(B, Hq, L, D)
-        return out if self.rot is None else out @ self.rot.T.astype(out.dtype)
+        return self._rotate(out, back=True)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         if window_size is not None or (return_array and N > 1):

@@ -33,14 +33,18 @@ def _qkv(B: int = 1, Hq: int = 4, Hkv: int = 2, L: int = 5, D: int = 64, seed: i
     return tuple(mx.array(rng.standard_normal((B, h, L, D)).astype(np.float32)) for h in (Hq, Hkv, Hkv))
 
 
-@pytest.mark.parametrize("rotate", [True, False])
-def test_attention_on_the_packed_cache_matches_float_attention(rotate: bool) -> None:
+@pytest.mark.parametrize(("rotate", "dtype"), [(True, "float32"), (False, "float32"), (True, "bfloat16")])
+def test_attention_on_the_packed_cache_matches_float_attention(rotate: bool, dtype: str) -> None:
     """At 8 bits the quantized attention is float attention up to rounding: the rotation cancels."""
     q, k, v = _qkv()
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
     c = RotatedQuantizedKVCache.from_cfg(KvCfg(quantize=True, k_bits=8, v_bits=8, group_size=64, rotate=rotate), 64)
-    out = c.attend(q, k, v, scale=0.125, mask="causal")
-    assert np.allclose(np.array(out), np.array(ref), atol=2e-2)
+    dt = getattr(mx, dtype)
+    out = c.attend(q.astype(dt), k.astype(dt), v.astype(dt), scale=0.125, mask="causal")
+    assert out.dtype == dt
+    assert np.allclose(np.array(out.astype(mx.float32)), np.array(ref), atol=2e-2 if dtype == "float32" else 6e-2)
+    if dtype != "float32":
+        return
     # Decoding one more token on top: the causal mask of a 1-token step is none.
     q1, k1, v1 = _qkv(L=1, seed=1)
     kk, vv = mx.concatenate([k, k1], axis=2), mx.concatenate([v, v1], axis=2)
