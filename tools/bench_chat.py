@@ -20,7 +20,8 @@ Prints one JSON line. What is measured:
 * `token_agreement`, `logits_cosine`: the quality gate of qnpipe.model.kv_quality at K4/V3
   (group = 64, or the model's head_dim when smaller) over `--quality-prompts` prompts x
   `--quality-tokens` greedy tokens, one token per step; `mlx_lm_4_4` and `qnpipe_4_4` hold the
-  same two figures for mlx-lm's QuantizedKVCache and qnpipe's cache at 4/4, in the same run.
+  same two figures for mlx-lm's QuantizedKVCache and qnpipe's cache at 4/4, in the same run, and
+  `qnpipe_4_3_unrotated` for K4/V3 with `kv.rotate=false`.
 
 Example: `python tools/bench_chat.py` (the embedded trained tiny model) or `--model DIR`.
 """
@@ -106,10 +107,12 @@ def quality(model_dir: Path, n_prompts: int, n_tokens: int) -> dict[str, object]
         ids = corpus_tokens(eng, 48 * n_prompts)
     prompts = [ids[i * 48:(i + 1) * 48] for i in range(n_prompts)]
     group = min(64, model.args.head_dim)
-    res = kv_quality.quality_gate(model, prompts, n_tokens, kv_quality.variants(model, [(4, 3), (4, 4)], group))
+    res = kv_quality.quality_gate(model, prompts, n_tokens,
+                                  kv_quality.variants(model, [(4, 3), (4, 4)], group, unrotated=True))
     agree, cos = res["qnpipe 4/3"]
     return {"token_agreement": agree, "logits_cosine": cos, "quality_tokens": n_prompts * n_tokens,
-            "quality_group_size": group, "qnpipe_4_4": list(res["qnpipe 4/4"]), "mlx_lm_4_4": list(res["mlx-lm 4/4"])}
+            "quality_group_size": group, "qnpipe_4_4": list(res["qnpipe 4/4"]), "mlx_lm_4_4": list(res["mlx-lm 4/4"]),
+            "qnpipe_4_3_unrotated": list(res["qnpipe 4/3 unrotated"])}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,13 +35,18 @@ def cache_maker(model: Model, attn: Callable[[], Any]) -> CacheMaker:
     return make
 
 
-def variants(model: Model, bits: Sequence[tuple[int, int]], group_size: int, seed: int = 0) -> dict[str, CacheMaker]:
-    """name -> cache maker: "qnpipe K/V" (rotated) for each (k, v) bits, and "mlx-lm B/B" where k == v."""
+def variants(model: Model, bits: Sequence[tuple[int, int]], group_size: int, seed: int = 0,
+             unrotated: bool = False) -> dict[str, CacheMaker]:
+    """name -> cache maker: "qnpipe K/V" (rotated) for each (k, v) bits, "mlx-lm B/B" where k == v,
+    and with `unrotated` "qnpipe K/V unrotated" too."""
     hd = model.args.head_dim
     out: dict[str, CacheMaker] = {}
     for k, v in bits:
         cfg = KvCfg(quantize=True, k_bits=k, v_bits=v, group_size=group_size, rotate=True, rot_seed=seed)
         out[f"qnpipe {k}/{v}"] = cache_maker(model, kv_factory(cfg, hd))
+        if unrotated:
+            plain = KvCfg(quantize=True, k_bits=k, v_bits=v, group_size=group_size, rotate=False)
+            out[f"qnpipe {k}/{v} unrotated"] = cache_maker(model, kv_factory(plain, hd))
         if k == v:
             out[f"mlx-lm {k}/{v}"] = cache_maker(model, lambda b=k: QuantizedKVCache(group_size=group_size, bits=b))
     return out
