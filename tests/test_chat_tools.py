@@ -77,8 +77,16 @@ def test_bad_messages_are_named(tok: Any) -> None:
         render_prompt(tok, [SYSTEM, {"role": "robot", "content": "x"}])
     with pytest.raises(ChatError, match=r"messages\[0\] \(user\): content must be a string"):
         render_prompt(tok, [{"role": "user", "content": 3}])
-    with pytest.raises(ChatError, match=r"messages\[1\]: a system message must come first"):
-        render_prompt(tok, [{"role": "user", "content": "a"}, SYSTEM])
+    with pytest.raises(ChatError, match=r"messages\[1\].tool_calls\[0\]: no function name"):
+        render_prompt(tok, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": [{}]}])
+    with pytest.raises(ChatError, match=r"messages\[0\] \(user\): only assistant messages carry tool_calls"):
+        render_prompt(tok, [{"role": "user", "content": "a", "tool_calls": []}])
+    # Content None (OpenAI's tool-call-only turn) is empty text.
+    none = render_prompt(tok, [{"role": "system", "content": None}, {"role": "user", "content": "a"}], [READ])
+    assert none.startswith("<|im_start|>system\n\n\n# Tools")
+    # A later system message is a turn of its own in this template.
+    later = render_prompt(tok, [{"role": "user", "content": "a"}, SYSTEM])
+    assert later.endswith("<|im_start|>system\nYou are a coding agent.<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ChatError, match="messages is empty"):
         render_prompt(tok, [])
 

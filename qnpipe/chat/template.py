@@ -64,8 +64,6 @@ def check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
         content = m.get("content")
         if content is not None and not isinstance(content, str):
             raise ChatError(f"messages[{i}] ({role}): content must be a string, got {type(content).__name__}")
-        if role == "system" and i != 0:
-            raise ChatError(f"messages[{i}]: a system message must come first")
         calls = m.get("tool_calls")
         if calls is not None and role != "assistant":
             raise ChatError(f"messages[{i}] ({role}): only assistant messages carry tool_calls")
@@ -90,5 +88,6 @@ def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     """
     check_messages(messages)
     kept = filter_tools(tools, allow)
-    return tokenizer_mod.render_chat(tokenizer, [dict(m) for m in messages], [dict(t) for t in kept] or None,
-                                     add_generation_prompt)
+    # Content None (an assistant turn of tool calls only, OpenAI style) renders as empty text.
+    msgs = [{**m, "content": m.get("content") or ""} for m in messages]
+    return tokenizer_mod.render_chat(tokenizer, msgs, [dict(t) for t in kept] or None, add_generation_prompt)
