@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,9 @@ from qnpipe.config import Config
 from qnpipe.engine import Core, Pipeline, build_core, open_core_pipeline
 from qnpipe.io.reader import ExpertReader
 from qnpipe.mlx_thread import MLXThread, run_on
+from qnpipe.model.kvquant import model_bytes_per_token
+from qnpipe.prefix import PrefixCache
+from qnpipe.snapshots import engine_fingerprint
 from qnpipe.stats import EngineStats, GenerateResult, LayerPoolStats, PoolStats, UnionProf
 from qnpipe.validate import check_generate_args
 
@@ -71,7 +74,10 @@ class _Runtime:
         self.lock = trio.Lock()
         resident = core.runner.loaded.experts.nbytes
         self.totals = EngineStats(resident_expert_bytes=resident,
-                                  expert_source="resident" if core.streaming is None else "pool")
+                                  expert_source="resident" if core.streaming is None else "pool",
+                                  kv_bytes_per_token=model_bytes_per_token(
+                                      core.runner.loaded.model, core.cfg.kv if core.cfg.kv.quantize else None))
+        self.prefix = PrefixCache(core.cfg.prefix, lambda: engine_fingerprint(core))
 
     def ids(self, prompt: Prompt) -> list[int]:
         runner = self.core.runner
@@ -89,7 +95,8 @@ class _Runtime:
                 self.pipe.forward, self.thread, runner.loaded.model, runner.tokenizer, ids,
                 max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_p=kw["top_p"], seed=kw["seed"],
                 eos=runner.eos_ids if kw["stop_at_eos"] else set(), chunk=self.core.cfg.forward.prefill_chunk_tokens,
-                on_text=on_text, on_prefill=on_prefill, partial=partial)
+                on_text=on_text, on_prefill=on_prefill, partial=partial,
+                prefix=self.prefix if self.prefix.enabled else None)
             self.totals = self.totals.add(res.stats)
             return res
 
@@ -99,10 +106,20 @@ class _Runtime:
             return await decoding.logits(self.pipe.forward, self.thread, self.core.runner.loaded.model, ids,
                                          self.core.cfg.forward.prefill_chunk_tokens)
 
+    async def next_logits(self, prompt: Prompt) -> np.ndarray:
+        async with self.lock:
+            ids = await run_on(self.thread, self.ids, prompt)
+            return await decoding.next_logits(self.pipe.forward, self.thread, self.core.runner.loaded.model, ids,
+                                              self.core.cfg.forward.prefill_chunk_tokens,
+                                              self.prefix if self.prefix.enabled else None)
+
     def stats(self) -> EngineStats:
+        totals = self.totals
+        if self.prefix.enabled:
+            totals = msgspec.structs.replace(totals, prefix=self.prefix.current_stats())
         pol = self.pipe.policy
         if pol is None:
-            return self.totals
+            return totals
         fs = self.pipe.forward.stats
         rs = self.pipe.read_stats
         ps = self.pipe.predictor_stats
@@ -142,7 +159,7 @@ class _Runtime:
                          stall_s_by_layer=dict(fs.stall_by_layer),
                          union_prof=tuple(UnionProf(tokens=n, layer=ly, layer_steps=c, mean_union=s / c, max_union=mx)
                                           for (n, ly), (c, s, mx) in sorted(fs.union_sizes.items())))
-        return msgspec.structs.replace(self.totals, expert_bytes_read=rs.bytes_read,
+        return msgspec.structs.replace(totals, expert_bytes_read=rs.bytes_read,
                                        expert_misses_by_cause=by_cause, pool=pool)
 
 
@@ -169,6 +186,10 @@ class AsyncEngine:
         """Logits `(len, vocab)` float32 of `prompt` (text or token ids) as a fresh sequence."""
         return await self._rt.logits(prompt)
 
+    async def next_logits(self, prompt: Prompt) -> np.ndarray:
+        """Logits `(vocab,)` float32 of the token after `prompt`, using and keeping prefix snapshots as `generate` does."""
+        return await self._rt.next_logits(prompt)
+
     async def generate(self, prompt: Prompt, *, max_tokens: int = 64, temperature: float = 0.0,
                        top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
                        on_text: Callable[[str], None] | None = None,
@@ -181,7 +202,9 @@ class AsyncEngine:
         `on_prefill(done, total)` the prompt tokens processed after each prefill chunk, both
         in the trio thread, in order. `partial` (a list) collects the tokens as they come,
         which is what is left after a cancellation. Cancelling stops the work at the next
-        layer; the engine stays usable.
+        layer; the engine stays usable. With `prefix.snapshot_head_tokens` on, a prompt that
+        starts like an earlier one resumes from its kept state (qnpipe.prefix): same result,
+        bit for bit, without prefilling the shared part again.
         """
         kw = _gen_kwargs(prompt, max_tokens, temperature, top_p, seed, stop_at_eos)
         return await self._rt.generate(prompt, kw, on_text, on_prefill, partial)
@@ -189,6 +212,17 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """Totals since the engine opened, with the pool's figures when experts stream."""
         return self._rt.stats()
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+                    *, add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages` and `tools` under the model's chat template, tools kept by `chat.tools_allow`.
+
+        See qnpipe.chat.template.render_prompt (ChatError names a bad message or tool).
+        """
+        from qnpipe.chat.template import render_prompt
+
+        return render_prompt(self.tokenizer, messages, tools, allow=self.cfg.chat.tools_allow,
+                             add_generation_prompt=add_generation_prompt)
 
 
 @asynccontextmanager
@@ -320,6 +354,10 @@ class Engine:
         """Logits `(len, vocab)` float32 of `prompt` (text or token ids) as a fresh sequence."""
         return self._call(self._eng.logits, prompt)
 
+    def next_logits(self, prompt: Prompt) -> np.ndarray:
+        """Logits `(vocab,)` float32 of the token after `prompt` (prefix snapshots used as in `generate`)."""
+        return self._call(self._eng.next_logits, prompt)
+
     def generate(self, prompt: Prompt, *, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop_at_eos: bool = True,
                  on_text: Callable[[str], None] | None = None,
@@ -339,6 +377,11 @@ class Engine:
                                       on_prefill=on_prefill, partial=partial)
 
         return self._call(run)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+                    *, add_generation_prompt: bool = True) -> str:
+        """As `AsyncEngine.render_chat` (pure text work: runs in the caller's thread)."""
+        return self._eng.render_chat(messages, tools, add_generation_prompt=add_generation_prompt)
 
     def stats(self) -> EngineStats:
         """Totals since the engine opened (still readable after close)."""
