@@ -11,13 +11,13 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from qnpipe.cli import replay_cmd, run, store, trace_cmd
+from qnpipe.cli import replay_cmd, run, serve_cmd, store, trace_cmd
 from qnpipe.cli.common import DEMO_MODEL_DIR
 from qnpipe.errors import QnpipeError
 
 __all__ = ["COMMANDS", "DEMO_MODEL_DIR", "build_parser", "main"]
 
-COMMANDS = (run, store, replay_cmd, trace_cmd)
+COMMANDS = (run, store, replay_cmd, trace_cmd, serve_cmd)
 
 EPILOG = """\
 examples:
@@ -29,6 +29,7 @@ examples:
   qnpipe convert ./Qwen3-Next-80B-A3B-Instruct --out ./qn80b-4bit --bits 4
   qnpipe verify-store ./qn80b-4bit
   qnpipe replay run.qtrace --set pool.expert_slots=16     what-if on a log of generate --trace
+  qnpipe serve MODEL_DIR --port 8080                      OpenAI-compatible HTTP server (docs/server.md)
 
 Configuration: defaults < --config FILE.toml < QNPIPE_* / legacy environment names < flags.
 Any setting can be given with --set SECTION.FIELD=VALUE (see docs/config.md).
