@@ -20,7 +20,6 @@ KV_QUANT = "KV-cache quantization"
 PROBES = "the diagnostic probes (recorder's event log)"
 MEMORY = "MLX memory limits (the engine does not set them yet)"
 LOADER_PATHS = "the loader (it reads <model_dir>/config.json and <model_dir>/mtp.safetensors)"
-CHAT_TOOLS = "tool filtering of the chat template"
 
 NOT_YET_IMPLEMENTED: Mapping[str, str] = {
     # -- later features
@@ -32,7 +31,6 @@ NOT_YET_IMPLEMENTED: Mapping[str, str] = {
     "predict.candidate_mult": PREFETCH,
     "prefix.snapshot_head_tokens": PREFIX,
     "prefix.max_entries": PREFIX,
-    "chat.tools_allow": CHAT_TOOLS,
     **{f"mtp.{f}": MTP for f in (
         "enabled", "verify_mode", "hidden", "num_draft_tokens", "adaptive_depth", "conf_tau", "depth_max",
         "adaptive_rescue", "tree_top2", "tree_top2_p1", "tree_verify", "tree_branches")},

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -190,6 +190,17 @@ class AsyncEngine:
         """Totals since the engine opened, with the pool's figures when experts stream."""
         return self._rt.stats()
 
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+                    *, add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages` and `tools` under the model's chat template, tools kept by `chat.tools_allow`.
+
+        See qnpipe.chat.template.render_prompt (ChatError names a bad message or tool).
+        """
+        from qnpipe.chat.template import render_prompt
+
+        return render_prompt(self.tokenizer, messages, tools, allow=self.cfg.chat.tools_allow,
+                             add_generation_prompt=add_generation_prompt)
+
 
 @asynccontextmanager
 async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = None, *,
@@ -339,6 +350,11 @@ class Engine:
                                       on_prefill=on_prefill, partial=partial)
 
         return self._call(run)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+                    *, add_generation_prompt: bool = True) -> str:
+        """As `AsyncEngine.render_chat` (pure text work: runs in the caller's thread)."""
+        return self._eng.render_chat(messages, tools, add_generation_prompt=add_generation_prompt)
 
     def stats(self) -> EngineStats:
         """Totals since the engine opened (still readable after close)."""

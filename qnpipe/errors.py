@@ -19,6 +19,14 @@ class TokenizerError(QnpipeError):
     """The tokenizer or chat template of a model directory cannot be loaded."""
 
 
+class ChatError(QnpipeError, ValueError):
+    """A chat request is malformed: the message names the message or tool (by index) and what is wrong."""
+
+
+class SnapshotError(QnpipeError):
+    """A prefix snapshot file is corrupt, truncated, of another format version or of another model (names the file)."""
+
+
 class ReadError(QnpipeError):
     """An expert record could not be read intact (I/O error, short read, or checksum mismatch).
 

@@ -32,9 +32,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with Engine(model_dir, cfg) as eng:
         prompt = args.prompt
         if eng.tokenizer is not None and getattr(eng.tokenizer, "chat_template", None) and not args.raw:
-            from qnpipe.chat.tokenizer import render_chat
-
-            prompt = render_chat(eng.tokenizer, [{"role": "user", "content": args.prompt}])
+            prompt = eng.render_chat([{"role": "user", "content": args.prompt}])
         if not args.json:
             print(f"prompt: {args.prompt!r}\n", file=sys.stderr)
         return run_generate(eng, prompt, args)
@@ -67,11 +65,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if tokens is not None:
             prompt = tokens
         elif args.chat:
-            from qnpipe.chat.tokenizer import render_chat
-
             msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
                 {"role": "user", "content": args.prompt}]
-            prompt = render_chat(eng.tokenizer, msgs)
+            prompt = eng.render_chat(msgs)
         else:
             prompt = args.prompt
         return run_generate(eng, prompt, args)
@@ -80,7 +76,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     precheck_model(args.model_dir, cfg)
-    from qnpipe.chat.tokenizer import render_chat
     from qnpipe.embed import Engine
 
     messages: list[dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
@@ -127,7 +122,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 echo(piece)
 
             try:
-                res = eng.generate(render_chat(eng.tokenizer, messages), max_tokens=args.max_tokens,
+                res = eng.generate(eng.render_chat(messages), max_tokens=args.max_tokens,
                                    temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                    on_text=show)
             except KeyboardInterrupt:
