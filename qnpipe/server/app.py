@@ -88,7 +88,7 @@ def build_app(served: Served, limits: Limits, api_key: str | None = None) -> ASG
         try:
             raw = await _body(request, limits.max_body_bytes)
             req = msgspec.json.decode(raw, type=kind)
-            job = (chat_job(req, eng.tokenizer, limits) if isinstance(req, s.ChatRequest)
+            job = (chat_job(req, eng, limits) if isinstance(req, s.ChatRequest)
                    else completion_job(req, eng.args.vocab_size, limits))
         except ClientDisconnect:
             served.metrics.request(endpoint, 499)

@@ -25,7 +25,7 @@ from qnpipe.server.jobs import BadRequest, Job
 from qnpipe.server.metrics import Metrics
 from qnpipe.server.scheduling import QueueFull, Scheduler
 from qnpipe.server.textgate import TextGate
-from qnpipe.server.tool_calls import MARKER, parse_tool_calls
+from qnpipe.server.tool_calls import MARKER, split_tool_calls
 from qnpipe.stats import FinishReason
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -87,10 +87,10 @@ async def run_job(eng: Any, job: Job, ids: list[int], on_content: Callable[[str]
     if rest := gate.finish():
         on_content(rest)
     content = gate.content
-    calls = parse_tool_calls(gate.tool_text) if gate.tool_text else []
-    if gate.tool_text and not calls:  # not a well-formed call: the client gets the text as it is
-        on_content(gate.tool_text)
-        content += gate.tool_text
+    calls, rest = split_tool_calls(gate.tool_text) if gate.tool_text else ([], "")
+    if rest:  # what is not a well-formed call reaches the client as the text it is
+        on_content(rest)
+        content += rest
     if calls:
         reason = "tool_calls"
     elif gate.stopped or (res is not None and res.stats.finish_reason is FinishReason.EOS):

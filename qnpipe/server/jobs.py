@@ -11,8 +11,8 @@ from typing import Any
 import attrs
 import msgspec
 
-from qnpipe.chat.tokenizer import render_chat
-from qnpipe.errors import QnpipeError
+from qnpipe.chat.template import filter_tools
+from qnpipe.errors import ChatError, QnpipeError
 from qnpipe.server.schemas import ChatRequest, CompletionRequest, Message, NamedToolChoice, Tool
 from qnpipe.validate import check_seed, check_temperature, check_top_p
 
@@ -118,8 +118,9 @@ def _tools(req: ChatRequest) -> list[Tool]:
     return tools
 
 
-def chat_job(req: ChatRequest, tokenizer: Any, limits: Limits) -> Job:
-    """The Job of a chat request: its messages and tools rendered under the model's chat template."""
+def chat_job(req: ChatRequest, eng: Any, limits: Limits) -> Job:
+    """The Job of a chat request: its messages and tools rendered by `eng.render_chat` (the model's
+    chat template, tools kept by `chat.tools_allow`)."""
     if not req.messages:
         raise BadRequest("messages is empty: give at least one message", "messages")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
@@ -128,12 +129,22 @@ def chat_job(req: ChatRequest, tokenizer: Any, limits: Limits) -> Job:
     messages = [_message(m, i) for i, m in enumerate(req.messages)]
     tools = [msgspec.to_builtins(t) for t in _tools(req)]
     try:
-        prompt = render_chat(tokenizer, messages, tools or None)
+        prompt = eng.render_chat(messages, tools or None)
+    except ChatError as e:
+        raise BadRequest(str(e), _chat_param(str(e))) from None
     except QnpipeError as e:
         raise BadRequest(str(e), "messages") from None
-    except Exception as e:  # the template's own errors (jinja2 raises its TemplateError for bad roles, ...)
+    except Exception as e:  # the template's own errors (jinja2 raises its TemplateError, ...)
         raise BadRequest(f"messages: the chat template refused them ({type(e).__name__}: {e})", "messages") from None
-    return Job(kind="chat", prompt=prompt, tools=bool(tools), **kw)
+    # The allowlist (chat.tools_allow) may have kept none of the tools sent: then there is nothing to call.
+    shown = filter_tools(tools, eng.cfg.chat.tools_allow) if tools else []
+    return Job(kind="chat", prompt=prompt, tools=bool(shown), **kw)
+
+
+def _chat_param(message: str) -> str:
+    """The field a ChatError names (`messages[2]: ...`, `tools[0]: ...`)."""
+    head = message.split(":", 1)[0].split(" ", 1)[0]
+    return head if head.startswith(("messages", "tools")) else "messages"
 
 
 def completion_job(req: CompletionRequest, vocab_size: int, limits: Limits) -> Job:

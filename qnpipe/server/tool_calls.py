@@ -1,34 +1,31 @@
-"""The one place the server turns model output into OpenAI tool calls.
+"""Model output after the tool-call marker -> OpenAI `tool_calls` (parsing is qnpipe.chat.tools.parse_reply).
 
-Qwen3-Next writes a call as `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
+Nothing the model wrote is lost: text between the blocks, and blocks that are not valid
+calls, stay in the message's content as written.
 """
 
 from __future__ import annotations
 
-import re
+import json
 import secrets
 
-import msgspec
-
+from qnpipe.chat.tools import CLOSE, OPEN, parse_reply
 from qnpipe.server.schemas import FunctionCall, OutToolCall
 
-MARKER = "<tool_call>"
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+MARKER = OPEN
 
 
-class _Call(msgspec.Struct):
-    name: str
-    arguments: dict[str, object] | str = msgspec.field(default_factory=dict)
-
-
-def parse_tool_calls(text: str) -> list[OutToolCall]:
-    """The well-formed calls in `text` (from its first MARKER on); [] when there is none."""
-    out = []
-    for m in _BLOCK.finditer(text):
-        try:
-            call = msgspec.json.decode(m.group(1), type=_Call)
-        except msgspec.DecodeError:
-            continue
-        args = call.arguments if isinstance(call.arguments, str) else msgspec.json.encode(call.arguments).decode()
-        out.append(OutToolCall(id=f"call_{secrets.token_hex(12)}", function=FunctionCall(name=call.name, arguments=args)))
-    return out
+def split_tool_calls(text: str) -> tuple[list[OutToolCall], str]:
+    """The valid calls in `text` (output from its first MARKER on) and the rest of it, as content."""
+    reply = parse_reply(text)
+    calls = [OutToolCall(id=f"call_{secrets.token_hex(12)}",
+                         # the template renders the arguments back as sent: json.dumps's form, as it wrote them
+                         function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments, ensure_ascii=False)))
+             for c in reply.tool_calls]
+    if not calls:
+        return [], text
+    rest = reply.content
+    for bad in reply.malformed:
+        closed = not bad.error.startswith(f"{OPEN} not closed")
+        rest += f"{OPEN}{bad.text}{CLOSE if closed else ''}"
+    return calls, rest
