@@ -53,6 +53,12 @@ class BodyTooLarge(Exception):
     """The request body is over the server's cap (413)."""
 
 
+class _RawTools(msgspec.Struct):
+    """A chat body's tools with their keys in the order the client wrote them (the template renders that order)."""
+
+    tools: list[dict[str, Any]] | None = None
+
+
 def endpoint_label(path: str) -> str:
     """The metrics label of a path: the endpoint, or "other" (a client must not grow the label set)."""
     return path if path in ENDPOINTS else "other"
@@ -88,7 +94,8 @@ def build_app(served: Served, limits: Limits, api_key: str | None = None) -> ASG
         try:
             raw = await _body(request, limits.max_body_bytes)
             req = msgspec.json.decode(raw, type=kind)
-            job = (chat_job(req, eng, limits) if isinstance(req, s.ChatRequest)
+            job = (chat_job(req, eng, limits, msgspec.json.decode(raw, type=_RawTools).tools)
+                   if isinstance(req, s.ChatRequest)
                    else completion_job(req, eng.args.vocab_size, limits))
         except ClientDisconnect:
             served.metrics.request(endpoint, 499)

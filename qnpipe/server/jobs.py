@@ -13,7 +13,7 @@ import msgspec
 
 from qnpipe.chat.template import filter_tools
 from qnpipe.errors import ChatError, QnpipeError
-from qnpipe.server.schemas import ChatRequest, CompletionRequest, Message, NamedToolChoice, Tool
+from qnpipe.server.schemas import ChatRequest, CompletionRequest, Message, NamedToolChoice
 from qnpipe.validate import check_seed, check_temperature, check_top_p
 
 MAX_STOPS = 4
@@ -102,8 +102,9 @@ def _message(m: Message, i: int) -> dict[str, Any]:
     return out
 
 
-def _tools(req: ChatRequest) -> list[Tool]:
-    tools = list(req.tools or [])
+def _tools(req: ChatRequest, raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tools to show the model, as the client wrote them (`raw`: the template renders their keys in order)."""
+    tools = raw
     choice = req.tool_choice
     if choice == "none":
         return []
@@ -111,23 +112,26 @@ def _tools(req: ChatRequest) -> list[Tool]:
         raise BadRequest("tool_choice 'required' is not supported (the model cannot be forced to call a tool); "
                          "use 'auto' or name one function", "tool_choice")
     if isinstance(choice, NamedToolChoice):
-        named = [t for t in tools if t.function.name == choice.function.name]
+        named = [t for t, typed in zip(tools, req.tools or [], strict=True) if typed.function.name == choice.function.name]
         if not named:
             raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice")
         return named
     return tools
 
 
-def chat_job(req: ChatRequest, eng: Any, limits: Limits) -> Job:
+def chat_job(req: ChatRequest, eng: Any, limits: Limits, raw_tools: list[dict[str, Any]] | None = None) -> Job:
     """The Job of a chat request: its messages and tools rendered by `eng.render_chat` (the model's
-    chat template, tools kept by `chat.tools_allow`)."""
+    chat template, tools kept by `chat.tools_allow`). `raw_tools` are `req.tools` as decoded
+    without a type (the keys in the client's order); default: `req.tools` re-encoded."""
     if not req.messages:
         raise BadRequest("messages is empty: give at least one message", "messages")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
     kw = _sampling(req, limits, req.max_tokens if req.max_tokens is not None else req.max_completion_tokens)
     messages = [_message(m, i) for i, m in enumerate(req.messages)]
-    tools = [msgspec.to_builtins(t) for t in _tools(req)]
+    if raw_tools is None or len(raw_tools) != len(req.tools or []):
+        raw_tools = [msgspec.to_builtins(t) for t in req.tools or []]
+    tools = _tools(req, raw_tools)
     try:
         prompt = eng.render_chat(messages, tools or None)
     except ChatError as e:

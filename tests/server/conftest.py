@@ -1,0 +1,81 @@
+"""A qnpipe server on a free loopback port, run in a thread of the test process, and its clients."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from qnpipe.cli.common import DEMO_MODEL_DIR
+from qnpipe.server.run import ServerOptions, serve_engine
+
+MODEL = DEMO_MODEL_DIR  # the shipped tiny trained model: it has a chat template with tools
+
+
+class ServerThread:
+    """`with ServerThread(opts) as srv:` — the engine and the server in one trio run on a thread; `srv.url`."""
+
+    def __init__(self, opts: ServerOptions | None = None, model_dir: Path = MODEL,
+                 wrap: Callable[[Any], Any] | None = None, **overrides: Any) -> None:
+        self.opts = opts or ServerOptions(port=0)
+        self.model_dir = model_dir
+        self.wrap = wrap
+        self.overrides = overrides
+        self._ready: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self.engine: Any = None
+        self._thread = threading.Thread(target=self._run, name="qnpipe-test-server", daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            from qnpipe.embed import open_engine
+
+            self._token = trio.lowlevel.current_trio_token()
+            self._stop = trio.Event()
+            async with open_engine(self.model_dir, **self.overrides) as eng, trio.open_nursery() as nursery:
+                self.engine = self.wrap(eng) if self.wrap is not None else eng
+                binds = await nursery.start(lambda task_status: serve_engine(
+                    self.engine, self.model_dir, self.opts, shutdown=self._stop.wait, task_status=task_status))
+                self._ready.set_result(binds)
+
+        try:
+            trio.run(main)
+        except BaseException as e:
+            if not self._ready.done():
+                self._ready.set_exception(e)
+            else:
+                raise
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        self.url = self._ready.result(timeout=120)[0]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._token is not None and self._stop is not None
+        self._token.run_sync_soon(self._stop.set)
+        self._thread.join(timeout=60)
+        assert not self._thread.is_alive(), "the server did not stop"
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` (a coroutine function) run in the server's trio loop; its result."""
+        assert self._token is not None
+        return trio.from_thread.run(fn, *args, trio_token=self._token)
+
+    def client(self, **kw: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "unused"),
+                             max_retries=kw.pop("max_retries", 0), timeout=kw.pop("timeout", 60), **kw)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    with ServerThread() as srv:
+        yield srv
