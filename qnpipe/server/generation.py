@@ -83,7 +83,7 @@ async def run_job(eng: Any, job: Job, ids: list[int], on_content: Callable[[str]
                 stop_scope.cancel()  # a stop string: the generation ends at its next layer
 
         res = await eng.generate(ids, max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p,
-                                 seed=job.seed, on_text=on_text, partial=partial)
+                                 seed=job.seed, stop_at_eos=not job.ignore_eos, on_text=on_text, partial=partial)
     if rest := gate.finish():
         on_content(rest)
     content = gate.content
@@ -124,9 +124,9 @@ class GenerationResponse:
         status = 499  # the client left before an answer started
 
         async def tracked(msg: MutableMapping[str, Any]) -> None:
-            await send(msg)
             if msg["type"] == "http.response.body" and not msg.get("more_body", False):
-                self.finished = True
+                self.finished = True  # from here on, the server may report the connection's end
+            await send(msg)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch, receive, nursery.cancel_scope)

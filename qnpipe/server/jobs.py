@@ -50,6 +50,7 @@ class Job:
     tools: bool  # parse tool calls out of the output
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
     echo: str = ""  # completions' echo=true: the prompt text, sent before the output
 
 
@@ -78,7 +79,7 @@ def _sampling(req: ChatRequest | CompletionRequest, limits: Limits, max_tokens: 
         raise BadRequest("stop: a stop string is empty", "stop")
     return {"max_tokens": max_tokens, "temperature": _check(check_temperature, req.temperature, "temperature"),
             "top_p": _check(check_top_p, req.top_p, "top_p"), "seed": _check(check_seed, req.seed, "seed"),
-            "stops": stops, "stream": req.stream,
+            "stops": stops, "stream": req.stream, "ignore_eos": req.ignore_eos,
             "include_usage": bool(req.stream_options and req.stream_options.include_usage)}
 
 

@@ -78,6 +78,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    ignore_eos: bool = False  # an extension (as vLLM's): run to max_tokens past EOS (benchmarks)
 
 
 class ChatRequest(_Sampling, kw_only=True):
