@@ -37,11 +37,11 @@ class ServerThread:
             from qnpipe.embed import open_engine
 
             self._token = trio.lowlevel.current_trio_token()
-            self._stop = trio.Event()
+            self._stop = stop = trio.Event()
             async with open_engine(self.model_dir, **self.overrides) as eng, trio.open_nursery() as nursery:
                 self.engine = self.wrap(eng) if self.wrap is not None else eng
                 binds = await nursery.start(lambda task_status: serve_engine(
-                    self.engine, self.model_dir, self.opts, shutdown=self._stop.wait, task_status=task_status))
+                    self.engine, self.model_dir, self.opts, shutdown=stop.wait, task_status=task_status))
                 self._ready.set_result(binds)
 
         try:
