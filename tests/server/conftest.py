@@ -30,6 +30,8 @@ class ServerThread:
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
         self.engine: Any = None
+        self._done = threading.Event()
+        self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="qnpipe-test-server", daemon=True)
 
     def _run(self) -> None:
@@ -50,7 +52,12 @@ class ServerThread:
             if not self._ready.done():
                 self._ready.set_exception(e)
             else:
-                raise
+                self.error = e
+        finally:
+            self._done.set()
+        # Park, never end: MLX objects freed on this thread gave it thread-local state whose destructors,
+        # run when a thread ends, abort the process if the interpreter is finalizing (see qnpipe.mlx_thread).
+        threading.Event().wait()
 
     def __enter__(self) -> ServerThread:
         self._thread.start()
@@ -60,8 +67,14 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         assert self._token is not None and self._stop is not None
         self._token.run_sync_soon(self._stop.set)
-        self._thread.join(timeout=60)
-        assert not self._thread.is_alive(), "the server did not stop"
+        assert self._done.wait(timeout=60), "the server did not stop"
+        if self.error is not None:
+            raise self.error
+
+    @property
+    def token(self) -> trio.lowlevel.TrioToken:
+        assert self._token is not None
+        return self._token
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` (a coroutine function) run in the server's trio loop; its result."""
