@@ -14,7 +14,6 @@ from collections.abc import Mapping
 STREAMING_POOL = "the streaming expert pool (issue 9)"
 SIDE_REGION = "the pool's side region (speculative slots)"
 PREFETCH = "routing prediction and prefetch (predictor, read_scheduler)"
-PREFIX = "prefix snapshots"
 MTP = "MTP self-speculative decoding"
 KV_QUANT = "KV-cache quantization"
 PROBES = "the diagnostic probes (recorder's event log)"
@@ -29,8 +28,6 @@ NOT_YET_IMPLEMENTED: Mapping[str, str] = {
     "memory.mlx_wired_limit_gb": MEMORY,
     "pool.side_region_zerocopy": SIDE_REGION,
     "predict.candidate_mult": PREFETCH,
-    "prefix.snapshot_head_tokens": PREFIX,
-    "prefix.max_entries": PREFIX,
     **{f"mtp.{f}": MTP for f in (
         "enabled", "verify_mode", "hidden", "num_draft_tokens", "adaptive_depth", "conf_tau", "depth_max",
         "adaptive_rescue", "tree_top2", "tree_top2_p1", "tree_verify", "tree_branches")},

@@ -186,6 +186,7 @@ class PrefixCfg(_Section, frozen=True):
     # An agent's ~2600-token system+tools head took 158 s to prefill.
     snapshot_head_tokens: Annotated[NonNegInt, _doc("snapshot model state after the first N prompt tokens (0 = off)")] = 2048
     max_entries: Annotated[PosInt, _doc("snapshots kept (LRU, tens of MB each)")] = 4
+    snapshot_dir: Annotated[str, _doc("directory of head snapshots shared across processes (empty = memory only)")] = ""
 
 
 class ChatCfg(_Section, frozen=True):

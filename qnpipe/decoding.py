@@ -20,6 +20,8 @@ from qnpipe.actors.forward import Forward
 from qnpipe.mlx_thread import MLXThread, run_on
 from qnpipe.model.decode import chunks
 from qnpipe.model.qwen3_next import Model
+from qnpipe.prefix import PrefixCache
+from qnpipe.prefix import resume as resume_prefix
 from qnpipe.stats import FinishReason, GenerateResult, GenerateStats
 
 TextCallback = Callable[[str], None]
@@ -35,6 +37,30 @@ async def logits(fwd: Forward, thread: MLXThread, model: Model, tokens: Sequence
 
     out = [await fwd.run(_span(ids, lo, hi), cache, tail) for lo, hi in chunks(len(tokens), chunk)]
     return np.concatenate(out, axis=0) if len(out) > 1 else out[0]
+
+
+async def next_logits(fwd: Forward, thread: MLXThread, model: Model, tokens: Sequence[int], chunk: int,
+                      prefix: PrefixCache | None = None) -> np.ndarray:
+    """Logits `(V,)` float32 of the token after `tokens`, resumed from a prefix snapshot when one fits."""
+    cache = await run_on(thread, model.make_cache)
+    ids = await run_on(thread, _ids, tokens)
+    plan = await prefix.plan(thread, tokens, chunk) if prefix is not None else None
+    if plan is not None:
+        await resume_prefix(thread, plan, cache)
+    spans = plan.spans if plan is not None else chunks(len(tokens), chunk)
+
+    def tail(h: mx.array) -> np.ndarray:
+        return np.array(model.head(h[:, -1, :])[0].astype(mx.float32))
+
+    def settle(h: mx.array) -> None:
+        mx.eval(h, [c.state for c in cache])
+
+    out: Any = None
+    for i, (lo, hi) in enumerate(spans):
+        out = await fwd.run(_span(ids, lo, hi), cache, tail if i == len(spans) - 1 else settle)
+        if plan is not None and prefix is not None:
+            await prefix.reached(thread, plan, hi, cache)
+    return out
 
 
 def _ids(tokens: Sequence[int]) -> mx.array:
@@ -84,19 +110,25 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
                    max_tokens: int, temperature: float, top_p: float, seed: int | None, eos: set[int],
                    chunk: int, on_text: TextCallback | None = None,
                    on_prefill: Callable[[int, int], None] | None = None,
-                   partial: list[int] | None = None) -> GenerateResult:
+                   partial: list[int] | None = None, prefix: PrefixCache | None = None) -> GenerateResult:
     """Sample up to `max_tokens` tokens after `tokens`; stops at a token in `eos`.
 
     `partial`, when given, receives each token as it is produced (what a caller still
-    has after a cancellation).
+    has after a cancellation). `prefix` resumes the prompt from a kept state of its head
+    and keeps new ones (qnpipe.prefix).
     """
     t0 = trio.current_time()
     s = await run_on(thread, _start, model, temperature, top_p, seed)
     ids = await run_on(thread, _ids, tokens)
-    spans = chunks(len(tokens), chunk)
+    plan = await prefix.plan(thread, tokens, chunk) if prefix is not None else None
+    if plan is not None:
+        await resume_prefix(thread, plan, s.cache)
+    spans = plan.spans if plan is not None else chunks(len(tokens), chunk)
     y: mx.array | None = None
     for i, (lo, hi) in enumerate(spans):
         y = await fwd.run(_span(ids, lo, hi), s.cache, s.sample if i == len(spans) - 1 else s.settle)
+        if plan is not None and prefix is not None:
+            await prefix.reached(thread, plan, hi, s.cache)
         if on_prefill is not None:
             on_prefill(hi, len(tokens))
     assert y is not None
@@ -144,5 +176,6 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
         prefill_tok_s=len(tokens) / prefill_s if prefill_s > 0 else 0.0,
         decode_tok_s=(n - 1) / decode_s if decode_s > 0 and n > 1 else 0.0,
         peak_memory_bytes=int(peak), finish_reason=reason,
+        prefix_tokens_reused=plan.start if plan is not None else 0,
     )
     return GenerateResult(tokens=tuple(out), text=text, stats=stats)

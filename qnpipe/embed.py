@@ -24,6 +24,8 @@ from qnpipe.config import Config
 from qnpipe.engine import Core, Pipeline, build_core, open_core_pipeline
 from qnpipe.io.reader import ExpertReader
 from qnpipe.mlx_thread import MLXThread, run_on
+from qnpipe.prefix import PrefixCache
+from qnpipe.snapshots import engine_fingerprint
 from qnpipe.stats import EngineStats, GenerateResult, LayerPoolStats, PoolStats, UnionProf
 from qnpipe.validate import check_generate_args
 
@@ -72,6 +74,7 @@ class _Runtime:
         resident = core.runner.loaded.experts.nbytes
         self.totals = EngineStats(resident_expert_bytes=resident,
                                   expert_source="resident" if core.streaming is None else "pool")
+        self.prefix = PrefixCache(core.cfg.prefix, lambda: engine_fingerprint(core))
 
     def ids(self, prompt: Prompt) -> list[int]:
         runner = self.core.runner
@@ -89,7 +92,8 @@ class _Runtime:
                 self.pipe.forward, self.thread, runner.loaded.model, runner.tokenizer, ids,
                 max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_p=kw["top_p"], seed=kw["seed"],
                 eos=runner.eos_ids if kw["stop_at_eos"] else set(), chunk=self.core.cfg.forward.prefill_chunk_tokens,
-                on_text=on_text, on_prefill=on_prefill, partial=partial)
+                on_text=on_text, on_prefill=on_prefill, partial=partial,
+                prefix=self.prefix if self.prefix.enabled else None)
             self.totals = self.totals.add(res.stats)
             return res
 
@@ -99,10 +103,20 @@ class _Runtime:
             return await decoding.logits(self.pipe.forward, self.thread, self.core.runner.loaded.model, ids,
                                          self.core.cfg.forward.prefill_chunk_tokens)
 
+    async def next_logits(self, prompt: Prompt) -> np.ndarray:
+        async with self.lock:
+            ids = await run_on(self.thread, self.ids, prompt)
+            return await decoding.next_logits(self.pipe.forward, self.thread, self.core.runner.loaded.model, ids,
+                                              self.core.cfg.forward.prefill_chunk_tokens,
+                                              self.prefix if self.prefix.enabled else None)
+
     def stats(self) -> EngineStats:
+        totals = self.totals
+        if self.prefix.enabled:
+            totals = msgspec.structs.replace(totals, prefix=self.prefix.current_stats())
         pol = self.pipe.policy
         if pol is None:
-            return self.totals
+            return totals
         fs = self.pipe.forward.stats
         rs = self.pipe.read_stats
         ps = self.pipe.predictor_stats
@@ -142,7 +156,7 @@ class _Runtime:
                          stall_s_by_layer=dict(fs.stall_by_layer),
                          union_prof=tuple(UnionProf(tokens=n, layer=ly, layer_steps=c, mean_union=s / c, max_union=mx)
                                           for (n, ly), (c, s, mx) in sorted(fs.union_sizes.items())))
-        return msgspec.structs.replace(self.totals, expert_bytes_read=rs.bytes_read,
+        return msgspec.structs.replace(totals, expert_bytes_read=rs.bytes_read,
                                        expert_misses_by_cause=by_cause, pool=pool)
 
 
@@ -168,6 +182,10 @@ class AsyncEngine:
     async def logits(self, prompt: Prompt) -> np.ndarray:
         """Logits `(len, vocab)` float32 of `prompt` (text or token ids) as a fresh sequence."""
         return await self._rt.logits(prompt)
+
+    async def next_logits(self, prompt: Prompt) -> np.ndarray:
+        """Logits `(vocab,)` float32 of the token after `prompt`, using and keeping prefix snapshots as `generate` does."""
+        return await self._rt.next_logits(prompt)
 
     async def generate(self, prompt: Prompt, *, max_tokens: int = 64, temperature: float = 0.0,
                        top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
@@ -330,6 +348,10 @@ class Engine:
     def logits(self, prompt: Prompt) -> np.ndarray:
         """Logits `(len, vocab)` float32 of `prompt` (text or token ids) as a fresh sequence."""
         return self._call(self._eng.logits, prompt)
+
+    def next_logits(self, prompt: Prompt) -> np.ndarray:
+        """Logits `(vocab,)` float32 of the token after `prompt` (prefix snapshots used as in `generate`)."""
+        return self._call(self._eng.next_logits, prompt)
 
     def generate(self, prompt: Prompt, *, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop_at_eos: bool = True,

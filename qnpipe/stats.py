@@ -23,6 +23,7 @@ class GenerateStats(msgspec.Struct, frozen=True, kw_only=True):
     decode_tok_s: float
     peak_memory_bytes: int
     finish_reason: FinishReason
+    prefix_tokens_reused: int = 0  # prompt tokens resumed from a prefix snapshot (not prefilled)
 
 
 class LayerPoolStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,6 +97,27 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     union_prof: tuple[UnionProf, ...] = ()
 
 
+class PrefixStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefix snapshots since the engine opened (qnpipe.prefix).
+
+    `hits` resumed a prompt from a kept state (`disk_loads` of them read from the snapshot
+    directory), `misses` found none; `tokens_reused` prompt tokens not prefilled again;
+    `captures` states taken, `disk_writes` head states written, `evictions` states the LRU
+    dropped, `ignored_files` stale or corrupt files skipped; `entries`/`bytes` kept now.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    tokens_reused: int = 0
+    disk_loads: int = 0
+    disk_writes: int = 0
+    captures: int = 0
+    evictions: int = 0
+    ignored_files: int = 0
+    entries: int = 0
+    bytes: int = 0
+
+
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Totals since the engine opened.
 
@@ -116,6 +138,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     expert_bytes_read: int = 0
     expert_misses_by_cause: dict[str, int] = msgspec.field(default_factory=dict)
     pool: PoolStats | None = None
+    prefix: PrefixStats | None = None  # None when prefix snapshots are off
 
     def add(self, g: GenerateStats) -> EngineStats:
         decode_s = self.decode_s + g.decode_s

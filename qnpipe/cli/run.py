@@ -11,10 +11,8 @@ from qnpipe.cli.common import (
     DEMO_MODEL_DIR,
     add_config_flags,
     add_gen_flags,
-    echo,
     load_config,
     precheck_model,
-    print_stats,
     run_generate,
     text_arg,
 )
@@ -76,69 +74,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     precheck_model(args.model_dir, cfg)
+    from qnpipe.cli.chat_session import ChatSession
     from qnpipe.embed import Engine
 
-    messages: list[dict[str, Any]] = [{"role": "system", "content": args.system}] if args.system else []
     with Engine(args.model_dir, cfg) as eng:
-        print("chat: type a message; /reset clears the conversation, /quit or Ctrl-D leaves "
-              "(start a line with // to send one beginning with /).", file=sys.stderr)
-        while True:
-            try:
-                line = input("you> ")
-            except EOFError:
-                print(file=sys.stderr)
-                return 0
-            except UnicodeDecodeError as e:
-                print(f"qnpipe chat: error: the input line is not valid UTF-8 (byte 0x{e.object[e.start]:02x}); "
-                      f"not sent", file=sys.stderr)
-                continue
-            from qnpipe.validate import check_text
-
-            try:
-                check_text(line, "the input line")
-            except ValueError as e:
-                print(f"qnpipe chat: error: {e}; not sent", file=sys.stderr)
-                continue
-            cmd = line.strip()
-            if not cmd:
-                continue
-            if cmd in ("/quit", "/exit"):
-                return 0
-            if cmd == "/reset":
-                messages = messages[:1] if args.system else []
-                continue
-            if cmd.startswith("//"):
-                line = line.lstrip()[1:]
-            elif cmd.startswith("/"):
-                print(f"qnpipe chat: unknown command {cmd.split()[0]} (commands: /reset, /quit, /exit; "
-                      f"start the line with // to send it as text)", file=sys.stderr)
-                continue
-            messages.append({"role": "user", "content": line})
-            sys.stdout.write("assistant> ")
-            pieces: list[str] = []
-
-            def show(piece: str, pieces: list[str] = pieces) -> None:
-                pieces.append(piece)
-                echo(piece)
-
-            try:
-                res = eng.generate(eng.render_chat(messages), max_tokens=args.max_tokens,
-                                   temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                   on_text=show)
-            except KeyboardInterrupt:
-                # Ctrl-C during an answer: the engine stopped it at its next layer and stays usable.
-                # The conversation keeps the part the user saw; back to the prompt.
-                print()
-                print("[answer interrupted]", file=sys.stderr)
-                if pieces:
-                    messages.append({"role": "assistant", "content": "".join(pieces)})
-                else:
-                    messages.pop()
-                continue
-            print()
-            if args.verbose:
-                print_stats(res.stats)
-            messages.append({"role": "assistant", "content": res.text})
+        return ChatSession(eng, args).run()
 
 
 def register(sub: Any, fmt: Any) -> None:
@@ -170,7 +110,15 @@ def register(sub: Any, fmt: Any) -> None:
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat with the model's chat template", formatter_class=fmt,
-                       description="Multi-turn chat on the terminal. /reset clears the history; /quit leaves.")
+                       description="Multi-turn chat on the terminal, the answer streamed as it is generated.\n"
+                       "Each turn resumes from the previous turn's state (prefix snapshots, docs/chat.md).\n"
+                       "Commands: /reset clears the turns, /system [TEXT] shows or sets the system message,\n"
+                       "/stats prints the figures (snapshots, peak memory, pool), /save FILE and /load FILE\n"
+                       "store and restore the conversation (JSON), /help, /quit or Ctrl-D leaves.\n"
+                       "Ctrl-C stops the answer being generated and returns to the prompt.",
+                       epilog="examples:\n  qnpipe chat MODEL_DIR --system 'You are terse.'\n"
+                       "  qnpipe chat MODEL_DIR -n 256 --temperature 0.7 --seed 1\n"
+                       "  qnpipe chat MODEL_DIR --set prefix.snapshot_dir=~/.cache/qnpipe-snaps   (reuse heads across runs)")
     c.add_argument("model_dir", metavar="MODEL_DIR")
     c.add_argument("--system", type=text_arg(allow_empty=True), help="system message")
     c.add_argument("-v", "--verbose", action="store_true", help="print stats after each answer")

@@ -1,0 +1,275 @@
+"""Snapshots of the whole model state after a prompt head, in memory and on disk (MLX thread only).
+
+A `Snapshot` is every layer's cache at one point of a prefill: the attention layers' keys
+and values up to the offset, the Gated DeltaNet layers' conv and recurrent state (and any
+cache kind that implements `SnapshotState`, such as the quantized KV cache). Restoring
+it gives a cache that computes exactly what the captured one would have: same arrays,
+same offsets (qnpipe.prefix decides when to capture and resume).
+
+File format (`save` / `load`), little-endian:
+
+    MAGIC (8 bytes) | header length (u64) | header (msgpack, `FileHeader`) | blob
+
+The blob is every array's raw bytes in header order; the header has the format version,
+the model fingerprint, the token ids' hash and count, and the blob's crc32. A file of
+another version or model, or one that does not check, raises SnapshotError naming it.
+Files are written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, cast, runtime_checkable
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from qnpipe.errors import SnapshotError
+
+MAGIC = b"QNSNAP\x00\x01"
+FORMAT_VERSION = 1
+_LEN = struct.Struct("<Q")
+
+
+@runtime_checkable
+class SnapshotState(Protocol):
+    """A cache kind other than mlx-lm's KVCache / ArraysCache that can be snapshotted."""
+
+    def snapshot(self) -> LayerState: ...
+
+    @classmethod
+    def restore(cls, state: LayerState) -> Any: ...
+
+
+class LayerState(msgspec.Struct, frozen=True):
+    """One layer's cache: its `kind`, arrays (evaluated, not shared with a live cache) and token offset."""
+
+    kind: str
+    arrays: tuple[Any, ...]  # mx.array each
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+
+class Snapshot(msgspec.Struct, frozen=True):
+    """The model state after `n_tokens` tokens: one LayerState per layer."""
+
+    n_tokens: int
+    layers: tuple[LayerState, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.layers)
+
+
+# Cache kinds restored by a class of another module (the quantized KV cache registers itself).
+_RESTORERS: dict[str, type[SnapshotState]] = {}
+
+
+def register_kind(kind: str, cls: type[SnapshotState]) -> None:
+    """Make `restore` rebuild layers of `kind` with `cls.restore`."""
+    _RESTORERS[kind] = cls
+
+
+def token_key(tokens: Sequence[int]) -> str:
+    """sha256 (hex) of the token ids (as little-endian u32) and their count: the snapshot's key."""
+    ids = np.asarray(list(tokens), dtype="<u4")
+    return hashlib.sha256(_LEN.pack(len(ids)) + ids.tobytes()).hexdigest()
+
+
+def capture(cache: Sequence[Any], n_tokens: int) -> Snapshot:
+    """A snapshot of `cache` (one entry per layer) after `n_tokens` tokens, evaluated."""
+    layers: list[LayerState] = []
+    for i, c in enumerate(cache):
+        if isinstance(c, KVCache):
+            keys, values = c.keys, c.values
+            if keys is None or values is None:
+                raise SnapshotError(f"layer {i}: the KV cache is empty (nothing to snapshot)")
+            off = c.offset
+            # Slices, not the buffers: the live cache keeps writing into its buffers.
+            layers.append(LayerState("kv", (keys[..., :off, :], values[..., :off, :]), off))
+        elif isinstance(c, ArraysCache):
+            arrays = [a for a in c.cache if a is not None]
+            if len(arrays) != len(c.cache) or c.lengths is not None or c.left_padding is not None:
+                raise SnapshotError(f"layer {i}: the linear-attention cache is not a plain single-sequence state")
+            layers.append(LayerState("arrays", tuple(mx.array(a) for a in arrays), n_tokens))
+        elif isinstance(c, SnapshotState):
+            layers.append(c.snapshot())
+        else:
+            raise SnapshotError(f"layer {i}: cannot snapshot a cache of type {type(c).__name__}")
+    mx.eval([s.arrays for s in layers])
+    return Snapshot(n_tokens, tuple(layers))
+
+
+def restore(snap: Snapshot) -> list[Any]:
+    """A fresh cache list in the state of `snap` (the snapshot stays valid: nothing is shared to write into)."""
+    out: list[Any] = []
+    for s in snap.layers:
+        if s.kind == "kv":
+            c = KVCache()
+            # Exactly `offset` long: the next update grows it into a new buffer.
+            c.keys, c.values = (mx.array(a) for a in s.arrays)
+            c.offset = s.offset
+            out.append(c)
+        elif s.kind == "arrays":
+            a = ArraysCache(size=len(s.arrays))
+            a.cache = [mx.array(x) for x in s.arrays]
+            out.append(a)
+        elif s.kind in _RESTORERS:
+            out.append(_RESTORERS[s.kind].restore(s))
+        else:
+            raise SnapshotError(f"unknown cache kind {s.kind!r} in a snapshot")
+    return out
+
+
+def model_fingerprint(model: Any, extra: str = "") -> str:
+    """sha256 (hex) naming the weights a state belongs to: every non-expert parameter's name, shape,
+    dtype and first values, plus `extra` (the model's shape id, the KV-cache settings).
+
+    Cheap (a few values per array) and different for any two checkpoints that differ in their
+    dense weights; the routed experts are not part of it.
+    """
+    from mlx.utils import tree_flatten
+
+    h = hashlib.sha256(extra.encode())
+    params = sorted(cast(list[tuple[str, Any]], tree_flatten(model.parameters())), key=lambda kv: kv[0])
+    heads = [p.reshape(-1)[:16] for _, p in params]
+    mx.eval(heads)
+    for (name, p), head in zip(params, heads, strict=True):
+        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
+        h.update(_raw(head).tobytes())
+    return h.hexdigest()
+
+
+def engine_fingerprint(core: Any) -> str:
+    """The fingerprint of an engine's states (a qnpipe.engine.Core): its weights, shape and KV-cache settings."""
+    from qnpipe.model.args import model_id
+
+    kv = msgspec.json.encode(core.cfg.kv).decode()
+    return model_fingerprint(core.runner.loaded.model, extra=f"{model_id(core.args)}|kv={kv}")
+
+
+# --------------------------------------------------------------------------- files
+
+
+class ArrayHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class LayerHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    kind: str
+    offset: int
+    arrays: tuple[ArrayHeader, ...]
+
+
+class FileHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    format_version: int
+    fingerprint: str
+    tokens_sha256: str
+    n_tokens: int
+    layers: tuple[LayerHeader, ...]
+    blob_bytes: int
+    blob_crc32: int
+
+
+_DTYPES: dict[str, Any] = {str(d): d for d in (
+    mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32, mx.int64,
+    mx.float16, mx.bfloat16, mx.float32)}
+_UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+def _raw(a: Any) -> np.ndarray:
+    """The bytes of `a` as a numpy unsigned array (numpy has no bfloat16)."""
+    if a.dtype == mx.bool_:
+        a = a.astype(mx.uint8)
+    return np.array(a.view(_UINT_OF_SIZE[a.dtype.size]))
+
+
+def save(path: str | os.PathLike[str], snap: Snapshot, key: str, fingerprint: str) -> int:
+    """Write `snap` (the state after the tokens whose `token_key` is `key`) atomically; returns the bytes written."""
+    path = Path(path)
+    raws = [[_raw(a) for a in s.arrays] for s in snap.layers]
+    crc = 0
+    total = 0
+    for layer in raws:
+        for r in layer:
+            crc = zlib.crc32(r.data, crc)
+            total += r.nbytes
+    header = FileHeader(
+        format_version=FORMAT_VERSION, fingerprint=fingerprint, tokens_sha256=key, n_tokens=snap.n_tokens,
+        layers=tuple(LayerHeader(s.kind, s.offset, tuple(ArrayHeader(str(a.dtype), tuple(a.shape), r.nbytes)
+                                                         for a, r in zip(s.arrays, layer, strict=True)))
+                     for s, layer in zip(snap.layers, raws, strict=True)),
+        blob_bytes=total, blob_crc32=crc)
+    head = msgspec.msgpack.encode(header)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + _LEN.pack(len(head)) + head)
+            for layer in raws:
+                for r in layer:
+                    f.write(r.data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return len(MAGIC) + _LEN.size + len(head) + total
+
+
+def load(path: str | os.PathLike[str], key: str, fingerprint: str) -> Snapshot:
+    """The snapshot in `path`; SnapshotError naming the file when it is not a valid snapshot of `key` for this model."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise SnapshotError(f"{path}: cannot read ({e.strerror or e})") from None
+    pre = len(MAGIC) + _LEN.size
+    if len(data) < pre or data[:len(MAGIC)] != MAGIC:
+        raise SnapshotError(f"{path}: not a qnpipe snapshot (bad magic)")
+    (hlen,) = _LEN.unpack_from(data, len(MAGIC))
+    if pre + hlen > len(data):
+        raise SnapshotError(f"{path}: truncated header ({len(data)} bytes, header needs {pre + hlen})")
+    try:
+        h = msgspec.msgpack.decode(data[pre:pre + hlen], type=FileHeader)
+    except msgspec.DecodeError as e:
+        raise SnapshotError(f"{path}: corrupt header ({e})") from None
+    if h.format_version != FORMAT_VERSION:
+        raise SnapshotError(f"{path}: format version {h.format_version}, this qnpipe reads {FORMAT_VERSION}")
+    if h.fingerprint != fingerprint:
+        raise SnapshotError(f"{path}: made for another model or KV-cache setting "
+                            f"(fingerprint {h.fingerprint[:12]}, this model {fingerprint[:12]})")
+    if h.tokens_sha256 != key:
+        raise SnapshotError(f"{path}: holds the state of other tokens (key {h.tokens_sha256[:12]})")
+    blob = memoryview(data)[pre + hlen:]
+    if len(blob) != h.blob_bytes:
+        raise SnapshotError(f"{path}: {len(blob)} bytes of arrays, the header says {h.blob_bytes} (truncated?)")
+    if zlib.crc32(blob) != h.blob_crc32:
+        raise SnapshotError(f"{path}: crc32 mismatch (corrupt)")
+    layers: list[LayerState] = []
+    pos = 0
+    for i, lh in enumerate(h.layers):
+        arrays = []
+        for ah in lh.arrays:
+            dtype = _DTYPES.get(ah.dtype)
+            if dtype is None or ah.nbytes != int(np.prod(ah.shape)) * dtype.size:
+                raise SnapshotError(f"{path}: layer {i}: bad array {ah.dtype} {ah.shape} of {ah.nbytes} bytes")
+            udt = np.dtype(f"<u{dtype.size}")
+            raw = np.frombuffer(blob[pos:pos + ah.nbytes], dtype=udt).reshape(ah.shape)
+            pos += ah.nbytes
+            a = mx.array(raw).view(dtype) if dtype != mx.bool_ else mx.array(raw).astype(mx.bool_)
+            arrays.append(a)
+        layers.append(LayerState(lh.kind, tuple(arrays), lh.offset))
+    mx.eval([s.arrays for s in layers])
+    return Snapshot(h.n_tokens, tuple(layers))
