@@ -1,9 +1,9 @@
 """The server's counters and the Prometheus text exposition of them and of the engine's stats.
 
 The engine's figures are taken from `AsyncEngine.stats()` when /metrics is read: every
-numeric field of EngineStats (and of its pool stats when experts stream) is exported, so
-figures other features add there (snapshot hits, MTP acceptance) appear without a change
-here; the misses by cause are one labelled family.
+numeric field of EngineStats and of each of its parts (`pool` when experts stream, `prefix`
+when snapshots are on, ...) is exported, so figures other features add there (MTP
+acceptance) appear without a change here; the misses by cause are one labelled family.
 """
 
 from __future__ import annotations
@@ -83,9 +83,17 @@ def render(metrics: Metrics, sched: Scheduler, stats: Any) -> str:
              [({"cause": k}, v) for k, v in sorted(stats.expert_misses_by_cause.items())])
     t.family("qnpipe_expert_bytes_read_total", "counter", "bytes of expert records read",
              [({}, stats.expert_bytes_read)])
+    prefix = getattr(stats, "prefix", None)
+    t.family("qnpipe_snapshot_hits_total", "counter", "prompts resumed from a prefix snapshot",
+             [({}, prefix.hits if prefix is not None else 0)])
+    t.family("qnpipe_snapshot_tokens_reused_total", "counter", "prompt tokens resumed, not prefilled again",
+             [({}, prefix.tokens_reused if prefix is not None else 0)])
     for name, v in _numeric_fields(stats):
         t.family(f"qnpipe_engine_{name}", "gauge", f"EngineStats.{name} since the engine opened", [({}, v)])
-    if pool is not None:
-        for name, v in _numeric_fields(pool):
-            t.family(f"qnpipe_pool_{name}", "gauge", f"PoolStats.{name} since the engine opened", [({}, v)])
+    for f in msgspec.structs.fields(stats):  # pool, prefix, and whatever part later features add
+        part = getattr(stats, f.name)
+        if isinstance(part, msgspec.Struct):
+            for name, v in _numeric_fields(part):
+                t.family(f"qnpipe_{f.name}_{name}", "gauge", f"EngineStats.{f.name}.{name} since the engine opened",
+                         [({}, v)])
     return "\n".join(t.lines) + "\n"
