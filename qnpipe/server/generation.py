@@ -121,9 +121,13 @@ class GenerationResponse:
             sv.metrics.request(self.endpoint, 429)
             await send_json(send, 429, error_body(429, str(e)), [(b"retry-after", str(e.retry_after).encode())])
             return
-        status = 499  # the client left before an answer started
+        started = False
 
         async def tracked(msg: MutableMapping[str, Any]) -> None:
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True  # counted before it is sent: a client reading /metrics next sees it
+                sv.metrics.request(self.endpoint, msg["status"])
             if msg["type"] == "http.response.body" and not msg.get("more_body", False):
                 self.finished = True  # from here on, the server may report the connection's end
             await send(msg)
@@ -132,13 +136,11 @@ class GenerationResponse:
             nursery.start_soon(self._watch, receive, nursery.cancel_scope)
             try:
                 async with sv.sched.turn():
-                    status = await self._answer(tracked)
+                    await self._answer(tracked)
             finally:
                 nursery.cancel_scope.cancel()
-        if self.disconnected:
-            sv.metrics.disconnects += 1
-            status = 499
-        sv.metrics.request(self.endpoint, status)
+        if not started:
+            sv.metrics.request(self.endpoint, 499)  # the client left before an answer started
 
     async def _watch(self, receive: Receive, scope: trio.CancelScope) -> None:
         while True:
@@ -146,29 +148,30 @@ class GenerationResponse:
             if msg["type"] == "http.disconnect":
                 if not self.finished:  # the server also reports the end of a connection it answered
                     self.disconnected = True
+                    self.served.metrics.disconnects += 1
                     scope.cancel()
                 return
 
-    async def _answer(self, send: Send) -> int:
+    async def _answer(self, send: Send) -> None:
         sv, job = self.served, self.job
         try:
             ids = await self._ids()
         except BadRequest as e:
             await send_json(send, 400, error_body(400, str(e), e.param))
-            return 400
+            return
         sv.metrics.generations += 1
         sv.metrics.prompt_tokens += len(ids)
         if job.stream:
-            return await self._stream(send, ids)
+            await self._stream(send, ids)
+            return
         pieces: list[str] = []
         try:
             out = await run_job(sv.engine, job, ids, pieces.append)
         except (QnpipeError, ValueError) as e:
             await send_json(send, 500, error_body(500, f"generation failed: {e}"))
-            return 500
+            return
         sv.metrics.completion_tokens += out.completion_tokens
         await send_json(send, 200, _ENC.encode(self._whole(out)))
-        return 200
 
     async def _ids(self) -> list[int]:
         eng, job = self.served.engine, self.job
@@ -210,7 +213,7 @@ class GenerationResponse:
                     s.Completion(id=self.rid, created=self.created, model=model, choices=[], usage=usage))
         return b"data: " + _ENC.encode(obj) + b"\n\n"
 
-    async def _stream(self, send: Send, ids: list[int]) -> int:
+    async def _stream(self, send: Send, ids: list[int]) -> None:
         sv, job = self.served, self.job
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
@@ -259,4 +262,3 @@ class GenerationResponse:
                 tail += self._usage_chunk(out.usage)
             await body(tail)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-        return 200 if out is not None else 500
