@@ -29,7 +29,8 @@ def _port(value: int, name: str = "value") -> int:
     return value
 
 
-def _api_key(args: argparse.Namespace) -> str | None:
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key of --api-key or --api-key-file (stripped); None without either. QnpipeError for both or an empty file."""
     if args.api_key and args.api_key_file:
         raise QnpipeError("give --api-key or --api-key-file, not both")
     if args.api_key_file:
@@ -48,7 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.default_max_tokens > args.max_tokens_cap:
         raise QnpipeError(f"--default-max-tokens {args.default_max_tokens} is above --max-tokens-cap "
                           f"{args.max_tokens_cap}")
-    opts = ServerOptions(host=args.host, port=args.port, api_key=_api_key(args), max_queue=args.max_queue,
+    opts = ServerOptions(host=args.host, port=args.port, api_key=api_key(args), max_queue=args.max_queue,
                          limits=Limits(max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens,
                                        max_body_bytes=args.max_body_bytes),
                          model_name=args.model_name)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +63,17 @@ def test_serve_process_answers_then_stops_on_sigint() -> None:
         proc.wait()
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_api_key_file_is_read_and_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from qnpipe.cli.serve_cmd import api_key
+
+    key = tmp_path / "key"
+    key.write_text("  k3y\n")
+    args = build_parser().parse_args(["serve", str(MODEL), "--api-key-file", str(key)])
+    assert api_key(args) == "k3y"
+    key.write_text("\n")
+    assert main(["serve", str(MODEL), "--api-key-file", str(key)]) == 2
+    assert "the API key file is empty" in capsys.readouterr().err
+    assert main(["serve", str(MODEL), "--api-key", "a", "--api-key-file", str(key)]) == 2
+    assert "not both" in capsys.readouterr().err
