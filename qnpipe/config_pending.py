@@ -15,9 +15,7 @@ STREAMING_POOL = "the streaming expert pool (issue 9)"
 SIDE_REGION = "the pool's side region (speculative slots)"
 PREFETCH = "routing prediction and prefetch (predictor, read_scheduler)"
 MTP = "MTP self-speculative decoding"
-KV_QUANT = "KV-cache quantization"
 PROBES = "the diagnostic probes (recorder's event log)"
-MEMORY = "MLX memory limits (the engine does not set them yet)"
 LOADER_PATHS = "the loader (it reads <model_dir>/config.json and <model_dir>/mtp.safetensors)"
 
 NOT_YET_IMPLEMENTED: Mapping[str, str] = {
@@ -25,13 +23,11 @@ NOT_YET_IMPLEMENTED: Mapping[str, str] = {
     "model.config_path": LOADER_PATHS,
     "model.mtp_weights_path": LOADER_PATHS,
     "model.hidden_variant": MTP,
-    "memory.mlx_wired_limit_gb": MEMORY,
     "pool.side_region_zerocopy": SIDE_REGION,
     "predict.candidate_mult": PREFETCH,
     **{f"mtp.{f}": MTP for f in (
         "enabled", "verify_mode", "hidden", "num_draft_tokens", "adaptive_depth", "conf_tau", "depth_max",
         "adaptive_rescue", "tree_top2", "tree_top2_p1", "tree_verify", "tree_branches")},
-    **{f"kv.{f}": KV_QUANT for f in ("quantize", "k_bits", "v_bits", "group_size", "rotate", "rot_seed")},
     **{f"diag.{f}": PROBES for f in (
         "window_prof", "stream_prof", "prefetch_tprof", "miss_attrib",
         "accept_topk")},

@@ -24,6 +24,7 @@ from qnpipe.config import Config
 from qnpipe.engine import Core, Pipeline, build_core, open_core_pipeline
 from qnpipe.io.reader import ExpertReader
 from qnpipe.mlx_thread import MLXThread, run_on
+from qnpipe.model.kvquant import model_bytes_per_token
 from qnpipe.prefix import PrefixCache
 from qnpipe.snapshots import engine_fingerprint
 from qnpipe.stats import EngineStats, GenerateResult, LayerPoolStats, PoolStats, UnionProf
@@ -73,7 +74,9 @@ class _Runtime:
         self.lock = trio.Lock()
         resident = core.runner.loaded.experts.nbytes
         self.totals = EngineStats(resident_expert_bytes=resident,
-                                  expert_source="resident" if core.streaming is None else "pool")
+                                  expert_source="resident" if core.streaming is None else "pool",
+                                  kv_bytes_per_token=model_bytes_per_token(
+                                      core.runner.loaded.model, core.cfg.kv if core.cfg.kv.quantize else None))
         self.prefix = PrefixCache(core.cfg.prefix, lambda: engine_fingerprint(core))
 
     def ids(self, prompt: Prompt) -> list[int]:

@@ -115,20 +115,22 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
     `reader` replaces the SSD reader made from `cfg.read` (fault injection, slow devices);
     the engine closes it with the store.
     """
-    import mlx.core as mx
-
     from qnpipe.io.ssd import SsdReader
+    from qnpipe.memory import apply_memory_limits
     from qnpipe.model.args import read_config
     from qnpipe.model.checkpoint import is_qnpipe_dir
 
-    # Long sessions otherwise keep every freed buffer cached.
-    mx.set_cache_limit(int(cfg.memory.mlx_cache_limit_gb * 2**30))
+    apply_memory_limits(cfg.memory)
     stream = not cfg.pool.eager_load and is_qnpipe_dir(model_dir, read_config(model_dir))
     runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
                     expert_dir=cfg.model.expert_dir or None, resident_experts=not stream,
                     verify=cfg.read.verify_crc32, topk_override=cfg.forward.moe_topk_override)
     if (k := cfg.forward.moe_topk_override) is not None:
         _override_topk(runner, k)
+    if cfg.kv.quantize:
+        from qnpipe.model.kvquant import kv_factory
+
+        runner.loaded.model.kv_factory = kv_factory(cfg.kv, runner.loaded.args.head_dim)
     if not stream:
         asked = cfg.pool.expert_slots != PoolCfg().expert_slots or cfg.pool.capacity_profile_path
         if asked and not cfg.pool.eager_load and runner.loaded.layout is not Layout.QNPIPE:

@@ -124,8 +124,8 @@ def restore(snap: Snapshot) -> list[Any]:
             a = ArraysCache(size=len(s.arrays))
             a.cache = [mx.array(x) for x in s.arrays]
             out.append(a)
-        elif s.kind in _RESTORERS:
-            out.append(_RESTORERS[s.kind].restore(s))
+        elif s.kind.partition(":")[0] in _RESTORERS:  # "qkv:4:3:64": the kind, then its parameters
+            out.append(_RESTORERS[s.kind.partition(":")[0]].restore(s))
         else:
             raise SnapshotError(f"unknown cache kind {s.kind!r} in a snapshot")
     return out

@@ -139,6 +139,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     expert_misses_by_cause: dict[str, int] = msgspec.field(default_factory=dict)
     pool: PoolStats | None = None
     prefix: PrefixStats | None = None  # None when prefix snapshots are off
+    kv_bytes_per_token: int = 0  # KV cache per token of context, full-attention layers (kv.quantize counted)
 
     def add(self, g: GenerateStats) -> EngineStats:
         decode_s = self.decode_s + g.decode_s

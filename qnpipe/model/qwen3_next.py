@@ -7,6 +7,7 @@ pool that holds them can be swapped without touching the model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -19,6 +20,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from qnpipe.model.args import ModelArgs
 from qnpipe.model.experts import ExpertSource
+from qnpipe.model.kvquant import RotatedQuantizedKVCache
 
 
 class RMSNormGated(nn.Module):
@@ -55,7 +57,7 @@ class Attention(nn.Module):
             max_position_embeddings=args.max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, mask: Any, cache: KVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, mask: Any, cache: KVCache | RotatedQuantizedKVCache | None) -> mx.array:
         B, L, _ = x.shape
         q, gate = mx.split(self.q_proj(x).reshape(B, L, self.n_heads, -1), 2, axis=-1)
         gate = gate.reshape(B, L, -1)
@@ -66,6 +68,9 @@ class Attention(nn.Module):
         if cache is not None:
             q = self.rope(q, offset=cache.offset)
             k = self.rope(k, offset=cache.offset)
+            if isinstance(cache, RotatedQuantizedKVCache):  # attention on the packed cache
+                o = cache.attend(q, k, v, scale=self.scale, mask=mask)
+                return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate))
             k, v = cache.update_and_fetch(k, v)
         else:
             q, k = self.rope(q), self.rope(k)
@@ -269,8 +274,12 @@ class Model(nn.Module):
     def layers(self) -> list[DecoderLayer]:
         return self.model.layers
 
+    # Set by the engine when kv.quantize is on: makes each full-attention layer's cache.
+    kv_factory: Callable[[], Any] | None = None
+
     def make_cache(self) -> list[Any]:
-        return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
+        kv = self.kv_factory or KVCache
+        return [ArraysCache(size=2) if layer.is_linear else kv() for layer in self.layers]
 
     def attach_experts(self, source: ExpertSource) -> None:
         """Route every MoE block's expert calls to `source`."""
