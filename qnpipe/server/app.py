@@ -158,7 +158,7 @@ def _param(message: str) -> str | None:
     head, sep, where = message.rpartition(" - at `")
     path = where.rstrip("`") if sep else "$"
     path = path[2:] if path.startswith("$.") else "" if path == "$" else path
-    field = re.search(r"unknown field `([^`]*)`", head if sep else message)
-    if field:  # the unknown key itself, under the object that holds it
+    field = re.search(r"(?:unknown|missing required) field `([^`]*)`", head if sep else message)
+    if field:  # the unknown or missing key itself, under the object that holds it
         path = f"{path}.{field.group(1)}" if path else field.group(1)
     return path or None
