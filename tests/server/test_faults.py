@@ -179,3 +179,32 @@ def test_binding_beyond_loopback_needs_an_api_key(capsys: pytest.CaptureFixture[
         check_options(ServerOptions(host="0.0.0.0"))
     assert main(["serve", str(MODEL), "--host", "192.168.1.5"]) == 2
     assert "not a loopback address" in capsys.readouterr().err
+
+
+def test_a_client_that_leaves_while_queued_gives_its_place_up(queued: ServerThread) -> None:
+    import socket
+
+    host, port = queued.url.removeprefix("http://").rsplit(":", 1)
+    before = metrics(queued)
+    stream = queued.client().chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Sort a list."}], max_tokens=3000, stream=True,
+        extra_body={"ignore_eos": True})
+    with deadline(60):
+        next(iter(stream))  # the engine is busy with this one now
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        while metrics(queued)["qnpipe_queue_depth"] != 1:
+            time.sleep(0.05)
+        sock.close()  # leaves while waiting
+        while metrics(queued)["qnpipe_queue_depth"] != 0:
+            time.sleep(0.05)
+        stream.close()  # and the one generating leaves too
+        while metrics(queued)["qnpipe_running"] != 0:
+            time.sleep(0.05)
+    after = metrics(queued)
+    left = 'qnpipe_requests_total{endpoint="/v1/chat/completions",code="499"}'
+    assert after.get(left, 0) - before.get(left, 0) == 1  # the queued one never got an answer started
+    assert after["qnpipe_client_disconnects_total"] - before["qnpipe_client_disconnects_total"] == 2
+    assert after["qnpipe_generations_total"] - before["qnpipe_generations_total"] == 1
