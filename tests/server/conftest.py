@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -86,6 +89,30 @@ class ServerThread:
 
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "unused"),
                              max_retries=kw.pop("max_retries", 0), timeout=kw.pop("timeout", 60), **kw)
+
+
+def post(url: str, body: bytes, key: str | None = None) -> tuple[int, dict[str, Any]]:
+    """POST `body` (JSON) to `url`: the status and the decoded reply."""
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metrics(srv: ServerThread, key: str | None = None) -> dict[str, float]:
+    """The server's /metrics as {'name{labels}': value}."""
+    req = urllib.request.Request(f"{srv.url}/metrics", headers={"authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -20,32 +19,9 @@ from qnpipe.errors import QnpipeError
 from qnpipe.server.jobs import Limits
 from qnpipe.server.run import ServerOptions, check_options
 from tests.deadline import deadline
-from tests.server.conftest import MODEL, ServerThread
+from tests.server.conftest import MODEL, ServerThread, metrics, post
 
 PROMPTS = ["Write a function that adds two numbers.", "Sort a list.", "Read a file.", "Reverse a string."]
-
-
-def _post(url: str, body: bytes, key: str | None = None) -> tuple[int, dict[str, Any]]:
-    headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
-    req = urllib.request.Request(url, data=body, headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def metrics(srv: ServerThread, key: str | None = None) -> dict[str, float]:
-    """The server's /metrics as {'name{labels}': value}."""
-    req = urllib.request.Request(f"{srv.url}/metrics", headers={"authorization": f"Bearer {key}"} if key else {})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -145,25 +121,25 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving() -> None:
         with pytest.raises(openai.AuthenticationError):
             srv.client(api_key="wrong-key").chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-        assert _post(url, good)[0] == 401
-        status, body = _post(url, b'{"messages": [', key)
+        assert post(url, good)[0] == 401
+        status, body = post(url, b'{"messages": [', key)
         assert status == 400 and "not valid JSON" in body["error"]["message"]
-        status, body = _post(url, json.dumps({"messages": "hi"}).encode(), key)
+        status, body = post(url, json.dumps({"messages": "hi"}).encode(), key)
         assert status == 400 and body["error"]["param"] == "messages"
-        status, body = _post(url, json.dumps({"messages": [{"role": "user", "content": "hi"}],
+        status, body = post(url, json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                               "temprature": 0}).encode(), key)
         assert status == 400 and body["error"]["param"] == "temprature"
-        status, body = _post(url, json.dumps({"messages": [{"role": "user", "content": "hi"}],
+        status, body = post(url, json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                               "max_tokens": 65}).encode(), key)
         assert status == 400 and body["error"]["param"] == "max_tokens"
-        status, body = _post(url, json.dumps({"messages": [{"role": "user", "content": "x" * 20000}]}).encode(), key)
+        status, body = post(url, json.dumps({"messages": [{"role": "user", "content": "x" * 20000}]}).encode(), key)
         assert status == 413
-        status, body = _post(url, json.dumps({"messages": [{"role": "user", "content": "hi"}],
+        status, body = post(url, json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                               "temperature": -1}).encode(), key)
         assert status == 400 and body["error"]["param"] == "temperature"
         with urllib.request.urlopen(f"{srv.url}/health", timeout=10) as r:
             assert r.status == 200  # the probe needs no key
-        status, body = _post(url, good, key)
+        status, body = post(url, good, key)
         assert status == 200 and body["choices"][0]["message"]["content"] is not None
         m = metrics(srv, key)
         assert m['qnpipe_requests_total{endpoint="/v1/chat/completions",code="401"}'] == 2

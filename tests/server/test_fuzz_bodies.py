@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 from qnpipe.server.jobs import Limits
 from qnpipe.server.run import ServerOptions
-from tests.server.conftest import ServerThread
-from tests.server.test_faults import _post
+from tests.server.conftest import ServerThread, post
 
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 5), st.floats(allow_nan=False, width=32),
                     st.text(max_size=8))
@@ -49,7 +48,7 @@ def test_any_body_is_answered_or_refused_with_a_400(small: ServerThread, body: d
     if body.get("stream") is True:
         body["stream"] = False  # the SSE reply is not one JSON object; streaming has its own tests
     raw = json.dumps(body).encode()
-    status, reply = _post(f"{small.url}/v1/{endpoint}", raw)
+    status, reply = post(f"{small.url}/v1/{endpoint}", raw)
     assert status in (200, 400), (status, reply)
     if status == 400:
         assert reply["error"]["message"] and reply["error"]["type"] == "invalid_request_error"

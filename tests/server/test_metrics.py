@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.server.conftest import MODEL, ServerThread
-from tests.server.test_faults import metrics
+from tests.server.conftest import MODEL, ServerThread, metrics
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,7 @@ from typing import Any
 
 from qnpipe.chat.template import render_prompt
 from qnpipe.chat.tokenizer import encode, load_tokenizer
-from tests.server.conftest import MODEL, ServerThread
-from tests.server.test_faults import metrics
+from tests.server.conftest import MODEL, ServerThread, metrics
 
 SYSTEM = "You are a careful Python reviewer. " + " ".join(
     f"Rule {i}: prefer clear names over short ones, and test every branch of function_{i}." for i in range(24))
