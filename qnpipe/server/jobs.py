@@ -61,7 +61,8 @@ def _check(fn: Any, value: Any, name: str) -> Any:
         raise BadRequest(str(e), name) from None
 
 
-def _sampling(req: ChatRequest | CompletionRequest, limits: Limits, max_tokens: int | None) -> dict[str, Any]:
+def _sampling(req: ChatRequest | CompletionRequest, limits: Limits, max_tokens: int | None,
+              max_name: str = "max_tokens") -> dict[str, Any]:
     if req.n != 1:
         raise BadRequest(f"n must be 1 (one choice per request), got {req.n}", "n")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -70,8 +71,8 @@ def _sampling(req: ChatRequest | CompletionRequest, limits: Limits, max_tokens: 
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, limits.max_tokens_cap)
     elif not 1 <= max_tokens <= limits.max_tokens_cap:
-        raise BadRequest(f"max_tokens must be in 1..{limits.max_tokens_cap} (this server's cap), got {max_tokens}",
-                         "max_tokens")
+        raise BadRequest(f"{max_name} must be in 1..{limits.max_tokens_cap} (this server's cap), got {max_tokens}",
+                         max_name)
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > MAX_STOPS:
         raise BadRequest(f"stop: at most {MAX_STOPS} strings, got {len(stops)}", "stop")
@@ -128,7 +129,10 @@ def chat_job(req: ChatRequest, eng: Any, limits: Limits, raw_tools: list[dict[st
         raise BadRequest("messages is empty: give at least one message", "messages")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-    kw = _sampling(req, limits, req.max_tokens if req.max_tokens is not None else req.max_completion_tokens)
+    if req.max_completion_tokens is not None:
+        kw = _sampling(req, limits, req.max_completion_tokens, "max_completion_tokens")
+    else:
+        kw = _sampling(req, limits, req.max_tokens)
     messages = [_message(m, i) for i, m in enumerate(req.messages)]
     if raw_tools is None or len(raw_tools) != len(req.tools or []):
         raw_tools = [msgspec.to_builtins(t) for t in req.tools or []]
