@@ -202,7 +202,9 @@ class AsyncEngine:
         `on_prefill(done, total)` the prompt tokens processed after each prefill chunk, both
         in the trio thread, in order. `partial` (a list) collects the tokens as they come,
         which is what is left after a cancellation. Cancelling stops the work at the next
-        layer; the engine stays usable.
+        layer; the engine stays usable. With `prefix.snapshot_head_tokens` on, a prompt that
+        starts like an earlier one resumes from its kept state (qnpipe.prefix): same result,
+        bit for bit, without prefilling the shared part again.
         """
         kw = _gen_kwargs(prompt, max_tokens, temperature, top_p, seed, stop_at_eos)
         return await self._rt.generate(prompt, kw, on_text, on_prefill, partial)

@@ -39,7 +39,7 @@ SUFFIX = ".qnsnap"
 
 
 class SnapshotFileWarning(UserWarning):
-    """A snapshot file was stale or corrupt and was ignored (the prompt is prefilled instead)."""
+    """A snapshot file was stale or corrupt and was ignored (the prompt is prefilled instead), or could not be written."""
 
 
 def boundaries(n: int, chunk: int, head: int) -> list[int]:
@@ -82,6 +82,7 @@ class PrefixCache:
         self._fingerprint: str | None = None
         self._lru: OrderedDict[str, _Entry] = OrderedDict()
         self._bad: set[tuple[str, int, int]] = set()  # (file, size, mtime) already warned about
+        self._write_warned = False
         self.stats = PrefixStats()
 
     @property
@@ -139,7 +140,7 @@ class PrefixCache:
         path = self._path(key)
         try:
             st = path.stat()
-        except FileNotFoundError:
+        except OSError:  # absent, or the directory is not one (reported when a head is written)
             return None
         fp = await self.fingerprint(thread)
         try:
@@ -165,14 +166,26 @@ class PrefixCache:
         key = plan.capture.get(end)
         if key is None:
             return
-        snap = await run_on(thread, snapshots.capture, cache, end)
+        try:
+            snap = await run_on(thread, snapshots.capture, cache, end)
+        except SnapshotError as e:  # a cache kind without snapshots: answer without them from now on
+            self.head = 0
+            warnings.warn(f"prefix snapshots turned off for this engine: {e}", SnapshotFileWarning, stacklevel=2)
+            return
         head = end == self.head
         self._put(key, snap, head)
         self._count(captures=1)
         if head and self.dir is not None:
             fp = await self.fingerprint(thread)
-            self.dir.mkdir(parents=True, exist_ok=True)
-            await run_on(thread, snapshots.save, self._path(key), snap, key, fp)
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                await run_on(thread, snapshots.save, self._path(key), snap, key, fp)
+            except OSError as e:  # a full or read-only disk costs the next process its head, not this answer
+                if not self._write_warned:
+                    self._write_warned = True
+                    warnings.warn(f"prefix snapshot not written to {e.filename or self.dir}: {e.strerror or e}",
+                                  SnapshotFileWarning, stacklevel=2)
+                return
             self._count(disk_writes=1)
 
     def current_stats(self) -> PrefixStats:

@@ -151,11 +151,13 @@ def model_fingerprint(model: Any, extra: str = "") -> str:
 
 
 def engine_fingerprint(core: Any) -> str:
-    """The fingerprint of an engine's states (a qnpipe.engine.Core): its weights, shape and KV-cache settings."""
+    """The fingerprint of an engine's states (a qnpipe.engine.Core): its weights, shape, KV-cache settings
+    and what else changes the numbers of a prefill (its chunk, a top-k override)."""
     from qnpipe.model.args import model_id
 
     kv = msgspec.json.encode(core.cfg.kv).decode()
-    return model_fingerprint(core.runner.loaded.model, extra=f"{model_id(core.args)}|kv={kv}")
+    fwd = msgspec.json.encode(core.cfg.forward).decode()
+    return model_fingerprint(core.runner.loaded.model, extra=f"{model_id(core.args)}|kv={kv}|forward={fwd}")
 
 
 # --------------------------------------------------------------------------- files
@@ -248,7 +250,7 @@ def load(path: str | os.PathLike[str], key: str, fingerprint: str) -> Snapshot:
     if h.format_version != FORMAT_VERSION:
         raise SnapshotError(f"{path}: format version {h.format_version}, this qnpipe reads {FORMAT_VERSION}")
     if h.fingerprint != fingerprint:
-        raise SnapshotError(f"{path}: made for another model or KV-cache setting "
+        raise SnapshotError(f"{path}: made for another model or other kv.* / forward.* settings "
                             f"(fingerprint {h.fingerprint[:12]}, this model {fingerprint[:12]})")
     if h.tokens_sha256 != key:
         raise SnapshotError(f"{path}: holds the state of other tokens (key {h.tokens_sha256[:12]})")

@@ -81,6 +81,7 @@ def test_chat_session_in_a_terminal(model: Path, tmp_path: Path) -> None:
     assert max(took) < STOP_S, took
     # The interrupted answers kept what was shown; the second turn resumed from the first one's state.
     _cmd(child, "/stats", "[prefix snapshots: 1 hits")
+    assert "bytes per token of context]" in log.getvalue()
     assert "[4 messages;" in log.getvalue()
     _cmd(child, "/system You are terse.", "[system message set]")
     _cmd(child, "/system", "[system: 'You are terse.']")

@@ -7,7 +7,14 @@ from typing import Any
 import pytest
 
 from qnpipe.chat.template import filter_tools, render_prompt
-from qnpipe.chat.tools import ToolCall, assistant_message, format_tool_call, parse_reply, tool_result_message
+from qnpipe.chat.tools import (
+    ParsedReply,
+    ToolCall,
+    assistant_message,
+    format_tool_call,
+    parse_reply,
+    tool_result_message,
+)
 from qnpipe.cli.common import DEMO_MODEL_DIR
 from qnpipe.errors import ChatError
 
@@ -115,3 +122,19 @@ def test_the_engine_renders_with_the_configured_allowlist() -> None:
     with qnpipe.Engine(DEMO_MODEL_DIR, tools_allow="shell, read_file") as eng:
         text = eng.render_chat([SYSTEM, {"role": "user", "content": "hi"}], [READ, WRITE, SHELL])
     assert text.index('"name": "shell"') < text.index('"name": "read_file"') and "write_file" not in text
+
+
+def test_a_call_survives_the_streaming_detokenizer(tok: Any) -> None:
+    """`<tool_call>` is a token the detokenizer keeps: what `generate` returns as text parses to the call."""
+    from qnpipe.chat.tokenizer import encode
+
+    call = ToolCall("read_file", {"path": "src/main.py", "lines": [1, 20]})
+    text = "Let me look.\n" + format_tool_call(call)
+    ids = encode(tok, text)
+    assert tok.convert_tokens_to_ids("<tool_call>") in ids
+    detok = tok.detokenizer
+    detok.reset()
+    for i in ids:
+        detok.add_token(i)
+    detok.finalize()
+    assert parse_reply(detok.text) == parse_reply(text) == ParsedReply("Let me look.", (call,))

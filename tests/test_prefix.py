@@ -186,3 +186,46 @@ def test_a_file_of_another_model_is_ignored(prompts: list[list[int]], tmp_path: 
         with pytest.warns(SnapshotFileWarning, match="another model"):
             eng.next_logits(prompts[0])
         assert eng.stats().prefix.disk_loads == 0  # type: ignore[union-attr]
+
+
+def test_an_unwritable_directory_warns_once_and_the_answer_comes(prompts: list[list[int]], tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with qnpipe.Engine(DEMO_MODEL_DIR, snapshot_head_tokens=HEAD, snapshot_dir=str(blocker / "snaps")) as eng:
+        with pytest.warns(SnapshotFileWarning, match="not written") as rec:
+            a = eng.generate(prompts[0], max_tokens=4)
+            b = eng.generate(prompts[1][1:], max_tokens=4)
+        assert len(rec) == 1 and a.tokens and b.tokens
+        st = eng.stats().prefix
+    assert st is not None and st.disk_writes == 0 and st.captures == 4
+
+
+def test_a_state_that_cannot_be_captured_turns_snapshots_off_with_a_warning(
+        prompts: list[list[int]], reference: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache kind capture does not know (one a later feature adds) costs the snapshots, never the answer."""
+    from qnpipe import snapshots
+    from qnpipe.errors import SnapshotError
+
+    ref = reference["tokens"]
+    assert isinstance(ref, list)
+
+    def refuse(cache: object, n: int) -> None:
+        raise SnapshotError("layer 8: cannot snapshot a cache of type MTPCache")
+
+    monkeypatch.setattr(snapshots, "capture", refuse)
+    with qnpipe.Engine(DEMO_MODEL_DIR, snapshot_head_tokens=HEAD) as eng:
+        with pytest.warns(SnapshotFileWarning, match="turned off .* cannot snapshot a cache of type MTPCache"):
+            got = eng.generate(prompts[0], max_tokens=24, stop_at_eos=False)
+        again = eng.generate(prompts[0], max_tokens=24, stop_at_eos=False)
+        assert eng.stats().prefix is None  # off
+    assert got.tokens == again.tokens == ref[0]
+
+
+def test_a_file_made_with_another_prefill_chunk_is_ignored(prompts: list[list[int]], tmp_path: Path) -> None:
+    """Another chunk computes the head's state in other steps: not the same bits, so not reused."""
+    with qnpipe.Engine(DEMO_MODEL_DIR, snapshot_head_tokens=HEAD, snapshot_dir=str(tmp_path)) as eng:
+        eng.next_logits(prompts[0])
+    with qnpipe.Engine(DEMO_MODEL_DIR, snapshot_head_tokens=HEAD, snapshot_dir=str(tmp_path),
+                       prefill_chunk_tokens=4) as eng:
+        with pytest.warns(SnapshotFileWarning, match="forward"):
+            eng.next_logits(prompts[0])

@@ -107,6 +107,7 @@ class ChatSession:
         else:
             say(f"[prefix snapshots: {p.hits} hits ({p.disk_loads} from disk), {p.misses} misses, "
                 f"{p.tokens_reused} tokens reused; {p.entries} kept, {p.bytes / 2**20:.1f} MiB]")
+        say(f"[KV cache: {st.kv_bytes_per_token} bytes per token of context]")
         print_engine_stats(st)
 
     def answer(self, line: str) -> None:

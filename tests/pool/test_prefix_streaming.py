@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 
 import qnpipe
 
 HEAD = 16
 
 
-def test_resume_with_streamed_experts_equals_full_prefill(streamed_models: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_quant", [False, True])
+def test_resume_with_streamed_experts_equals_full_prefill(streamed_models: dict[str, Path], tmp_path: Path,
+                                                          kv_quant: bool) -> None:
     model = streamed_models["trained-fp32"]
     text = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Entry point.\"\"\"\n"
     tails = ["    return len(argv)\n", "    for a in argv:\n        print(a)\n"]
-    small = {"expert_slots": 8, "autopin": False}  # of 44: every step reads experts
+    small: dict[str, Any] = {"expert_slots": 8, "autopin": False}  # of 44: every step reads experts
+    if kv_quant:
+        small |= {"kv_quant": True, "group_size": 32}
     with qnpipe.Engine(model, snapshot_head_tokens=0, **small) as eng:
         ids = [eng.encode(text + t) for t in tails]
         ref = [(eng.next_logits(p), eng.generate(p, max_tokens=16, stop_at_eos=False).tokens) for p in ids]
