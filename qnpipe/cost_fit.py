@@ -38,12 +38,12 @@ for a core. The replay adds it to each read batch (with demand reads, one per su
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import msgspec
 import numpy as np
 
+from qnpipe.atomic import atomic_write
 from qnpipe.errors import ConfigError, TraceSchemaError
 from qnpipe.io.simssd import DeviceProfile
 from qnpipe.messages import Acquire, Granted, ReadDone
@@ -189,19 +189,7 @@ def _parts_of(route: Route, k: int, caps: dict[int, int], out: dict[tuple[int, i
 def save_cost(path: str | os.PathLike[str], fit: CostFit) -> None:
     """Replace `path` with `fit` as JSON atomically (temp file in the same directory, fsync, rename)."""
     p = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(msgspec.json.format(msgspec.json.encode(fit), indent=2) + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(p, msgspec.json.format(msgspec.json.encode(fit), indent=2) + b"\n")
 
 
 def load_cost(path: str | os.PathLike[str]) -> CostFit:

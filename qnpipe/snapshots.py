@@ -31,6 +31,7 @@ import msgspec
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from qnpipe.atomic import atomic_file
 from qnpipe.errors import SnapshotError
 
 MAGIC = b"QNSNAP\x00\x01"
@@ -215,18 +216,11 @@ def save(path: str | os.PathLike[str], snap: Snapshot, key: str, fingerprint: st
                      for s, layer in zip(snap.layers, raws, strict=True)),
         blob_bytes=total, blob_crc32=crc)
     head = msgspec.msgpack.encode(header)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + _LEN.pack(len(head)) + head)
-            for layer in raws:
-                for r in layer:
-                    f.write(r.data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(path) as f:
+        f.write(MAGIC + _LEN.pack(len(head)) + head)
+        for layer in raws:
+            for r in layer:
+                f.write(r.data)
     return len(MAGIC) + _LEN.size + len(head) + total
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from qnpipe.atomic import atomic_write
 from qnpipe.config import Config, override_path, with_overrides
 from qnpipe.errors import ConfigError, QnpipeError
 from qnpipe.io.simssd import PROFILES, DeviceProfile
@@ -340,9 +341,7 @@ def to_json(result: SweepResult) -> bytes:
 def write_json(result: SweepResult, path: str | Path) -> Path:
     """Write `to_json(result)` to `path` through a temporary name (never a torn file)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_bytes(to_json(result) + b"\n")
-    os.replace(tmp, path)
+    atomic_write(path, to_json(result) + b"\n")
     return path
 
 

@@ -6,11 +6,11 @@ a numeric axis in order, other values (names, layer sets) one tick each in grid 
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
 
+from qnpipe.atomic import atomic_file
 from qnpipe.sweep import SweepResult, fmt_value
 
 MAX_LEGEND = 12  # more lines than this: no legend (it would cover the plot)
@@ -68,9 +68,8 @@ def plot(result: SweepResult, metric: str, out_dir: str | Path) -> list[Path]:
         if 1 < len(lines) <= MAX_LEGEND:
             ax.legend(fontsize=7)
         path = out / file_name(metric, field)
-        tmp = path.with_name(path.name + ".partial")
-        fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, path)
+        with atomic_file(path) as f:
+            fig.savefig(f, format="png", dpi=110)
         written.append(path)
     return written
 

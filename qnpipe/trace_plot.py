@@ -9,9 +9,9 @@ needed it (a dotted line from the bar's end to it: the slack of one that landed 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from qnpipe.atomic import atomic_file
 from qnpipe.timeline import Timeline
 
 COLOURS = {"compute": "#4c72b0", "stall": "#c44e52", "demand": "#8c8c8c", "in time": "#55a868", "late": "#dd8452",
@@ -78,9 +78,8 @@ def draw(tl: Timeline, out: str | Path, *, title: str = "") -> Path:
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=7, frameon=False)
     fig.suptitle(title or f"steps {tl.first}..{tl.last}", fontsize=9)
     path = Path(out)
-    tmp = path.with_name(path.name + ".partial")
-    fig.savefig(tmp, format="png", dpi=110)
-    os.replace(tmp, path)
+    with atomic_file(path) as f:
+        fig.savefig(f, format="png", dpi=110)
     return path
 
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from qnpipe.atomic import atomic_write
 from qnpipe.errors import ChatError
 
 FORMAT = "qnpipe-conversation"
@@ -70,12 +71,7 @@ class Conversation:
             raise ChatError(f"cannot save the conversation: {e}") from None
         data = msgspec.json.format(msgspec.json.encode(
             ConversationFile(format=FORMAT, version=VERSION, system=self.system, messages=msgs)), indent=1)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_bytes(data + b"\n")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        atomic_write(path, data + b"\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Conversation:

@@ -7,11 +7,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import msgspec
 
+from qnpipe.atomic import atomic_write
 from qnpipe.errors import ConfigError, DeviceProfileError
 from qnpipe.io.simssd import PROFILES, DeviceProfile
 
@@ -48,19 +48,7 @@ def save_profile(path: str | os.PathLike[str], measured: MeasuredProfile) -> Non
     """Replace `path` with `measured` as JSON atomically (temp file in the same directory, fsync, rename)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(msgspec.json.format(msgspec.json.encode(measured), indent=2) + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(p, msgspec.json.format(msgspec.json.encode(measured), indent=2) + b"\n")
 
 
 def load_profile(path: str | os.PathLike[str]) -> MeasuredProfile:

@@ -12,11 +12,12 @@ start with one `HeatFileWarning` naming the path and the reason.
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from pathlib import Path
 
 import msgspec
+
+from qnpipe.atomic import atomic_write
 
 FORMAT = "qnpipe-heat"
 VERSION = 1
@@ -78,28 +79,4 @@ def load_heat(path: str | os.PathLike[str], model_id: str) -> Counts:
 
 def save_heat(path: str | os.PathLike[str], model_id: str, counts: Counts) -> None:
     """Replace `path` with `counts` atomically (temp file, fsync, rename, fsync of the directory). Raises OSError."""
-    p = Path(path)
-    data = encode_heat(model_id, counts)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:
-        dfd = os.open(p.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
+    atomic_write(path, encode_heat(model_id, counts), fsync_dir=True)

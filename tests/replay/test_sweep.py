@@ -55,7 +55,7 @@ def processes_json(log: Path) -> bytes:
     """The sweep's JSON file from `qnpipe sweep` through two local worker processes (the default executor)."""
     out = log.with_name("processes.json")
     assert main(["sweep", str(log), *CLI, "--jobs", "2", "-o", str(out)]) == 0
-    assert not list(log.parent.glob("*.partial"))
+    assert not list(log.parent.glob(".*.tmp"))  # written through a temporary name (qnpipe.atomic), none left
     return out.read_bytes()
 
 
