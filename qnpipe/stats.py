@@ -6,6 +6,8 @@ import enum
 
 import msgspec
 
+from qnpipe.spec.stats import SpecStats
+
 
 class FinishReason(enum.StrEnum):
     EOS = "eos"
@@ -23,6 +25,7 @@ class GenerateStats(msgspec.Struct, frozen=True, kw_only=True):
     decode_tok_s: float
     peak_memory_bytes: int
     finish_reason: FinishReason
+    mtp: SpecStats | None = None  # MTP speculation's figures (None: plain decoding)
 
 
 class LayerPoolStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,6 +119,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     expert_bytes_read: int = 0
     expert_misses_by_cause: dict[str, int] = msgspec.field(default_factory=dict)
     pool: PoolStats | None = None
+    mtp: SpecStats | None = None  # summed over the requests that speculated
 
     def add(self, g: GenerateStats) -> EngineStats:
         decode_s = self.decode_s + g.decode_s
@@ -131,6 +135,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
             decode_s=decode_s,
             decode_tok_s=_rate(decoded, decode_s),
             peak_memory_bytes=max(self.peak_memory_bytes, g.peak_memory_bytes),
+            mtp=g.mtp if self.mtp is None else self.mtp.add(g.mtp) if g.mtp is not None else self.mtp,
         )
 
 

@@ -1,0 +1,396 @@
+"""The greedy MTP speculation loop over the forward actor (docs/model.md, "MTP speculation").
+
+Each round drafts up to K tokens with the MTP head (MLX thread, resident), verifies
+`[y_n, d_1 … d_K]` in one step of the main model through `Forward.run` (so a streamed
+model acquires the union of the step's experts per layer, split into parts when a layer's
+capacity is short), accepts the longest prefix greedy decoding would produce plus the
+model's own next token, and rolls back: attention caches are trimmed, Gated DeltaNet
+layers take the state kept after the last accepted token (`StepCache`), and the MTP's
+draft-time cache entries are replaced by rows built from the verified hidden states.
+
+The caches are one list (`SpecCaches.all`): the main model's layers, then the MTP layer's
+KV cache, so whatever saves a model cache saves the drafter's with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import numpy as np
+import trio
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from qnpipe.actors.forward import Forward
+from qnpipe.config import MtpHidden, MtpVerifyMode
+from qnpipe.mlx_thread import MLXThread, run_on
+from qnpipe.model.decode import chunks
+from qnpipe.model.mtp import MtpHead
+from qnpipe.model.qwen3_next import Model
+from qnpipe.model.step_cache import StepCache
+from qnpipe.spec.stats import SpecStats
+from qnpipe.stats import FinishReason, GenerateResult, GenerateStats
+
+# Test hook: (tokens generated so far, the drafter's drafts) -> the drafts to verify instead.
+Oracle = Callable[[int, list[int]], list[int]]
+
+
+@attrs.frozen
+class SpecOptions:
+    """How to speculate (from `cfg.mtp`); `rollback` "states" keeps per-token GDN states, "rerun" re-forwards."""
+
+    k: int = 3
+    verify_mode: MtpVerifyMode = MtpVerifyMode.BATCH
+    hidden: MtpHidden = MtpHidden.POST_NORM
+    adaptive_depth: bool = False
+    conf_tau: float = 0.3
+    depth_max: int = 3
+    accept_topk: int = 0
+    rollback: str = "states"
+    oracle: Oracle | None = None
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth_max if self.adaptive_depth else self.k
+
+
+class SpecCaches:
+    """The main model's caches (GDN layers as `StepCache`) followed by the MTP layer's. MLX thread only."""
+
+    def __init__(self, model: Model, head: MtpHead) -> None:
+        self.all: list[Any] = [StepCache() if layer.is_linear else KVCache() for layer in model.layers]
+        self.all.append(head.make_cache())
+
+    @property
+    def main(self) -> list[Any]:
+        return self.all[:-1]
+
+    @property
+    def mtp(self) -> KVCache:
+        return self.all[-1]
+
+
+@attrs.define
+class _Draft:
+    tokens: list[int]
+    topk: list[list[int]]
+
+
+@attrs.define
+class _Pending:
+    """A verified round whose rollback and MTP repair are still to be applied (lazily, with the next draft)."""
+
+    drafted: int
+    accepted: int
+    hidden: mx.array
+    rows: list[int]
+    rolled_back: bool = False
+
+
+class _Mlx:
+    """The loop's MLX-thread half: the caches, the drafter's pending row, the tails.
+
+    A round is one thread hop: the verify step's `inputs` callable applies the previous
+    round's rollback and MTP repair and builds the drafts, all lazily, so the drafter's
+    work is evaluated with the verify forward (one host sync per round) unless the drafts
+    must be seen first (adaptive depth, the oracle).
+    """
+
+    def __init__(self, model: Model, head: MtpHead, opts: SpecOptions) -> None:
+        mx.reset_peak_memory()
+        self.model = model
+        self.head = head
+        self.opts = opts
+        self.caches = SpecCaches(model, head)
+        self.logits: mx.array | None = None  # the last MTP row's logits: d_1 of the next round
+        self.feed: mx.array | None = None  # the hidden a chained draft step reads [1, 1, H]
+        self.saved: list[Any] = []  # "rerun": the GDN states before the verify
+        self.pending: _Pending | None = None
+        self.drafts: list[mx.array] = []
+        self.topk: list[mx.array] = []
+        self.host_drafts: list[int] | None = None
+        self.done = 0  # tokens generated before this round (the oracle's index)
+
+    def drafter_input(self, h: mx.array) -> mx.array:
+        """The main model's hidden as the drafter reads it (`mtp.hidden`).
+
+        The forward yields post-norm states x̂ = x / rms(x) ⊙ w; x̂ ⊘ w is the pre-norm x up
+        to its per-row scale, which the drafter's first RMSNorm removes.
+        """
+        if self.opts.hidden is MtpHidden.POST_NORM:
+            return h
+        w = self.model.model.norm.weight
+        return h / mx.where(w == 0, 1, w)
+
+    def hidden_tail(self, h: mx.array) -> mx.array:
+        mx.eval(h, [c.state for c in self.caches.main])
+        return h
+
+    def first_token(self, h: mx.array) -> tuple[int, mx.array]:
+        tok = mx.argmax(self.model.head(h[:, -1, :])[0], axis=-1)
+        mx.eval(tok, h, [c.state for c in self.caches.main])
+        return int(tok.item()), h  # pyright: ignore[reportArgumentType]
+
+    def mtp_rows(self, hidden: mx.array, next_tokens: Sequence[int], chunk: int = 0, sync: bool = True) -> None:
+        """Run the MTP on rows (hidden[t], next_tokens[t]) at the cache's next positions."""
+        toks = mx.array(list(next_tokens), dtype=mx.uint32)[None]
+        feed = self.drafter_input(hidden)
+        for lo, hi in chunks(toks.shape[1], chunk):
+            logits, out, pre = self.head(self.model, feed[:, lo:hi], toks[:, lo:hi], self.caches.mtp)
+            self.logits = logits[0, -1]
+            self.feed = (out if self.opts.hidden is MtpHidden.POST_NORM else pre)[:, -1:]
+            if sync:
+                mx.eval(self.logits, self.feed, self.caches.mtp.state)
+
+    def draft(self) -> None:
+        """d_1 from the pending row, then chained MTP steps (`k`, or adaptive depth): lazily when it can."""
+        assert self.logits is not None and self.feed is not None
+        o = self.opts
+        logits, feed = self.logits, self.feed
+        self.drafts, self.topk, self.host_drafts = [], [], None
+        conf = 1.0
+        while True:
+            d = mx.argmax(logits, axis=-1)
+            self.drafts.append(d)
+            if o.accept_topk > 0:
+                kk = min(o.accept_topk, logits.shape[-1])
+                self.topk.append(mx.argpartition(-logits, kth=kk - 1)[:kk])
+            if len(self.drafts) >= o.max_depth:
+                break
+            if o.adaptive_depth:
+                p = mx.softmax(logits.astype(mx.float32), axis=-1)[d]
+                conf *= float(p.item())
+                if conf < o.conf_tau:
+                    break
+            lg, out, pre = self.head(self.model, feed, d.reshape(1, 1).astype(mx.uint32), self.caches.mtp)
+            logits = lg[0, -1]
+            feed = out if o.hidden is MtpHidden.POST_NORM else pre
+        if o.oracle is not None:
+            mx.eval(self.drafts)
+            self.host_drafts = o.oracle(self.done, [int(t.item()) for t in self.drafts])  # pyright: ignore[reportArgumentType]
+
+    def round_inputs(self, x: int) -> mx.array:
+        """The verify step's inputs `[x, d_1 … d_K]`, after applying the previous round's repair."""
+        self.apply_pending()
+        self.draft()
+        if self.opts.verify_mode is MtpVerifyMode.BATCH:
+            self.begin_verify()
+        first = mx.array([x], dtype=mx.uint32)
+        if self.host_drafts is not None:
+            return mx.array([x, *self.host_drafts], dtype=mx.uint32)[None]
+        return mx.concatenate([first, *[d.reshape(1).astype(mx.uint32) for d in self.drafts]])[None]
+
+    def begin_verify(self) -> None:
+        for c in self.caches.main:
+            if isinstance(c, StepCache):
+                if self.opts.rollback == "states":
+                    c.recording = True
+                else:
+                    self.saved.append((c[0], c[1]))
+
+    def verify_tail(self, h: mx.array) -> tuple[np.ndarray, list[int], list[list[int]], mx.array]:
+        """Greedy tokens of every verified position, the drafts, their top-k, and the hidden states."""
+        am = mx.argmax(self.model.head(h)[0], axis=-1)
+        mx.eval(am, h, self.drafts, self.topk, [c.state for c in self.caches.main])
+        drafts = self.host_drafts if self.host_drafts is not None else [int(d.item()) for d in self.drafts]  # pyright: ignore[reportArgumentType]
+        return np.array(am), drafts, [np.array(t).tolist() for t in self.topk], h
+
+    def step_tail(self, h: mx.array) -> tuple[int, mx.array]:
+        """`verify_mode=sequential`: one position's greedy token (the drafts are read with it)."""
+        am = mx.argmax(self.model.head(h[:, -1])[0], axis=-1)
+        mx.eval(am, h, self.drafts, self.topk, [c.state for c in self.caches.main])
+        return int(am.item()), h  # pyright: ignore[reportArgumentType]
+
+    def host_draft_tokens(self) -> tuple[list[int], list[list[int]]]:
+        mx.eval(self.drafts, self.topk)
+        drafts = self.host_drafts if self.host_drafts is not None else [int(d.item()) for d in self.drafts]  # pyright: ignore[reportArgumentType]
+        return drafts, [np.array(t).tolist() for t in self.topk]
+
+    def rollback(self, drafted: int, accepted: int) -> bool:
+        """Main model back to "y_n, d_1 … d_accepted processed"; True when a re-run must follow."""
+        rerun = self.opts.rollback == "rerun" and accepted < drafted
+        saved = iter(self.saved)
+        for c in self.caches.main:
+            if isinstance(c, StepCache):
+                if rerun:
+                    c[0], c[1] = next(saved)
+                elif accepted < drafted and c.recording:
+                    c.rollback(accepted + 1)
+                c.forget()
+            elif isinstance(c, ArraysCache):
+                raise AssertionError("speculation needs StepCache for Gated DeltaNet layers")
+            else:
+                c.trim(drafted + 1 if rerun else drafted - accepted)
+        self.saved = []
+        return rerun
+
+    def apply_pending(self, sync: bool = False) -> None:
+        """The last round's rollback (unless done) and MTP repair: draft-time entries replaced by verified rows."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return
+        if not p.rolled_back and self.opts.verify_mode is MtpVerifyMode.BATCH:
+            self.rollback(p.drafted, p.accepted)
+        self.caches.mtp.trim(p.drafted - 1)
+        self.mtp_rows(p.hidden[:, :len(p.rows)], p.rows, sync=sync)
+
+    def settle(self, h: mx.array) -> None:
+        mx.eval(h, [c.state for c in self.caches.main])
+
+
+def _ids(tokens: Sequence[int]) -> Callable[[], mx.array]:
+    # Built on the MLX thread: an MLX op made on another thread is bound to that thread's stream.
+    return lambda: mx.array(list(tokens), dtype=mx.uint32)[None]
+
+
+async def generate(fwd: Forward, thread: MLXThread, model: Model, head: MtpHead, tokenizer: Any,
+                   tokens: Sequence[int], *, max_tokens: int, eos: set[int], chunk: int, opts: SpecOptions,
+                   on_text: Callable[[str], None] | None = None,
+                   on_prefill: Callable[[int, int], None] | None = None,
+                   partial: list[int] | None = None) -> GenerateResult:
+    """Greedy generation with MTP speculation: the same tokens as plain greedy decoding, fewer steps."""
+    t0 = trio.current_time()
+    st = await run_on(thread, _Mlx, model, head, opts)
+    spans = chunks(len(tokens), chunk)
+    hiddens: list[mx.array] = []
+    x = -1
+    for i, (lo, hi) in enumerate(spans):
+        if i == len(spans) - 1:
+            x, h = await fwd.run(_ids(tokens[lo:hi]), st.caches.main, st.first_token)
+        else:
+            h = await fwd.run(_ids(tokens[lo:hi]), st.caches.main, st.hidden_tail)
+        hiddens.append(h)
+        if on_prefill is not None:
+            on_prefill(hi, len(tokens))
+    t_first = trio.current_time()
+    # The MTP over the prompt: row j pairs h_j with token j+1, the last row with the new token.
+    await run_on(thread, _catch_up, st, hiddens, [*tokens[1:], x], chunk)
+    detok = tokenizer.detokenizer if tokenizer is not None else None
+    if detok is not None:
+        detok.reset()
+    out: list[int] = [] if partial is None else partial
+    reason = FinishReason.LENGTH
+    n = 0
+    rec = _Recorder(opts.max_depth)
+    pending = [x]
+    while True:
+        for tok in pending:  # commit: stop at EOS or max_tokens
+            n += 1
+            if tok in eos:
+                reason = FinishReason.EOS
+                break
+            out.append(tok)
+            if detok is not None:
+                detok.add_token(tok)
+                if on_text is not None and (seg := detok.last_segment):
+                    on_text(seg)
+            if n >= max_tokens:
+                break
+        if n >= max_tokens or reason is FinishReason.EOS:
+            break
+        x = pending[-1]
+        pending = await _round(fwd, thread, st, x, len(out), opts, rec)
+    await run_on(thread, st.apply_pending, True)  # leave the caches at the committed tokens
+    t_end = trio.current_time()
+    text = ""
+    if detok is not None:
+        detok.finalize()
+        if on_text is not None and (seg := detok.last_segment):
+            on_text(seg)
+        text = detok.text
+    prefill_s = t_first - t0
+    decode_s = t_end - t_first
+    peak = await run_on(thread, mx.get_peak_memory)
+    stats = GenerateStats(
+        prompt_tokens=len(tokens), generated_tokens=n, prefill_s=prefill_s, decode_s=decode_s,
+        prefill_tok_s=len(tokens) / prefill_s if prefill_s > 0 else 0.0,
+        decode_tok_s=(n - 1) / decode_s if decode_s > 0 and n > 1 else 0.0,
+        peak_memory_bytes=int(peak), finish_reason=reason, mtp=rec.stats())
+    return GenerateResult(tokens=tuple(out), text=text, stats=stats)
+
+
+def _catch_up(st: _Mlx, hiddens: list[mx.array], next_tokens: list[int], chunk: int) -> None:
+    st.mtp_rows(mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0], next_tokens, chunk)
+
+
+class _Recorder:
+    """Accumulates a generate call's SpecStats (trio side)."""
+
+    def __init__(self, depth: int) -> None:
+        self.rounds = self.tokens = self.splits = 0
+        self.hist = [0] * (depth + 1)
+        self.drafted = [0] * depth
+        self.accepted = [0] * depth
+        self.topk = [0] * depth
+        self.draft_s = self.verify_s = self.rollback_s = 0.0
+
+    def round(self, drafts: _Draft, main: Sequence[int], a: int) -> None:
+        self.rounds += 1
+        self.tokens += a + 1
+        self.hist[a] += 1
+        for i in range(len(drafts.tokens)):
+            self.drafted[i] += 1
+            self.accepted[i] += i < a
+        for i, top in enumerate(drafts.topk[:len(main)]):
+            self.topk[i] += int(main[i]) in top
+
+    def stats(self) -> SpecStats:
+        return SpecStats(rounds=self.rounds, tokens=self.tokens, accept_hist=tuple(self.hist),
+                         drafted_at=tuple(self.drafted), accepted_at=tuple(self.accepted),
+                         topk_hits=tuple(self.topk) if any(self.topk) else (),
+                         capacity_split_verifies=self.splits, draft_s=self.draft_s, verify_s=self.verify_s,
+                         rollback_s=self.rollback_s)
+
+
+def accept_greedy(drafts: Sequence[int], main: Sequence[int]) -> int:
+    """The number of leading drafts equal to the main model's greedy token before them."""
+    a = 0
+    while a < len(drafts) and drafts[a] == int(main[a]):
+        a += 1
+    return a
+
+
+async def _round(fwd: Forward, thread: MLXThread, st: _Mlx, x: int, done: int, opts: SpecOptions,
+                 rec: _Recorder) -> list[int]:
+    """One draft / verify / rollback round after the pending token `x`; returns the committed tokens."""
+    t0 = trio.current_time()
+    st.done = done
+    splits0 = fwd.stats.split_layer_steps
+    if opts.verify_mode is MtpVerifyMode.BATCH:
+        main, drafts, topk, h = await fwd.run(lambda: st.round_inputs(x), st.caches.main, st.verify_tail)
+        a = accept_greedy(drafts, main)
+        t1 = t2 = trio.current_time()
+    else:
+        await run_on(thread, st.apply_pending)
+        await run_on(thread, st.draft)
+        drafts, topk = await run_on(thread, st.host_draft_tokens)
+        t1 = trio.current_time()
+        main_l: list[int] = []
+        hs: list[mx.array] = []
+        tok = x
+        for i in range(len(drafts) + 1):
+            m, hi = await fwd.run(_ids([tok]), st.caches.main, st.step_tail)
+            main_l.append(m)
+            hs.append(hi)
+            if i == len(drafts) or drafts[i] != m:
+                break
+            tok = drafts[i]
+        main = np.array(main_l)
+        a = len(main_l) - 1
+        h = await run_on(thread, mx.concatenate, hs, 1) if len(hs) > 1 else hs[0]
+        t2 = trio.current_time()
+    rec.splits += fwd.stats.split_layer_steps > splits0
+    K = len(drafts)
+    committed = [*drafts[:a], int(main[a])]
+    st.pending = _Pending(K, a, h, committed)
+    if opts.verify_mode is MtpVerifyMode.BATCH and opts.rollback == "rerun" and a < K:
+        st.pending.rolled_back = await run_on(thread, st.rollback, K, a)
+        await fwd.run(_ids([x, *drafts[:a]]), st.caches.main, st.settle)
+    t3 = trio.current_time()
+    rec.round(_Draft(drafts, topk), main, a)
+    rec.draft_s += t1 - t0 if opts.verify_mode is not MtpVerifyMode.BATCH else 0.0
+    rec.verify_s += t2 - t1 if opts.verify_mode is not MtpVerifyMode.BATCH else t1 - t0
+    rec.rollback_s += t3 - t2
+    return committed
