@@ -34,10 +34,8 @@ NOT_YET_IMPLEMENTED: Mapping[str, str] = {
     "prefix.max_entries": PREFIX,
     "chat.tools_allow": CHAT_TOOLS,
     **{f"mtp.{f}": MTP for f in (
-        "enabled", "verify_mode", "hidden", "num_draft_tokens", "adaptive_depth", "conf_tau", "depth_max",
         "adaptive_rescue", "tree_top2", "tree_top2_p1", "tree_verify", "tree_branches")},
     **{f"kv.{f}": KV_QUANT for f in ("quantize", "k_bits", "v_bits", "group_size", "rotate", "rot_seed")},
     **{f"diag.{f}": PROBES for f in (
-        "window_prof", "stream_prof", "prefetch_tprof", "miss_attrib",
-        "accept_topk")},
+        "window_prof", "stream_prof", "prefetch_tprof", "miss_attrib")},
 }

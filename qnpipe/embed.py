@@ -24,6 +24,7 @@ from qnpipe.config import Config
 from qnpipe.engine import Core, Pipeline, build_core, open_core_pipeline
 from qnpipe.io.reader import ExpertReader
 from qnpipe.mlx_thread import MLXThread, run_on
+from qnpipe.spec.engine import speculate
 from qnpipe.stats import EngineStats, GenerateResult, LayerPoolStats, PoolStats, UnionProf
 from qnpipe.validate import check_generate_args
 
@@ -85,6 +86,10 @@ class _Runtime:
         async with self.lock:
             runner = self.core.runner
             ids = await run_on(self.thread, self.ids, prompt)
+            if self.core.mtp is not None and kw["temperature"] == 0.0:
+                res = await speculate(self.pipe.forward, self.thread, self.core, ids, kw, on_text, on_prefill, partial)
+                self.totals = self.totals.add(res.stats)
+                return res
             res = await decoding.generate(
                 self.pipe.forward, self.thread, runner.loaded.model, runner.tokenizer, ids,
                 max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_p=kw["top_p"], seed=kw["seed"],

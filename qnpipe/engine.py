@@ -76,6 +76,7 @@ class Core:
     runner: Runner
     streaming: Streaming | None
     backend: MlxBackend
+    mtp: Any = None  # the MTP head (qnpipe.model.mtp.MtpHead) when `mtp.enabled` and the model has one
 
     @property
     def args(self) -> ModelArgs:
@@ -129,12 +130,13 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
                     verify=cfg.read.verify_crc32, topk_override=cfg.forward.moe_topk_override)
     if (k := cfg.forward.moe_topk_override) is not None:
         _override_topk(runner, k)
+    mtp = _load_mtp(cfg, runner, model_dir)
     if not stream:
         asked = cfg.pool.expert_slots != PoolCfg().expert_slots or cfg.pool.capacity_profile_path
         if asked and not cfg.pool.eager_load and runner.loaded.layout is not Layout.QNPIPE:
             warnings.warn(f"{model_dir} has no expert store: every expert is resident "
                           f"(`qnpipe convert` makes a directory whose experts stream)", stacklevel=2)
-        return Core(cfg, runner, None, MlxBackend(runner.loaded.model, None))
+        return Core(cfg, runner, None, MlxBackend(runner.loaded.model, None), mtp)
     args = runner.loaded.args
     store = ExpertStore.open(cfg.model.expert_dir or model_dir)
     try:
@@ -153,7 +155,20 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
                            cfg.predict.use_moe_input)
     traced = bool(cfg.trace.event_log_path or cfg.trace.route_trace)
     backend = MlxBackend(runner.loaded.model, {layer: s.experts for layer, s in slots.items()}, plan, traced)
-    return Core(cfg, runner, streaming, backend)
+    return Core(cfg, runner, streaming, backend, mtp)
+
+
+def _load_mtp(cfg: Config, runner: Runner, model_dir: Path) -> Any:
+    """The MTP head when `mtp.enabled`; a model without MTP weights runs without, and says so once."""
+    if not cfg.mtp.enabled:
+        return None
+    from qnpipe.model.mtp import load_mtp
+
+    head = load_mtp(runner.loaded.args, runner.loaded.mtp_weights, str(model_dir))
+    if head is None:
+        warnings.warn(f"mtp.enabled: {model_dir} has no MTP weights (mtp.* / mtp.safetensors); generating "
+                      f"without MTP speculation", stacklevel=3)
+    return head
 
 
 def _override_topk(runner: Runner, k: int) -> None:

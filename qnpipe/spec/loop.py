@@ -89,7 +89,7 @@ class _Pending:
     rolled_back: bool = False
 
 
-class _Mlx:
+class SpecState:
     """The loop's MLX-thread half: the caches, the drafter's pending row, the tails.
 
     A round is one thread hop: the verify step's `inputs` callable applies the previous
@@ -252,28 +252,16 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, head: MtpHead,
                    partial: list[int] | None = None) -> GenerateResult:
     """Greedy generation with MTP speculation: the same tokens as plain greedy decoding, fewer steps."""
     t0 = trio.current_time()
-    st = await run_on(thread, _Mlx, model, head, opts)
-    spans = chunks(len(tokens), chunk)
-    hiddens: list[mx.array] = []
-    x = -1
-    for i, (lo, hi) in enumerate(spans):
-        if i == len(spans) - 1:
-            x, h = await fwd.run(_ids(tokens[lo:hi]), st.caches.main, st.first_token)
-        else:
-            h = await fwd.run(_ids(tokens[lo:hi]), st.caches.main, st.hidden_tail)
-        hiddens.append(h)
-        if on_prefill is not None:
-            on_prefill(hi, len(tokens))
+    st = await run_on(thread, SpecState, model, head, opts)
+    x = await prefill(fwd, thread, st, tokens, chunk, on_prefill)
     t_first = trio.current_time()
-    # The MTP over the prompt: row j pairs h_j with token j+1, the last row with the new token.
-    await run_on(thread, _catch_up, st, hiddens, [*tokens[1:], x], chunk)
     detok = tokenizer.detokenizer if tokenizer is not None else None
     if detok is not None:
         detok.reset()
     out: list[int] = [] if partial is None else partial
     reason = FinishReason.LENGTH
     n = 0
-    rec = _Recorder(opts.max_depth)
+    rec = Recorder(opts.max_depth)
     pending = [x]
     while True:
         for tok in pending:  # commit: stop at EOS or max_tokens
@@ -291,7 +279,7 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, head: MtpHead,
         if n >= max_tokens or reason is FinishReason.EOS:
             break
         x = pending[-1]
-        pending = await _round(fwd, thread, st, x, len(out), opts, rec)
+        pending = await spec_round(fwd, thread, st, x, len(out), opts, rec)
     await run_on(thread, st.apply_pending, True)  # leave the caches at the committed tokens
     t_end = trio.current_time()
     text = ""
@@ -311,11 +299,30 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, head: MtpHead,
     return GenerateResult(tokens=tuple(out), text=text, stats=stats)
 
 
-def _catch_up(st: _Mlx, hiddens: list[mx.array], next_tokens: list[int], chunk: int) -> None:
+async def prefill(fwd: Forward, thread: MLXThread, st: SpecState, tokens: Sequence[int], chunk: int,
+                  on_prefill: Callable[[int, int], None] | None = None) -> int:
+    """The prompt through the main model, then the MTP over its rows; returns the first new token."""
+    spans = chunks(len(tokens), chunk)
+    hiddens: list[mx.array] = []
+    x = -1
+    for i, (lo, hi) in enumerate(spans):
+        if i == len(spans) - 1:
+            x, h = await fwd.run(_ids(tokens[lo:hi]), st.caches.main, st.first_token)
+        else:
+            h = await fwd.run(_ids(tokens[lo:hi]), st.caches.main, st.hidden_tail)
+        hiddens.append(h)
+        if on_prefill is not None:
+            on_prefill(hi, len(tokens))
+    # Row j pairs h_j with token j+1, the last row with the new token.
+    await run_on(thread, catch_up, st, hiddens, [*tokens[1:], x], chunk)
+    return x
+
+
+def catch_up(st: SpecState, hiddens: list[mx.array], next_tokens: list[int], chunk: int) -> None:
     st.mtp_rows(mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0], next_tokens, chunk)
 
 
-class _Recorder:
+class Recorder:
     """Accumulates a generate call's SpecStats (trio side)."""
 
     def __init__(self, depth: int) -> None:
@@ -352,8 +359,8 @@ def accept_greedy(drafts: Sequence[int], main: Sequence[int]) -> int:
     return a
 
 
-async def _round(fwd: Forward, thread: MLXThread, st: _Mlx, x: int, done: int, opts: SpecOptions,
-                 rec: _Recorder) -> list[int]:
+async def spec_round(fwd: Forward, thread: MLXThread, st: SpecState, x: int, done: int, opts: SpecOptions,
+                 rec: Recorder) -> list[int]:
     """One draft / verify / rollback round after the pending token `x`; returns the committed tokens."""
     t0 = trio.current_time()
     st.done = done
