@@ -235,6 +235,8 @@ class SpecState:
             self.rollback(p.drafted, p.accepted)
         self.caches.mtp.trim(p.drafted - 1)
         self.mtp_rows(p.hidden[:, :len(p.rows)], p.rows, sync=sync)
+        if sync:
+            mx.eval([c.state for c in self.caches.main])
 
     def settle(self, h: mx.array) -> None:
         mx.eval(h, [c.state for c in self.caches.main])
