@@ -87,7 +87,8 @@ class _Runtime:
             runner = self.core.runner
             ids = await run_on(self.thread, self.ids, prompt)
             if self.core.mtp is not None and kw["temperature"] == 0.0:
-                res = await speculate(self.pipe.forward, self.thread, self.core, ids, kw, on_text, on_prefill, partial)
+                res = await speculate(self.pipe.forward, self.pipe.recording, self.thread, self.core, ids, kw, on_text,
+                                      on_prefill, partial)
                 self.totals = self.totals.add(res.stats)
                 return res
             res = await decoding.generate(

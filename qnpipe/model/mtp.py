@@ -146,4 +146,6 @@ def load_mtp(args: ModelArgs, weights: dict[str, mx.array], source: str) -> MtpH
 def _flat(module: nn.Module) -> list[tuple[str, mx.array]]:
     from mlx.utils import tree_flatten
 
-    return tree_flatten(module.parameters())
+    flat = tree_flatten(module.parameters())
+    assert isinstance(flat, list)
+    return flat

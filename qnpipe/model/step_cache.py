@@ -30,12 +30,14 @@ class StepCache(ArraysCache):
         self.conv_in = conv_in
         self.states = []
         outs = []
+        assert q.shape[1] > 0
         for t in range(q.shape[1]):
             out, state = gated_delta_update(
                 q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], a[:, t:t + 1], b[:, t:t + 1], A_log, dt_bias, state,
                 None if mask is None else mask[:, t:t + 1])
             outs.append(out)
             self.states.append(state)
+        assert state is not None
         return mx.concatenate(outs, axis=1), state
 
     def rollback(self, keep: int) -> None:

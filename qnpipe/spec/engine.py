@@ -7,24 +7,25 @@ from typing import Any
 
 from qnpipe.actors.forward import Forward
 from qnpipe.config import Config
+from qnpipe.messages import Msg
 from qnpipe.mlx_thread import MLXThread
 from qnpipe.spec import loop
 from qnpipe.stats import GenerateResult
 
 
-def options(cfg: Config) -> loop.SpecOptions:
-    m = cfg.mtp
-    return loop.SpecOptions(k=m.num_draft_tokens, verify_mode=m.verify_mode, hidden=m.hidden,
-                            adaptive_depth=m.adaptive_depth, conf_tau=m.conf_tau, depth_max=m.depth_max,
-                            accept_topk=cfg.diag.accept_topk)
+def options(cfg: Config, emit: Callable[[Msg], None] | None = None) -> loop.SpecOptions:
+    return loop.SpecOptions(k=cfg.mtp.num_draft_tokens, verify_mode=cfg.mtp.verify_mode, hidden=cfg.mtp.hidden,
+                            adaptive_depth=cfg.mtp.adaptive_depth, conf_tau=cfg.mtp.conf_tau,
+                            depth_max=cfg.mtp.depth_max, accept_topk=cfg.diag.accept_topk, emit=emit)
 
 
-async def speculate(fwd: Forward, thread: MLXThread, core: Any, ids: list[int], kw: dict[str, Any],
+async def speculate(fwd: Forward, emit: Callable[[Msg], None] | None, thread: MLXThread, core: Any,
+                    ids: list[int], kw: dict[str, Any],
                     on_text: Callable[[str], None] | None, on_prefill: Callable[[int, int], None] | None,
                     partial: list[int] | None) -> GenerateResult:
     """A greedy `generate` of the engine `core` with its MTP head (`core.mtp`)."""
     runner = core.runner
     return await loop.generate(fwd, thread, runner.loaded.model, core.mtp, runner.tokenizer, ids,
                                max_tokens=kw["max_tokens"], eos=runner.eos_ids if kw["stop_at_eos"] else set(),
-                               chunk=core.cfg.forward.prefill_chunk_tokens, opts=options(core.cfg),
+                               chunk=core.cfg.forward.prefill_chunk_tokens, opts=options(core.cfg, emit),
                                on_text=on_text, on_prefill=on_prefill, partial=partial)

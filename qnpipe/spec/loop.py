@@ -24,7 +24,9 @@ import trio
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from qnpipe.actors.forward import Forward
+from qnpipe.actors.stamp import Stamper
 from qnpipe.config import MtpHidden, MtpVerifyMode
+from qnpipe.messages import Msg
 from qnpipe.mlx_thread import MLXThread, run_on
 from qnpipe.model.decode import chunks
 from qnpipe.model.mtp import MtpHead
@@ -32,6 +34,7 @@ from qnpipe.model.qwen3_next import Model
 from qnpipe.model.step_cache import StepCache
 from qnpipe.spec.stats import SpecStats
 from qnpipe.stats import FinishReason, GenerateResult, GenerateStats
+from qnpipe.trace import SpecRound
 
 # Test hook: (tokens generated so far, the drafter's drafts) -> the drafts to verify instead.
 Oracle = Callable[[int, list[int]], list[int]]
@@ -50,6 +53,7 @@ class SpecOptions:
     accept_topk: int = 0
     rollback: str = "states"
     oracle: Oracle | None = None
+    emit: Callable[[Msg], None] | None = None  # the event log's (qnpipe.actors.recorder): one record per round
 
     @property
     def max_depth(self) -> int:
@@ -161,7 +165,7 @@ class SpecState:
                 break
             if o.adaptive_depth:
                 p = mx.softmax(logits.astype(mx.float32), axis=-1)[d]
-                conf *= float(p.item())
+                conf *= float(p.item())  # pyright: ignore[reportArgumentType]  # a probability: a real scalar
                 if conf < o.conf_tau:
                     break
             lg, out, pre = self.head(self.model, feed, d.reshape(1, 1).astype(mx.uint32), self.caches.mtp)
@@ -334,8 +338,9 @@ class Recorder:
         self.accepted = [0] * depth
         self.topk = [0] * depth
         self.draft_s = self.verify_s = self.rollback_s = 0.0
+        self.stamper = Stamper()
 
-    def round(self, drafts: _Draft, main: Sequence[int], a: int) -> None:
+    def round(self, drafts: _Draft, main: Sequence[int] | np.ndarray, a: int) -> None:
         self.rounds += 1
         self.tokens += a + 1
         self.hist[a] += 1
@@ -346,7 +351,7 @@ class Recorder:
             self.topk[i] += int(main[i]) in top
 
     def stats(self) -> SpecStats:
-        return SpecStats(rounds=self.rounds, tokens=self.tokens, accept_hist=tuple(self.hist),
+        return SpecStats.build(rounds=self.rounds, tokens=self.tokens, accept_hist=tuple(self.hist),
                          drafted_at=tuple(self.drafted), accepted_at=tuple(self.accepted),
                          topk_hits=tuple(self.topk) if any(self.topk) else (),
                          capacity_split_verifies=self.splits, draft_s=self.draft_s, verify_s=self.verify_s,
@@ -399,6 +404,9 @@ async def spec_round(fwd: Forward, thread: MLXThread, st: SpecState, x: int, don
         await fwd.run(_ids([x, *drafts[:a]]), st.caches.main, st.settle)
     t3 = trio.current_time()
     rec.round(_Draft(drafts, topk), main, a)
+    if opts.emit is not None:
+        opts.emit(SpecRound(**rec.stamper.stamp(), step=fwd.stats.steps, drafts=tuple(drafts), accepted=a,
+                           bonus=committed[-1]))
     rec.draft_s += t1 - t0 if opts.verify_mode is not MtpVerifyMode.BATCH else 0.0
     rec.verify_s += t2 - t1 if opts.verify_mode is not MtpVerifyMode.BATCH else t1 - t0
     rec.rollback_s += t3 - t2

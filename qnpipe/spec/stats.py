@@ -27,17 +27,19 @@ class SpecStats(msgspec.Struct, frozen=True, kw_only=True):
     draft_s: float = 0.0
     verify_s: float = 0.0
     rollback_s: float = 0.0
+    mean_accept_len: float = 0.0  # derived (`build`): tokens / rounds
+    accept_rate_at: tuple[float, ...] = ()  # derived: accepted_at / drafted_at
 
-    @property
-    def mean_accept_len(self) -> float:
-        return self.tokens / self.rounds if self.rounds else 0.0
-
-    @property
-    def accept_rate_at(self) -> tuple[float, ...]:
-        return tuple(a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True))
+    @classmethod
+    def build(cls, **counts: object) -> SpecStats:
+        """The stats of `counts` (the fields above the derived ones) with the derived fields filled in."""
+        s = cls(**counts)  # pyright: ignore[reportArgumentType]
+        return msgspec.structs.replace(
+            s, mean_accept_len=s.tokens / s.rounds if s.rounds else 0.0,
+            accept_rate_at=tuple(a / d if d else 0.0 for a, d in zip(s.accepted_at, s.drafted_at, strict=True)))
 
     def add(self, o: SpecStats) -> SpecStats:
-        return SpecStats(
+        return SpecStats.build(
             rounds=self.rounds + o.rounds, tokens=self.tokens + o.tokens,
             accept_hist=_vadd(self.accept_hist, o.accept_hist), drafted_at=_vadd(self.drafted_at, o.drafted_at),
             accepted_at=_vadd(self.accepted_at, o.accepted_at), topk_hits=_vadd(self.topk_hits, o.topk_hits),
@@ -46,11 +48,14 @@ class SpecStats(msgspec.Struct, frozen=True, kw_only=True):
             draft_s=self.draft_s + o.draft_s, verify_s=self.verify_s + o.verify_s,
             rollback_s=self.rollback_s + o.rollback_s)
 
-    def summary(self) -> dict[str, object]:
-        """The stats plus the derived rates (what --stats prints)."""
-        return {**msgspec.structs.asdict(self), "mean_accept_len": self.mean_accept_len,
-                "accept_rate_at": list(self.accept_rate_at)}
-
+    def line(self) -> str:
+        """One line for --stats."""
+        rates = " ".join(f"{r:.2f}" for r in self.accept_rate_at)
+        hist = " ".join(f"{a}:{n}" for a, n in enumerate(self.accept_hist))
+        top = f"; drafter top-k holds the token {'/'.join(map(str, self.topk_hits))}" if self.topk_hits else ""
+        return (f"[mtp: {self.rounds} rounds, {self.mean_accept_len:.2f} tokens per round; acceptance by position "
+                f"{rates}; accepted drafts {hist}; {self.capacity_split_verifies} verify steps in parts; "
+                f"draft {self.draft_s:.3f}s verify {self.verify_s:.3f}s rollback {self.rollback_s:.3f}s{top}]")
 
 def _vadd(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     n = max(len(a), len(b))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from qnpipe.errors import CheckpointError
+from qnpipe.model.experts import ResidentExperts
 from qnpipe.model.load import load_model
 from qnpipe.model.mtp import load_mtp
 
@@ -54,7 +55,9 @@ def test_quantized_mtp_head_loads_and_drafts_like_the_float_one(trained_hf: Path
     h32, h4 = load_mtp(lm32.args, lm32.mtp_weights, "f32"), load_mtp(lm4.args, lm4.mtp_weights, "q4")
     assert h32 is not None and h4 is not None
     assert h4.fc.bits == 4 and h4.fc.group_size == 32 and not hasattr(h32.fc, "bits")
-    le = h4.mlp._experts.layers[lm4.args.num_hidden_layers]
+    src = h4.mlp._experts
+    assert isinstance(src, ResidentExperts)
+    le = src.layers[lm4.args.num_hidden_layers]
     assert le.gate_proj.bits == 4 and le.down_proj.group_size == 32
     toks = mx.array([[int(t) for t in np.random.default_rng(2).integers(9, 4096, 64)]], dtype=mx.uint32)
     a = np.array(h32(lm32.model, lm32.model.model(toks)[:, :-1], toks[:, 1:], h32.make_cache())[0][0]).argmax(-1)

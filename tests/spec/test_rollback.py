@@ -97,6 +97,7 @@ def _plain_caches(lm: Any, head: MtpHead, tokens: list[int], nxt: int) -> tuple[
 
 def _arrays(c: Any) -> list[np.ndarray]:
     if isinstance(c, KVCache):
+        assert c.keys is not None and c.values is not None
         return [np.array(c.keys[..., :c.offset, :]), np.array(c.values[..., :c.offset, :])]
     return [np.array(c[0]), np.array(c[1])]
 
