@@ -86,7 +86,7 @@ class _Runtime:
         async with self.lock:
             runner = self.core.runner
             ids = await run_on(self.thread, self.ids, prompt)
-            if self.core.mtp is not None and kw["temperature"] == 0.0:
+            if self.core.mtp is not None:
                 res = await speculate(self.pipe.forward, self.pipe.recording, self.thread, self.core, ids, kw, on_text,
                                       on_prefill, partial)
                 self.totals = self.totals.add(res.stats)

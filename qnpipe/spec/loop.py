@@ -32,6 +32,7 @@ from qnpipe.model.decode import chunks
 from qnpipe.model.mtp import MtpHead
 from qnpipe.model.qwen3_next import Model
 from qnpipe.model.step_cache import StepCache
+from qnpipe.spec.sampling import accept_sampled, draw, judge, probs
 from qnpipe.spec.stats import SpecStats
 from qnpipe.stats import FinishReason, GenerateResult, GenerateStats
 from qnpipe.trace import SpecRound
@@ -54,6 +55,13 @@ class SpecOptions:
     rollback: str = "states"
     oracle: Oracle | None = None
     emit: Callable[[Msg], None] | None = None  # the event log's (qnpipe.actors.recorder): one record per round
+    temperature: float = 0.0  # > 0: speculative sampling (qnpipe.spec.sampling)
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def sampling(self) -> bool:
+        return self.temperature > 0.0
 
     @property
     def max_depth(self) -> int:
@@ -115,7 +123,13 @@ class SpecState:
         self.drafts: list[mx.array] = []
         self.topk: list[mx.array] = []
         self.host_drafts: list[int] | None = None
+        self.q: list[np.ndarray] = []  # sampling: the distribution each draft was drawn from
+        self.rng = np.random.default_rng(opts.seed)
         self.done = 0  # tokens generated before this round (the oracle's index)
+
+    def dist(self, logits: mx.array) -> np.ndarray:
+        """Sampling: the distribution plain sampling draws from (host, float64)."""
+        return probs(np.array(logits.astype(mx.float32)), self.opts.temperature, self.opts.top_p)
 
     def drafter_input(self, h: mx.array) -> mx.array:
         """The main model's hidden as the drafter reads it (`mtp.hidden`).
@@ -133,6 +147,10 @@ class SpecState:
         return h
 
     def first_token(self, h: mx.array) -> tuple[int, mx.array]:
+        if self.opts.sampling:
+            p = self.dist(self.model.head(h[:, -1, :])[0])
+            mx.eval(h, [c.state for c in self.caches.main])
+            return draw(p, self.rng), h
         tok = mx.argmax(self.model.head(h[:, -1, :])[0], axis=-1)
         mx.eval(tok, h, [c.state for c in self.caches.main])
         return int(tok.item()), h  # pyright: ignore[reportArgumentType]
@@ -153,17 +171,26 @@ class SpecState:
         assert self.logits is not None and self.feed is not None
         o = self.opts
         logits, feed = self.logits, self.feed
-        self.drafts, self.topk, self.host_drafts = [], [], None
+        self.drafts, self.topk, self.host_drafts, self.q = [], [], None, []
         conf = 1.0
         while True:
-            d = mx.argmax(logits, axis=-1)
+            if o.sampling:
+                q = self.dist(logits)
+                self.q.append(q)
+                d = mx.array(draw(q, self.rng), dtype=mx.uint32)
+            else:
+                d = mx.argmax(logits, axis=-1)
             self.drafts.append(d)
             if o.accept_topk > 0:
                 kk = min(o.accept_topk, logits.shape[-1])
                 self.topk.append(mx.argpartition(-logits, kth=kk - 1)[:kk])
             if len(self.drafts) >= o.max_depth:
                 break
-            if o.adaptive_depth:
+            if o.adaptive_depth and o.sampling:
+                conf *= float(self.q[-1][int(d.item())])  # pyright: ignore[reportArgumentType]
+                if conf < o.conf_tau:
+                    break
+            elif o.adaptive_depth:
                 p = mx.softmax(logits.astype(mx.float32), axis=-1)[d]
                 conf *= float(p.item())  # pyright: ignore[reportArgumentType]  # a probability: a real scalar
                 if conf < o.conf_tau:
@@ -195,14 +222,23 @@ class SpecState:
                     self.saved.append((c[0], c[1]))
 
     def verify_tail(self, h: mx.array) -> tuple[np.ndarray, list[int], list[list[int]], mx.array]:
-        """Greedy tokens of every verified position, the drafts, their top-k, and the hidden states."""
+        """Greedy tokens of every verified position (sampling: their distributions [K+1, V]), the drafts,
+        their top-k, and the hidden states."""
+        if self.opts.sampling:
+            p = self.dist(self.model.head(h)[0])
+            mx.eval(h, self.drafts, self.topk, [c.state for c in self.caches.main])
+            return p, [int(d.item()) for d in self.drafts], [np.array(t).tolist() for t in self.topk], h  # pyright: ignore[reportArgumentType]
         am = mx.argmax(self.model.head(h)[0], axis=-1)
         mx.eval(am, h, self.drafts, self.topk, [c.state for c in self.caches.main])
         drafts = self.host_drafts if self.host_drafts is not None else [int(d.item()) for d in self.drafts]  # pyright: ignore[reportArgumentType]
         return np.array(am), drafts, [np.array(t).tolist() for t in self.topk], h
 
-    def step_tail(self, h: mx.array) -> tuple[int, mx.array]:
-        """`verify_mode=sequential`: one position's greedy token (the drafts are read with it)."""
+    def step_tail(self, h: mx.array) -> tuple[Any, mx.array]:
+        """`verify_mode=sequential`: one position's greedy token (sampling: its distribution)."""
+        if self.opts.sampling:
+            p = self.dist(self.model.head(h[:, -1])[0])
+            mx.eval(h, [c.state for c in self.caches.main])
+            return p, h
         am = mx.argmax(self.model.head(h[:, -1])[0], axis=-1)
         mx.eval(am, h, self.drafts, self.topk, [c.state for c in self.caches.main])
         return int(am.item()), h  # pyright: ignore[reportArgumentType]
@@ -374,7 +410,11 @@ async def spec_round(fwd: Forward, thread: MLXThread, st: SpecState, x: int, don
     splits0 = fwd.stats.split_layer_steps
     if opts.verify_mode is MtpVerifyMode.BATCH:
         main, drafts, topk, h = await fwd.run(lambda: st.round_inputs(x), st.caches.main, st.verify_tail)
-        a = accept_greedy(drafts, main)
+        if opts.sampling:
+            a, bonus = accept_sampled(drafts, np.stack(st.q), main, st.rng)
+            main = np.array([*drafts[:a], bonus])
+        else:
+            a = accept_greedy(drafts, main)
         t1 = t2 = trio.current_time()
     else:
         await run_on(thread, st.apply_pending)
@@ -386,10 +426,16 @@ async def spec_round(fwd: Forward, thread: MLXThread, st: SpecState, x: int, don
         tok = x
         for i in range(len(drafts) + 1):
             m, hi = await fwd.run(_ids([tok]), st.caches.main, st.step_tail)
-            main_l.append(m)
             hs.append(hi)
-            if i == len(drafts) or drafts[i] != m:
-                break
+            if opts.sampling:  # m: this position's distribution
+                r = draw(m, st.rng) if i == len(drafts) else judge(drafts[i], st.q[i], m, st.rng)
+                main_l.append(drafts[i] if r is None else r)
+                if r is not None:
+                    break
+            else:
+                main_l.append(m)
+                if i == len(drafts) or drafts[i] != m:
+                    break
             tok = drafts[i]
         main = np.array(main_l)
         a = len(main_l) - 1

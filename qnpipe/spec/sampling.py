@@ -42,13 +42,19 @@ def draw(p: np.ndarray, rng: np.random.Generator) -> int:
     return int(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right").clip(0, p.shape[-1] - 1))
 
 
+def judge(d: int, q: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> int | None:
+    """None when the draft `d` (drawn from `q [V]`) is kept against `p [V]`, else the token drawn instead."""
+    if rng.random() * q[d] < p[d]:  # u < p/q, without dividing by a zero q
+        return None
+    residual = np.maximum(p - q, 0.0)
+    if residual.sum() <= 0.0:  # p == q up to rounding: any draw from p is exact
+        residual = p
+    return draw(residual, rng)
+
+
 def accept_sampled(drafts: Sequence[int], q: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
     """(kept drafts `a`, the next token) for drafts drawn from `q [K, V]`, verified against `p [K+1, V]`."""
     for i, d in enumerate(drafts):
-        if rng.random() * q[i, d] < p[i, d]:  # u < p/q, without dividing by a zero q
-            continue
-        residual = np.maximum(p[i] - q[i], 0.0)
-        if residual.sum() <= 0.0:  # p == q up to rounding: any draw from p is exact
-            residual = p[i]
-        return i, draw(residual, rng)
+        if (tok := judge(d, q[i], p[i], rng)) is not None:
+            return i, tok
     return len(drafts), draw(p[len(drafts)], rng)
