@@ -121,6 +121,7 @@ def test_sampled_speculation_matches_plain_sampling_end_to_end(tiny_vocab: Path)
     th = MLXThread.shared()
     lm = th.submit(load_model, tiny_vocab).result()
     head = th.submit(load_mtp, lm.args, lm.mtp_weights, "v16").result()
+    assert head is not None
 
     def exact() -> tuple[np.ndarray, np.ndarray]:
         p1 = probs(np.array(lm.model(mx.array([prompt], dtype=mx.uint32))[0, -1]), T, 1.0)
