@@ -62,10 +62,13 @@ class Streaming:
     reader: ExpertReader
     slots: dict[int, LayerSlots]
     capacities: dict[int, int]
+    mtp: Any = None  # the MTP layer's record layout and its reader (qnpipe.spec.mtp_store.MtpLayer) when it streams
 
     def close(self) -> None:
         self.reader.close()
         self.store.close()
+        if self.mtp is not None:
+            self.mtp.close()
 
 
 @attrs.define
@@ -130,7 +133,7 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
                     verify=cfg.read.verify_crc32, topk_override=cfg.forward.moe_topk_override)
     if (k := cfg.forward.moe_topk_override) is not None:
         _override_topk(runner, k)
-    mtp = _load_mtp(cfg, runner, model_dir)
+    mtp = _load_mtp(cfg, runner, model_dir, resident=not stream)
     if not stream:
         asked = cfg.pool.expert_slots != PoolCfg().expert_slots or cfg.pool.capacity_profile_path
         if asked and not cfg.pool.eager_load and runner.loaded.layout is not Layout.QNPIPE:
@@ -144,11 +147,18 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
         side = side_slots(cfg)
         # One stacked array per layer holds the resident slots and, after them, the side region.
         slots = {layer: make_layer_slots(store.layer_file(layer), cap + side) for layer, cap in caps.items()}
+        mtp_layer = None
+        if mtp is not None:  # the head's MoE: a pool layer of its own, read from mtp.safetensors
+            from qnpipe.spec.mtp_store import MtpLayer
+
+            mtp_layer = MtpLayer.open(args, model_dir / "mtp.safetensors", SsdReader.from_config(cfg.read))
+            caps[mtp_layer.layer] = min(cfg.pool.expert_slots, args.num_experts)
+            slots[mtp_layer.layer] = make_layer_slots(mtp_layer.file, caps[mtp_layer.layer] + side)
         reader = reader if reader is not None else SsdReader.from_config(cfg.read)
     except BaseException:
         store.close()
         raise
-    streaming = Streaming(store, reader, slots, caps)
+    streaming = Streaming(store, reader, slots, caps, mtp_layer)
     plan = None
     if cfg.predict.cross_layer_prefetch:
         plan = PredictPlan(predict_targets(args.moe_layers, cfg.predict), cfg.predict.width_experts,
@@ -158,13 +168,16 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
     return Core(cfg, runner, streaming, backend, mtp)
 
 
-def _load_mtp(cfg: Config, runner: Runner, model_dir: Path) -> Any:
-    """The MTP head when `mtp.enabled`; a model without MTP weights runs without, and says so once."""
+def _load_mtp(cfg: Config, runner: Runner, model_dir: Path, resident: bool) -> Any:
+    """The MTP head when `mtp.enabled`; a model without MTP weights runs without, and says so once.
+
+    Streamed (`resident` False), the head's experts stay in `mtp.safetensors`: the pool reads them.
+    """
     if not cfg.mtp.enabled:
         return None
     from qnpipe.model.mtp import load_mtp
 
-    head = load_mtp(runner.loaded.args, runner.loaded.mtp_weights, str(model_dir))
+    head = load_mtp(runner.loaded.args, runner.loaded.mtp_weights, str(model_dir), resident_experts=resident)
     if head is None:
         warnings.warn(f"mtp.enabled: {model_dir} has no MTP weights (mtp.* / mtp.safetensors); generating "
                       f"without MTP speculation", stacklevel=3)
@@ -392,12 +405,18 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
                                  device=None, shape=ModelShape.of(core.args), wall_start_unix_s=time.time()) as p:
             yield p
         return
-    device = StoreDevice(st.store, st.reader, lambda layer, slot: st.slots[layer].dest(slot),
-                         verify_crc32=core.cfg.read.verify_crc32)
-    nbytes = {layer: st.store.layer_file(layer).record_nbytes for layer in st.capacities}
+    store_device = StoreDevice(st.store, st.reader, lambda layer, slot: st.slots[layer].dest(slot),
+                               verify_crc32=core.cfg.read.verify_crc32)
+    device: Any = store_device
+    nbytes = {layer: st.store.layer_file(layer).record_nbytes for layer in st.capacities if layer != core.args.num_hidden_layers}
+    if st.mtp is not None:
+        device = st.mtp.routed(store_device, lambda layer, slot: st.slots[layer].dest(slot))
+        nbytes[st.mtp.layer] = st.mtp.file.record_nbytes
     autopin = Autopin.open(core.cfg, model_id(core.args), core.args.num_experts_per_tok)
 
     async def check_bytes(layer: int, experts: tuple[int, ...], slots: tuple[int, ...]) -> None:
+        if st.mtp is not None and layer == st.mtp.layer:
+            return  # mtp.safetensors has no per-record checksum or store record to compare with
         await trio.to_thread.run_sync(compare_slots_with_disk, st, layer, experts, slots)
 
     try:
@@ -408,7 +427,7 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
                                  wall_start_unix_s=time.time()) as p:
             yield p
     finally:
-        device.close()
+        store_device.close()
 
 
 __all__ = ["CapacityError", "Core", "Pipeline", "Streaming", "build_core", "layer_capacities", "open_pipeline",

@@ -49,11 +49,18 @@ class MtpHead(nn.Module):
 
     def __call__(self, model: Model, hidden: mx.array, next_tokens: mx.array,
                  cache: KVCache) -> tuple[mx.array, mx.array, mx.array]:
+        h = self.mix(model, hidden, next_tokens, cache)
+        return self.finish(model, h + self.mlp(self.post_attention_layernorm(h)))
+
+    def mix(self, model: Model, hidden: mx.array, next_tokens: mx.array, cache: KVCache) -> mx.array:
+        """Everything before the MoE: fc over [embedding, hidden], then the attention's residual step."""
         e = self.pre_fc_norm_embedding(model.model.embed_tokens(next_tokens))
         u = self.fc(mx.concatenate([e, self.pre_fc_norm_hidden(hidden)], axis=-1))  # embedding half first
         mask = create_attention_mask(u, cache)
-        h = u + self.self_attn(self.input_layernorm(u), mask, cache)
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        return u + self.self_attn(self.input_layernorm(u), mask, cache)
+
+    def finish(self, model: Model, h: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(draft logits, hidden after mtp.norm, hidden before it) from the layer's output `h`."""
         out = self.norm(h)
         return model.head(out), out, h
 
@@ -102,8 +109,12 @@ def _stack_experts(args: ModelArgs, w: dict[str, mx.array], source: str) -> Laye
     return LayerExperts(**projs)
 
 
-def load_mtp(args: ModelArgs, weights: dict[str, mx.array], source: str) -> MtpHead | None:
+def load_mtp(args: ModelArgs, weights: dict[str, mx.array], source: str, *,
+             resident_experts: bool = True) -> MtpHead | None:
     """The MTP head of `weights` (HF names), its experts resident; None when there are none.
+
+    `resident_experts` False checks the experts and drops them: the pool streams them from
+    the file (qnpipe.spec.mtp_store).
 
     Raises CheckpointError naming `source` and the tensor for missing, unexpected or
     misshapen tensors.
@@ -137,9 +148,11 @@ def load_mtp(args: ModelArgs, weights: dict[str, mx.array], source: str) -> MtpH
                                   f"expected {list(arr.shape)}")
     head.load_weights(list(w.items()), strict=True)
     head.eval()
-    head.mlp._experts = ResidentExperts({head.layer_id: experts})
-    mx.eval(head.parameters(), [a for p in (experts.gate_proj, experts.up_proj, experts.down_proj)
-                                for a in (p.weight, p.scales, p.biases) if a is not None])
+    if resident_experts:
+        head.mlp._experts = ResidentExperts({head.layer_id: experts})
+        mx.eval([a for p in (experts.gate_proj, experts.up_proj, experts.down_proj)
+                 for a in (p.weight, p.scales, p.biases) if a is not None])
+    mx.eval(head.parameters())
     return head
 
 

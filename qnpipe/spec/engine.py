@@ -14,11 +14,11 @@ from qnpipe.stats import GenerateResult
 
 
 def options(cfg: Config, emit: Callable[[Msg], None] | None = None, *, temperature: float = 0.0,
-            top_p: float = 1.0, seed: int | None = None) -> loop.SpecOptions:
+            top_p: float = 1.0, seed: int | None = None, mtp_streamed: bool = False) -> loop.SpecOptions:
     return loop.SpecOptions(k=cfg.mtp.num_draft_tokens, verify_mode=cfg.mtp.verify_mode, hidden=cfg.mtp.hidden,
                             adaptive_depth=cfg.mtp.adaptive_depth, conf_tau=cfg.mtp.conf_tau,
                             depth_max=cfg.mtp.depth_max, accept_topk=cfg.diag.accept_topk, emit=emit,
-                            temperature=temperature, top_p=top_p, seed=seed)
+                            temperature=temperature, top_p=top_p, seed=seed, mtp_streamed=mtp_streamed)
 
 
 async def speculate(fwd: Forward, emit: Callable[[Msg], None] | None, thread: MLXThread, core: Any,
@@ -30,5 +30,6 @@ async def speculate(fwd: Forward, emit: Callable[[Msg], None] | None, thread: ML
     return await loop.generate(fwd, thread, runner.loaded.model, core.mtp, runner.tokenizer, ids,
                                max_tokens=kw["max_tokens"], eos=runner.eos_ids if kw["stop_at_eos"] else set(),
                                chunk=core.cfg.forward.prefill_chunk_tokens, opts=options(core.cfg, emit, temperature=kw["temperature"],
-                                                                    top_p=kw["top_p"], seed=kw["seed"]),
+                                                                    top_p=kw["top_p"], seed=kw["seed"],
+                                                                    mtp_streamed=core.streaming is not None),
                                on_text=on_text, on_prefill=on_prefill, partial=partial)

@@ -32,6 +32,7 @@ from qnpipe.model.decode import chunks
 from qnpipe.model.mtp import MtpHead
 from qnpipe.model.qwen3_next import Model
 from qnpipe.model.step_cache import StepCache
+from qnpipe.model.stepper import MtpRun
 from qnpipe.spec.sampling import accept_sampled, draw, judge, probs
 from qnpipe.spec.stats import SpecStats
 from qnpipe.stats import FinishReason, GenerateResult, GenerateStats
@@ -55,6 +56,7 @@ class SpecOptions:
     rollback: str = "states"
     oracle: Oracle | None = None
     emit: Callable[[Msg], None] | None = None  # the event log's (qnpipe.actors.recorder): one record per round
+    mtp_streamed: bool = False  # the head's experts come from the pool: each MTP call is a forward step
     temperature: float = 0.0  # > 0: speculative sampling (qnpipe.spec.sampling)
     top_p: float = 1.0
     seed: int | None = None
@@ -227,7 +229,8 @@ class SpecState:
         if self.opts.sampling:
             p = self.dist(self.model.head(h)[0])
             mx.eval(h, self.drafts, self.topk, [c.state for c in self.caches.main])
-            return p, [int(d.item()) for d in self.drafts], [np.array(t).tolist() for t in self.topk], h  # pyright: ignore[reportArgumentType]
+            drafts = self.host_drafts if self.host_drafts is not None else [int(d.item()) for d in self.drafts]  # pyright: ignore[reportArgumentType]
+            return p, drafts, [np.array(t).tolist() for t in self.topk], h
         am = mx.argmax(self.model.head(h)[0], axis=-1)
         mx.eval(am, h, self.drafts, self.topk, [c.state for c in self.caches.main])
         drafts = self.host_drafts if self.host_drafts is not None else [int(d.item()) for d in self.drafts]  # pyright: ignore[reportArgumentType]
@@ -281,6 +284,49 @@ class SpecState:
     def settle(self, h: mx.array) -> None:
         mx.eval(h, [c.state for c in self.caches.main])
 
+    # -- the head's experts streamed: every MTP call is a step of the forward (qnpipe.model.stepper.MtpRun)
+
+    def mtp_run(self, hidden: mx.array, tokens: Sequence[int], drafter_hidden: bool = False) -> MtpRun:
+        """An MTP step over rows (hidden[t], tokens[t]), t < len(tokens)."""
+        hidden = hidden[:, :len(tokens)]
+        feed = hidden if drafter_hidden else self.drafter_input(hidden)
+        return MtpRun(self.head, feed, mx.array(list(tokens), dtype=mx.uint32)[None], self.caches.mtp)
+
+    def mtp_tail(self, value: Any) -> None:
+        """The MTP step's (logits, hidden after mtp.norm, before it): the next draft's row."""
+        logits, out, pre = value
+        self.logits = logits[0, -1]
+        self.feed = (out if self.opts.hidden is MtpHidden.POST_NORM else pre)[:, -1:]
+        mx.eval(self.logits, self.feed, self.caches.mtp.state)
+
+    def pick(self) -> tuple[int, float]:
+        """A draft from the pending row's logits (host): argmax, or drawn (sampling); and its probability."""
+        assert self.logits is not None
+        o = self.opts
+        if o.accept_topk > 0:
+            kk = min(o.accept_topk, self.logits.shape[-1])
+            self.topk.append(mx.argpartition(-self.logits, kth=kk - 1)[:kk])
+        if o.sampling:
+            q = self.dist(self.logits)
+            self.q.append(q)
+            d = draw(q, self.rng)
+            return d, float(q[d])
+        d = int(mx.argmax(self.logits).item())  # pyright: ignore[reportArgumentType]
+        conf = float(mx.softmax(self.logits.astype(mx.float32))[d].item()) if o.adaptive_depth else 1.0  # pyright: ignore[reportArgumentType]
+        return d, conf
+
+    def begin_streamed_draft(self) -> None:
+        self.drafts, self.topk, self.host_drafts, self.q = [], [], None, []
+
+    def take_pending(self) -> _Pending | None:
+        """The last round's rollback, applied now; the MTP repair it still needs is returned."""
+        p, self.pending = self.pending, None
+        if p is not None:
+            if not p.rolled_back and self.opts.verify_mode is MtpVerifyMode.BATCH:
+                self.rollback(p.drafted, p.accepted)
+            self.caches.mtp.trim(p.drafted - 1)
+        return p
+
 
 def _ids(tokens: Sequence[int]) -> Callable[[], mx.array]:
     # Built on the MLX thread: an MLX op made on another thread is bound to that thread's stream.
@@ -322,7 +368,12 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, head: MtpHead,
             break
         x = pending[-1]
         pending = await spec_round(fwd, thread, st, x, len(out), opts, rec)
-    await run_on(thread, st.apply_pending, True)  # leave the caches at the committed tokens
+    if opts.mtp_streamed:  # leave the caches at the committed tokens
+        p = await run_on(thread, st.take_pending)
+        if p is not None:
+            await fwd.run(_mtp_input(st, p.hidden, p.rows), None, st.mtp_tail)
+    else:
+        await run_on(thread, st.apply_pending, True)
     t_end = trio.current_time()
     text = ""
     if detok is not None:
@@ -356,8 +407,40 @@ async def prefill(fwd: Forward, thread: MLXThread, st: SpecState, tokens: Sequen
         if on_prefill is not None:
             on_prefill(hi, len(tokens))
     # Row j pairs h_j with token j+1, the last row with the new token.
-    await run_on(thread, catch_up, st, hiddens, [*tokens[1:], x], chunk)
+    if st.opts.mtp_streamed:
+        nxt = [*tokens[1:], x]
+        for (lo, hi), h in zip(spans, hiddens, strict=True):
+            await fwd.run(_mtp_input(st, h, nxt[lo:hi]), None, st.mtp_tail)
+    else:
+        await run_on(thread, catch_up, st, hiddens, [*tokens[1:], x], chunk)
     return x
+
+
+def _mtp_input(st: SpecState, hidden: mx.array, tokens: Sequence[int],
+               drafter_hidden: bool = False) -> Callable[[], MtpRun]:
+    return lambda: st.mtp_run(hidden, tokens, drafter_hidden)
+
+
+async def _streamed_drafts(fwd: Forward, thread: MLXThread, st: SpecState) -> None:
+    """The previous round's MTP repair and this round's drafts, each MTP call a step through the pool."""
+    p = await run_on(thread, st.take_pending)
+    if p is not None:
+        await fwd.run(_mtp_input(st, p.hidden, p.rows), None, st.mtp_tail)
+    await run_on(thread, st.begin_streamed_draft)
+    o = st.opts
+    tokens: list[int] = []
+    conf = 1.0
+    while True:
+        d, p_d = await run_on(thread, st.pick)
+        tokens.append(d)
+        conf *= p_d
+        if len(tokens) >= o.max_depth or (o.adaptive_depth and conf < o.conf_tau):
+            break
+        assert st.feed is not None
+        await fwd.run(_mtp_input(st, st.feed, [d], drafter_hidden=True), None, st.mtp_tail)
+    if o.oracle is not None:
+        tokens = o.oracle(st.done, tokens)
+    st.host_drafts = tokens
 
 
 def catch_up(st: SpecState, hiddens: list[mx.array], next_tokens: list[int], chunk: int) -> None:
@@ -405,21 +488,33 @@ def accept_greedy(drafts: Sequence[int], main: Sequence[int]) -> int:
 async def spec_round(fwd: Forward, thread: MLXThread, st: SpecState, x: int, done: int, opts: SpecOptions,
                  rec: Recorder) -> list[int]:
     """One draft / verify / rollback round after the pending token `x`; returns the committed tokens."""
-    t0 = trio.current_time()
+    t0 = t1 = t2 = trio.current_time()
     st.done = done
     splits0 = fwd.stats.split_layer_steps
-    if opts.verify_mode is MtpVerifyMode.BATCH:
+    if opts.verify_mode is MtpVerifyMode.BATCH and opts.mtp_streamed:
+        await _streamed_drafts(fwd, thread, st)
+        rec.draft_s += trio.current_time() - t0
+        t0 = trio.current_time()
+        await run_on(thread, st.begin_verify)
+        assert st.host_drafts is not None
+        main, drafts, topk, h = await fwd.run(_ids([x, *st.host_drafts]), st.caches.main, st.verify_tail)
+    elif opts.verify_mode is MtpVerifyMode.BATCH:
         main, drafts, topk, h = await fwd.run(lambda: st.round_inputs(x), st.caches.main, st.verify_tail)
+    if opts.verify_mode is MtpVerifyMode.BATCH:
         if opts.sampling:
             a, bonus = accept_sampled(drafts, np.stack(st.q), main, st.rng)
             main = np.array([*drafts[:a], bonus])
         else:
             a = accept_greedy(drafts, main)
         t1 = t2 = trio.current_time()
+    elif opts.mtp_streamed:
+        await _streamed_drafts(fwd, thread, st)
+        drafts, topk = await run_on(thread, st.host_draft_tokens)
     else:
         await run_on(thread, st.apply_pending)
         await run_on(thread, st.draft)
         drafts, topk = await run_on(thread, st.host_draft_tokens)
+    if opts.verify_mode is not MtpVerifyMode.BATCH:
         t1 = trio.current_time()
         main_l: list[int] = []
         hs: list[mx.array] = []

@@ -45,6 +45,9 @@ def test_greedy_speculation_equals_plain_greedy(request: pytest.FixtureRequest, 
         assert st.expert_source == "pool" and st.pool.misses > 0
         # k + 1 tokens' experts exceed a top-k capacity: those verify steps went through parts.
         assert mtp.capacity_split_verifies > 0 and st.pool.split_layer_steps > 0
+        # The head's MoE is a pool layer of its own (id num_hidden_layers), read from mtp.safetensors.
+        own = [ly for ly in st.pool.layers if ly.layer == 8]
+        assert len(own) == 1 and own[0].capacity == 4 and own[0].misses > 0 and own[0].hits + own[0].misses >= 128
 
 
 def test_streamed_float32_with_prediction(trained_qn32: Path) -> None:
