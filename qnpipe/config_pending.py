@@ -16,7 +16,6 @@ SIDE_REGION = "the pool's side region (speculative slots)"
 PREFETCH = "routing prediction and prefetch (predictor, read_scheduler)"
 PREFIX = "prefix snapshots"
 MTP = "MTP self-speculative decoding"
-MTP_VARIANTS = "this MTP speculation variant (top-2 rescue, tree verify, adaptive rescue)"
 KV_QUANT = "KV-cache quantization"
 PROBES = "the diagnostic probes (recorder's event log)"
 MEMORY = "MLX memory limits (the engine does not set them yet)"
@@ -34,8 +33,6 @@ NOT_YET_IMPLEMENTED: Mapping[str, str] = {
     "prefix.snapshot_head_tokens": PREFIX,
     "prefix.max_entries": PREFIX,
     "chat.tools_allow": CHAT_TOOLS,
-    **{f"mtp.{f}": MTP_VARIANTS for f in (
-        "adaptive_rescue", "tree_top2", "tree_top2_p1", "tree_verify", "tree_branches")},
     **{f"kv.{f}": KV_QUANT for f in ("quantize", "k_bits", "v_bits", "group_size", "rotate", "rot_seed")},
     **{f"diag.{f}": PROBES for f in (
         "window_prof", "stream_prof", "prefetch_tprof", "miss_attrib")},

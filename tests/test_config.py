@@ -200,15 +200,15 @@ def test_replaced_legacy_name_in_toml_and_overrides(tmp_path: Path) -> None:
 
 def test_a_field_without_its_feature_warns_once_naming_both() -> None:
     with pytest.warns(NotImplementedConfigWarning) as record:
-        assert load(env={"TREE_BRANCHES": "3"}).mtp.tree_branches == 3
+        assert load(env={"MLX_WIRED_LIMIT_GB": "8"}).memory.mlx_wired_limit_gb == 8
     assert [str(w.message) for w in record] == [
-        "mtp.tree_branches=3 has no effect yet: this MTP speculation variant (top-2 rescue, tree verify, "
-        "adaptive rescue) is not implemented (docs/config.md)"]
+        "memory.mlx_wired_limit_gb=8.0 has no effect yet: MLX memory limits (the engine does not set them yet) "
+        "is not implemented (docs/config.md)"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load(env={"TREE_BRANCHES": "4"})  # once per process
+        load(env={"MLX_WIRED_LIMIT_GB": "4"})  # once per process
         config._warned_names.clear()
-        load(env={"TREE_BRANCHES": "2"})  # the default: nothing to warn about
+        load(env={"MLX_WIRED_LIMIT_GB": "0"})  # the default: nothing to warn about
         load(overrides={"pool.expert_slots": 8})  # a field with a consumer
     with pytest.warns(NotImplementedConfigWarning, match=r"pool\.side_region_zerocopy=True .*side region") as record:
         with_overrides(Config(), expert_slots=32, side_region_zerocopy=True)

@@ -9,7 +9,7 @@ from qnpipe.actors.forward import Forward
 from qnpipe.config import Config
 from qnpipe.messages import Msg
 from qnpipe.mlx_thread import MLXThread
-from qnpipe.spec import loop
+from qnpipe.spec import loop, tree
 from qnpipe.stats import GenerateResult
 
 
@@ -18,7 +18,9 @@ def options(cfg: Config, emit: Callable[[Msg], None] | None = None, *, temperatu
     return loop.SpecOptions(k=cfg.mtp.num_draft_tokens, verify_mode=cfg.mtp.verify_mode, hidden=cfg.mtp.hidden,
                             adaptive_depth=cfg.mtp.adaptive_depth, conf_tau=cfg.mtp.conf_tau,
                             depth_max=cfg.mtp.depth_max, accept_topk=cfg.diag.accept_topk, emit=emit,
-                            temperature=temperature, top_p=top_p, seed=seed, mtp_streamed=mtp_streamed)
+                            temperature=temperature, top_p=top_p, seed=seed, mtp_streamed=mtp_streamed,
+                            branches=tree.branches(cfg.mtp.tree_verify, cfg.mtp.tree_branches, cfg.mtp.tree_top2,
+                                                   cfg.mtp.tree_top2_p1, cfg.mtp.adaptive_rescue))
 
 
 async def speculate(fwd: Forward, emit: Callable[[Msg], None] | None, thread: MLXThread, core: Any,

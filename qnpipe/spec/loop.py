@@ -35,6 +35,7 @@ from qnpipe.model.step_cache import StepCache
 from qnpipe.model.stepper import MtpRun
 from qnpipe.spec.sampling import accept_sampled, draw, judge, probs
 from qnpipe.spec.stats import SpecStats
+from qnpipe.spec.tree import Branch, batch_caches, best_path, copy_kv, take_row
 from qnpipe.stats import FinishReason, GenerateResult, GenerateStats
 from qnpipe.trace import SpecRound
 
@@ -57,6 +58,7 @@ class SpecOptions:
     oracle: Oracle | None = None
     emit: Callable[[Msg], None] | None = None  # the event log's (qnpipe.actors.recorder): one record per round
     mtp_streamed: bool = False  # the head's experts come from the pool: each MTP call is a forward step
+    branches: tuple[Branch, ...] = ()  # extra draft paths verified as one batch (qnpipe.spec.tree)
     temperature: float = 0.0  # > 0: speculative sampling (qnpipe.spec.sampling)
     top_p: float = 1.0
     seed: int | None = None
@@ -101,6 +103,8 @@ class _Pending:
     hidden: mx.array
     rows: list[int]
     rolled_back: bool = False
+    mtp_trim: int | None = None  # provisional MTP entries to drop (None: drafted - 1)
+    row: int = 0  # the batch row of `hidden` that was committed (tree verify)
 
 
 class SpecState:
@@ -276,8 +280,8 @@ class SpecState:
             return
         if not p.rolled_back and self.opts.verify_mode is MtpVerifyMode.BATCH:
             self.rollback(p.drafted, p.accepted)
-        self.caches.mtp.trim(p.drafted - 1)
-        self.mtp_rows(p.hidden[:, :len(p.rows)], p.rows, sync=sync)
+        self.caches.mtp.trim(p.drafted - 1 if p.mtp_trim is None else p.mtp_trim)
+        self.mtp_rows(p.hidden[p.row:p.row + 1, :len(p.rows)], p.rows, sync=sync)
         if sync:
             mx.eval([c.state for c in self.caches.main])
 
@@ -286,11 +290,34 @@ class SpecState:
 
     # -- the head's experts streamed: every MTP call is a step of the forward (qnpipe.model.stepper.MtpRun)
 
-    def mtp_run(self, hidden: mx.array, tokens: Sequence[int], drafter_hidden: bool = False) -> MtpRun:
-        """An MTP step over rows (hidden[t], tokens[t]), t < len(tokens)."""
+    def mtp_run(self, hidden: mx.array, tokens: Sequence[int], drafter_hidden: bool = False,
+                cache: KVCache | None = None) -> MtpRun:
+        """An MTP step over rows (hidden[t], tokens[t]), t < len(tokens), on `cache` (default: the real one)."""
         hidden = hidden[:, :len(tokens)]
         feed = hidden if drafter_hidden else self.drafter_input(hidden)
-        return MtpRun(self.head, feed, mx.array(list(tokens), dtype=mx.uint32)[None], self.caches.mtp)
+        return MtpRun(self.head, feed, mx.array(list(tokens), dtype=mx.uint32)[None],
+                      self.caches.mtp if cache is None else cache)
+
+    def mtp_out(self, value: Any) -> tuple[np.ndarray, mx.array]:
+        """A path-drafting MTP step's (last row's logits on the host, the hidden the next step reads)."""
+        logits, out, pre = value
+        feed = (out if self.opts.hidden is MtpHidden.POST_NORM else pre)[:, -1:]
+        last = logits[0, -1].astype(mx.float32)
+        mx.eval(last, feed)
+        return np.array(last), feed
+
+    def mtp_direct(self, feed: mx.array, token: int, cache: KVCache) -> tuple[np.ndarray, mx.array]:
+        """One resident MTP step on `cache` from the drafter's own hidden `feed` and `token`."""
+        return self.mtp_out(self.head(self.model, feed, mx.array([[token]], dtype=mx.uint32), cache))
+
+    def pending_logits(self) -> tuple[np.ndarray, mx.array]:
+        assert self.logits is not None and self.feed is not None
+        return np.array(self.logits.astype(mx.float32)), self.feed
+
+    def tree_tail(self, h: mx.array) -> tuple[np.ndarray, mx.array]:
+        am = mx.argmax(self.model.head(h), axis=-1)
+        mx.eval(am, h)
+        return np.array(am), h
 
     def mtp_tail(self, value: Any) -> None:
         """The MTP step's (logits, hidden after mtp.norm, before it): the next draft's row."""
@@ -324,7 +351,8 @@ class SpecState:
         if p is not None:
             if not p.rolled_back and self.opts.verify_mode is MtpVerifyMode.BATCH:
                 self.rollback(p.drafted, p.accepted)
-            self.caches.mtp.trim(p.drafted - 1)
+            self.caches.mtp.trim(p.drafted - 1 if p.mtp_trim is None else p.mtp_trim)
+            p.hidden, p.row = p.hidden[p.row:p.row + 1], 0  # a batch verify's committed row
         return p
 
 
@@ -451,7 +479,7 @@ class Recorder:
     """Accumulates a generate call's SpecStats (trio side)."""
 
     def __init__(self, depth: int) -> None:
-        self.rounds = self.tokens = self.splits = 0
+        self.rounds = self.tokens = self.splits = self.rescues = 0
         self.hist = [0] * (depth + 1)
         self.drafted = [0] * depth
         self.accepted = [0] * depth
@@ -470,7 +498,7 @@ class Recorder:
             self.topk[i] += int(main[i]) in top
 
     def stats(self) -> SpecStats:
-        return SpecStats.build(rounds=self.rounds, tokens=self.tokens, accept_hist=tuple(self.hist),
+        return SpecStats.build(rescues=self.rescues, rounds=self.rounds, tokens=self.tokens, accept_hist=tuple(self.hist),
                          drafted_at=tuple(self.drafted), accepted_at=tuple(self.accepted),
                          topk_hits=tuple(self.topk) if any(self.topk) else (),
                          capacity_split_verifies=self.splits, draft_s=self.draft_s, verify_s=self.verify_s,
@@ -485,9 +513,86 @@ def accept_greedy(drafts: Sequence[int], main: Sequence[int]) -> int:
     return a
 
 
+async def _repair(fwd: Forward, thread: MLXThread, st: SpecState) -> None:
+    """The previous round's rollback (if still due) and MTP repair, synchronously."""
+    p = await run_on(thread, st.take_pending)
+    if p is None:
+        return
+    if st.opts.mtp_streamed:
+        await fwd.run(_mtp_input(st, p.hidden, p.rows), None, st.mtp_tail)
+    else:
+        await run_on(thread, st.mtp_rows, p.hidden, p.rows)
+
+
+async def _draft_path(fwd: Forward, thread: MLXThread, st: SpecState, branch: Branch | None,
+                      depth: int | None) -> list[int]:
+    """One draft path on a copy of the MTP cache: greedy, except `branch`'s position; `depth` None =
+    the configured depth (adaptive when `mtp.adaptive_depth`)."""
+    o = st.opts
+    cache = await run_on(thread, copy_kv, st.caches.mtp)
+    logits, feed = await run_on(thread, st.pending_logits)
+    limit = depth if depth is not None else o.max_depth
+    tokens: list[int] = []
+    conf = 1.0
+    while True:
+        i = len(tokens)
+        tok = int(np.argsort(-logits, kind="stable")[branch.rank]) if branch is not None and i == branch.pos \
+            else int(logits.argmax())
+        tokens.append(tok)
+        if depth is None and o.adaptive_depth:
+            e = np.exp(logits - logits.max())
+            conf *= float(e[tok] / e.sum())
+            if conf < o.conf_tau:
+                break
+        if len(tokens) >= limit:
+            break
+        if o.mtp_streamed:
+            logits, feed = await fwd.run(_mtp_path_input(st, feed, tok, cache), None, st.mtp_out)
+        else:
+            logits, feed = await run_on(thread, st.mtp_direct, feed, tok, cache)
+    return tokens
+
+
+def _mtp_path_input(st: SpecState, feed: mx.array, tok: int, cache: KVCache) -> Callable[[], MtpRun]:
+    return lambda: st.mtp_run(feed, [tok], True, cache)
+
+
+async def tree_round(fwd: Forward, thread: MLXThread, st: SpecState, x: int, done: int, opts: SpecOptions,
+                     rec: Recorder) -> list[int]:
+    """A round over several draft paths verified as one batch (greedy; qnpipe.spec.tree)."""
+    t0 = trio.current_time()
+    st.done = done
+    await _repair(fwd, thread, st)
+    paths = [await _draft_path(fwd, thread, st, None, None)]
+    K = len(paths[0])
+    paths += [await _draft_path(fwd, thread, st, b, K) for b in opts.branches if b.pos < K]
+    t1 = trio.current_time()
+    splits0 = fwd.stats.split_layer_steps
+    big = await run_on(thread, batch_caches, st.caches.main, len(paths))
+    rows = [[x, *p] for p in paths]
+    main, h = await fwd.run(lambda: mx.array(rows, dtype=mx.uint32), big, st.tree_tail)
+    rec.splits += fwd.stats.split_layer_steps > splits0
+    t2 = trio.current_time()
+    j, a = best_path(paths, main)
+    committed = [*paths[j][:a], int(main[j, a])]
+    await run_on(thread, take_row, st.caches.main, big, j, a + 1)
+    st.pending = _Pending(K, a, h, committed, rolled_back=True, mtp_trim=0, row=j)
+    rec.round(_Draft(paths[j], []), main[j], a)
+    rec.rescues += j != 0
+    if opts.emit is not None:
+        opts.emit(SpecRound(**rec.stamper.stamp(), step=fwd.stats.steps, drafts=tuple(paths[j]), accepted=a,
+                            bonus=committed[-1]))
+    rec.draft_s += t1 - t0
+    rec.verify_s += t2 - t1
+    rec.rollback_s += trio.current_time() - t2
+    return committed
+
+
 async def spec_round(fwd: Forward, thread: MLXThread, st: SpecState, x: int, done: int, opts: SpecOptions,
                  rec: Recorder) -> list[int]:
     """One draft / verify / rollback round after the pending token `x`; returns the committed tokens."""
+    if opts.branches and not opts.sampling:
+        return await tree_round(fwd, thread, st, x, done, opts, rec)
     t0 = t1 = t2 = trio.current_time()
     st.done = done
     splits0 = fwd.stats.split_layer_steps

@@ -64,3 +64,22 @@ def test_variants_are_lossless(trained_hf: Path, over: dict[str, Any]) -> None:
     if "mtp.adaptive_depth" in over:
         # The gate varied the depth: some rounds drafted fewer than depth_max.
         assert len(mtp.drafted_at) == 4 and mtp.drafted_at[0] > mtp.drafted_at[3]
+
+
+TREES = {"top2": {"mtp.tree_top2": True}, "top2_p1": {"mtp.tree_top2": True, "mtp.tree_top2_p1": True},
+         "tree3": {"mtp.tree_verify": True, "mtp.tree_branches": 3},
+         "rescue": {"mtp.adaptive_depth": True, "mtp.adaptive_rescue": True, "mtp.depth_max": 4}}
+
+
+@pytest.mark.parametrize("variant", sorted(TREES))
+def test_path_variants_are_lossless_and_rescue(trained_hf: Path, variant: str) -> None:
+    tokens, mtp, _ = _spec(trained_hf, False, 3, **TREES[variant])
+    assert tokens == _plain(trained_hf, False)
+    # A path other than the greedy chain won some rounds, with more accepted drafts than the chain.
+    assert mtp.rescues > 0 and mtp.rounds < 100
+
+
+def test_tree_verify_streamed_4bit(trained_qn4: Path) -> None:
+    tokens, mtp, st = _spec(trained_qn4, True, 3, **TREES["tree3"])
+    assert tokens == _plain(trained_qn4, True)
+    assert mtp.rounds < 100 and st.pool.split_layer_steps > 0
