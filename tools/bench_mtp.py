@@ -12,6 +12,9 @@ cross-layer prediction on):
   k1 … k4            MTP with K fixed drafts per round (`mtp.num_draft_tokens`)
   adaptive           adaptive depth (`mtp.adaptive_depth`, conf_tau 0.3, depth_max 4)
   step               K = 3 verified one token per forward (`mtp.verify_mode=sequential`)
+  top2, top2_p1      K = 3 plus the drafter's second choice at the first (and second) position
+  tree3              K = 3, three paths (the first position's top 3) verified as one batch
+  rescue             adaptive depth plus the top-2 path at the first position
 
 and, all-resident through the speculation loop directly, the two rollbacks of the Gated
 DeltaNet state at K = 3: per-token states kept during verify (`states`, what the engine
@@ -54,6 +57,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     **{f"k{k}": {"mtp.enabled": True, "mtp.num_draft_tokens": k} for k in (1, 2, 3, 4)},
     "adaptive": {"mtp.enabled": True, "mtp.adaptive_depth": True, "mtp.conf_tau": 0.3, "mtp.depth_max": 4},
     "step": {"mtp.enabled": True, "mtp.num_draft_tokens": 3, "mtp.verify_mode": "sequential"},
+    "top2": {"mtp.enabled": True, "mtp.num_draft_tokens": 3, "mtp.tree_top2": True},
+    "top2_p1": {"mtp.enabled": True, "mtp.num_draft_tokens": 3, "mtp.tree_top2": True, "mtp.tree_top2_p1": True},
+    "tree3": {"mtp.enabled": True, "mtp.num_draft_tokens": 3, "mtp.tree_verify": True, "mtp.tree_branches": 3},
+    "rescue": {"mtp.enabled": True, "mtp.adaptive_depth": True, "mtp.adaptive_rescue": True, "mtp.depth_max": 4},
 }
 
 
