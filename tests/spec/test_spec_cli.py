@@ -56,3 +56,26 @@ def test_a_model_without_mtp_weights_runs_without_and_says_so_once(tmp_path: Pat
     said = [w for w in caught if "no MTP weights" in str(w.message)]
     assert len(said) == 1 and str(d) in str(said[0].message)
     assert a.tokens == b.tokens and a.stats.mtp is None and eng.stats().mtp is None
+
+
+def test_mtp_fields_reach_the_loop_from_every_config_source(tmp_path: Path) -> None:
+    from qnpipe import config
+    from qnpipe.config import MtpHidden, MtpVerifyMode
+    from qnpipe.spec.engine import options
+    from qnpipe.spec.tree import Branch
+
+    toml = tmp_path / "q.toml"
+    toml.write_text('[mtp]\nenabled = true\nnum_draft_tokens = 4\nhidden = "post_norm"\n')
+    o = options(config.load(toml, env={}))
+    assert (o.k, o.hidden, o.branches) == (4, MtpHidden.POST_NORM, ())
+    env = {"MTP_VERIFY_MODE": "sequential", "MTP_ADAPTIVE_DEPTH": "1", "MTP_CONF_TAU": "0.5", "MTP_DEPTH_MAX": "5",
+           "MTP_ADAPTIVE_RESCUE": "1", "QNPIPE_DIAG__ACCEPT_TOPK": "3"}
+    o = options(config.load(toml, env=env))
+    assert (o.k, o.verify_mode, o.adaptive_depth, o.conf_tau, o.max_depth, o.accept_topk) == (
+        4, MtpVerifyMode.SEQUENTIAL, True, 0.5, 5, 3)
+    assert o.branches == (Branch(0, 1),)
+    o = options(config.load(toml, env={"TREE_VERIFY": "1"}, overrides={"mtp.tree_branches": 4}),
+                temperature=0.7, seed=5)
+    assert o.branches == (Branch(0, 1), Branch(0, 2), Branch(0, 3)) and o.sampling and o.seed == 5
+    o = options(config.load(env={}, overrides={"mtp.tree_top2": True, "mtp.tree_top2_p1": True}))
+    assert o.branches == (Branch(0, 1), Branch(1, 1))
