@@ -159,3 +159,16 @@ def test_sampled_speculation_matches_plain_sampling_end_to_end(tiny_vocab: Path)
 # 0.999 quantiles of chi-square by degrees of freedom
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88, 10: 29.59,
             11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70, 16: 39.25}
+
+
+@pytest.mark.parametrize("verify", ["batch", "sequential"])
+def test_seeded_speculative_sampling_repeats(trained_qn4: Path, verify: str) -> None:
+    import qnpipe
+
+    over = {"mtp.hidden": "post_norm", "mtp.verify_mode": verify, "pool.expert_slots": 6}
+    with qnpipe.Engine(trained_qn4, mtp=True, **over) as eng:
+        a = eng.generate("def f(x):", max_tokens=24, temperature=0.8, seed=3, stop_at_eos=False)
+        b = eng.generate("def f(x):", max_tokens=24, temperature=0.8, seed=3, stop_at_eos=False)
+        c = eng.generate("def f(x):", max_tokens=24, temperature=0.8, seed=4, stop_at_eos=False)
+    assert a.tokens == b.tokens != c.tokens
+    assert a.stats.mtp is not None and a.stats.mtp.rounds < 24 and sum(a.stats.mtp.accept_hist[1:]) > 0
