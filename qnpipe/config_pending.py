@@ -25,7 +25,6 @@ CHAT_TOOLS = "tool filtering of the chat template"
 NOT_YET_IMPLEMENTED: Mapping[str, str] = {
     # -- later features
     "model.config_path": LOADER_PATHS,
-    "model.mtp_weights_path": LOADER_PATHS,
     "model.hidden_variant": MTP,
     "memory.mlx_wired_limit_gb": MEMORY,
     "pool.side_region_zerocopy": SIDE_REGION,

@@ -133,7 +133,7 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
                     verify=cfg.read.verify_crc32, topk_override=cfg.forward.moe_topk_override)
     if (k := cfg.forward.moe_topk_override) is not None:
         _override_topk(runner, k)
-    mtp = _load_mtp(cfg, runner, model_dir, resident=not stream)
+    mtp, mtp_path = _load_mtp(cfg, runner, model_dir, resident=not stream)
     if not stream:
         asked = cfg.pool.expert_slots != PoolCfg().expert_slots or cfg.pool.capacity_profile_path
         if asked and not cfg.pool.eager_load and runner.loaded.layout is not Layout.QNPIPE:
@@ -151,7 +151,7 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
         if mtp is not None:  # the head's MoE: a pool layer of its own, read from mtp.safetensors
             from qnpipe.spec.mtp_store import MtpLayer
 
-            mtp_layer = MtpLayer.open(args, model_dir / "mtp.safetensors", SsdReader.from_config(cfg.read))
+            mtp_layer = MtpLayer.open(args, mtp_path, SsdReader.from_config(cfg.read))
             caps[mtp_layer.layer] = min(cfg.pool.expert_slots, args.num_experts)
             slots[mtp_layer.layer] = make_layer_slots(mtp_layer.file, caps[mtp_layer.layer] + side)
         reader = reader if reader is not None else SsdReader.from_config(cfg.read)
@@ -168,20 +168,31 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
     return Core(cfg, runner, streaming, backend, mtp)
 
 
-def _load_mtp(cfg: Config, runner: Runner, model_dir: Path, resident: bool) -> Any:
-    """The MTP head when `mtp.enabled`; a model without MTP weights runs without, and says so once.
+def _load_mtp(cfg: Config, runner: Runner, model_dir: Path, resident: bool) -> tuple[Any, Path]:
+    """(the MTP head when `mtp.enabled`, the file it came from); a model without MTP weights runs
+    without, and says so once.
 
-    Streamed (`resident` False), the head's experts stay in `mtp.safetensors`: the pool reads them.
+    `model.mtp_weights_path` names another file of HF-named `mtp.*` tensors. Streamed
+    (`resident` False), the head's experts stay in that file: the pool reads them.
     """
+    path = model_dir / "mtp.safetensors"
     if not cfg.mtp.enabled:
-        return None
+        return None, path
+    from qnpipe.model.checkpoint import load_tensors, read_header
     from qnpipe.model.mtp import load_mtp
 
-    head = load_mtp(runner.loaded.args, runner.loaded.mtp_weights, str(model_dir), resident_experts=resident)
+    weights = runner.loaded.mtp_weights
+    if cfg.model.mtp_weights_path:
+        path = Path(cfg.model.mtp_weights_path)
+        if not path.is_file():
+            raise ConfigError(f"model.mtp_weights_path={path}: no such file")
+        weights = {k: v for k, v in load_tensors(read_header(path)).items() if k.startswith("mtp.")}
+    head = load_mtp(runner.loaded.args, weights, str(path if cfg.model.mtp_weights_path else model_dir),
+                    resident_experts=resident)
     if head is None:
         warnings.warn(f"mtp.enabled: {model_dir} has no MTP weights (mtp.* / mtp.safetensors); generating "
                       f"without MTP speculation", stacklevel=3)
-    return head
+    return head, path
 
 
 def _override_topk(runner: Runner, k: int) -> None:

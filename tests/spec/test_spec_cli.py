@@ -79,3 +79,18 @@ def test_mtp_fields_reach_the_loop_from_every_config_source(tmp_path: Path) -> N
     assert o.branches == (Branch(0, 1), Branch(0, 2), Branch(0, 3)) and o.sampling and o.seed == 5
     o = options(config.load(env={}, overrides={"mtp.tree_top2": True, "mtp.tree_top2_p1": True}))
     assert o.branches == (Branch(0, 1), Branch(1, 1))
+
+
+def test_mtp_weights_path_gives_a_model_without_mtp_its_head(tiny_hf: Path, tmp_path: Path) -> None:
+    from qnpipe.errors import ConfigError
+
+    d = make_tiny(tmp_path / "mlx", layout="mlx")  # the same random model as tiny_hf, without mtp.*
+    with qnpipe.Engine(d) as eng:
+        plain = eng.generate([5, 6, 7], max_tokens=16, stop_at_eos=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no MTP weights" warning now
+        with qnpipe.Engine(d, mtp=True, **{"model.mtp_weights_path": str(tiny_hf / "model.safetensors")}) as eng:
+            res = eng.generate([5, 6, 7], max_tokens=16, stop_at_eos=False)
+    assert res.tokens == plain.tokens and res.stats.mtp is not None and res.stats.mtp.rounds > 0
+    with pytest.raises(ConfigError, match="model.mtp_weights_path=.*missing.safetensors"):
+        qnpipe.Engine(d, mtp=True, **{"model.mtp_weights_path": str(tmp_path / "missing.safetensors")})
