@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,8 +90,9 @@ def test_mtp_weights_path_gives_a_model_without_mtp_its_head(tiny_hf: Path, tmp_
         plain = eng.generate([5, 6, 7], max_tokens=16, stop_at_eos=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "no MTP weights" warning now
-        with qnpipe.Engine(d, mtp=True, **{"model.mtp_weights_path": str(tiny_hf / "model.safetensors")}) as eng:
+        over: dict[str, Any] = {"model.mtp_weights_path": str(tiny_hf / "model.safetensors")}
+        with qnpipe.Engine(d, mtp=True, **over) as eng:
             res = eng.generate([5, 6, 7], max_tokens=16, stop_at_eos=False)
     assert res.tokens == plain.tokens and res.stats.mtp is not None and res.stats.mtp.rounds > 0
     with pytest.raises(ConfigError, match="model.mtp_weights_path=.*missing.safetensors"):
-        qnpipe.Engine(d, mtp=True, **{"model.mtp_weights_path": str(tmp_path / "missing.safetensors")})
+        qnpipe.Engine(d, mtp=True, **{"model.mtp_weights_path": str(tmp_path / "missing.safetensors")})  # pyright: ignore[reportArgumentType]
