@@ -235,7 +235,8 @@ class SpecState:
             mx.eval(h, self.drafts, self.topk, [c.state for c in self.caches.main])
             drafts = self.host_drafts if self.host_drafts is not None else [int(d.item()) for d in self.drafts]  # pyright: ignore[reportArgumentType]
             return p, drafts, [np.array(t).tolist() for t in self.topk], h
-        am = mx.argmax(self.model.head(h)[0], axis=-1)
+        # Row by row: the one-token shapes of plain decoding (the same logits, and a faster kernel on CPU).
+        am = mx.concatenate([mx.argmax(self.model.head(h[:, i]), axis=-1) for i in range(h.shape[1])])
         mx.eval(am, h, self.drafts, self.topk, [c.state for c in self.caches.main])
         drafts = self.host_drafts if self.host_drafts is not None else [int(d.item()) for d in self.drafts]  # pyright: ignore[reportArgumentType]
         return np.array(am), drafts, [np.array(t).tolist() for t in self.topk], h
