@@ -58,7 +58,8 @@ def add_gen_flags(p: argparse.ArgumentParser, default_tokens: int, json: bool = 
 def add_mtp_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--mtp", action="store_true",
-                   help="draft with the model's MTP head and verify (greedy output unchanged; sets mtp.enabled)")
+                   help="draft with the model's MTP head and verify: greedy output unchanged, sampling keeps "
+                        "its distribution (sets mtp.enabled; variants: --set mtp.tree_top2=true, ...)")
     g.add_argument("-K", "--num-draft-tokens", type=int_arg(_check_k), default=None, metavar="N",
                    help="drafts per round with --mtp (default: mtp.num_draft_tokens, 3)")
 
