@@ -1,12 +1,15 @@
-"""The greedy MTP speculation loop over the forward actor (docs/model.md, "MTP speculation").
+"""The MTP speculation loop over the forward actor (docs/model.md, "MTP speculation").
 
-Each round drafts up to K tokens with the MTP head (MLX thread, resident), verifies
-`[y_n, d_1 … d_K]` in one step of the main model through `Forward.run` (so a streamed
-model acquires the union of the step's experts per layer, split into parts when a layer's
-capacity is short), accepts the longest prefix greedy decoding would produce plus the
-model's own next token, and rolls back: attention caches are trimmed, Gated DeltaNet
-layers take the state kept after the last accepted token (`StepCache`), and the MTP's
-draft-time cache entries are replaced by rows built from the verified hidden states.
+Each round drafts up to K tokens with the MTP head, verifies `[y_n, d_1 … d_K]` in one step
+of the main model through `Forward.run` (so a streamed model acquires the union of the
+step's experts per layer, split into parts when a layer's capacity is short), keeps the
+longest prefix greedy decoding would produce (or what the speculative-sampling rule keeps)
+plus the model's own next token, and rolls back: attention caches are trimmed, Gated
+DeltaNet layers take the state kept after the last accepted token (`StepCache`), and the
+MTP's draft-time cache entries are replaced by rows built from the verified hidden states.
+All resident, the drafter's work is fused into the verify step (`SpecState.round_inputs`);
+streamed, each MTP call is a step of its own (`MtpRun`); `tree_round` verifies several
+draft paths as one batch (qnpipe.spec.tree).
 
 The caches are one list (`SpecCaches.all`): the main model's layers, then the MTP layer's
 KV cache, so whatever saves a model cache saves the drafter's with it.
