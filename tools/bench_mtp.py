@@ -90,8 +90,10 @@ def _run_set(model_dir: Path, base: dict[str, Any], rounds: int, tokens: int) ->
     accept: dict[str, list[float]] = {v: [] for v in VARIANTS if v != "plain"}
     identical = True
     with contextlib.ExitStack() as stack:
-        engines = {v: stack.enter_context(qnpipe.Engine(model_dir, **base, **over, **{"mtp.hidden": "post_norm"}))
-                   for v, over in VARIANTS.items()}
+        engines = {}
+        for v, over in VARIANTS.items():
+            settings: dict[str, Any] = {**base, **over, "mtp.hidden": "post_norm"}
+            engines[v] = stack.enter_context(qnpipe.Engine(model_dir, **settings))
         for e in engines.values():  # warm-up: compile, fill the pools
             e.generate(PROMPT, max_tokens=8, stop_at_eos=False)
         for _ in range(rounds):
@@ -123,6 +125,7 @@ def _rollbacks(rounds: int, tokens: int) -> dict[str, float]:
         th = MLXThread.shared()
         lm = await run_on(th, load_model, MODEL)
         head = await run_on(th, load_mtp, lm.args, lm.mtp_weights, str(MODEL))
+        assert head is not None
         fwd = Forward(ThreadedBackend(th, MlxBackend(lm.model, None)), None, None, {}, lm.args.num_experts)
         ids = list(range(20, 60))
         out: dict[str, list[float]] = {"states": [], "rerun": [], "plain": []}
