@@ -14,18 +14,13 @@ from collections.abc import Mapping
 SIDE_REGION_COPY = "a side region copied into the resident region (qnpipe's is always read in place)"
 MTP = "MTP self-speculative decoding"
 PROBES = "the diagnostic probes (recorder's event log)"
-LOADER_PATHS = "the loader (it reads <model_dir>/config.json and <model_dir>/mtp.safetensors)"
+LOADER_PATHS = "the loader (it reads <model_dir>/config.json)"
 
 NOT_YET_IMPLEMENTED: Mapping[str, str] = {
     # -- later features
     "model.config_path": LOADER_PATHS,
-    "model.mtp_weights_path": LOADER_PATHS,
     "model.hidden_variant": MTP,
     "pool.side_region_zerocopy": SIDE_REGION_COPY,
-    **{f"mtp.{f}": MTP for f in (
-        "enabled", "verify_mode", "hidden", "num_draft_tokens", "adaptive_depth", "conf_tau", "depth_max",
-        "adaptive_rescue", "tree_top2", "tree_top2_p1", "tree_verify", "tree_branches")},
     **{f"diag.{f}": PROBES for f in (
-        "window_prof", "stream_prof", "prefetch_tprof", "miss_attrib",
-        "accept_topk")},
+        "window_prof", "stream_prof", "prefetch_tprof", "miss_attrib")},
 }

@@ -27,6 +27,7 @@ from qnpipe.mlx_thread import MLXThread, run_on
 from qnpipe.model.kvquant import model_bytes_per_token
 from qnpipe.prefix import PrefixCache
 from qnpipe.snapshots import engine_fingerprint
+from qnpipe.spec.engine import speculate
 from qnpipe.stats import EngineStats, GenerateResult, LayerPoolStats, PoolStats, UnionProf
 from qnpipe.validate import check_generate_args
 
@@ -91,6 +92,11 @@ class _Runtime:
         async with self.lock:
             runner = self.core.runner
             ids = await run_on(self.thread, self.ids, prompt)
+            if self.core.mtp is not None:
+                res = await speculate(self.pipe.forward, self.pipe.recording, self.thread, self.core, ids, kw, on_text,
+                                      on_prefill, partial)
+                self.totals = self.totals.add(res.stats)
+                return res
             res = await decoding.generate(
                 self.pipe.forward, self.thread, runner.loaded.model, runner.tokenizer, ids,
                 max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_p=kw["top_p"], seed=kw["seed"],

@@ -62,10 +62,13 @@ class Streaming:
     reader: ExpertReader
     slots: dict[int, LayerSlots]
     capacities: dict[int, int]
+    mtp: Any = None  # the MTP layer's record layout and its reader (qnpipe.spec.mtp_store.MtpLayer) when it streams
 
     def close(self) -> None:
         self.reader.close()
         self.store.close()
+        if self.mtp is not None:
+            self.mtp.close()
 
 
 @attrs.define
@@ -76,6 +79,7 @@ class Core:
     runner: Runner
     streaming: Streaming | None
     backend: MlxBackend
+    mtp: Any = None  # the MTP head (qnpipe.model.mtp.MtpHead) when `mtp.enabled` and the model has one
 
     @property
     def args(self) -> ModelArgs:
@@ -131,12 +135,13 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
         from qnpipe.model.kvquant import kv_factory
 
         runner.loaded.model.kv_factory = kv_factory(cfg.kv, runner.loaded.args.head_dim)
+    mtp, mtp_path = _load_mtp(cfg, runner, model_dir, resident=not stream)
     if not stream:
         asked = cfg.pool.expert_slots != PoolCfg().expert_slots or cfg.pool.capacity_profile_path
         if asked and not cfg.pool.eager_load and runner.loaded.layout is not Layout.QNPIPE:
             warnings.warn(f"{model_dir} has no expert store: every expert is resident "
                           f"(`qnpipe convert` makes a directory whose experts stream)", stacklevel=2)
-        return Core(cfg, runner, None, MlxBackend(runner.loaded.model, None))
+        return Core(cfg, runner, None, MlxBackend(runner.loaded.model, None), mtp)
     args = runner.loaded.args
     store = ExpertStore.open(cfg.model.expert_dir or model_dir)
     try:
@@ -144,18 +149,52 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
         side = side_slots(cfg)
         # One stacked array per layer holds the resident slots and, after them, the side region.
         slots = {layer: make_layer_slots(store.layer_file(layer), cap + side) for layer, cap in caps.items()}
+        mtp_layer = None
+        if mtp is not None:  # the head's MoE: a pool layer of its own, read from mtp.safetensors
+            from qnpipe.spec.mtp_store import MtpLayer
+
+            mtp_layer = MtpLayer.open(args, mtp_path, SsdReader.from_config(cfg.read))
+            caps[mtp_layer.layer] = min(cfg.pool.expert_slots, args.num_experts)
+            slots[mtp_layer.layer] = make_layer_slots(mtp_layer.file, caps[mtp_layer.layer] + side)
         reader = reader if reader is not None else SsdReader.from_config(cfg.read)
     except BaseException:
         store.close()
         raise
-    streaming = Streaming(store, reader, slots, caps)
+    streaming = Streaming(store, reader, slots, caps, mtp_layer)
     plan = None
     if cfg.predict.cross_layer_prefetch:
         plan = PredictPlan(predict_targets(args.moe_layers, cfg.predict), cfg.predict.width_experts,
                            cfg.predict.use_moe_input)
     traced = bool(cfg.trace.event_log_path or cfg.trace.route_trace)
     backend = MlxBackend(runner.loaded.model, {layer: s.experts for layer, s in slots.items()}, plan, traced)
-    return Core(cfg, runner, streaming, backend)
+    return Core(cfg, runner, streaming, backend, mtp)
+
+
+def _load_mtp(cfg: Config, runner: Runner, model_dir: Path, resident: bool) -> tuple[Any, Path]:
+    """(the MTP head when `mtp.enabled`, the file it came from); a model without MTP weights runs
+    without, and says so once.
+
+    `model.mtp_weights_path` names another file of HF-named `mtp.*` tensors. Streamed
+    (`resident` False), the head's experts stay in that file: the pool reads them.
+    """
+    path = model_dir / "mtp.safetensors"
+    if not cfg.mtp.enabled:
+        return None, path
+    from qnpipe.model.checkpoint import load_tensors, read_header
+    from qnpipe.model.mtp import load_mtp
+
+    weights = runner.loaded.mtp_weights
+    if cfg.model.mtp_weights_path:
+        path = Path(cfg.model.mtp_weights_path)
+        if not path.is_file():
+            raise ConfigError(f"model.mtp_weights_path={path}: no such file")
+        weights = {k: v for k, v in load_tensors(read_header(path)).items() if k.startswith("mtp.")}
+    head = load_mtp(runner.loaded.args, weights, str(path if cfg.model.mtp_weights_path else model_dir),
+                    resident_experts=resident)
+    if head is None:
+        warnings.warn(f"mtp.enabled: {model_dir} has no MTP weights (mtp.* / mtp.safetensors); generating "
+                      f"without MTP speculation", stacklevel=3)
+    return head, path
 
 
 def _override_topk(runner: Runner, k: int) -> None:
@@ -379,12 +418,18 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
                                  device=None, shape=ModelShape.of(core.args), wall_start_unix_s=time.time()) as p:
             yield p
         return
-    device = StoreDevice(st.store, st.reader, lambda layer, slot: st.slots[layer].dest(slot),
-                         verify_crc32=core.cfg.read.verify_crc32)
-    nbytes = {layer: st.store.layer_file(layer).record_nbytes for layer in st.capacities}
+    store_device = StoreDevice(st.store, st.reader, lambda layer, slot: st.slots[layer].dest(slot),
+                               verify_crc32=core.cfg.read.verify_crc32)
+    device: Any = store_device
+    nbytes = {layer: st.store.layer_file(layer).record_nbytes for layer in st.capacities if layer != core.args.num_hidden_layers}
+    if st.mtp is not None:
+        device = st.mtp.routed(store_device, lambda layer, slot: st.slots[layer].dest(slot))
+        nbytes[st.mtp.layer] = st.mtp.file.record_nbytes
     autopin = Autopin.open(core.cfg, model_id(core.args), core.args.num_experts_per_tok)
 
     async def check_bytes(layer: int, experts: tuple[int, ...], slots: tuple[int, ...]) -> None:
+        if st.mtp is not None and layer == st.mtp.layer:
+            return  # mtp.safetensors has no per-record checksum or store record to compare with
         await trio.to_thread.run_sync(compare_slots_with_disk, st, layer, experts, slots)
 
     try:
@@ -395,7 +440,7 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
                                  wall_start_unix_s=time.time()) as p:
             yield p
     finally:
-        device.close()
+        store_device.close()
 
 
 __all__ = ["CapacityError", "Core", "Pipeline", "Streaming", "build_core", "layer_capacities", "open_pipeline",

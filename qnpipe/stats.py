@@ -6,6 +6,8 @@ import enum
 
 import msgspec
 
+from qnpipe.spec.stats import SpecStats
+
 
 class FinishReason(enum.StrEnum):
     EOS = "eos"
@@ -24,6 +26,7 @@ class GenerateStats(msgspec.Struct, frozen=True, kw_only=True):
     peak_memory_bytes: int
     finish_reason: FinishReason
     prefix_tokens_reused: int = 0  # prompt tokens resumed from a prefix snapshot (not prefilled)
+    mtp: SpecStats | None = None  # MTP speculation's figures (None: plain decoding)
 
 
 class LayerPoolStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,6 +143,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     pool: PoolStats | None = None
     prefix: PrefixStats | None = None  # None when prefix snapshots are off
     kv_bytes_per_token: int = 0  # KV cache per token of context, full-attention layers (kv.quantize counted)
+    mtp: SpecStats | None = None  # summed over the requests that speculated
 
     def add(self, g: GenerateStats) -> EngineStats:
         decode_s = self.decode_s + g.decode_s
@@ -155,6 +159,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
             decode_s=decode_s,
             decode_tok_s=_rate(decoded, decode_s),
             peak_memory_bytes=max(self.peak_memory_bytes, g.peak_memory_bytes),
+            mtp=g.mtp if self.mtp is None else self.mtp.add(g.mtp) if g.mtp is not None else self.mtp,
         )
 
 

@@ -120,6 +120,16 @@ class UnionSize(Msg, frozen=True, kw_only=True, tag="diag.union"):
     union: int
 
 
+class SpecRound(Msg, frozen=True, kw_only=True, tag="spec.round"):
+    """One MTP speculation round: `drafts` verified by forward step `step`, `accepted` of them kept,
+    then the model's own token `bonus`."""
+
+    step: int
+    drafts: tuple[int, ...]
+    accepted: int
+    bonus: int
+
+
 class RecallSample(Msg, frozen=True, kw_only=True, tag="diag.recall"):
     """diag.predict_recall_prof: of the `used` experts of a layer-step, `predicted` were among the candidates."""
 
@@ -151,7 +161,8 @@ class Footer(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="t
 
 
 Record = (Acquire | Granted | Release | ForwardDone | ReadExpert | ReadDone | Route | ReadStarted | Evicted
-          | Stalled | Candidates | PrefetchHint | Promote | ReadExpired | UnionSize | RecallSample | RequestStart)
+          | Stalled | Candidates | PrefetchHint | Promote | ReadExpired | UnionSize | RecallSample | RequestStart
+          | SpecRound)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _FRAME_DECODER = msgspec.msgpack.Decoder(Record | Footer)
@@ -307,6 +318,7 @@ def read(path: str | Path) -> tuple[Header, list[Record]]:
     return header, records
 
 
-__all__ = ["MAGIC", "SCHEMA_VERSION", "Candidates", "Evicted", "RecallSample", "UnionSize", "Footer", "Header", "PrefetchHint", "ModelShape",
-           "ReadStarted", "Record", "RequestStart", "Route", "Stalled", "TraceWriter", "canonical", "iter_records", "read", "read_all",
+__all__ = ["MAGIC", "SCHEMA_VERSION", "Candidates", "Evicted", "RecallSample", "SpecRound", "UnionSize", "Footer", "Header",
+           "PrefetchHint", "ModelShape", "ReadStarted", "Record", "RequestStart", "Route", "Stalled", "TraceWriter",
+           "canonical", "iter_records", "read", "read_all",
            "route_record"]

@@ -200,14 +200,15 @@ def test_replaced_legacy_name_in_toml_and_overrides(tmp_path: Path) -> None:
 
 def test_a_field_without_its_feature_warns_once_naming_both() -> None:
     with pytest.warns(NotImplementedConfigWarning) as record:
-        assert load(env={"MTP_CONF_TAU": "0.5"}).mtp.conf_tau == 0.5
+        assert load(env={"WINDOW_PROF": "1"}).diag.window_prof is True
     assert [str(w.message) for w in record] == [
-        "mtp.conf_tau=0.5 has no effect yet: MTP self-speculative decoding is not implemented (docs/config.md)"]
+        "diag.window_prof=True has no effect yet: the diagnostic probes (recorder's event log) "
+        "is not implemented (docs/config.md)"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load(env={"MTP_CONF_TAU": "0.6"})  # once per process
+        load(env={"WINDOW_PROF": "1"})  # once per process
         config._warned_names.clear()
-        load(env={"MTP_CONF_TAU": "0.3"})  # the default: nothing to warn about
+        load(env={"WINDOW_PROF": "0"})  # the default: nothing to warn about
         load(overrides={"pool.expert_slots": 8})  # a field with a consumer
     with pytest.warns(NotImplementedConfigWarning, match=r"model\.config_path='c\.json' .*loader") as record:
         with_overrides(Config(), {"model.config_path": "c.json"})

@@ -55,6 +55,21 @@ def add_gen_flags(p: argparse.ArgumentParser, default_tokens: int, json: bool = 
                        help="print one JSON object (text, tokens, stats, engine stats) instead of text")
 
 
+def add_mtp_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculation")
+    g.add_argument("--mtp", action="store_true",
+                   help="draft with the model's MTP head and verify: greedy output unchanged, sampling keeps "
+                        "its distribution (sets mtp.enabled; variants: --set mtp.tree_top2=true, ...)")
+    g.add_argument("-K", "--num-draft-tokens", type=int_arg(_check_k), default=None, metavar="N",
+                   help="drafts per round with --mtp (default: mtp.num_draft_tokens, 3)")
+
+
+def _check_k(k: int, name: str) -> int:
+    if k < 1:
+        raise ValueError(f"{name} must be >= 1, got {k}")
+    return k
+
+
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in args.sets:
@@ -66,6 +81,10 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["forward.prefill_chunk_tokens"] = args.prefill_chunk
     if getattr(args, "trace", None):
         out["trace.event_log_path"] = args.trace
+    if getattr(args, "mtp", False):
+        out["mtp.enabled"] = True
+    if getattr(args, "num_draft_tokens", None) is not None:
+        out["mtp.num_draft_tokens"] = args.num_draft_tokens
     return out
 
 
@@ -161,6 +180,8 @@ def print_stats(stats: Any) -> None:
         f"peak memory {s.peak_memory_bytes / 2**20:.0f} MiB; stop: {s.finish_reason}]",
         file=sys.stderr,
     )
+    if getattr(s, "mtp", None) is not None:
+        print(s.mtp.line(), file=sys.stderr)
 
 
 class PrefillBar:

@@ -11,6 +11,7 @@ from qnpipe.cli.common import (
     DEMO_MODEL_DIR,
     add_config_flags,
     add_gen_flags,
+    add_mtp_flags,
     load_config,
     precheck_model,
     run_generate,
@@ -99,13 +100,15 @@ def register(sub: Any, fmt: Any) -> None:
     g = sub.add_parser("generate", help="generate text from a prompt", formatter_class=fmt,
                        description="Generate a continuation of --prompt (or of --tokens) and print it as it comes,\n"
                        "then the stats on stderr.",
-                       epilog="example:\n  qnpipe generate ./tiny -p 'def fib(n):' -n 32 --json")
+                       epilog="examples:\n  qnpipe generate ./tiny -p 'def fib(n):' -n 32 --json\n"
+                       "  qnpipe generate ./tiny -p 'def fib(n):' --mtp -K 2 --stats   # MTP speculation")
     g.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (original HF, mlx-lm, or qnpipe convert layout)")
     g.add_argument("-p", "--prompt", type=text_arg(), help="prompt text")
     g.add_argument("--tokens", metavar="IDS", help="prompt as token ids, e.g. '1,2,3'")
     g.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template as a user turn")
     g.add_argument("--system", type=text_arg(allow_empty=True), help="system message (with --chat)")
     add_gen_flags(g, 128)
+    add_mtp_flags(g)
     add_config_flags(g)
     g.set_defaults(func=cmd_generate)
 

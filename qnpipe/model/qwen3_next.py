@@ -21,6 +21,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from qnpipe.model.args import ModelArgs
 from qnpipe.model.experts import ExpertSource
 from qnpipe.model.kvquant import RotatedQuantizedKVCache
+from qnpipe.model.step_cache import StepCache
 
 
 class RMSNormGated(nn.Module):
@@ -142,9 +143,12 @@ class GatedDeltaNet(nn.Module):
         ]
         state = cache[1] if cache else None
         q, k = normalize_qk(q, k, inv_scale=self.d_k**-0.5, eps=1e-6)
-        out, state = gated_delta_update(
-            q, k, v, a, b, self.A_log, self.dt_bias, state, mask, use_kernel=not self.training
-        )
+        if isinstance(cache, StepCache) and cache.recording:  # a speculative verify keeps every token's state
+            out, state = cache.record(conv_in, q, k, v, a, b, self.A_log, self.dt_bias, state, mask)
+        else:
+            out, state = gated_delta_update(
+                q, k, v, a, b, self.A_log, self.dt_bias, state, mask, use_kernel=not self.training
+            )
         if cache is not None:
             cache[1] = state
             cache.advance(S)

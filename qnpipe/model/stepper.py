@@ -111,6 +111,32 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
     return m.norm(h)
 
 
+@attrs.frozen
+class MtpRun:
+    """A step of the MTP head instead of the main model (what `inputs()` returns for one): rows
+    (`hidden [1, L, H]`, `tokens [1, L]`) at `cache`'s next positions; its MoE is layer `head.layer_id`."""
+
+    head: Any  # qnpipe.model.mtp.MtpHead
+    hidden: mx.array
+    tokens: mx.array
+    cache: Any
+
+
+def mtp_steps(model: Model, slots: dict[int, LayerExperts], run: MtpRun,
+              weights: bool = False) -> Generator[LayerRoute | PartDone, PartGrant, tuple[mx.array, mx.array, mx.array]]:
+    """The MTP head's forward with its experts from the pool: one MoE layer, one yield (or parts)."""
+    head = run.head
+    h = head.mix(model, run.hidden, run.tokens, run.cache)
+    x = head.post_attention_layernorm(h)
+    inds, scores = head.mlp.route(x)
+    mx.eval(inds, scores)
+    k = inds.shape[-1]
+    w = np.array(scores.astype(mx.float32)).reshape(-1, k) if weights else None
+    grant = yield LayerRoute(head.layer_id, np.array(inds).reshape(-1, k), (), w)
+    y = yield from _run_parts(slots[head.layer_id], x, inds.shape, grant)
+    return head.finish(model, h + head.mlp.combine(x, y, scores))
+
+
 def _predict(m: Any, plan: PredictPlan, layer: int, x: mx.array, h: mx.array) -> list[tuple[int, mx.array, mx.array]]:
     """Top-`width` experts of each target layer's gate on this layer's input (the router's own softmax)."""
     out = []
@@ -150,13 +176,18 @@ class MlxBackend:
         self.slots = slots
         self.plan = plan
         self.weights = weights
-        self._gen: Generator[LayerRoute | PartDone, PartGrant, mx.array] | None = None
+        self._gen: Generator[LayerRoute | PartDone, PartGrant, Any] | None = None
         self._tail: Tail | None = None
 
     def begin(self, inputs: Callable[[], mx.array], cache: list[Any], tail: Tail) -> Event:
         """Start a step on `inputs() [B, L]` (uint32, built here) and run it to its first yield."""
         self.abort()
-        self._gen = forward_steps(self.model, self.slots, inputs(), cache, self.plan, self.weights)
+        x = inputs()
+        if isinstance(x, MtpRun):
+            assert self.slots is not None, "an MTP step through the pool needs slots"
+            self._gen = mtp_steps(self.model, self.slots, x, self.weights)
+        else:
+            self._gen = forward_steps(self.model, self.slots, x, cache, self.plan, self.weights)
         self._tail = tail
         return self._advance(None)
 

@@ -1,0 +1,34 @@
+"""Fixtures of the speculation tests: the trained tiny model (its MTP head drafts well) in three forms."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def trained_hf() -> Path:
+    """The shipped trained tiny model: original HF layout, float32, every expert resident."""
+    return Path(str(resources.files("qnpipe") / "data" / "tiny_trained"))
+
+
+@pytest.fixture(scope="session")
+def trained_qn32(tmp_path_factory: pytest.TempPathFactory, trained_hf: Path) -> Path:
+    """`trained_hf` as a qnpipe directory, float32 with a float MTP head: its experts can stream."""
+    from qnpipe.convert import convert
+
+    out = tmp_path_factory.mktemp("models") / "trained-qn32"
+    convert(trained_hf, out, dtype="float32", mtp_bits=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def trained_qn4(tmp_path_factory: pytest.TempPathFactory, trained_hf: Path) -> Path:
+    """`trained_hf` quantized to 4 bits / group 32 (experts and MTP head), as a qnpipe directory."""
+    from qnpipe.convert import convert
+
+    out = tmp_path_factory.mktemp("models") / "trained-qn4"
+    convert(trained_hf, out, bits=4, group_size=32, mtp_bits=4)
+    return out

@@ -1,0 +1,165 @@
+"""MTP self-speculative decoding against plain greedy decoding, interleaved, on the trained tiny model.
+
+Opens one engine per run, all at once, and runs them round by round (`--rounds`), each round
+every engine once on the same prompt (greedy, `--tokens` new tokens, EOS ignored), so load on
+a shared machine hits every run alike; every figure is a median over the rounds.
+
+Runs, all-resident (the shipped HF float32 model) and streamed (the same model converted to
+a qnpipe directory under `--work`, float32, a pool of top-k + 2 slots per MoE layer,
+cross-layer prediction on):
+
+  plain              plain greedy decoding
+  k1 … k4            MTP with K fixed drafts per round (`mtp.num_draft_tokens`)
+  adaptive           adaptive depth (`mtp.adaptive_depth`, conf_tau 0.3, depth_max 4)
+  step               K = 3 verified one token per forward (`mtp.verify_mode=sequential`)
+  top2, top2_p1      K = 3 plus the drafter's second choice at the first (and second) position
+  tree3              K = 3, three paths (the first position's top 3) verified as one batch
+  rescue             adaptive depth plus the top-2 path at the first position
+
+and, all-resident through the speculation loop directly, the two rollbacks of the Gated
+DeltaNet state at K = 3: per-token states kept during verify (`states`, what the engine
+uses) against a re-forward of the accepted tokens from a snapshot (`rerun`).
+
+Prints one JSON line: `tok_s_plain`, `tok_s_mtp_best`, `speedup_best`, `best_variant`,
+`mean_accept_len` (of the best variant), `identical` (every run's tokens equal plain
+greedy's, every round), the same keys with `_streamed`, `tok_s` / `speedup` /
+`accept_len` per variant (`..._streamed` too), and `rollback_tok_s` {states, rerun}.
+tok/s is `GenerateStats.decode_tok_s` (tokens after the first / time after the first).
+
+  python tools/bench_mtp.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import qnpipe  # noqa: E402
+
+MODEL = ROOT / "qnpipe" / "data" / "tiny_trained"
+PROMPT = '''import os
+
+
+def read_lines(path):
+    """Return the lines of the file at path."""
+    with open(path) as f:
+'''
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    **{f"k{k}": {"mtp.enabled": True, "mtp.num_draft_tokens": k} for k in (1, 2, 3, 4)},
+    "adaptive": {"mtp.enabled": True, "mtp.adaptive_depth": True, "mtp.conf_tau": 0.3, "mtp.depth_max": 4},
+    "step": {"mtp.enabled": True, "mtp.num_draft_tokens": 3, "mtp.verify_mode": "sequential"},
+    "top2": {"mtp.enabled": True, "mtp.num_draft_tokens": 3, "mtp.tree_top2": True},
+    "top2_p1": {"mtp.enabled": True, "mtp.num_draft_tokens": 3, "mtp.tree_top2": True, "mtp.tree_top2_p1": True},
+    "tree3": {"mtp.enabled": True, "mtp.num_draft_tokens": 3, "mtp.tree_verify": True, "mtp.tree_branches": 3},
+    "rescue": {"mtp.enabled": True, "mtp.adaptive_depth": True, "mtp.adaptive_rescue": True, "mtp.depth_max": 4},
+}
+
+
+def _streamed_dir(work: Path) -> Path:
+    out = work / "tiny-trained-qn32"
+    if not (out / "config.json").is_file():
+        from qnpipe.convert import convert
+
+        convert(MODEL, out, dtype="float32", mtp_bits=0)
+    return out
+
+
+def _summary(times: dict[str, list[float]], accept: dict[str, list[float]], suffix: str) -> dict[str, Any]:
+    tok_s = {v: statistics.median(t) for v, t in times.items()}
+    plain = tok_s.pop("plain")
+    best = max(tok_s, key=lambda v: tok_s[v])
+    return {f"tok_s_plain{suffix}": round(plain, 2), f"tok_s_mtp_best{suffix}": round(tok_s[best], 2),
+            f"speedup_best{suffix}": round(tok_s[best] / plain, 3), f"best_variant{suffix}": best,
+            f"mean_accept_len{suffix}": round(statistics.median(accept[best]), 3),
+            f"tok_s{suffix}": {v: round(s, 2) for v, s in tok_s.items()},
+            f"speedup{suffix}": {v: round(s / plain, 3) for v, s in tok_s.items()},
+            f"accept_len{suffix}": {v: round(statistics.median(a), 3) for v, a in accept.items()}}
+
+
+def _run_set(model_dir: Path, base: dict[str, Any], rounds: int, tokens: int) -> tuple[dict[str, Any], bool]:
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    accept: dict[str, list[float]] = {v: [] for v in VARIANTS if v != "plain"}
+    identical = True
+    with contextlib.ExitStack() as stack:
+        engines = {}
+        for v, over in VARIANTS.items():
+            settings: dict[str, Any] = {**base, **over, "mtp.hidden": "post_norm"}
+            engines[v] = stack.enter_context(qnpipe.Engine(model_dir, **settings))
+        for e in engines.values():  # warm-up: compile, fill the pools
+            e.generate(PROMPT, max_tokens=8, stop_at_eos=False)
+        for _ in range(rounds):
+            ref = None
+            for v, e in engines.items():
+                res = e.generate(PROMPT, max_tokens=tokens, stop_at_eos=False)
+                ref = res.tokens if ref is None else ref
+                identical &= res.tokens == ref
+                times[v].append(res.stats.decode_tok_s)
+                if res.stats.mtp is not None:
+                    accept[v].append(res.stats.mtp.mean_accept_len)
+    return {"times": times, "accept": accept}, identical
+
+
+def _rollbacks(rounds: int, tokens: int) -> dict[str, float]:
+    """tok/s of the loop at K = 3 with each rollback, interleaved (all resident)."""
+    import trio
+
+    from qnpipe import decoding
+    from qnpipe.actors.forward import Forward
+    from qnpipe.engine import ThreadedBackend
+    from qnpipe.mlx_thread import MLXThread, run_on
+    from qnpipe.model.load import load_model
+    from qnpipe.model.mtp import load_mtp
+    from qnpipe.model.stepper import MlxBackend
+    from qnpipe.spec import loop
+
+    async def main() -> dict[str, float]:
+        th = MLXThread.shared()
+        lm = await run_on(th, load_model, MODEL)
+        head = await run_on(th, load_mtp, lm.args, lm.mtp_weights, str(MODEL))
+        assert head is not None
+        fwd = Forward(ThreadedBackend(th, MlxBackend(lm.model, None)), None, None, {}, lm.args.num_experts)
+        ids = list(range(20, 60))
+        out: dict[str, list[float]] = {"states": [], "rerun": [], "plain": []}
+        for _ in range(rounds):
+            p = await decoding.generate(fwd, th, lm.model, None, ids, max_tokens=tokens, temperature=0.0, top_p=1.0,
+                                        seed=None, eos=set(), chunk=2)
+            out["plain"].append(p.stats.decode_tok_s)
+            for rb in ("states", "rerun"):
+                opts = loop.SpecOptions(k=3, hidden=loop.MtpHidden.POST_NORM, rollback=rb)
+                r = await loop.generate(fwd, th, lm.model, head, None, ids, max_tokens=tokens, eos=set(), chunk=2,
+                                        opts=opts)
+                assert r.tokens == p.tokens, rb
+                out[rb].append(r.stats.decode_tok_s)
+        return {k: round(statistics.median(v), 2) for k, v in out.items()}
+
+    return trio.run(main)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/qnpipe-bench-mtp"))
+    a = ap.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
+    resident, same_r = _run_set(MODEL, {}, a.rounds, a.tokens)
+    top_k = json.loads((MODEL / "config.json").read_text())["num_experts_per_tok"]
+    streamed, same_s = _run_set(_streamed_dir(a.work), {"pool.expert_slots": top_k + 2,
+                                                        "predict.cross_layer_prefetch": True}, a.rounds, a.tokens)
+    out = {**_summary(resident["times"], resident["accept"], ""), "identical": same_r,
+           **_summary(streamed["times"], streamed["accept"], "_streamed"), "identical_streamed": same_s,
+           "rollback_tok_s": _rollbacks(a.rounds, a.tokens), "rounds": a.rounds, "tokens": a.tokens}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
