@@ -78,7 +78,7 @@ class _Runtime:
                                   expert_source="resident" if core.streaming is None else "pool",
                                   kv_bytes_per_token=model_bytes_per_token(
                                       core.runner.loaded.model, core.cfg.kv if core.cfg.kv.quantize else None))
-        self.prefix = PrefixCache(core.cfg.prefix, lambda: engine_fingerprint(core))
+        self.prefix = PrefixCache(core.cfg.prefix, lambda: engine_fingerprint(core), lookahead=core.mtp is not None)
 
     def ids(self, prompt: Prompt) -> list[int]:
         runner = self.core.runner
@@ -94,7 +94,7 @@ class _Runtime:
             ids = await run_on(self.thread, self.ids, prompt)
             if self.core.mtp is not None:
                 res = await speculate(self.pipe.forward, self.pipe.recording, self.thread, self.core, ids, kw, on_text,
-                                      on_prefill, partial)
+                                      on_prefill, partial, self.prefix if self.prefix.enabled else None)
                 self.totals = self.totals.add(res.stats)
                 return res
             res = await decoding.generate(
@@ -117,7 +117,8 @@ class _Runtime:
             ids = await run_on(self.thread, self.ids, prompt)
             return await decoding.next_logits(self.pipe.forward, self.thread, self.core.runner.loaded.model, ids,
                                               self.core.cfg.forward.prefill_chunk_tokens,
-                                              self.prefix if self.prefix.enabled else None)
+                                              # an MTP engine's states hold the MTP rows this prefill does not make
+                                              self.prefix if self.prefix.enabled and self.core.mtp is None else None)
 
     def stats(self) -> EngineStats:
         totals = self.totals

@@ -16,6 +16,10 @@ A later prompt resumes from the longest kept state whose tokens it starts with; 
 computes is then bit-identical to a prefill from the start (tests/test_prefix.py).
 With N a multiple of the chunk (the defaults: 2048 and 2) that is also the prefill of an
 engine without snapshots. The LRU holds `prefix.max_entries` states, heads and turns alike.
+
+With MTP speculation (`lookahead`) a state at n also holds the MTP layer's rows 0..n-1, and
+row n-1 pairs hidden n-1 with token n: the snapshot records that token and resumes only a
+prompt whose token n is the same (qnpipe.spec.loop.prefill, docs/model.md).
 """
 
 from __future__ import annotations
@@ -53,12 +57,14 @@ def boundaries(n: int, chunk: int, head: int) -> list[int]:
 @attrs.frozen
 class Plan:
     """How one prompt is prefilled: resume from `state` (None = fresh) at `start`, then `spans`;
-    after the span ending at each of `capture` (key by end), take a snapshot."""
+    after the span ending at each of `capture` (key by end), take a snapshot; `after` (by end) is the
+    token there, for a state that depends on it (MTP)."""
 
     start: int
     state: snapshots.Snapshot | None
     spans: list[tuple[int, int]]
     capture: dict[int, str]
+    after: dict[int, int] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -74,8 +80,9 @@ class PrefixCache:
     files) runs on the MLX thread. `fingerprint` is computed there on first use.
     """
 
-    def __init__(self, prefix_cfg: PrefixCfg, fingerprint: Callable[[], str]):
+    def __init__(self, prefix_cfg: PrefixCfg, fingerprint: Callable[[], str], lookahead: bool = False):
         self.head = prefix_cfg.snapshot_head_tokens
+        self.lookahead = lookahead  # a state at n depends on token n too (the MTP layer's rows)
         self.max_entries = prefix_cfg.max_entries
         self.dir = Path(prefix_cfg.snapshot_dir) if prefix_cfg.snapshot_dir else None
         self._fingerprint_fn = fingerprint
@@ -104,7 +111,8 @@ class PrefixCache:
             capture[self.head] = snapshots.token_key(tokens[:self.head])
         if len(ends) > 1 and ends[-2] > start and ends[-2] != self.head:
             capture[ends[-2]] = snapshots.token_key(tokens[:ends[-2]])
-        return Plan(start, state, _spans(start, ends), capture)
+        after = {e: tokens[e] for e in capture} if self.lookahead else {}
+        return Plan(start, state, _spans(start, ends), capture, after)
 
     async def _find(self, thread: MLXThread, tokens: Sequence[int], ends: set[int]
                     ) -> tuple[int, snapshots.Snapshot | None]:
@@ -114,13 +122,13 @@ class PrefixCache:
         for n in sorted(lengths, reverse=True):
             key = snapshots.token_key(tokens[:n])
             entry = self._lru.get(key)
-            if entry is not None and entry.snap.n_tokens == n:
+            if entry is not None and entry.snap.n_tokens == n and entry.snap.follows(tokens):
                 self._lru.move_to_end(key)
                 self._count(hits=1, tokens_reused=n)
                 return n, entry.snap
             if n == self.head and self.dir is not None:
                 snap = await self._read(thread, key)
-                if snap is not None:
+                if snap is not None and snap.follows(tokens):  # another next token: valid, not this prompt's
                     self._put(key, snap, head=True)
                     self._count(hits=1, disk_loads=1, tokens_reused=n)
                     return n, snap
@@ -167,7 +175,7 @@ class PrefixCache:
         if key is None:
             return
         try:
-            snap = await run_on(thread, snapshots.capture, cache, end)
+            snap = await run_on(thread, snapshots.capture, cache, end, plan.after.get(end, -1))
         except SnapshotError as e:  # a cache kind without snapshots: answer without them from now on
             self.head = 0
             warnings.warn(f"prefix snapshots turned off for this engine: {e}", SnapshotFileWarning, stacklevel=2)

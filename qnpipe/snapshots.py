@@ -4,14 +4,17 @@ A `Snapshot` is every layer's cache at one point of a prefill: the attention lay
 and values up to the offset, the Gated DeltaNet layers' conv and recurrent state (and any
 cache kind that implements `SnapshotState`, such as the quantized KV cache). Restoring
 it gives a cache that computes exactly what the captured one would have: same arrays,
-same offsets (qnpipe.prefix decides when to capture and resume).
+same offsets (qnpipe.prefix decides when to capture and resume). With MTP speculation the
+list ends with the MTP layer's KV cache, whose rows at n pair hidden j with token j+1 for
+j < n: that state also depends on token n, which the snapshot records as `next_token`.
 
 File format (`save` / `load`), little-endian:
 
     MAGIC (8 bytes) | header length (u64) | header (msgpack, `FileHeader`) | blob
 
 The blob is every array's raw bytes in header order; the header has the format version,
-the model fingerprint, the token ids' hash and count, and the blob's crc32. A file of
+the model fingerprint, the token ids' hash and count, the token after them when the state
+depends on it (-1 when not), and the blob's crc32. A file of
 another version or model, or one that does not check, raises SnapshotError naming it.
 Files are written to a temporary name and renamed.
 """
@@ -35,7 +38,7 @@ from qnpipe.atomic import atomic_file
 from qnpipe.errors import SnapshotError
 
 MAGIC = b"QNSNAP\x00\x01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: `next_token` in the header (MTP states)
 _LEN = struct.Struct("<Q")
 
 
@@ -62,10 +65,17 @@ class LayerState(msgspec.Struct, frozen=True):
 
 
 class Snapshot(msgspec.Struct, frozen=True):
-    """The model state after `n_tokens` tokens: one LayerState per layer."""
+    """The model state after `n_tokens` tokens: one LayerState per layer; `next_token` >= 0 when the
+    state also holds work on the token after them (the MTP layer's last row), which must then follow."""
 
     n_tokens: int
     layers: tuple[LayerState, ...]
+    next_token: int = -1
+
+    def follows(self, tokens: Sequence[int]) -> bool:
+        """Whether this state is the one `tokens` (which start with the snapshot's tokens) reach there."""
+        n = self.n_tokens
+        return self.next_token < 0 or (n < len(tokens) and tokens[n] == self.next_token)
 
     @property
     def nbytes(self) -> int:
@@ -87,8 +97,9 @@ def token_key(tokens: Sequence[int]) -> str:
     return hashlib.sha256(_LEN.pack(len(ids)) + ids.tobytes()).hexdigest()
 
 
-def capture(cache: Sequence[Any], n_tokens: int) -> Snapshot:
-    """A snapshot of `cache` (one entry per layer) after `n_tokens` tokens, evaluated."""
+def capture(cache: Sequence[Any], n_tokens: int, next_token: int = -1) -> Snapshot:
+    """A snapshot of `cache` (one entry per layer) after `n_tokens` tokens, evaluated; `next_token`
+    when the state depends on the token after them (MTP rows)."""
     layers: list[LayerState] = []
     for i, c in enumerate(cache):
         if isinstance(c, KVCache):
@@ -108,7 +119,7 @@ def capture(cache: Sequence[Any], n_tokens: int) -> Snapshot:
         else:
             raise SnapshotError(f"layer {i}: cannot snapshot a cache of type {type(c).__name__}")
     mx.eval([s.arrays for s in layers])
-    return Snapshot(n_tokens, tuple(layers))
+    return Snapshot(n_tokens, tuple(layers), next_token)
 
 
 def restore(snap: Snapshot) -> list[Any]:
@@ -158,7 +169,10 @@ def engine_fingerprint(core: Any) -> str:
 
     kv = msgspec.json.encode(core.cfg.kv).decode()
     fwd = msgspec.json.encode(core.cfg.forward).decode()
-    return model_fingerprint(core.runner.loaded.model, extra=f"{model_id(core.args)}|kv={kv}|forward={fwd}")
+    # An MTP engine's states end with the MTP layer's cache (built from the hidden `mtp.hidden` names):
+    # never resumed by an engine without one, nor the other way round.
+    mtp = f"on:{core.cfg.mtp.hidden}" if core.mtp is not None else "off"
+    return model_fingerprint(core.runner.loaded.model, extra=f"{model_id(core.args)}|kv={kv}|forward={fwd}|mtp={mtp}")
 
 
 # --------------------------------------------------------------------------- files
@@ -181,6 +195,7 @@ class FileHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     fingerprint: str
     tokens_sha256: str
     n_tokens: int
+    next_token: int
     layers: tuple[LayerHeader, ...]
     blob_bytes: int
     blob_crc32: int
@@ -211,7 +226,7 @@ def save(path: str | os.PathLike[str], snap: Snapshot, key: str, fingerprint: st
             total += r.nbytes
     header = FileHeader(
         format_version=FORMAT_VERSION, fingerprint=fingerprint, tokens_sha256=key, n_tokens=snap.n_tokens,
-        layers=tuple(LayerHeader(s.kind, s.offset, tuple(ArrayHeader(str(a.dtype), tuple(a.shape), r.nbytes)
+        next_token=snap.next_token, layers=tuple(LayerHeader(s.kind, s.offset, tuple(ArrayHeader(str(a.dtype), tuple(a.shape), r.nbytes)
                                                          for a, r in zip(s.arrays, layer, strict=True)))
                      for s, layer in zip(snap.layers, raws, strict=True)),
         blob_bytes=total, blob_crc32=crc)
@@ -244,7 +259,7 @@ def load(path: str | os.PathLike[str], key: str, fingerprint: str) -> Snapshot:
     if h.format_version != FORMAT_VERSION:
         raise SnapshotError(f"{path}: format version {h.format_version}, this qnpipe reads {FORMAT_VERSION}")
     if h.fingerprint != fingerprint:
-        raise SnapshotError(f"{path}: made for another model or other kv.* / forward.* settings "
+        raise SnapshotError(f"{path}: made for another model or other kv.* / forward.* / mtp settings "
                             f"(fingerprint {h.fingerprint[:12]}, this model {fingerprint[:12]})")
     if h.tokens_sha256 != key:
         raise SnapshotError(f"{path}: holds the state of other tokens (key {h.tokens_sha256[:12]})")
@@ -268,4 +283,4 @@ def load(path: str | os.PathLike[str], key: str, fingerprint: str) -> Snapshot:
             arrays.append(a)
         layers.append(LayerState(lh.kind, tuple(arrays), lh.offset))
     mx.eval([s.arrays for s in layers])
-    return Snapshot(h.n_tokens, tuple(layers))
+    return Snapshot(h.n_tokens, tuple(layers), h.next_token)

@@ -209,7 +209,7 @@ def test_a_state_that_cannot_be_captured_turns_snapshots_off_with_a_warning(
     ref = reference["tokens"]
     assert isinstance(ref, list)
 
-    def refuse(cache: object, n: int) -> None:
+    def refuse(cache: object, n: int, next_token: int = -1) -> None:
         raise SnapshotError("layer 8: cannot snapshot a cache of type MTPCache")
 
     monkeypatch.setattr(snapshots, "capture", refuse)

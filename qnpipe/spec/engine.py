@@ -9,6 +9,7 @@ from qnpipe.actors.forward import Forward
 from qnpipe.config import Config
 from qnpipe.messages import Msg
 from qnpipe.mlx_thread import MLXThread
+from qnpipe.prefix import PrefixCache
 from qnpipe.spec import loop, tree
 from qnpipe.stats import GenerateResult
 
@@ -26,7 +27,7 @@ def options(cfg: Config, emit: Callable[[Msg], None] | None = None, *, temperatu
 async def speculate(fwd: Forward, emit: Callable[[Msg], None] | None, thread: MLXThread, core: Any,
                     ids: list[int], kw: dict[str, Any],
                     on_text: Callable[[str], None] | None, on_prefill: Callable[[int, int], None] | None,
-                    partial: list[int] | None) -> GenerateResult:
+                    partial: list[int] | None, prefix: PrefixCache | None = None) -> GenerateResult:
     """A `generate` of the engine `core` with its MTP head (`core.mtp`): greedy, or speculative sampling."""
     runner = core.runner
     return await loop.generate(fwd, thread, runner.loaded.model, core.mtp, runner.tokenizer, ids,
@@ -34,4 +35,4 @@ async def speculate(fwd: Forward, emit: Callable[[Msg], None] | None, thread: ML
                                chunk=core.cfg.forward.prefill_chunk_tokens, opts=options(core.cfg, emit, temperature=kw["temperature"],
                                                                     top_p=kw["top_p"], seed=kw["seed"],
                                                                     mtp_streamed=core.streaming is not None),
-                               on_text=on_text, on_prefill=on_prefill, partial=partial)
+                               on_text=on_text, on_prefill=on_prefill, partial=partial, prefix=prefix)

@@ -33,6 +33,7 @@ from qnpipe.model.decode import chunks
 from qnpipe.model.mtp import MtpHead
 from qnpipe.model.qwen3_next import Model
 from qnpipe.model.stepper import MtpRun
+from qnpipe.prefix import Plan, PrefixCache
 from qnpipe.spec.sampling import accept_sampled, draw, judge
 from qnpipe.spec.state import Draft, Oracle, Pending, SpecCaches, SpecOptions, SpecState
 from qnpipe.spec.stats import SpecStats
@@ -53,11 +54,14 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, head: MtpHead,
                    tokens: Sequence[int], *, max_tokens: int, eos: set[int], chunk: int, opts: SpecOptions,
                    on_text: Callable[[str], None] | None = None,
                    on_prefill: Callable[[int, int], None] | None = None,
-                   partial: list[int] | None = None) -> GenerateResult:
-    """Greedy generation with MTP speculation: the same tokens as plain greedy decoding, fewer steps."""
+                   partial: list[int] | None = None, prefix: PrefixCache | None = None) -> GenerateResult:
+    """Greedy generation with MTP speculation: the same tokens as plain greedy decoding, fewer steps.
+
+    `prefix` resumes the prompt from a kept state of both models and keeps new ones (qnpipe.prefix)."""
     t0 = trio.current_time()
     st = await run_on(thread, SpecState, model, head, opts)
-    x = await prefill(fwd, thread, st, tokens, chunk, on_prefill)
+    plan = await prefix.plan(thread, tokens, chunk) if prefix is not None else None
+    x = await prefill(fwd, thread, st, tokens, chunk, on_prefill, prefix, plan)
     t_first = trio.current_time()
     detok = tokenizer.detokenizer if tokenizer is not None else None
     if detok is not None:
@@ -104,31 +108,42 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, head: MtpHead,
         prompt_tokens=len(tokens), generated_tokens=n, prefill_s=prefill_s, decode_s=decode_s,
         prefill_tok_s=len(tokens) / prefill_s if prefill_s > 0 else 0.0,
         decode_tok_s=(n - 1) / decode_s if decode_s > 0 and n > 1 else 0.0,
-        peak_memory_bytes=int(peak), finish_reason=reason, mtp=rec.stats())
+        peak_memory_bytes=int(peak), finish_reason=reason, mtp=rec.stats(),
+        prefix_tokens_reused=plan.start if plan is not None else 0)
     return GenerateResult(tokens=tuple(out), text=text, stats=stats)
 
 
 async def prefill(fwd: Forward, thread: MLXThread, st: SpecState, tokens: Sequence[int], chunk: int,
-                  on_prefill: Callable[[int, int], None] | None = None) -> int:
-    """The prompt through the main model, then the MTP over its rows; returns the first new token."""
-    spans = chunks(len(tokens), chunk)
-    hiddens: list[mx.array] = []
+                  on_prefill: Callable[[int, int], None] | None = None, prefix: PrefixCache | None = None,
+                  plan: Plan | None = None) -> int:
+    """The prompt through the main model and the MTP over its rows, span by span; returns the first new token.
+
+    Row j pairs h_j with token j+1, the last row with the new token. Each span's rows are one MTP
+    piece, run right after the span (its last row's token is the next span's first), so the caches
+    at a span end cover both models there: a prefix snapshot (`plan`, qnpipe.prefix) taken or
+    resumed at it leaves the same pieces to compute as a prefill from the start.
+    """
+    if plan is None and prefix is not None:
+        plan = await prefix.plan(thread, tokens, chunk)
+    if plan is not None and plan.state is not None:
+        await run_on(thread, st.resume, plan.state)
+    spans = plan.spans if plan is not None else chunks(len(tokens), chunk)
     x = -1
     for i, (lo, hi) in enumerate(spans):
-        if i == len(spans) - 1:
+        last = i == len(spans) - 1
+        if last:
             x, h = await fwd.run(_ids(tokens[lo:hi]), st.caches.main, st.first_token)
         else:
             h = await fwd.run(_ids(tokens[lo:hi]), st.caches.main, st.hidden_tail)
-        hiddens.append(h)
+        nxt = [*tokens[lo + 1:hi], x] if last else list(tokens[lo + 1:hi + 1])
+        if st.opts.mtp_streamed:
+            await fwd.run(_mtp_input(st, h, nxt), None, st.mtp_tail)
+        else:
+            await run_on(thread, catch_up, st, [h], nxt, 0)
+        if plan is not None and prefix is not None:
+            await prefix.reached(thread, plan, hi, st.caches.all)
         if on_prefill is not None:
             on_prefill(hi, len(tokens))
-    # Row j pairs h_j with token j+1, the last row with the new token.
-    if st.opts.mtp_streamed:
-        nxt = [*tokens[1:], x]
-        for (lo, hi), h in zip(spans, hiddens, strict=True):
-            await fwd.run(_mtp_input(st, h, nxt[lo:hi]), None, st.mtp_tail)
-    else:
-        await run_on(thread, catch_up, st, hiddens, [*tokens[1:], x], chunk)
     return x
 
 

@@ -16,12 +16,14 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from qnpipe.config import MtpHidden, MtpVerifyMode
+from qnpipe.errors import SnapshotError
 from qnpipe.messages import Msg
 from qnpipe.model.decode import chunks
 from qnpipe.model.mtp import MtpHead
 from qnpipe.model.qwen3_next import Model
 from qnpipe.model.step_cache import StepCache
 from qnpipe.model.stepper import MtpRun
+from qnpipe.snapshots import Snapshot, restore
 from qnpipe.spec.sampling import draw, probs
 from qnpipe.spec.tree import Branch
 
@@ -133,6 +135,18 @@ class SpecState:
             return h
         w = self.model.model.norm.weight
         return h / mx.where(w == 0, 1, w)
+
+    def resume(self, snap: Snapshot) -> None:
+        """The caches (main layers, then the MTP layer's) in the state of a prefix snapshot of `SpecCaches.all`."""
+        layers = restore(snap)
+        if len(layers) != len(self.caches.all):
+            raise SnapshotError(f"a snapshot of {len(layers)} layers, this MTP engine has {len(self.caches.all)} caches")
+        for i, c in enumerate(layers):
+            own = self.caches.all[i]
+            if isinstance(own, StepCache) and isinstance(c, ArraysCache):  # keep the kind verify steps record in
+                own.cache = c.cache
+            else:
+                self.caches.all[i] = c
 
     def hidden_tail(self, h: mx.array) -> mx.array:
         mx.eval(h, [c.state for c in self.caches.main])
