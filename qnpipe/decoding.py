@@ -106,6 +106,50 @@ def _start(model: Model, temperature: float, top_p: float, seed: int | None) -> 
     return _Sampling(model, model.make_cache(), temperature, top_p, seed)
 
 
+class Output:
+    """A generate call's committed tokens: kept in `tokens`, streamed as text, stopped by EOS."""
+
+    def __init__(self, tokenizer: Any, eos: set[int], on_text: TextCallback | None, tokens: list[int] | None) -> None:
+        self.tokens: list[int] = [] if tokens is None else tokens
+        self.eos = eos
+        self.on_text = on_text
+        self.detok = tokenizer.detokenizer if tokenizer is not None else None
+        if self.detok is not None:
+            self.detok.reset()
+
+    def commit(self, tok: int) -> bool:
+        """Keep `tok` and stream its text; False (nothing kept) when it ends the sequence."""
+        if tok in self.eos:
+            return False
+        self.tokens.append(tok)
+        if self.detok is not None:
+            self.detok.add_token(tok)
+            if self.on_text is not None and (seg := self.detok.last_segment):  # reading it consumes it
+                self.on_text(seg)
+        return True
+
+    def finish(self) -> str:
+        """The whole text; streams what the detokenizer still held back."""
+        if self.detok is None:
+            return ""
+        self.detok.finalize()
+        if self.on_text is not None and (seg := self.detok.last_segment):
+            self.on_text(seg)
+        return self.detok.text
+
+
+def generate_stats(prompt_tokens: int, n: int, t0: float, t_first: float, t_end: float, peak: int,
+                   reason: FinishReason, **extra: Any) -> GenerateStats:
+    """The figures of a generate call from its trio-clock times (prompt in at t0, first token at t_first)."""
+    prefill_s = (t_first if n else t_end) - t0
+    decode_s = t_end - t_first if n else 0.0
+    return GenerateStats(
+        prompt_tokens=prompt_tokens, generated_tokens=n, prefill_s=prefill_s, decode_s=decode_s,
+        prefill_tok_s=prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
+        decode_tok_s=(n - 1) / decode_s if decode_s > 0 and n > 1 else 0.0,
+        peak_memory_bytes=int(peak), finish_reason=reason, **extra)
+
+
 async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any, tokens: Sequence[int], *,
                    max_tokens: int, temperature: float, top_p: float, seed: int | None, eos: set[int],
                    chunk: int, on_text: TextCallback | None = None,
@@ -133,10 +177,7 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
             on_prefill(hi, len(tokens))
     assert y is not None
     token: mx.array = y
-    detok = tokenizer.detokenizer if tokenizer is not None else None
-    if detok is not None:
-        detok.reset()
-    out: list[int] = [] if partial is None else partial
+    output = Output(tokenizer, eos, on_text, partial)
     reason = FinishReason.LENGTH
     t_first = t0
     n = 0
@@ -150,32 +191,15 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
         if n == 0:
             t_first = trio.current_time()
         n += 1
-        if tok in eos:
+        if not output.commit(tok):
             reason = FinishReason.EOS
             break
-        out.append(tok)
-        if detok is not None:
-            detok.add_token(tok)
-            if on_text is not None and (seg := detok.last_segment):  # reading it consumes it
-                on_text(seg)
         if not more:
             break
         token = nxt if nxt is not None else await fwd.run(_next_input(token), s.cache, s.sample)
     t_end = trio.current_time()
-    text = ""
-    if detok is not None:
-        detok.finalize()
-        if on_text is not None and (seg := detok.last_segment):
-            on_text(seg)
-        text = detok.text
-    prefill_s = (t_first if n else t_end) - t0
-    decode_s = t_end - t_first if n else 0.0
+    text = output.finish()
     peak = await run_on(thread, mx.get_peak_memory)
-    stats = GenerateStats(
-        prompt_tokens=len(tokens), generated_tokens=n, prefill_s=prefill_s, decode_s=decode_s,
-        prefill_tok_s=len(tokens) / prefill_s if prefill_s > 0 else 0.0,
-        decode_tok_s=(n - 1) / decode_s if decode_s > 0 and n > 1 else 0.0,
-        peak_memory_bytes=int(peak), finish_reason=reason,
-        prefix_tokens_reused=plan.start if plan is not None else 0,
-    )
-    return GenerateResult(tokens=tuple(out), text=text, stats=stats)
+    stats = generate_stats(len(tokens), n, t0, t_first, t_end, peak, reason,
+                           prefix_tokens_reused=plan.start if plan is not None else 0)
+    return GenerateResult(tokens=tuple(output.tokens), text=text, stats=stats)

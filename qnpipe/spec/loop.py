@@ -28,6 +28,7 @@ from mlx_lm.models.cache import KVCache
 from qnpipe.actors.forward import Forward
 from qnpipe.actors.stamp import Stamper
 from qnpipe.config import MtpHidden, MtpVerifyMode
+from qnpipe.decoding import Output, generate_stats
 from qnpipe.mlx_thread import MLXThread, run_on
 from qnpipe.model.decode import chunks
 from qnpipe.model.mtp import MtpHead
@@ -38,7 +39,7 @@ from qnpipe.spec.sampling import accept_sampled, draw, judge
 from qnpipe.spec.state import Draft, Oracle, Pending, SpecCaches, SpecOptions, SpecState
 from qnpipe.spec.stats import SpecStats
 from qnpipe.spec.tree import Branch, batch_caches, best_path, copy_kv, take_row
-from qnpipe.stats import FinishReason, GenerateResult, GenerateStats
+from qnpipe.stats import FinishReason, GenerateResult
 from qnpipe.trace import SpecRound
 
 __all__ = ["Draft", "MtpHidden", "Oracle", "Pending", "Recorder", "SpecCaches", "SpecOptions", "SpecState",
@@ -63,10 +64,7 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, head: MtpHead,
     plan = await prefix.plan(thread, tokens, chunk) if prefix is not None else None
     x = await prefill(fwd, thread, st, tokens, chunk, on_prefill, prefix, plan)
     t_first = trio.current_time()
-    detok = tokenizer.detokenizer if tokenizer is not None else None
-    if detok is not None:
-        detok.reset()
-    out: list[int] = [] if partial is None else partial
+    output = Output(tokenizer, eos, on_text, partial)
     reason = FinishReason.LENGTH
     n = 0
     rec = Recorder(opts.max_depth)
@@ -74,20 +72,15 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, head: MtpHead,
     while True:
         for tok in pending:  # commit: stop at EOS or max_tokens
             n += 1
-            if tok in eos:
+            if not output.commit(tok):
                 reason = FinishReason.EOS
                 break
-            out.append(tok)
-            if detok is not None:
-                detok.add_token(tok)
-                if on_text is not None and (seg := detok.last_segment):
-                    on_text(seg)
             if n >= max_tokens:
                 break
         if n >= max_tokens or reason is FinishReason.EOS:
             break
         x = pending[-1]
-        pending = await spec_round(fwd, thread, st, x, len(out), opts, rec)
+        pending = await spec_round(fwd, thread, st, x, len(output.tokens), opts, rec)
     if opts.mtp_streamed:  # leave the caches at the committed tokens
         p = await run_on(thread, st.take_pending)
         if p is not None:
@@ -95,22 +88,11 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, head: MtpHead,
     else:
         await run_on(thread, st.apply_pending, True)
     t_end = trio.current_time()
-    text = ""
-    if detok is not None:
-        detok.finalize()
-        if on_text is not None and (seg := detok.last_segment):
-            on_text(seg)
-        text = detok.text
-    prefill_s = t_first - t0
-    decode_s = t_end - t_first
+    text = output.finish()
     peak = await run_on(thread, mx.get_peak_memory)
-    stats = GenerateStats(
-        prompt_tokens=len(tokens), generated_tokens=n, prefill_s=prefill_s, decode_s=decode_s,
-        prefill_tok_s=len(tokens) / prefill_s if prefill_s > 0 else 0.0,
-        decode_tok_s=(n - 1) / decode_s if decode_s > 0 and n > 1 else 0.0,
-        peak_memory_bytes=int(peak), finish_reason=reason, mtp=rec.stats(),
-        prefix_tokens_reused=plan.start if plan is not None else 0)
-    return GenerateResult(tokens=tuple(out), text=text, stats=stats)
+    stats = generate_stats(len(tokens), n, t0, t_first, t_end, peak, reason, mtp=rec.stats(),
+                           prefix_tokens_reused=plan.start if plan is not None else 0)
+    return GenerateResult(tokens=tuple(output.tokens), text=text, stats=stats)
 
 
 async def prefill(fwd: Forward, thread: MLXThread, st: SpecState, tokens: Sequence[int], chunk: int,
