@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,3 +33,17 @@ def trained_qn4(tmp_path_factory: pytest.TempPathFactory, trained_hf: Path) -> P
     out = tmp_path_factory.mktemp("models") / "trained-qn4"
     convert(trained_hf, out, bits=4, group_size=32, mtp_bits=4)
     return out
+
+
+@pytest.fixture(scope="module")
+def trained_mtp(trained_hf: Path) -> tuple[Any, Any, Any]:
+    """(the loaded model, its MTP head, the MLX thread) of `trained_hf`, loaded on the MLX thread."""
+    from qnpipe.mlx_thread import MLXThread
+    from qnpipe.model.load import load_model
+    from qnpipe.model.mtp import load_mtp
+
+    th = MLXThread.shared()
+    lm = th.submit(load_model, trained_hf).result()
+    head = th.submit(load_mtp, lm.args, lm.mtp_weights, str(trained_hf)).result()
+    assert head is not None
+    return lm, head, th

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -15,22 +14,12 @@ from qnpipe import decoding
 from qnpipe.actors.forward import Forward
 from qnpipe.engine import ThreadedBackend
 from qnpipe.mlx_thread import MLXThread, run_on
-from qnpipe.model.load import load_model
-from qnpipe.model.mtp import MtpHead, load_mtp
+from qnpipe.model.mtp import MtpHead
 from qnpipe.model.step_cache import StepCache
 from qnpipe.model.stepper import MlxBackend
 from qnpipe.spec import loop
 
 PROMPT = [17, 300, 1000, 42, 9, 2048, 77]
-
-
-@pytest.fixture(scope="module")
-def setup(trained_hf: Path) -> tuple[Any, MtpHead, MLXThread]:
-    th = MLXThread.shared()
-    lm = th.submit(load_model, trained_hf).result()
-    head = th.submit(load_mtp, lm.args, lm.mtp_weights, str(trained_hf)).result()
-    assert head is not None
-    return lm, head, th
 
 
 def _fwd(lm: Any, th: MLXThread) -> Forward:
@@ -58,8 +47,8 @@ def _oracle(ref: list[int], p: float, vocab: int, seed: int) -> loop.Oracle:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_oracle_forces_every_acceptance_count_and_output_stays_exact(setup: Any, k: int) -> None:
-    lm, head, th = setup
+def test_oracle_forces_every_acceptance_count_and_output_stays_exact(trained_mtp: Any, k: int) -> None:
+    lm, head, th = trained_mtp
 
     async def main() -> tuple[list[int], Any, list[int]]:
         ref = await _plain(lm, th, 128 + k + 1)
@@ -103,8 +92,8 @@ def _arrays(c: Any) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("rollback", ["states", "rerun"])
-def test_after_a_rejected_draft_every_cache_equals_plain_decoding(setup: Any, rollback: str) -> None:
-    lm, head, th = setup
+def test_after_a_rejected_draft_every_cache_equals_plain_decoding(trained_mtp: Any, rollback: str) -> None:
+    lm, head, th = trained_mtp
     K = 3
 
     async def main() -> tuple[loop.SpecState, list[int], list[int], list[np.ndarray]]:

@@ -16,9 +16,7 @@ import qnpipe
 from qnpipe.actors.forward import Forward
 from qnpipe.config import PrefixCfg
 from qnpipe.engine import ThreadedBackend
-from qnpipe.mlx_thread import MLXThread, run_on
-from qnpipe.model.load import load_model
-from qnpipe.model.mtp import MtpHead, load_mtp
+from qnpipe.mlx_thread import run_on
 from qnpipe.model.stepper import MlxBackend
 from qnpipe.prefix import PrefixCache, SnapshotFileWarning
 from qnpipe.snapshots import capture
@@ -42,15 +40,6 @@ def prompts(trained_hf: Path) -> list[list[int]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def setup(trained_hf: Path) -> tuple[Any, MtpHead, MLXThread]:
-    th = MLXThread.shared()
-    lm = th.submit(load_model, trained_hf).result()
-    head = th.submit(load_mtp, lm.args, lm.mtp_weights, str(trained_hf)).result()
-    assert head is not None
-    return lm, head, th
-
-
 def _state(st: loop.SpecState, n: int) -> list[np.ndarray]:
     """Every cache's arrays (main layers, the MTP layer), the MTP's last row's logits and feed."""
     snap = capture(st.caches.all, n)
@@ -58,8 +47,8 @@ def _state(st: loop.SpecState, n: int) -> list[np.ndarray]:
     return [np.array(a) for s in snap.layers for a in s.arrays] + [np.array(st.logits), np.array(st.feed)]
 
 
-def test_resumed_prefill_leaves_both_models_bit_identical(setup: Any, prompts: list[list[int]]) -> None:
-    lm, head, th = setup
+def test_resumed_prefill_leaves_both_models_bit_identical(trained_mtp: Any, prompts: list[list[int]]) -> None:
+    lm, head, th = trained_mtp
     fwd = Forward(ThreadedBackend(th, MlxBackend(lm.model, None)), None, None, {}, lm.args.num_experts)
     opts = loop.SpecOptions(k=3, hidden=loop.MtpHidden.POST_NORM)
 
