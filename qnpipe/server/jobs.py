@@ -86,6 +86,9 @@ def _sampling(req: ChatRequest | CompletionRequest, limits: Limits, max_tokens: 
 
 def _message(m: Message, i: int) -> dict[str, Any]:
     content = m.content
+    if content is None and not (m.role == "assistant" and m.tool_calls):
+        # Only an assistant message that calls tools may leave its content out (as OpenAI's API has it).
+        raise BadRequest(f"messages[{i}].content: a {m.role} message needs content", f"messages[{i}].content")
     if isinstance(content, list):
         content = "".join(p.text for p in content)
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}

@@ -137,13 +137,16 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving() -> None:
         status, body = post(url, json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                               "temperature": -1}).encode(), key)
         assert status == 400 and body["error"]["param"] == "temperature"
+        status, body = post(url, json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user"}]}).encode(),
+                            key)
+        assert status == 400 and body["error"]["param"] == "messages[1].content"
         with urllib.request.urlopen(f"{srv.url}/health", timeout=10) as r:
             assert r.status == 200  # the probe needs no key
         status, body = post(url, good, key)
         assert status == 200 and body["choices"][0]["message"]["content"] is not None
         m = metrics(srv, key)
         assert m['qnpipe_requests_total{endpoint="/v1/chat/completions",code="401"}'] == 2
-        assert m['qnpipe_requests_total{endpoint="/v1/chat/completions",code="400"}'] == 5
+        assert m['qnpipe_requests_total{endpoint="/v1/chat/completions",code="400"}'] == 6
         assert m['qnpipe_requests_total{endpoint="/v1/chat/completions",code="413"}'] == 1
 
 
