@@ -21,7 +21,8 @@ import trio
 
 from qnpipe import decoding
 from qnpipe.config import Config
-from qnpipe.engine import Core, Pipeline, build_core, open_core_pipeline
+from qnpipe.core import Core, build_core, open_core_pipeline
+from qnpipe.engine import Pipeline
 from qnpipe.io.reader import ExpertReader
 from qnpipe.mlx_thread import MLXThread, run_on
 from qnpipe.model.kvquant import model_bytes_per_token

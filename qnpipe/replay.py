@@ -28,10 +28,10 @@ from qnpipe.errors import ConfigError, TraceSchemaError
 from qnpipe.io.device_file import named_profile
 from qnpipe.io.simssd import DeviceProfile, open_simssd
 from qnpipe.messages import Candidates, ReadDone
-from qnpipe.model.stepper import Event, LayerRoute, PartDone, PartGrant, StepDone, Tail
 from qnpipe.policy.belady import belady_hits
 from qnpipe.policy.model_free import TransitionTable, oracle_guess, previous_guess
 from qnpipe.policy.parts import plan_parts
+from qnpipe.steps import Event, LayerRoute, PartDone, PartGrant, StepDone, Tail
 from qnpipe.trace import Header, ModelShape, Route, read
 
 PREDICTORS = ("none", "previous", "recorded", "transition", "oracle")

@@ -163,7 +163,7 @@ def model_fingerprint(model: Any, extra: str = "") -> str:
 
 
 def engine_fingerprint(core: Any) -> str:
-    """The fingerprint of an engine's states (a qnpipe.engine.Core): its weights, shape, KV-cache settings
+    """The fingerprint of an engine's states (a qnpipe.core.Core): its weights, shape, KV-cache settings
     and what else changes the numbers of a prefill (its chunk, a top-k override)."""
     from qnpipe.model.args import model_id
 

@@ -9,6 +9,9 @@ that do not exist yet the moment they are added.
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,3 +95,22 @@ def test_the_checks_catch_violations() -> None:
         "qnpipe/model/pool_view.py:1: imports trio (forbidden here: trio)"]
     assert layering_violations("qnpipe/messages.py", "import msgspec\nimport trio_typing\n") == []
     assert layering_violations("qnpipe/actors/pool.py", "import trio\nimport mlx.core\n") == []
+
+
+# What replay, sweeps and the trace tools load: the actors and policies, never the model code
+# (mlx-lm pulls in transformers: ~1.4 s of start-up per process, paid by every sweep worker).
+MODEL_FREE = ("qnpipe.replay", "qnpipe.sweep", "qnpipe.cost_fit", "qnpipe.engine", "qnpipe.cli.replay_cmd",
+              "qnpipe.cli.sweep_cmd", "qnpipe.cli.trace_cmd")
+HEAVY = ("mlx_lm", "transformers", "qnpipe.core", "qnpipe.model.stepper", "qnpipe.model.qwen3_next")
+
+
+def test_replay_and_sweeps_load_no_model_code() -> None:
+    code = ("import importlib, json, sys\n"
+            f"for m in {MODEL_FREE!r}:\n    importlib.import_module(m)\n"
+            f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    # The check itself sees these modules when they are loaded.
+    live = subprocess.run([sys.executable, "-c", code.replace("for m in", "import qnpipe.core\nfor m in", 1)],
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert "qnpipe.core" in json.loads(live.stdout.strip().splitlines()[-1])

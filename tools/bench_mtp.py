@@ -114,7 +114,7 @@ def _rollbacks(rounds: int, tokens: int) -> dict[str, float]:
 
     from qnpipe import decoding
     from qnpipe.actors.forward import Forward
-    from qnpipe.engine import ThreadedBackend
+    from qnpipe.core import ThreadedBackend
     from qnpipe.mlx_thread import MLXThread, run_on
     from qnpipe.model.load import load_model
     from qnpipe.model.mtp import load_mtp

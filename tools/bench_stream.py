@@ -288,7 +288,7 @@ class _FakeBackend:
     """Answers at once: the next layer's route (uniform random top-k), StepDone after the last."""
 
     def __init__(self, layers: int, experts: int, k: int, seed: int) -> None:
-        from qnpipe.model.stepper import LayerRoute, StepDone
+        from qnpipe.steps import LayerRoute, StepDone
 
         self._route, self._done = LayerRoute, StepDone
         self.layers, self.experts, self.k = layers, experts, k

@@ -24,8 +24,8 @@ import trio
 from qnpipe.actors.stamp import Stamper, send_soon
 from qnpipe.errors import PipelineError
 from qnpipe.messages import Acquire, Candidates, ForwardDone, Granted, Msg, PoolInbox, Release
-from qnpipe.model.stepper import Event, LayerRoute, PartGrant, StepDone, Tail
 from qnpipe.policy.parts import plan_parts
+from qnpipe.steps import Event, LayerRoute, PartGrant, StepDone, Tail
 from qnpipe.trace import UnionSize, route_record
 
 

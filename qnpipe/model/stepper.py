@@ -25,56 +25,7 @@ import numpy as np
 
 from qnpipe.model.experts import LayerExperts, switch_glu
 from qnpipe.model.qwen3_next import Model, SparseMoeBlock
-
-
-@attrs.frozen
-class LayerRoute:
-    """MoE layer `layer` needs experts `ids [N, k]` (row = token of the step, router's order).
-
-    `predictions`: for each target layer the predictor looks at from here, the top experts
-    of that layer's gate applied to this layer's input, per token: (target, ids [N, W], probs [N, W]).
-    `weights [N, k]` (float32) are the router's gate weights of those experts (None when not known).
-    """
-
-    layer: int
-    ids: np.ndarray
-    predictions: tuple[tuple[int, np.ndarray, np.ndarray], ...] = ()
-    weights: np.ndarray | None = None
-
-
-@attrs.frozen
-class PredictPlan:
-    """What the forward computes for the predictor: target layers per MoE layer, top-`width` each."""
-
-    targets: dict[int, tuple[int, ...]]
-    width: int
-    use_moe_input: bool = True
-
-
-@attrs.frozen
-class PartGrant:
-    """Run tokens `lo:hi` of the layer from slots `slots [hi-lo, k]`; `last` = no part follows."""
-
-    lo: int
-    hi: int
-    slots: np.ndarray
-    last: bool
-
-
-@attrs.frozen
-class PartDone:
-    """A part that is not the last was computed and evaluated."""
-
-
-@attrs.frozen
-class StepDone:
-    """The step's forward ended; `value` is what its tail made of the final hidden states."""
-
-    value: Any
-
-
-Event = LayerRoute | PartDone | StepDone
-Tail = Callable[[mx.array], Any]
+from qnpipe.steps import Event, LayerRoute, PartDone, PartGrant, PredictPlan, StepDone, Tail
 
 
 def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: mx.array,

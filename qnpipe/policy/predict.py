@@ -1,7 +1,7 @@
 """Cross-layer prediction: which later layers each MoE layer predicts, and the ranking of candidates.
 
 The forward applies the gate of each target layer to the current layer's MoE input
-(qnpipe.model.stepper.PredictPlan) and hands the per-token top-W probabilities to the
+(qnpipe.steps.PredictPlan) and hands the per-token top-W probabilities to the
 predictor actor, which ranks them here into one list of experts per target layer.
 """
 

@@ -151,7 +151,7 @@ def test_read_error_reaches_the_forward_and_stops_the_actors() -> None:
 
 def test_watchdog_turns_a_hung_device_into_a_stall_error_with_the_evidence() -> None:
     from qnpipe.errors import StallError
-    from qnpipe.model.stepper import LayerRoute
+    from qnpipe.steps import LayerRoute
 
     class OneLayer:
         async def begin(self, inputs: object, cache: object, tail: object) -> LayerRoute:

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from qnpipe.config import Config, EvictPolicy, with_overrides
 from qnpipe.engine import open_pipeline
-from qnpipe.model.stepper import LayerRoute, PartGrant, StepDone
 from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.pool import MissKind, PoolPolicy, PrefetchBudgets
 from qnpipe.policy.read_queue import Job
 from qnpipe.policy.slot_table import SlotTable
+from qnpipe.steps import LayerRoute, PartGrant, StepDone
 
 E, K, LAYERS = 32, 2, 6
 

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache
 
 from qnpipe import decoding
 from qnpipe.actors.forward import Forward
-from qnpipe.engine import ThreadedBackend
+from qnpipe.core import ThreadedBackend
 from qnpipe.mlx_thread import MLXThread, run_on
 from qnpipe.model.mtp import MtpHead
 from qnpipe.model.step_cache import StepCache

@@ -110,7 +110,7 @@ def test_sampled_speculation_matches_plain_sampling_end_to_end(tiny_vocab: Path)
     import trio
 
     from qnpipe.actors.forward import Forward
-    from qnpipe.engine import ThreadedBackend
+    from qnpipe.core import ThreadedBackend
     from qnpipe.mlx_thread import MLXThread
     from qnpipe.model.load import load_model
     from qnpipe.model.mtp import load_mtp

@@ -15,7 +15,7 @@ import trio
 import qnpipe
 from qnpipe.actors.forward import Forward
 from qnpipe.config import PrefixCfg
-from qnpipe.engine import ThreadedBackend
+from qnpipe.core import ThreadedBackend
 from qnpipe.mlx_thread import run_on
 from qnpipe.model.stepper import MlxBackend
 from qnpipe.prefix import PrefixCache, SnapshotFileWarning
