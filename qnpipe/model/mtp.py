@@ -48,9 +48,9 @@ class MtpHead(nn.Module):
         self.norm = nn.RMSNorm(H, eps=eps)
 
     def __call__(self, model: Model, hidden: mx.array, next_tokens: mx.array,
-                 cache: KVCache) -> tuple[mx.array, mx.array, mx.array]:
+                 cache: KVCache, *, last_only: bool = False) -> tuple[mx.array, mx.array, mx.array]:
         h = self.mix(model, hidden, next_tokens, cache)
-        return self.finish(model, h + self.mlp(self.post_attention_layernorm(h)))
+        return self.finish(model, h + self.mlp(self.post_attention_layernorm(h)), last_only=last_only)
 
     def mix(self, model: Model, hidden: mx.array, next_tokens: mx.array, cache: KVCache) -> mx.array:
         """Everything before the MoE: fc over [embedding, hidden], then the attention's residual step."""
@@ -59,10 +59,15 @@ class MtpHead(nn.Module):
         mask = create_attention_mask(u, cache)
         return u + self.self_attn(self.input_layernorm(u), mask, cache)
 
-    def finish(self, model: Model, h: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """(draft logits, hidden after mtp.norm, hidden before it) from the layer's output `h`."""
+    def finish(self, model: Model, h: mx.array, *, last_only: bool = False) -> tuple[mx.array, mx.array, mx.array]:
+        """(draft logits, hidden after mtp.norm, hidden before it) from the layer's output `h`.
+
+        `last_only`: the logits of the last row alone (`[B, 1, V]`), all a draft reads. The rows
+        before it only fill the MTP layer's cache, and the LM head over a prefill's rows would
+        cost more than the MTP layer itself.
+        """
         out = self.norm(h)
-        return model.head(out), out, h
+        return model.head(out[:, -1:] if last_only else out), out, h
 
     def make_cache(self) -> KVCache:
         return KVCache()

@@ -85,7 +85,8 @@ def mtp_steps(model: Model, slots: dict[int, LayerExperts], run: MtpRun,
     w = np.array(scores.astype(mx.float32)).reshape(-1, k) if weights else None
     grant = yield LayerRoute(head.layer_id, np.array(inds).reshape(-1, k), (), w)
     y = yield from _run_parts(slots[head.layer_id], x, inds.shape, grant)
-    return head.finish(model, h + head.mlp.combine(x, y, scores))
+    # Every MTP step's tail (SpecState.mtp_tail, mtp_out) reads the last row's logits alone.
+    return head.finish(model, h + head.mlp.combine(x, y, scores), last_only=True)
 
 
 def _predict(m: Any, plan: PredictPlan, layer: int, x: mx.array, h: mx.array) -> list[tuple[int, mx.array, mx.array]]:

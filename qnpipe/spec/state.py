@@ -166,7 +166,7 @@ class SpecState:
         toks = mx.array(list(next_tokens), dtype=mx.uint32)[None]
         feed = self.drafter_input(hidden)
         for lo, hi in chunks(toks.shape[1], chunk):
-            logits, out, pre = self.head(self.model, feed[:, lo:hi], toks[:, lo:hi], self.caches.mtp)
+            logits, out, pre = self.head(self.model, feed[:, lo:hi], toks[:, lo:hi], self.caches.mtp, last_only=True)
             self.logits = logits[0, -1]
             self.feed = (out if self.opts.hidden is MtpHidden.POST_NORM else pre)[:, -1:]
             if sync:

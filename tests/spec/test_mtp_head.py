@@ -48,6 +48,14 @@ def test_mtp_logits_match_the_float64_reference_full_and_cached(trained_hf: Path
         assert np.abs(got - want).max() <= 1e-5 * scale
         assert (got.argmax(-1) == want.argmax(-1)).all()
     assert cache.offset == T
+    # last_only: the last row's logits alone (what a draft reads), the same cache and hidden rows.
+    lc, fc = head.make_cache(), head.make_cache()
+    last, out_l, pre_l = head(lm.model, hidden[:, :T], toks[:, 1:], lc, last_only=True)
+    _, out_f, pre_f = head(lm.model, hidden[:, :T], toks[:, 1:], fc)
+    assert last.shape == (1, 1, full.shape[-1])
+    assert np.abs(np.array(last[0, 0]) - want[-1]).max() <= 1e-5 * scale
+    assert np.array_equal(np.array(out_l), np.array(out_f)) and np.array_equal(np.array(pre_l), np.array(pre_f))
+    assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(lc.state, fc.state, strict=True))
 
 
 def test_quantized_mtp_head_loads_and_drafts_like_the_float_one(trained_hf: Path, trained_qn4: Path) -> None:
