@@ -85,8 +85,8 @@ import math
 import shutil
 import statistics
 import sys
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -365,6 +365,7 @@ def bench_pipeline(layers: int, experts: int, k: int, capacity: int, nbytes: int
 def bench_bandwidth(model_dir: Path, qd: int, seconds: float, seed: int, *, nocache: bool = True,
                     backend: str = "c", submitters: int = 2) -> dict[str, Any]:
     """Cold random reads of the store's records, `qd` workers, fresh (layer, expert) draws per batch."""
+    from qnpipe.io.measure import run_submitters
     from qnpipe.io.reader import ReadRequest, alloc_aligned
     from qnpipe.io.ssd import SsdReader
     from qnpipe.io.store import ExpertStore
@@ -376,13 +377,12 @@ def bench_bandwidth(model_dir: Path, qd: int, seconds: float, seed: int, *, noca
     batch = max(32, 4 * qd)
     counts = [0] * submitters
     nbytes = [0] * submitters
-    go = threading.Event()
 
-    def submit(k: int) -> None:
+    def make_batch(k: int) -> Callable[[], None]:
         rng = np.random.default_rng(seed * 1000 + k)
         bufs = [alloc_aligned(max(n for _, _, n in locs.values())) for _ in range(batch)]
-        go.wait()
-        while time.perf_counter() - t0 < seconds:
+
+        def one() -> None:
             picks = rng.integers(0, len(keys), batch).tolist()
             reqs = []
             for i, b in zip(picks, bufs, strict=True):
@@ -391,19 +391,13 @@ def bench_bandwidth(model_dir: Path, qd: int, seconds: float, seed: int, *, noca
             reader.read_batch(reqs)
             counts[k] += batch
             nbytes[k] += sum(r.nbytes for r in reqs)
+        return one
 
     with SsdReader(workers=qd, nocache=nocache, backend=backend) as reader:
         warm = alloc_aligned(max(n for _, _, n in locs.values()))
         reader.read_batch([ReadRequest(path=str(locs[(la, 0)][0]), offset=0, nbytes=locs[(la, 0)][2], buf=warm)
                            for la in layers])  # open the files
-        threads = [threading.Thread(target=submit, args=(k,)) for k in range(submitters)]
-        for t in threads:
-            t.start()
-        t0 = time.perf_counter()
-        go.set()
-        for t in threads:
-            t.join()
-        dt = time.perf_counter() - t0
+        dt = run_submitters(submitters, seconds, make_batch)
         rs = reader.statistics()
     return {"gbps": sum(nbytes) / dt / 1e9, "iops": sum(counts) / dt, "mode": str(rs.mode),
             "bounced": rs.bounced_reads, "fallbacks": rs.direct_fallbacks}

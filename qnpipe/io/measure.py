@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -69,6 +70,30 @@ def make_files(d: Path, total: int, nfiles: int, unit: int, log: Log = _noop) ->
     return paths
 
 
+def run_submitters(n: int, seconds: float, make_batch: Callable[[int], Callable[[], None]]) -> float:
+    """`n` threads that start together, each calling its `make_batch(k)()` back to back for
+    `seconds` (as the read scheduler's submitter would, so the reader's workers never wait
+    while the next batch is built); returns the wall seconds they ran. `make_batch` runs
+    before the clock starts (buffers are allocated outside the timing)."""
+    batches = [make_batch(k) for k in range(n)]
+    go = threading.Event()
+    t0 = 0.0
+
+    def loop(k: int) -> None:
+        go.wait()
+        while time.perf_counter() - t0 < seconds:
+            batches[k]()
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    go.set()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def bench_reader(backend: ReadBackend, files: list[Path], record: int, qd: int, seconds: float, batch: int,
                  submitters: int, seed: int, scatter: tuple[int, ...] = ()) -> dict[str, float]:
     """`submitters` threads call read_batch back to back on one reader (as the read scheduler's
@@ -82,14 +107,14 @@ def bench_reader(backend: ReadBackend, files: list[Path], record: int, qd: int, 
     per_file = os.path.getsize(files[0]) // stride
     paths = [str(p) for p in files]
 
-    def submit(k: int) -> None:
+    def make_batch(k: int) -> Callable[[], None]:
         rng = np.random.default_rng(seed * 1000 + k)
         if scatter:
-            bufs = [tuple(alloc_aligned(n) for n in scatter) for _ in range(batch)]
+            bufs: list[Any] = [tuple(alloc_aligned(n) for n in scatter) for _ in range(batch)]
         else:
             bufs = [alloc_aligned(record) for _ in range(batch)]
-        go.wait()
-        while time.perf_counter() - t0 < seconds:
+
+        def one() -> None:
             fs = rng.integers(0, len(paths), batch).tolist()
             es = rng.integers(0, per_file, batch).tolist()
             reader.read_batch([
@@ -97,20 +122,13 @@ def bench_reader(backend: ReadBackend, files: list[Path], record: int, qd: int, 
                 for f, e, b in zip(fs, es, bufs, strict=True)
             ])
             counts[k] += batch
+        return one
 
     counts = [0] * submitters
-    go = threading.Event()
     with SsdReader(workers=qd, backend=backend) as reader:
         warm = alloc_aligned(record)
         reader.read_batch([ReadRequest(path=p, offset=0, nbytes=record, buf=warm) for p in paths])  # open files
-        threads = [threading.Thread(target=submit, args=(k,)) for k in range(submitters)]
-        for t in threads:
-            t.start()
-        t0 = time.perf_counter()
-        go.set()
-        for t in threads:
-            t.join()
-        dt = time.perf_counter() - t0
+        dt = run_submitters(submitters, seconds, make_batch)
         stats = reader.statistics()
     assert stats.bounced_reads == 0 and stats.direct_fallbacks == 0, stats
     reads = sum(counts)
@@ -204,4 +222,4 @@ def measure_profile(d: Path, *, records: Sequence[int], qds: Sequence[int], seco
                            backend=used.value, mode=nocache_mode(True).value, samples=samples)
 
 
-__all__ = ["bench_reader", "fit_profile", "make_files", "measure_profile", "modelled_reads_per_s"]
+__all__ = ["bench_reader", "fit_profile", "make_files", "measure_profile", "modelled_reads_per_s", "run_submitters"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import msgspec
@@ -13,7 +14,7 @@ from qnpipe.cli import main
 from qnpipe.cost_fit import fit_cost, load_cost
 from qnpipe.errors import ConfigError, DeviceProfileError, TraceSchemaError
 from qnpipe.io.device_file import MeasuredProfile, ReadSample, load_profile, save_profile
-from qnpipe.io.measure import fit_profile, modelled_reads_per_s
+from qnpipe.io.measure import fit_profile, modelled_reads_per_s, run_submitters
 from qnpipe.io.simssd import DeviceProfile
 from qnpipe.messages import Acquire
 from qnpipe.replay import CostModel, replay
@@ -40,6 +41,24 @@ def test_fit_profile_recovers_the_device_its_samples_came_from() -> None:
     assert resid_t == pytest.approx(0, abs=1e-12) and resid_rate == pytest.approx(0, abs=1e-9)
     with pytest.raises(ValueError, match="2 record sizes"):
         fit_profile([s for s in samples if s.record_nbytes == 16384])
+
+
+def test_run_submitters_starts_every_thread_together_and_times_the_run() -> None:
+    calls = [0, 0, 0]
+    made: list[int] = []
+
+    def make_batch(k: int):  # noqa: ANN202
+        made.append(k)
+
+        def one() -> None:
+            calls[k] += 1
+            time.sleep(0.001)
+        return one
+
+    dt = run_submitters(3, 0.05, make_batch)
+    assert sorted(made) == [0, 1, 2]  # every batch maker ran, before the clock started
+    assert all(c >= 5 for c in calls)  # each thread kept calling until the time was up
+    assert 0.05 <= dt < 2.0
 
 
 def test_bench_io_saves_a_profile_that_replay_device_measured_uses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
