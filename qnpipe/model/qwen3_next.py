@@ -196,11 +196,15 @@ class SparseMoeBlock(nn.Module):
         assert self._experts is not None, "no ExpertSource attached (load the model with qnpipe.model.load)"
         return self.combine(x, self._experts(self.layer, x, inds), scores)
 
-    def combine(self, x: mx.array, y: mx.array, scores: mx.array) -> mx.array:
-        """The block's output from the routed experts' outputs `y [..., k, H]` and the shared expert."""
+    def combine(self, x: mx.array, y: mx.array, scores: mx.array, shared: mx.array | None = None) -> mx.array:
+        """The block's output from the routed experts' outputs `y [..., k, H]` and the shared expert
+        (`shared`: `self.shared(x)` made earlier, the same array)."""
         y = (y * scores[..., None]).sum(axis=-2)
-        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y + shared
+        return y + (self.shared(x) if shared is None else shared)
+
+    def shared(self, x: mx.array) -> mx.array:
+        """The gated shared expert's output: it does not depend on the route."""
+        return mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 class DecoderLayer(nn.Module):

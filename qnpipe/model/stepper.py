@@ -49,14 +49,17 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
         x = layer.post_attention_layernorm(h)
         inds, scores = moe.route(x)
         preds = _predict(m, plan, i, x, h) if plan is not None else []
+        shared = moe.shared(x)
         mx.eval(inds, scores, *[a for _, ids, p in preds for a in (ids, p)])  # one host sync for all
+        # The shared expert needs no slot: it computes while the pool answers and reads.
+        mx.async_eval(shared)
         k = inds.shape[-1]
         predictions = tuple((t, np.array(ids).reshape(-1, ids.shape[-1]),
                              np.array(p.astype(mx.float32)).reshape(-1, p.shape[-1])) for t, ids, p in preds)
         w = np.array(scores.astype(mx.float32)).reshape(-1, k) if weights else None
         grant = yield LayerRoute(i, np.array(inds).reshape(-1, k), predictions, w)
         y = yield from _run_parts(slots[i], x, inds.shape, grant)
-        h = h + moe.combine(x, y, scores)
+        h = h + moe.combine(x, y, scores, shared)
         # Start computing this layer while Python builds the next one up to its router.
         mx.async_eval(h)
     return m.norm(h)
@@ -80,13 +83,15 @@ def mtp_steps(model: Model, slots: dict[int, LayerExperts], run: MtpRun,
     h = head.mix(model, run.hidden, run.tokens, run.cache)
     x = head.post_attention_layernorm(h)
     inds, scores = head.mlp.route(x)
+    shared = head.mlp.shared(x)
     mx.eval(inds, scores)
+    mx.async_eval(shared)
     k = inds.shape[-1]
     w = np.array(scores.astype(mx.float32)).reshape(-1, k) if weights else None
     grant = yield LayerRoute(head.layer_id, np.array(inds).reshape(-1, k), (), w)
     y = yield from _run_parts(slots[head.layer_id], x, inds.shape, grant)
     # Every MTP step's tail (SpecState.mtp_tail, mtp_out) reads the last row's logits alone.
-    return head.finish(model, h + head.mlp.combine(x, y, scores), last_only=True)
+    return head.finish(model, h + head.mlp.combine(x, y, scores, shared), last_only=True)
 
 
 def _predict(m: Any, plan: PredictPlan, layer: int, x: mx.array, h: mx.array) -> list[tuple[int, mx.array, mx.array]]:
