@@ -242,6 +242,8 @@ class ForwardCfg(_Section, frozen=True):
     # Peak memory tracks the chunk, not the prompt; 2 keeps each chunk on the pool's cheap path.
     prefill_chunk_tokens: Annotated[NonNegInt, _doc("prefill in chunks of N tokens (0 = whole prompt)")] = 2
     moe_topk_override: Annotated[PosInt | None, _doc("diagnostic: change the router's top-k (breaks exactness)")] = None
+    # Not a switch of the system qnpipe replaces: off is the A/B reference (tools/bench_stream.py).
+    early_grants: Annotated[bool, _doc("start a layer's experts already in memory while its misses are read")] = True
 
 
 class KvCfg(_Section, frozen=True):

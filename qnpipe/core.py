@@ -183,6 +183,7 @@ class ThreadedBackend:
     def __init__(self, thread: MLXThread, backend: MlxBackend) -> None:
         self._thread = thread
         self._b = backend
+        self.early_pairs = backend.early_pairs
 
     async def begin(self, inputs: Any, cache: Any, tail: Tail) -> Event:
         return await run_on(self._thread, self._b.begin, inputs, cache, tail)

@@ -150,7 +150,7 @@ class _Runtime:
                          hit_rate=hits / (hits + misses) if hits + misses else 0.0, reads=rs.reads,
                          bytes_read=rs.bytes_read, merged_reads=rs.merged, peak_reads_in_flight=rs.peak_in_flight,
                          device_s=rs.device_s, stall_s=fs.stall_s, steps=fs.steps, layer_steps=fs.layer_steps,
-                         split_layer_steps=fs.split_layer_steps,
+                         split_layer_steps=fs.split_layer_steps, early_grants=fs.early_grants,
                          slot_bytes=sum(s.nbytes for s in st.slots.values()) if st is not None else 0,
                          layers=layers, pinned=sum(len(t.pinned) for t in pol.tables.values()),
                          side_hits=sum(c.side_hits for c in counters.values()),

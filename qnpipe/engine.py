@@ -6,7 +6,7 @@ recorded routes) and device (the SSD reader, or replay's simulated SSD) it is gi
 
     forward ──Acquire/Release/ForwardDone──▶ pool ──ReadExpert──▶ read_scheduler ──▶ device
        ▲                                      │  ▲                      │
-       └──────────────Granted─────────────────┘  └──────ReadDone────────┘
+       └─────────Present, Granted─────────────┘  └──────ReadDone────────┘
 
 When every expert is resident (`pool.eager_load`, or a model directory without an
 expert store) there are no actors: the forward runs the model straight through. The live
@@ -35,7 +35,7 @@ from qnpipe.autopin import Autopin
 from qnpipe.config import Config, EvictPolicy
 from qnpipe.errors import CapacityError, ConfigError, StallError
 from qnpipe.io.device import ExpertDevice
-from qnpipe.messages import Candidates, Granted, PoolInbox, ReadInbox
+from qnpipe.messages import Candidates, ForwardInbox, PoolInbox, ReadInbox
 from qnpipe.model.args import ModelArgs
 from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.heat import preload
@@ -185,7 +185,7 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
     # `total` messages (+ the forward's Acquire/Release/ForwardDone); bounds are proven, not hoped.
     pool_tx, pool_rx = trio.open_memory_channel[PoolInbox](total + 4)
     read_tx, read_rx = trio.open_memory_channel[ReadInbox](2 * total)  # a read and at most one promotion each
-    grant_tx, grant_rx = trio.open_memory_channel[Granted](2)
+    grant_tx, grant_rx = trio.open_memory_channel[ForwardInbox](2)  # a Present, then its Granted
     policy = make_policy(cfg, capacities, record_nbytes)
     preloads = []
     if autopin is not None:
@@ -200,7 +200,9 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
     cand_tx, cand_rx = trio.open_memory_channel[Candidates](4 * len(capacities) + 8)
     fwd = Forward(backend, pool_tx, grant_rx, pass_caps, num_experts, route_verify=cfg.diag.route_verify,
                   to_predictor=cand_tx if predicting else None, moe_order=dict(policy.moe_order),
-                  check_bytes=check_bytes, emit=emit, union_prof=cfg.diag.union_prof)
+                  check_bytes=check_bytes, emit=emit, union_prof=cfg.diag.union_prof,
+                  # a backend that can start a layer's experts before all are read says for how many pairs
+                  early_pairs=getattr(backend, "early_pairs", 0) if cfg.forward.early_grants else 0)
     if cfg.diag.predict_recall_prof:
         policy.recall_samples = []
     scopes: list[trio.CancelScope] = []

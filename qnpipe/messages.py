@@ -27,13 +27,26 @@ class Acquire(Msg, frozen=True, kw_only=True, tag="pool.acquire"):
     """The forward needs `experts` (distinct ids) of `layer` resident for pass `part` of `step`.
 
     The pool answers with one `Granted` once every one of them is in memory, and holds
-    them until the matching `Release`.
+    them until the matching `Release`. With `early`, when some are in memory and some must
+    be read, it first sends `Present` for those in memory, so their work can start during the reads.
     """
 
     step: int
     layer: int
     part: int
     experts: tuple[int, ...]
+    early: bool = False
+
+
+class Present(Msg, frozen=True, kw_only=True, tag="pool.present"):
+    """Before the `Granted` of an early `Acquire`: `experts[i]` (those already in memory) is in
+    slot `slots[i]`, held from now on as the grant's; the others are being read."""
+
+    step: int
+    layer: int
+    part: int
+    experts: tuple[int, ...]
+    slots: tuple[int, ...]
 
 
 class Granted(Msg, frozen=True, kw_only=True, tag="pool.granted"):
@@ -143,5 +156,6 @@ class ReadDone(Msg, frozen=True, kw_only=True, tag="read.done"):
 
 
 PoolInbox = Acquire | Release | ForwardDone | ReadDone | ReadExpired | PrefetchHint
+ForwardInbox = Granted | Present
 ReadInbox = ReadExpert | Promote
 PredictorInbox = Candidates

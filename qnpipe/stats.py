@@ -63,7 +63,8 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     "cold" = first use in that layer, "capacity" = evicted earlier); `reads` the records
     read (merged duplicates read once); `stall_s` the time the forward waited for grants
     that had misses; `split_layer_steps` the layer-steps whose experts did not fit at once
-    and ran in parts.
+    and ran in parts; `early_grants` the layer-steps whose experts already in memory started
+    before their misses were read (`forward.early_grants`).
     """
 
     hits: int = 0
@@ -79,6 +80,7 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     steps: int = 0
     layer_steps: int = 0
     split_layer_steps: int = 0
+    early_grants: int = 0
     slot_bytes: int = 0
     layers: tuple[LayerPoolStats, ...] = ()
     # -- prediction and prefetch (zero when predict.cross_layer_prefetch is off)

@@ -41,12 +41,22 @@ class PredictPlan:
 
 @attrs.frozen
 class PartGrant:
-    """Run tokens `lo:hi` of the layer from slots `slots [hi-lo, k]`; `last` = no part follows."""
+    """Run tokens `lo:hi` of the layer from slots `slots [hi-lo, k]`; `last` = no part follows.
+
+    `early`: only the experts already in memory have a slot (the others are -1, being read).
+    The backend queues their work and answers `Queued`; the same part's full grant follows.
+    """
 
     lo: int
     hi: int
     slots: np.ndarray
     last: bool
+    early: bool = False
+
+
+@attrs.frozen
+class Queued:
+    """The work of an early grant's experts is queued (not necessarily done: its slots stay held)."""
 
 
 @attrs.frozen
@@ -61,7 +71,7 @@ class StepDone:
     value: Any
 
 
-Event = LayerRoute | PartDone | StepDone
+Event = LayerRoute | PartDone | Queued | StepDone
 Tail = Callable[[Any], Any]  # the step's final hidden states -> its value (an mx.array, in a live run)
 
 

@@ -33,6 +33,7 @@ from qnpipe.messages import (
     Granted,
     Msg,
     PrefetchHint,
+    Present,
     Promote,
     ReadDone,
     ReadExpert,
@@ -160,7 +161,7 @@ class Footer(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="t
     clock_end_t: float
 
 
-Record = (Acquire | Granted | Release | ForwardDone | ReadExpert | ReadDone | Route | ReadStarted | Evicted
+Record = (Acquire | Granted | Present | Release | ForwardDone | ReadExpert | ReadDone | Route | ReadStarted | Evicted
           | Stalled | Candidates | PrefetchHint | Promote | ReadExpired | UnionSize | RecallSample | RequestStart
           | SpecRound)
 

@@ -23,9 +23,9 @@ import trio
 
 from qnpipe.actors.stamp import Stamper, send_soon
 from qnpipe.errors import PipelineError
-from qnpipe.messages import Acquire, Candidates, ForwardDone, Granted, Msg, PoolInbox, Release
+from qnpipe.messages import Acquire, Candidates, ForwardDone, ForwardInbox, Granted, Msg, PoolInbox, Present, Release
 from qnpipe.policy.parts import plan_parts
-from qnpipe.steps import Event, LayerRoute, PartGrant, StepDone, Tail
+from qnpipe.steps import Event, LayerRoute, PartGrant, Queued, StepDone, Tail
 from qnpipe.trace import UnionSize, route_record
 
 
@@ -45,6 +45,7 @@ class ForwardStats:
     layer_steps: int = 0
     parts: int = 0
     split_layer_steps: int = 0  # layer-steps that needed more than one part
+    early_grants: int = 0  # parts whose experts in memory started before the rest were read
     stall_s: float = 0.0  # waiting for grants that had misses
     stall_by_layer: dict[int, float] = attrs.field(factory=dict)
     candidates_dropped: int = 0  # the predictor's inbox was full
@@ -59,9 +60,12 @@ class Forward:
 
     backend: Backend
     to_pool: trio.MemorySendChannel[PoolInbox] | None
-    grants: trio.MemoryReceiveChannel[Granted] | None
+    grants: trio.MemoryReceiveChannel[ForwardInbox] | None
     capacities: dict[int, int]
     num_experts: int
+    # A one-part layer-step of fewer (token, expert) pairs asks for early grants: the backend
+    # starts the experts in memory while the rest are read (0 = never; replay's cost model is per layer).
+    early_pairs: int = 0
     route_verify: bool = False
     emit: Callable[[Msg], None] | None = None  # the recorder's (qnpipe.actors.recorder); None = no trace
     # read.verify_hit_bytes: (layer, experts, slots) -> raises when a slot's bytes differ from disk
@@ -154,13 +158,14 @@ class Forward:
         self.stats.split_layer_steps += len(parts) > 1
         lut = np.full(self.num_experts, -1, dtype=np.int64)
         ev: Event | None = None
+        early = len(parts) == 1 and route.ids.size < self.early_pairs
         for p, (lo, hi, experts) in enumerate(parts):
             key = (self._step, layer, p)
             t0 = trio.current_time()
             await send_soon(self.to_pool, Acquire(**self._st.stamp(), step=key[0], layer=layer, part=p,
-                                                  experts=experts), shield=True)
+                                                  experts=experts, early=early), shield=True)
             self._open = key
-            g = await self._grant(key)
+            g = await self._grant(key, route.ids[lo:hi], lut, lo, hi)
             self.progress += 1
             self.stats.hits += g.hits
             self.stats.misses += g.misses
@@ -196,12 +201,19 @@ class Forward:
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
 
-    async def _grant(self, key: tuple[int, int, int]) -> Granted:
+    async def _grant(self, key: tuple[int, int, int], ids: np.ndarray, lut: np.ndarray, lo: int, hi: int) -> Granted:
         assert self.grants is not None
         while True:
             g = await self.grants.receive()
             if (g.step, g.layer, g.part) == key:
-                return g
+                if isinstance(g, Granted):
+                    return g
+                assert isinstance(g, Present)
+                self.stats.early_grants += 1
+                lut[list(g.experts)] = g.slots  # Present: these start now, the rest are being read
+                ev = await self.backend.resume(PartGrant(lo, hi, lut[ids], True, early=True))
+                assert isinstance(ev, Queued), ev
+                continue
             # A grant completed just as its step was cancelled: the pool has had its Release.
             if g.step >= key[0]:
                 raise AssertionError(f"grant {(g.step, g.layer, g.part)} while waiting for {key}")

@@ -1,5 +1,8 @@
 """The pool actor: answers `Acquire` with slots once the experts are in memory.
 
+An early `Acquire` whose experts are partly in memory gets `Present` for those first (after
+the misses' reads are sent): the forward starts their work while the rest is read.
+
 Owns the slot tables (qnpipe.policy.pool.PoolPolicy). Misses become `ReadExpert`
 commands to the read scheduler; its `ReadDone`s complete grants. The slot memory itself
 is the forward's (qnpipe.model.slots); this actor only decides what goes where.
@@ -15,10 +18,12 @@ from qnpipe.actors.stamp import Stamper, drain, send_soon
 from qnpipe.messages import (
     Acquire,
     ForwardDone,
+    ForwardInbox,
     Granted,
     Msg,
     PoolInbox,
     PrefetchHint,
+    Present,
     Promote,
     ReadDone,
     ReadExpert,
@@ -35,7 +40,7 @@ from qnpipe.trace import Evicted, RecallSample
 async def pool(
     inbox: trio.MemoryReceiveChannel[PoolInbox],
     to_reads: trio.MemorySendChannel[ReadInbox],
-    to_forward: trio.MemorySendChannel[Granted],
+    to_forward: trio.MemorySendChannel[ForwardInbox],
     *,
     policy: PoolPolicy,
     preload: Sequence[tuple[int, Load]] = (),
@@ -88,6 +93,12 @@ async def pool(
                 await read(layer, loads)
                 if ready is not None:
                     await grant(ready)
+                elif msg.early and (present := policy.present((step, layer, part)))[0]:
+                    early = Present(**st.stamp(), step=step, layer=layer, part=part, experts=present[0],
+                                    slots=present[1])
+                    if emit is not None:
+                        emit(early)
+                    await send_soon(to_forward, early)
             case ReadDone(layer=layer, expert=expert, slot=slot):
                 loads, grants = policy.read_done(layer, expert, slot)
                 await read(layer, loads)

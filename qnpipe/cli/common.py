@@ -265,5 +265,5 @@ def print_engine_stats(st: Any) -> None:
     occ = " ".join(f"{ly.layer}:{ly.occupancy}/{ly.capacity}" for ly in p.layers)
     print(f"[experts: pool, {p.slot_bytes / 2**20:.1f} MiB of slots; hits {p.hits}, misses {p.misses} ({causes}), "
           f"hit rate {p.hit_rate:.3f}; {p.reads} reads, {p.bytes_read / 2**20:.1f} MiB read, "
-          f"stall {p.stall_s:.3f}s; {p.split_layer_steps} layer-steps in parts]\n[occupancy {occ}]",
+          f"stall {p.stall_s:.3f}s; {p.split_layer_steps} layer-steps in parts; {p.early_grants} early grants]\n[occupancy {occ}]",
           file=sys.stderr)

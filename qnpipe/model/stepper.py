@@ -8,10 +8,16 @@ not fit a layer at once, the forward sends several parts, each a range of tokens
 experts fit; a part that is not the last is evaluated before the next is granted
 (`PartDone`), so its slots can be rewritten.
 
+An early grant (`PartGrant.early`: the experts already in memory while the rest are read)
+queues their work and yields `Queued` at once; the full grant then runs the rest, and the
+pairs are put back in the router's order before the same sum as one pass.
+
 `MlxBackend` wraps it for the trio side: `begin` / `resume` each run on the MLX thread
-until the next yield. Every yield follows an `mx.eval` that depends on all expert work
-granted before it (the next router reads the layer's output), so when `resume` returns,
-nothing queued can still read the slots it was given: the forward may release them.
+until the next yield. Every yield but `Queued` follows an `mx.eval` that depends on all
+expert work granted before it (the next router reads the layer's output), so when `resume`
+returns, nothing queued can still read the slots it was given: the forward may release
+them. After `Queued` the forward holds the grant until the full one's `resume` returns, and
+a step dropped there first waits for the queued work (`_run_parts`).
 """
 
 from __future__ import annotations
@@ -25,12 +31,12 @@ import numpy as np
 
 from qnpipe.model.experts import LayerExperts, switch_glu
 from qnpipe.model.qwen3_next import Model, SparseMoeBlock
-from qnpipe.steps import Event, LayerRoute, PartDone, PartGrant, PredictPlan, StepDone, Tail
+from qnpipe.steps import Event, LayerRoute, PartDone, PartGrant, PredictPlan, Queued, StepDone, Tail
 
 
 def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: mx.array,
                   cache: list[Any], plan: PredictPlan | None = None, weights: bool = False,
-                  ) -> Generator[LayerRoute | PartDone, PartGrant, mx.array]:
+                  ) -> Generator[LayerRoute | PartDone | Queued, PartGrant, mx.array]:
     """Post-final-norm hidden states `[B, L, H]` of `inputs [B, L]`, yielding at each MoE router.
 
     `weights`: also hand the router's gate weights to the host (the event log records them).
@@ -77,7 +83,7 @@ class MtpRun:
 
 
 def mtp_steps(model: Model, slots: dict[int, LayerExperts], run: MtpRun,
-              weights: bool = False) -> Generator[LayerRoute | PartDone, PartGrant, tuple[mx.array, mx.array, mx.array]]:
+              weights: bool = False) -> Generator[LayerRoute | PartDone | Queued, PartGrant, tuple[mx.array, mx.array, mx.array]]:
     """The MTP head's forward with its experts from the pool: one MoE layer, one yield (or parts)."""
     head = run.head
     h = head.mix(model, run.hidden, run.tokens, run.cache)
@@ -108,10 +114,22 @@ def _predict(m: Any, plan: PredictPlan, layer: int, x: mx.array, h: mx.array) ->
 
 
 def _run_parts(w: LayerExperts, x: mx.array, shape: tuple[int, ...],
-               grant: PartGrant) -> Generator[PartDone, PartGrant, mx.array]:
+               grant: PartGrant) -> Generator[PartDone | Queued, PartGrant, mx.array]:
+    early = None
+    if grant.early:
+        early = _queue_present(w, x, grant.slots)
+        try:
+            grant = yield Queued()
+        except GeneratorExit:
+            mx.eval(early[1])  # the step is dropped: its reads of the held slots end before they are released
+            raise
+        assert not grant.early and grant.last and grant.lo == 0, grant
     if grant.last and grant.lo == 0:
+        slots = grant.slots.reshape(shape)
+        if early is not None:
+            return _complete(w, x, slots, early)
         # One part: the very shapes the all-resident block uses, so results match it bit for bit.
-        return switch_glu(w, x, mx.array(grant.slots.reshape(shape), dtype=mx.uint32))
+        return switch_glu(w, x, mx.array(slots, dtype=mx.uint32))
     flat = x.reshape(-1, x.shape[-1])
     outs = []
     while True:
@@ -124,8 +142,40 @@ def _run_parts(w: LayerExperts, x: mx.array, shape: tuple[int, ...],
     return mx.concatenate(outs, axis=0).reshape(*shape, x.shape[-1])
 
 
+# Below this many (token, expert) pairs a layer-step takes early grants: switch_glu does not sort
+# them, so every pair is its own row of the kernels and splitting the pairs changes no bit.
+EARLY_PAIRS = 64
+
+
+def _pairs(w: LayerExperts, x: mx.array, pairs: np.ndarray, slots: np.ndarray) -> mx.array:
+    """The experts' outputs `[P, H]` of the (token, expert) pairs `pairs` (flat index t*k + j)."""
+    k = slots.shape[-1]
+    rows = x.reshape(-1, x.shape[-1])[mx.array(pairs // k)]
+    return switch_glu(w, rows, mx.array(slots.reshape(-1)[pairs][:, None], dtype=mx.uint32))[:, 0]
+
+
+def _queue_present(w: LayerExperts, x: mx.array, slots: np.ndarray) -> tuple[np.ndarray, mx.array]:
+    """Start the pairs whose expert has a slot (the rest is -1): their outputs compute meanwhile."""
+    assert slots.size < EARLY_PAIRS, "an early grant with pairs switch_glu would sort"
+    pairs = np.flatnonzero(slots.reshape(-1) >= 0)
+    y = _pairs(w, x, pairs, slots)
+    mx.async_eval(y)
+    return pairs, y
+
+
+def _complete(w: LayerExperts, x: mx.array, slots: np.ndarray, early: tuple[np.ndarray, mx.array]) -> mx.array:
+    """`[..., k, H]` from the early pairs' outputs and the rest's, each pair back in its place."""
+    done, y_done = early
+    rest = np.setdiff1d(np.arange(slots.size), done, assume_unique=True)
+    order = np.concatenate([done, rest])
+    y = mx.concatenate([y_done, _pairs(w, x, rest, slots)], axis=0)[mx.array(np.argsort(order))]
+    return y.reshape(*slots.shape, x.shape[-1])
+
+
 class MlxBackend:
     """One step at a time of `forward_steps`, driven from trio. MLX thread only."""
+
+    early_pairs = EARLY_PAIRS
 
     def __init__(self, model: Model, slots: dict[int, LayerExperts] | None,
                  plan: PredictPlan | None = None, weights: bool = False) -> None:
@@ -133,7 +183,7 @@ class MlxBackend:
         self.slots = slots
         self.plan = plan
         self.weights = weights
-        self._gen: Generator[LayerRoute | PartDone, PartGrant, Any] | None = None
+        self._gen: Generator[LayerRoute | PartDone | Queued, PartGrant, Any] | None = None
         self._tail: Tail | None = None
 
     def begin(self, inputs: Callable[[], mx.array], cache: list[Any], tail: Tail) -> Event:

@@ -208,6 +208,15 @@ class PoolPolicy:
         self.held[key] = grant
         return list(plan.loads), grant
 
+    def present(self, key: GrantKey) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(experts, slots) of grant `key` already in memory while the rest is read; () when the
+        grant is complete, deferred or has nothing in memory yet. The grant holds them already."""
+        g = self.pending.get(key)
+        if g is None:
+            return (), ()
+        pairs = [(e, s) for e, s in zip(g.experts, g.slots, strict=True) if e not in g.missing]
+        return tuple(e for e, _ in pairs), tuple(s for _, s in pairs)
+
     def _attribute(self, layer: int, experts: Sequence[int], missing: set[int], side: SlotTable | None) -> None:
         """Give every miss of this acquire exactly one cause; count recall and used prefetches."""
         c = self.counters[layer]

@@ -13,7 +13,7 @@ import trio.testing
 from qnpipe.config import Config, with_overrides
 from qnpipe.engine import open_pipeline
 from qnpipe.errors import ReadError
-from qnpipe.messages import Acquire, Granted, Release
+from qnpipe.messages import Acquire, Granted, Present, Release
 from qnpipe.policy.read_queue import Job
 
 
@@ -87,6 +87,56 @@ def test_scripted_sequence_has_exact_virtual_times() -> None:
     got = _run(scenario)
     assert got == [(pytest.approx(0.002), 2, 0), (pytest.approx(0.0035), 1, 0), (pytest.approx(0.0035), 0, 2),
                    (pytest.approx(0.0055), 2, 0)]
+
+
+def test_an_early_acquire_gets_its_experts_in_memory_first_then_the_grant() -> None:
+    dev = FakeDevice(latency_s=0.001)
+
+    async def scenario() -> list[tuple[float, object]]:
+        out: list[tuple[float, object]] = []
+        async with open_pipeline(_cfg(), None, num_experts=8, capacities={0: 4}, device=dev,
+                                 record_nbytes={0: 100}) as p:
+            fwd = p.forward
+            g = await _acquire(fwd, 1, 0, (1, 2))
+            await _release(fwd, 1, 0)
+            for early, step in ((True, 2), (False, 3)):  # 1, 2 resident; 5 (then 6) must be read
+                new = 5 if early else 6
+                await fwd.to_pool.send(Acquire(t=trio.current_time(), seq=0, step=step, layer=0, part=0,
+                                               experts=(2, new, 1), early=early))
+                while not isinstance(m := await fwd.grants.receive(), Granted):
+                    out.append((trio.current_time(), m))
+                out.append((trio.current_time(), m))
+                await _release(fwd, step, 0)
+            await trio.testing.wait_all_tasks_blocked()
+            assert p.policy is not None and not p.policy.held and not p.policy.pending  # Present holds nothing more
+            del g
+        return out
+
+    got = _run(scenario)
+    (t0, present), (t1, granted), (t2, plain) = got
+    assert isinstance(present, Present) and isinstance(granted, Granted) and isinstance(plain, Granted)
+    # Sent at the acquire, before the read: the two experts in memory, in their grant slots.
+    assert t0 == pytest.approx(0.001) and t1 == pytest.approx(0.002) and t2 == pytest.approx(0.003)
+    assert present.experts == (2, 1)
+    slot_of = dict(zip(granted.experts, granted.slots, strict=True))
+    assert present.slots == (slot_of[2], slot_of[1])
+    assert (granted.hits, granted.misses) == (2, 1)
+
+
+def test_an_early_acquire_all_in_memory_or_all_missing_gets_only_the_grant() -> None:
+    async def scenario() -> list[str]:
+        kinds = []
+        async with open_pipeline(_cfg(), None, num_experts=8, capacities={0: 4}, device=FakeDevice(),
+                                 record_nbytes={0: 100}) as p:
+            fwd = p.forward
+            for step, experts in ((1, (1, 2)), (2, (1, 2)), (3, (3, 4))):
+                await fwd.to_pool.send(Acquire(t=trio.current_time(), seq=0, step=step, layer=0, part=0,
+                                               experts=experts, early=True))
+                kinds.append(type(await fwd.grants.receive()).__name__)
+                await _release(fwd, step, 0)
+        return kinds
+
+    assert _run(scenario) == ["Granted", "Granted", "Granted"]
 
 
 def test_duplicate_waits_merge_into_one_read_and_budget_holds() -> None:

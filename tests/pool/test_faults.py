@@ -141,6 +141,8 @@ async def test_trio_cancellation_frees_the_engine_and_the_next_generate_is_exact
         assert nxt.tokens == want[:1]
         assert got == list(want[: len(got)])  # what came out before the stop is the exact prefix
         assert (await eng.generate(PROMPT, max_tokens=24, stop_at_eos=False)).tokens == want
+        pool = eng.stats().pool
+        assert pool is not None and pool.early_grants > 0  # steps were dropped with early work queued too
 
 
 def test_keyboard_interrupt_stops_the_sync_engine_and_leaves_it_exact(reference) -> None:
