@@ -2,7 +2,9 @@
 
 Both run the same pipeline (qnpipe.engine): the forward's step loop and the pool and
 read-scheduler actors in trio, every MLX call on the process's one MLX thread. The sync
-facade runs its trio loop on a thread of its own; a KeyboardInterrupt in the caller
+facade runs its trio loop on the MLX thread itself when it is free (qnpipe.mlx_thread:
+MLX calls then run inline, no thread hand-off per layer), else on a thread of its own;
+a KeyboardInterrupt in the caller
 stops the generation in progress at its next layer and leaves the engine usable.
 """
 
@@ -12,6 +14,7 @@ import concurrent.futures
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -258,7 +261,8 @@ class Engine:
     `overrides` are configuration fields by name (`expert_slots=32`, `prefill_chunk_tokens=0`)
     applied on top of defaults, the TOML file and the environment (see docs/config.md);
     `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name). The
-    pipeline runs in a trio loop on a thread of the engine's own.
+    pipeline runs in a trio loop of the engine's own, hosted by the MLX thread (or, while
+    another Engine holds it, on a thread of its own).
     """
 
     def __init__(self, model_dir: str | Path | None = None, cfg: Config | None = None, *,
@@ -272,28 +276,31 @@ class Engine:
         self._closing: trio.Event | None = None
         self._nursery: trio.Nursery | None = None
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._serve, args=(started,), name="qnpipe-engine", daemon=True)
-        self._thread.start()
+        # The loop runs on the MLX thread when it is free (no thread hand-off per MoE layer);
+        # else (another sync Engine is open) on a thread of its own.
+        self._thread: threading.Thread | None = None
+        self._loop: concurrent.futures.Future[None] | None = MLXThread.shared().host(partial(self._main, started))
+        if self._loop is None:
+            self._thread = threading.Thread(target=trio.run, args=(self._main, started), name="qnpipe-engine",
+                                            daemon=True)
+            self._thread.start()
         started.result()
 
-    def _serve(self, started: concurrent.futures.Future[None]) -> None:
-        async def main() -> None:
-            try:
-                async with open_engine(cfg=self.cfg, reader=self._reader) as eng, trio.open_nursery() as nursery:
-                    self._aeng, self._nursery = eng, nursery
-                    self._token = trio.lowlevel.current_trio_token()
-                    self._closing = trio.Event()
-                    started.set_result(None)
-                    await self._closing.wait()
-                    self._last_stats = eng.stats()
-                    nursery.cancel_scope.cancel()
-            except BaseException as e:
-                if not started.done():
-                    started.set_exception(e)
-                    return
-                raise
-
-        trio.run(main)
+    async def _main(self, started: concurrent.futures.Future[None]) -> None:
+        try:
+            async with open_engine(cfg=self.cfg, reader=self._reader) as eng, trio.open_nursery() as nursery:
+                self._aeng, self._nursery = eng, nursery
+                self._token = trio.lowlevel.current_trio_token()
+                self._closing = trio.Event()
+                started.set_result(None)
+                await self._closing.wait()
+                self._last_stats = eng.stats()
+                nursery.cancel_scope.cancel()
+        except BaseException as e:
+            if not started.done():
+                started.set_exception(e)
+                return
+            raise
 
     def __enter__(self) -> Engine:
         return self
@@ -308,7 +315,11 @@ class Engine:
         closing, token = self._closing, self._token
         assert closing is not None and token is not None
         token.run_sync_soon(closing.set)
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            assert self._loop is not None
+            self._loop.result()
         self._aeng = None
 
     @property

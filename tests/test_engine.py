@@ -59,7 +59,30 @@ def test_mlx_work_runs_on_one_dedicated_thread(eng: qnpipe.Engine, monkeypatch: 
     eng.generate(PROMPT, max_tokens=3, on_text=lambda s: seen.add(threading.current_thread().name))
     eng.generate(PROMPT, max_tokens=3, on_text=lambda s: seen.add(threading.current_thread().name))
     assert mlx_threads == {"qnpipe-mlx"}  # every step of both calls
-    assert seen == {"qnpipe-engine"}  # callbacks run in the engine's trio loop, not on the MLX thread
+    # Callbacks run in the engine's trio loop, which the MLX thread hosts for the first open Engine.
+    assert seen == {"qnpipe-mlx"}
+
+
+def test_a_second_engine_runs_its_loop_on_its_own_thread_and_both_stay_exact(
+        eng: qnpipe.Engine, tiny_hf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from qnpipe.model.stepper import MlxBackend
+
+    want = eng.generate(PROMPT, max_tokens=6, stop_at_eos=False).tokens
+    mlx_threads: set[str] = set()
+    begin = MlxBackend.begin
+
+    def spy(self, *a):  # type: ignore[no-untyped-def]
+        mlx_threads.add(threading.current_thread().name)
+        return begin(self, *a)
+
+    monkeypatch.setattr(MlxBackend, "begin", spy)
+    with qnpipe.Engine(tiny_hf) as other:
+        seen: set[str] = set()
+        got = other.generate(PROMPT, max_tokens=6, stop_at_eos=False,
+                             on_text=lambda s: seen.add(threading.current_thread().name))
+        assert got.tokens == want and seen == {"qnpipe-engine"}
+        assert eng.generate(PROMPT, max_tokens=6, stop_at_eos=False).tokens == want
+    assert mlx_threads == {"qnpipe-mlx"}  # the second engine's MLX work ran inside the first one's loop
 
 
 def test_seeded_sampling_is_reproducible(eng: qnpipe.Engine) -> None:
