@@ -97,6 +97,7 @@ def test_an_early_acquire_gets_its_experts_in_memory_first_then_the_grant() -> N
         async with open_pipeline(_cfg(), None, num_experts=8, capacities={0: 4}, device=dev,
                                  record_nbytes={0: 100}) as p:
             fwd = p.forward
+            assert fwd.to_pool is not None and fwd.grants is not None
             g = await _acquire(fwd, 1, 0, (1, 2))
             await _release(fwd, 1, 0)
             for early, step in ((True, 2), (False, 3)):  # 1, 2 resident; 5 (then 6) must be read
@@ -129,6 +130,7 @@ def test_an_early_acquire_all_in_memory_or_all_missing_gets_only_the_grant() -> 
         async with open_pipeline(_cfg(), None, num_experts=8, capacities={0: 4}, device=FakeDevice(),
                                  record_nbytes={0: 100}) as p:
             fwd = p.forward
+            assert fwd.to_pool is not None and fwd.grants is not None
             for step, experts in ((1, (1, 2)), (2, (1, 2)), (3, (3, 4))):
                 await fwd.to_pool.send(Acquire(t=trio.current_time(), seq=0, step=step, layer=0, part=0,
                                                experts=experts, early=True))
