@@ -2,16 +2,14 @@
 
 Both run the same pipeline (qnpipe.engine): the forward's step loop and the pool and
 read-scheduler actors in trio, every MLX call on the process's one MLX thread. The sync
-facade runs its trio loop on the MLX thread itself when it is free (qnpipe.mlx_thread:
-MLX calls then run inline, no thread hand-off per layer), else on a thread of its own;
-a KeyboardInterrupt in the caller
+facade runs its pipeline as tasks of the MLX thread's own trio loop (qnpipe.mlx_thread:
+MLX calls then run inline, no thread hand-off per layer); a KeyboardInterrupt in the caller
 stops the generation in progress at its next layer and leaves the engine usable.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -261,8 +259,8 @@ class Engine:
     `overrides` are configuration fields by name (`expert_slots=32`, `prefill_chunk_tokens=0`)
     applied on top of defaults, the TOML file and the environment (see docs/config.md);
     `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name). The
-    pipeline runs in a trio loop of the engine's own, hosted by the MLX thread (or, while
-    another Engine holds it, on a thread of its own).
+    pipeline runs as tasks of the MLX thread's trio loop (qnpipe.mlx_thread), apart from the
+    caller's thread.
     """
 
     def __init__(self, model_dir: str | Path | None = None, cfg: Config | None = None, *,
@@ -276,14 +274,8 @@ class Engine:
         self._closing: trio.Event | None = None
         self._nursery: trio.Nursery | None = None
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
-        # The loop runs on the MLX thread when it is free (no thread hand-off per MoE layer);
-        # else (another sync Engine is open) on a thread of its own.
-        self._thread: threading.Thread | None = None
-        self._loop: concurrent.futures.Future[None] | None = MLXThread.shared().host(partial(self._main, started))
-        if self._loop is None:
-            self._thread = threading.Thread(target=trio.run, args=(self._main, started), name="qnpipe-engine",
-                                            daemon=True)
-            self._thread.start()
+        # The pipeline's tasks run in the MLX thread's loop: no thread hand-off per MoE layer.
+        self._loop = MLXThread.shared().host(partial(self._main, started))
         started.result()
 
     async def _main(self, started: concurrent.futures.Future[None]) -> None:
@@ -315,11 +307,7 @@ class Engine:
         closing, token = self._closing, self._token
         assert closing is not None and token is not None
         token.run_sync_soon(closing.set)
-        if self._thread is not None:
-            self._thread.join()
-        else:
-            assert self._loop is not None
-            self._loop.result()
+        self._loop.result()
         self._aeng = None
 
     @property

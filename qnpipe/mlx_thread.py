@@ -7,14 +7,16 @@ a thread that ran `mx.fast.scaled_dot_product_attention` and then ends aborts th
 process at exit ("terminate called without an active exception"); a parked daemon
 thread does not.
 
-The thread can also host one trio loop (`host`): the sync `Engine`'s. Its MLX calls then
-run inline, with no hand-off between threads per MoE layer (two wake-ups per layer cost
-≈ 0.1-0.25 ms on a 2-core VM), and MLX work others submit meanwhile runs inside that loop,
-between its tasks. Either way this thread stays the only MLX caller.
+The thread runs a trio loop, which hosts every sync `Engine` (`host`): their actors and
+step loops are tasks there and their MLX calls run inline, with no hand-off between
+threads per MoE layer (two wake-ups per layer cost ≈ 0.1-0.25 ms on a 2-core VM). MLX
+work submitted from other threads (an `open_engine` in the caller's trio loop) runs in
+that loop between its tasks. Either way this thread stays the only MLX caller.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from collections.abc import Awaitable, Callable
@@ -29,15 +31,38 @@ _shared: MLXThread | None = None
 
 
 class MLXThread:
-    """A dedicated worker: `submit(fn, *args)` runs `fn` on it and returns a Future."""
+    """A dedicated worker: `submit(fn, *args)` runs `fn` on it and returns a Future.
+
+    The thread runs a trio loop for its whole life: submitted work is queued and run by a
+    `run_sync_soon` callback of that loop, and `host(async_fn)` runs a task in it.
+    """
 
     def __init__(self, name: str = "qnpipe-mlx"):
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._hosting = False  # a `host` job is queued or running (one at a time)
-        self._host: trio.lowlevel.TrioToken | None = None  # the hosted loop, while it runs
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        self._thread = threading.Thread(target=trio.run, args=(self._loop,), name=name, daemon=True)
         self._thread.start()
+        self._ready.wait()
+        atexit.register(self._park)
+
+    def _park(self) -> None:
+        """At exit, leave the thread blocked without the GIL for good.
+
+        A daemon thread that wakes during finalization is ended by CPython, and an MLX
+        thread that ends aborts the process (above); a woken trio loop would do just that.
+        """
+        parked = threading.Event()
+        lock = threading.Lock()
+        lock.acquire()
+
+        def park() -> None:
+            parked.set()
+            lock.acquire()  # never released
+
+        self.submit(park)
+        parked.wait(timeout=30)  # after the MLX call in progress, if any
 
     @classmethod
     def shared(cls) -> MLXThread:
@@ -48,38 +73,30 @@ class MLXThread:
                 _shared = cls()
             return _shared
 
-    def _run(self) -> None:
-        while True:
-            self._do(self._q.get())
-
-    @staticmethod
-    def _do(item: Any) -> None:
-        fut, fn, args = item
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:  # handed to the caller through the Future
-            fut.set_exception(e)
+    async def _loop(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._token, self._nursery = trio.lowlevel.current_trio_token(), nursery
+            self._ready.set()
+            await trio.sleep_forever()
 
     def _drain(self) -> None:
         while True:
             try:
-                item = self._q.get_nowait()
+                fut, fn, args = self._q.get_nowait()
             except queue.Empty:
                 return
-            self._do(item)
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to the caller through the Future
+                fut.set_exception(e)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         fut: Future[T] = Future()
-        with self._lock:
-            self._q.put((fut, fn, args))
-            host = self._host
-        if host is not None:
-            try:
-                host.run_sync_soon(self._drain)
-            except trio.RunFinishedError:  # the hosted loop just ended: `_run` takes it from the queue
-                pass
+        self._q.put((fut, fn, args))
+        assert self._token is not None
+        self._token.run_sync_soon(self._drain)
         return fut
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -88,36 +105,25 @@ class MLXThread:
             return fn(*args)
         return self.submit(fn, *args).result()
 
-    def host(self, async_fn: Callable[[], Awaitable[T]]) -> Future[T] | None:
-        """Run `trio.run(async_fn)` on this thread; None when it already hosts a loop.
+    def host(self, async_fn: Callable[[], Awaitable[T]]) -> Future[T]:
+        """Run `await async_fn()` as a task of this thread's trio loop; its MLX calls run inline.
 
-        Work submitted while the loop runs goes through the queue as always and is run by
-        the loop (a `run_sync_soon` callback per submit drains it), or by the thread once
-        the loop has ended: nothing is lost in between.
+        RuntimeError from the thread itself (waiting there for the task would never end).
         """
-        with self._lock:
-            if self._hosting or threading.current_thread() is self._thread:
-                return None
-            self._hosting = True
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("a sync qnpipe.Engine cannot be opened from the MLX thread (an engine "
+                               "callback); in trio code use qnpipe.open_engine")
+        fut: Future[T] = Future()
 
-        async def main() -> T:
-            with self._lock:
-                self._host = trio.lowlevel.current_trio_token()
+        async def task() -> None:
             try:
-                self._drain()  # what was queued before the loop's token was known
-                return await async_fn()
-            finally:
-                with self._lock:
-                    self._host = None
+                fut.set_result(await async_fn())
+            except BaseException as e:  # the caller waits on the Future; the loop lives on
+                fut.set_exception(e)
 
-        def run() -> T:
-            try:
-                return trio.run(main)
-            finally:
-                with self._lock:
-                    self._hosting = False
-
-        return self.submit(run)
+        assert self._token is not None and self._nursery is not None
+        self._token.run_sync_soon(self._nursery.start_soon, task)
+        return fut
 
     @property
     def thread(self) -> threading.Thread:

@@ -59,11 +59,10 @@ def test_mlx_work_runs_on_one_dedicated_thread(eng: qnpipe.Engine, monkeypatch: 
     eng.generate(PROMPT, max_tokens=3, on_text=lambda s: seen.add(threading.current_thread().name))
     eng.generate(PROMPT, max_tokens=3, on_text=lambda s: seen.add(threading.current_thread().name))
     assert mlx_threads == {"qnpipe-mlx"}  # every step of both calls
-    # Callbacks run in the engine's trio loop, which the MLX thread hosts for the first open Engine.
-    assert seen == {"qnpipe-mlx"}
+    assert seen == {"qnpipe-mlx"}  # callbacks run in the engine's trio loop: the MLX thread's
 
 
-def test_a_second_engine_runs_its_loop_on_its_own_thread_and_both_stay_exact(
+def test_two_engines_share_the_mlx_threads_loop_and_both_stay_exact(
         eng: qnpipe.Engine, tiny_hf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from qnpipe.model.stepper import MlxBackend
 
@@ -80,9 +79,10 @@ def test_a_second_engine_runs_its_loop_on_its_own_thread_and_both_stay_exact(
         seen: set[str] = set()
         got = other.generate(PROMPT, max_tokens=6, stop_at_eos=False,
                              on_text=lambda s: seen.add(threading.current_thread().name))
-        assert got.tokens == want and seen == {"qnpipe-engine"}
+        assert got.tokens == want and seen == {"qnpipe-mlx"}
         assert eng.generate(PROMPT, max_tokens=6, stop_at_eos=False).tokens == want
-    assert mlx_threads == {"qnpipe-mlx"}  # the second engine's MLX work ran inside the first one's loop
+        assert eng.stats().requests > 0 and other.stats().requests == 1  # each its own pipeline
+    assert mlx_threads == {"qnpipe-mlx"}
 
 
 def test_seeded_sampling_is_reproducible(eng: qnpipe.Engine) -> None:

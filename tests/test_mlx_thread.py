@@ -1,11 +1,13 @@
-"""The MLX thread hosting a trio loop: work submitted from other threads runs on it, before,
-during and after the loop, and a second loop is refused."""
+"""The MLX thread's trio loop: hosted tasks call MLX inline, work submitted from other
+threads and other trio loops runs on it, and a hosted task's failure reaches its caller."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
 import trio
+import trio.lowlevel
 
 from qnpipe.mlx_thread import MLXThread, run_on
 
@@ -14,29 +16,34 @@ def _name() -> str:
     return threading.current_thread().name
 
 
-def test_hosted_loop_runs_inline_and_serves_other_threads_work() -> None:
+def test_hosted_tasks_run_inline_and_other_threads_work_runs_between_them() -> None:
     th = MLXThread(name="test-mlx")
-    assert th.submit(_name).result() == "test-mlx"
-    release = threading.Event()
+    assert th.submit(_name).result(timeout=10) == "test-mlx"
     from_other: list[str] = []
 
-    async def loop() -> list[str]:
+    async def task() -> list[str]:
         inline = [await run_on(th, _name) for _ in range(3)]  # no hand-off: the loop is on the thread
-        assert th.host(loop) is None  # one hosted loop at a time
         other = threading.Thread(target=lambda: from_other.append(th.submit(_name).result()))
         other.start()
         await trio.to_thread.run_sync(other.join)  # its job runs in this loop meanwhile
-        release.set()
+        with pytest.raises(RuntimeError, match="MLX thread"):
+            th.host(task)  # waiting here for a task of this very loop would never end
         return inline
 
-    fut = th.host(loop)
-    assert fut is not None
-    assert fut.result(timeout=10) == ["test-mlx"] * 3
-    assert release.is_set() and from_other == ["test-mlx"]
-    # After the loop ended the thread serves its queue again, and can host another loop.
-    assert th.submit(_name).result(timeout=10) == "test-mlx"
-    again = th.host(loop)
-    assert again is not None and again.result(timeout=10) == ["test-mlx"] * 3
+    a, b = th.host(task), th.host(task)  # two hosted at once, as two sync Engines are
+    assert a.result(timeout=10) == b.result(timeout=10) == ["test-mlx"] * 3
+    assert from_other == ["test-mlx"] * 2
+
+
+def test_a_hosted_tasks_error_reaches_its_caller_and_the_loop_lives_on() -> None:
+    th = MLXThread(name="test-mlx-err")
+
+    async def boom() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        th.host(boom).result(timeout=10)
+    assert th.submit(_name).result(timeout=10) == "test-mlx-err"
 
 
 def test_run_on_from_another_loop_waits_without_blocking_it() -> None:
