@@ -40,7 +40,8 @@ What is measured (every figure is a median over `--rounds`):
     - `mlx`: time inside `MlxBackend.begin/resume` and the token read (`decoding._item`)
       on the MLX thread: the model's compute, including the per-layer `mx.eval` syncs
     - `hop`: time the forward spends awaiting `ThreadedBackend.begin/resume` minus the
-      part of `mlx` they ran (trio -> MLX thread -> trio hand-offs)
+      part of `mlx` they ran: the sync Engine's loop runs on the MLX thread, so the calls
+      are inline and this is the turn given to the other tasks after each
     - `device`: the union of the intervals in which `SsdReader.read_batch` runs (the
       reads themselves; no compute overlaps them: the pipeline has no prefetch)
     - `stall`: `pool.stall_s` delta: forward waiting for grants that had misses (device +
@@ -49,7 +50,15 @@ What is measured (every figure is a median over `--rounds`):
       progress: actor messaging (Acquire/Granted/Release/ReadExpert/ReadDone), trio
       scheduling, thread hand-offs (MLX thread, `trio.to_thread` of the reads), the pool's
       and forward's bookkeeping, the decode loop.
-* `overhead_frac` = demand overhead / demand wall (the direct measurement above).
+    - `loop_work`: the busy time of the trio loop every sync Engine's pipeline runs in (the
+      MLX thread's, qnpipe.mlx_thread; a trio instrument sums its task steps) minus `mlx`:
+      the actors' and the decode loop's Python on that thread, measured directly
+* `overhead_frac` = demand overhead / demand wall (the direct measurement above). Since early
+  grants (qnpipe.actors.forward) the hits' compute of a layer runs in the background during
+  its reads, outside `mlx`: what of it does not fall within `device` is counted here, so
+  this is an upper bound. `overhead_frac_loop` = demand `loop_work` / wall: the actors'
+  own work alone (part of it runs while MLX computes in the background). The
+  `_own_compute` bound likewise undercounts compute since then (it only sees `mlx`).
   `overhead_frac_allhit` = (allhit step - resident step) / allhit step, from decode_tok_s:
   the streaming pipeline with every access a hit against the model run straight through
   (this also contains what the streamed decode loses by not queueing the next step
@@ -91,6 +100,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import trio
 
 SHAPES: dict[str, dict[str, Any]] = {
     # ~310 KB records at 4 bits / group 64 (3 x (512 x 384 / 2 + 2 x 2 x 512 x 384 / 64) bytes);
@@ -211,6 +221,34 @@ class _TimedBackend:
         await self._inner.abort()
 
 
+class LoopBusy(trio.abc.Instrument):
+    """A trio instrument in the MLX thread's loop (every sync Engine's pipeline runs there):
+    the loop thread's busy time, the sum of its task steps (inline MLX calls included)."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self._t0 = 0.0
+
+    def before_task_step(self, task: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def after_task_step(self, task: Any) -> None:
+        self.busy_s += time.perf_counter() - self._t0
+
+    @classmethod
+    def install(cls) -> LoopBusy:
+        from qnpipe.mlx_thread import MLXThread
+
+        inst = cls()
+
+        async def add() -> None:
+            trio.lowlevel.add_instrument(inst)
+
+        MLXThread.shared().host(add).result()
+        return inst
+
+
+LOOP: list[LoopBusy] = []  # installed once by main()
 ITEM_S = [0.0]  # time in decoding._item (reading the sampled token: waits for the LM head), MLX thread
 
 
@@ -249,6 +287,7 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
     rs = inst.rt.pipe.read_stats
     b0 = rs.batches if rs is not None else 0
     m0, a0, i0 = inst.mlx_s, inst.await_s, ITEM_S[0]
+    l0 = LOOP[0].busy_s if LOOP else 0.0
     t0 = time.perf_counter()
     res = eng.generate(prompt, max_tokens=n, temperature=1.0, seed=seed, stop_at_eos=False)
     wall = time.perf_counter() - t0
@@ -258,6 +297,7 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
     mlx = inst.mlx_s - m0
     item = ITEM_S[0] - i0
     awaited = inst.await_s - a0
+    loop = (LOOP[0].busy_s - l0) if LOOP else math.nan
     device = inst.device_union(t0)
     out = {
         "tok_s": res.stats.decode_tok_s,
@@ -268,6 +308,7 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
         "hop": (awaited - mlx) / steps,
         "device": device / steps,
         "overhead": (wall - mlx - item - device) / steps,
+        "loop_work": (loop - mlx - item) / steps,
         "tokens": res.tokens,
     }
     if d:
@@ -317,8 +358,6 @@ class _FakeDevice:
         self.nbytes, self.hop = nbytes, hop
 
     async def read(self, jobs: Any) -> list[int]:
-        import trio
-
         if self.hop:
             await trio.to_thread.run_sync(lambda: None)
         else:
@@ -333,8 +372,6 @@ def bench_pipeline(layers: int, experts: int, k: int, capacity: int, nbytes: int
                    steps: int = 200) -> dict[str, float]:
     """The forward + pool + read-scheduler actors (qnpipe.engine.open_pipeline) with no model and no
     disk: their own time per layer-step (wall and process CPU), after `steps // 4` warm-up steps."""
-    import trio
-
     from qnpipe import config as config_mod
     from qnpipe.engine import open_pipeline
 
@@ -483,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         margs = engines["resident"].args
         k = margs.num_experts_per_tok
         inst = {name: Instruments(e) for name, e in engines.items()}
+        LOOP.append(LoopBusy.install())
         rng = np.random.default_rng(7)
         warm = rng.integers(3, 1000, args.warmup_prompt).tolist()
         for name, e in engines.items():
@@ -583,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefetch_expired": pf_pool.prefetch_expired, "wasted_bytes_prefetch": pf_pool.wasted_bytes,
             "hints_dropped_budget": pf_pool.hints_dropped_budget, "hints_dropped_full": pf_pool.hints_dropped_full,
             "overhead_frac_prefetch": rnd(med([p_["overhead"] / p_["wall"] for p_ in runs["prefetch"]])),
+            "overhead_frac_loop_prefetch": rnd(med([p_["loop_work"] / p_["wall"] for p_ in runs["prefetch"]])),
             "prefetch_settings": {"side_region_slots": args.side, "width_experts": args.width,
                                   "per_layer_budget_experts": args.per_layer_budget,
                                   **dict(kv.split("=", 1) for kv in args.prefetch_set)},
@@ -619,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
         "tok_s_serial_bound_at_effective_qd": rnd(
             1.0 / (step_res + m("demand", "bytes") / (med([b["gbps"] for b in bw_eff]) * 1e9)), 3),
         "overhead_frac": rnd(med(ovh)),
+        "overhead_frac_loop": rnd(med([d["loop_work"] / d["wall"] for d in runs["demand"]])),
+        "overhead_frac_loop_allhit": rnd(med([a["loop_work"] / a["wall"] for a in runs["allhit"]]))
+        if "allhit" in runs else None,
         "overhead_frac_allhit": rnd(med([(a["step_s"] - r_["step_s"]) / a["step_s"]
                                          for a, r_ in zip(runs["allhit"], runs["resident"], strict=True)]))
         if "allhit" in runs else None,
@@ -629,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio_prefetch_to_demand": "> 1", "ratio_prefetch_to_overlap_bound": ">= 0.85"},
         **prefetch_keys,
         "breakdown_ms_per_token": {
-            name: {key: rnd(m(name, key) * 1e3, 3) for key in ("wall", "mlx", "hop", "device", "overhead")
+            name: {key: rnd(m(name, key) * 1e3, 3) for key in ("wall", "mlx", "hop", "device", "overhead", "loop_work")
                    + (("stall",) if name != "resident" else ())}
             for name in runs},
         "pipeline_alone_us_per_layer_step": {
