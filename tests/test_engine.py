@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -83,6 +84,16 @@ def test_two_engines_share_the_mlx_threads_loop_and_both_stay_exact(
         assert eng.generate(PROMPT, max_tokens=6, stop_at_eos=False).tokens == want
         assert eng.stats().requests > 0 and other.stats().requests == 1  # each its own pipeline
     assert mlx_threads == {"qnpipe-mlx"}
+
+
+def test_with_prefetch_on_the_engine_loop_has_a_thread_of_its_own(eng: qnpipe.Engine, tiny_hf: Path) -> None:
+    want = eng.generate(PROMPT, max_tokens=6, stop_at_eos=False).tokens
+    prefetch: dict[str, Any] = {"predict.cross_layer_prefetch": True}
+    with qnpipe.Engine(tiny_hf, **prefetch) as other:
+        seen: set[str] = set()
+        got = other.generate(PROMPT, max_tokens=6, stop_at_eos=False,
+                             on_text=lambda s: seen.add(threading.current_thread().name))
+    assert got.tokens == want and seen == {"qnpipe-engine"}
 
 
 def test_seeded_sampling_is_reproducible(eng: qnpipe.Engine) -> None:
