@@ -283,9 +283,12 @@ class Engine:
             # would take their completions and issue the next reads only between layers (measured
             # side by side: 10x the late misses). So this loop gets a thread of its own.
             self._loop = concurrent.futures.Future()
-            threading.Thread(target=self._run_own, args=(started,), name="qnpipe-engine", daemon=True).start()
+            self.loop_thread = threading.Thread(target=self._run_own, args=(started,), name="qnpipe-engine",
+                                                daemon=True)
+            self.loop_thread.start()
         else:
             # The pipeline's tasks run in the MLX thread's loop: no thread hand-off per MoE layer.
+            self.loop_thread = MLXThread.shared().thread
             self._loop = MLXThread.shared().host(partial(self._main, started))
         started.result()
 

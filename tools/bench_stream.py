@@ -50,10 +50,10 @@ What is measured (every figure is a median over `--rounds`):
       progress: actor messaging (Acquire/Granted/Release/ReadExpert/ReadDone), trio
       scheduling, thread hand-offs (MLX thread, `trio.to_thread` of the reads), the pool's
       and forward's bookkeeping, the decode loop.
-    - `loop_work`: the CPU time of the thread whose trio loop runs every sync Engine's
-      pipeline (the MLX thread, qnpipe.mlx_thread) outside the MLX calls (their CPU time is
-      taken apart inside the same wrappers): the actors' and the decode loop's own work,
-      measured directly. (A trio instrument summing task steps measured the same but cost
+    - `loop_work`: the CPU time of the thread whose trio loop runs the engine's pipeline (the
+      MLX thread, qnpipe.mlx_thread, minus the CPU of the MLX calls inline there, taken apart
+      inside the same wrappers; with prefetch on, the engine's own loop thread): the actors'
+      and the decode loop's own work, measured directly. (A trio instrument summing task steps measured the same but cost
       3.6 % of demand tok/s itself, side by side.)
 * `overhead_frac` = demand overhead / demand wall (the direct measurement above). Since early
   grants (qnpipe.actors.forward) the hits' compute of a layer runs in the background during
@@ -225,11 +225,10 @@ class _TimedBackend:
         await self._inner.abort()
 
 
-def loop_cpu_s() -> float:
-    """CPU time of the MLX thread, whose trio loop runs every sync Engine's pipeline (qnpipe.mlx_thread)."""
-    from qnpipe.mlx_thread import MLXThread
-
-    ident = MLXThread.shared().thread.ident
+def loop_cpu_s(eng: Any) -> float:
+    """CPU time of the thread whose trio loop runs `eng`'s pipeline (the MLX thread's own loop, or
+    with prefetch on a thread of the engine's own: qnpipe.embed.Engine)."""
+    ident = eng.loop_thread.ident
     assert ident is not None
     return time.clock_gettime(time.pthread_getcpuclockid(ident))
 
@@ -274,7 +273,7 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
     rs = inst.rt.pipe.read_stats
     b0 = rs.batches if rs is not None else 0
     m0, a0, i0 = inst.mlx_s, inst.await_s, ITEM_S[0]
-    l0, mc0, ic0 = loop_cpu_s(), inst.mlx_cpu_s, ITEM_CPU_S[0]
+    l0, mc0, ic0 = loop_cpu_s(eng), inst.mlx_cpu_s, ITEM_CPU_S[0]
     t0 = time.perf_counter()
     res = eng.generate(prompt, max_tokens=n, temperature=1.0, seed=seed, stop_at_eos=False)
     wall = time.perf_counter() - t0
@@ -284,7 +283,11 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
     mlx = inst.mlx_s - m0
     item = ITEM_S[0] - i0
     awaited = inst.await_s - a0
-    loop = loop_cpu_s() - l0 - (inst.mlx_cpu_s - mc0) - (ITEM_CPU_S[0] - ic0)
+    loop = loop_cpu_s(eng) - l0
+    from qnpipe.mlx_thread import MLXThread
+
+    if eng.loop_thread is MLXThread.shared().thread:  # MLX calls run inline on that thread
+        loop -= (inst.mlx_cpu_s - mc0) + (ITEM_CPU_S[0] - ic0)
     device = inst.device_union(t0)
     out = {
         "tok_s": res.stats.decode_tok_s,
@@ -680,7 +683,8 @@ def _profile(eng: Any, prof: tuple[Any, Any], on: bool) -> None:
         prof[0].enable() if on else prof[0].disable()
 
     eng._call(toggle)
-    MLXThread.shared().call(prof[1].enable if on else prof[1].disable)
+    if eng.loop_thread is not MLXThread.shared().thread:  # else one thread, one profiler: prof[0]
+        MLXThread.shared().call(prof[1].enable if on else prof[1].disable)
 
 
 def _dump_profiles(prof: tuple[Any, Any], prefix: Path) -> None:
