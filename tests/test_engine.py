@@ -45,17 +45,23 @@ async def test_open_engine_matches_sync_engine_and_streams_in_order(tiny_hf: Pat
     assert np.array_equal(logits, eng.logits(PROMPT))
 
 
-def test_mlx_work_runs_on_one_dedicated_thread(eng: qnpipe.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def mlx_threads(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The names of the threads every model step of the test runs on (MlxBackend.begin)."""
     from qnpipe.model.stepper import MlxBackend
 
-    mlx_threads: set[str] = set()
+    names: set[str] = set()
     begin = MlxBackend.begin
 
     def spy(self, *a):  # type: ignore[no-untyped-def]
-        mlx_threads.add(threading.current_thread().name)
+        names.add(threading.current_thread().name)
         return begin(self, *a)
 
     monkeypatch.setattr(MlxBackend, "begin", spy)
+    return names
+
+
+def test_mlx_work_runs_on_one_dedicated_thread(eng: qnpipe.Engine, mlx_threads: set[str]) -> None:
     seen: set[str] = set()
     eng.generate(PROMPT, max_tokens=3, on_text=lambda s: seen.add(threading.current_thread().name))
     eng.generate(PROMPT, max_tokens=3, on_text=lambda s: seen.add(threading.current_thread().name))
@@ -64,18 +70,8 @@ def test_mlx_work_runs_on_one_dedicated_thread(eng: qnpipe.Engine, monkeypatch: 
 
 
 def test_two_engines_share_the_mlx_threads_loop_and_both_stay_exact(
-        eng: qnpipe.Engine, tiny_hf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from qnpipe.model.stepper import MlxBackend
-
+        eng: qnpipe.Engine, tiny_hf: Path, mlx_threads: set[str]) -> None:
     want = eng.generate(PROMPT, max_tokens=6, stop_at_eos=False).tokens
-    mlx_threads: set[str] = set()
-    begin = MlxBackend.begin
-
-    def spy(self, *a):  # type: ignore[no-untyped-def]
-        mlx_threads.add(threading.current_thread().name)
-        return begin(self, *a)
-
-    monkeypatch.setattr(MlxBackend, "begin", spy)
     with qnpipe.Engine(tiny_hf) as other:
         seen: set[str] = set()
         got = other.generate(PROMPT, max_tokens=6, stop_at_eos=False,
