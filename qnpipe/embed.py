@@ -263,7 +263,8 @@ class Engine:
     `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name). The
     pipeline runs as tasks of the MLX thread's trio loop (qnpipe.mlx_thread), apart from the
     caller's thread; with prefetch on (`predict.cross_layer_prefetch`) in a trio loop on a
-    thread of its own, so read completions are taken while the model computes.
+    thread of its own, so read completions are taken while the model computes. `loop_thread`
+    is the thread that loop runs on (for measuring it, as tools/bench_stream.py does).
     """
 
     def __init__(self, model_dir: str | Path | None = None, cfg: Config | None = None, *,
