@@ -20,6 +20,15 @@ and, all-resident through the speculation loop directly, the two rollbacks of th
 DeltaNet state at K = 3: per-token states kept during verify (`states`, what the engine
 uses) against a re-forward of the accepted tokens from a snapshot (`rerun`).
 
+The limit: `verify_cost` {n: the time of one verify forward of n positions (the main model
+and its LM head on every row, Gated DeltaNet states kept, rolled back) over the time of a
+plain decode token}, measured interleaved with plain decoding in the same loop. A round
+of K drafts that commits L tokens on average can then be at most L / verify_cost[K+1]
+times faster than plain decoding even if drafting cost nothing: `speedup_bound` {kK: that
+bound at kK's measured accept length}, `speedup_bound_max`, and `ratio_best_to_bound`
+(speedup_best over speedup_bound_max). On a CPU whose matmul time grows with its rows (the
+netlib BLAS of mlx[cpu]) the bound is far below a GPU's, where K+1 rows cost about one.
+
 Prints one JSON line: `tok_s_plain`, `tok_s_mtp_best`, `speedup_best`, `best_variant`,
 `mean_accept_len` (of the best variant), `identical` (every run's tokens equal plain
 greedy's, every round), the same keys with `_streamed`, `tok_s` / `speedup` /
@@ -108,10 +117,43 @@ def _run_set(model_dir: Path, base: dict[str, Any], rounds: int, tokens: int) ->
     return {"times": times, "accept": accept}, identical
 
 
-def _rollbacks(rounds: int, tokens: int) -> dict[str, float]:
-    """tok/s of the loop at K = 3 with each rollback, interleaved (all resident)."""
+VERIFY_ROWS = (2, 3, 4, 5)
+
+
+async def _verify_time(fwd: Any, th: Any, model: Any, head: Any, ids: list[int], n: int, steps: int) -> float:
+    """Seconds per verify forward of `n` positions, each rolled back to its first token (as a
+    round that accepts nothing), after a prefill of `ids`: the verify alone, no drafting."""
+    import mlx.core as mx
     import trio
 
+    from qnpipe.mlx_thread import run_on
+    from qnpipe.spec import loop
+
+    st = await run_on(th, loop.SpecState, model, head, loop.SpecOptions(k=n - 1, hidden=loop.MtpHidden.POST_NORM))
+    await loop.prefill(fwd, th, st, ids, 0)
+    rows = ids[:n]
+    times = []
+    for _ in range(steps):
+        t0 = trio.current_time()
+        await run_on(th, st.begin_verify)
+        await fwd.run(lambda: mx.array([rows], dtype=mx.uint32), st.caches.main, st.verify_tail)
+        await run_on(th, st.rollback, n - 1, 0)
+        times.append(trio.current_time() - t0)
+    return statistics.median(times)
+
+
+def _bounds(rb: dict[str, float], accept: dict[str, float], best: float) -> dict[str, Any]:
+    """The free-drafter bound of each fixed K (module docstring) from the loop's own figures."""
+    cost = {n: rb[f"verify{n}"] * rb["plain"] for n in VERIFY_ROWS}  # verify seconds x plain tokens per second
+    bound = {f"k{n - 1}": round(accept[f"k{n - 1}"] / cost[n], 3) for n in VERIFY_ROWS if f"k{n - 1}" in accept}
+    top = max(bound.values())
+    return {"verify_cost": {str(n): round(c, 3) for n, c in cost.items()}, "speedup_bound": bound,
+            "speedup_bound_max": top, "ratio_best_to_bound": round(best / top, 3)}
+
+
+def _rollbacks(rounds: int, tokens: int) -> dict[str, float]:
+    """tok/s of the loop at K = 3 with each rollback, and the verify forwards' times (seconds), interleaved
+    (all resident)."""
     from qnpipe import decoding
     from qnpipe.actors.forward import Forward
     from qnpipe.core import ThreadedBackend
@@ -128,20 +170,23 @@ def _rollbacks(rounds: int, tokens: int) -> dict[str, float]:
         assert head is not None
         fwd = Forward(ThreadedBackend(th, MlxBackend(lm.model, None)), None, None, {}, lm.args.num_experts)
         ids = list(range(20, 60))
-        out: dict[str, list[float]] = {"states": [], "rerun": [], "plain": []}
+        out: dict[str, list[float]] = {"states": [], "rerun": [], "plain": [], **{f"verify{n}": [] for n in VERIFY_ROWS}}
         for _ in range(rounds):
             p = await decoding.generate(fwd, th, lm.model, None, ids, max_tokens=tokens, temperature=0.0, top_p=1.0,
                                         seed=None, eos=set(), chunk=2)
             out["plain"].append(p.stats.decode_tok_s)
+            for n in VERIFY_ROWS:
+                out[f"verify{n}"].append(await _verify_time(fwd, th, lm.model, head, ids, n, tokens))
             for rb in ("states", "rerun"):
                 opts = loop.SpecOptions(k=3, hidden=loop.MtpHidden.POST_NORM, rollback=rb)
                 r = await loop.generate(fwd, th, lm.model, head, None, ids, max_tokens=tokens, eos=set(), chunk=2,
                                         opts=opts)
                 assert r.tokens == p.tokens, rb
                 out[rb].append(r.stats.decode_tok_s)
-        return {k: round(statistics.median(v), 2) for k, v in out.items()}
+        return {k: statistics.median(v) for k, v in out.items()}
 
-    return trio.run(main)
+    # Hosted on the MLX thread's own loop, as a sync Engine runs: MLX calls inline, no hand-offs.
+    return MLXThread.shared().host(main).result()
 
 
 def main() -> None:
@@ -155,9 +200,13 @@ def main() -> None:
     top_k = json.loads((MODEL / "config.json").read_text())["num_experts_per_tok"]
     streamed, same_s = _run_set(_streamed_dir(a.work), {"pool.expert_slots": top_k + 2,
                                                         "predict.cross_layer_prefetch": True}, a.rounds, a.tokens)
-    out = {**_summary(resident["times"], resident["accept"], ""), "identical": same_r,
+    res = _summary(resident["times"], resident["accept"], "")
+    rb = _rollbacks(a.rounds, a.tokens)
+    out = {**res, "identical": same_r,
            **_summary(streamed["times"], streamed["accept"], "_streamed"), "identical_streamed": same_s,
-           "rollback_tok_s": _rollbacks(a.rounds, a.tokens), "rounds": a.rounds, "tokens": a.tokens}
+           **_bounds(rb, res["accept_len"], res["speedup_best"]),
+           "rollback_tok_s": {k: round(rb[k], 2) for k in ("states", "rerun", "plain")},
+           "rounds": a.rounds, "tokens": a.tokens}
     print(json.dumps(out))
 
 

@@ -8,13 +8,13 @@ time; each finished read goes back to the pool as `ReadDone`. A failed read
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
 import trio
 
 from qnpipe.actors.stamp import Stamper, drain, send_soon
-from qnpipe.io.device import ExpertDevice
+from qnpipe.io.device import ExpertDevice, submit
 from qnpipe.messages import Msg, PoolInbox, Promote, ReadDone, ReadExpired, ReadInbox
 from qnpipe.policy.read_queue import Job, ReadQueue
 from qnpipe.trace import ReadStarted
@@ -49,12 +49,8 @@ async def read_scheduler(
     st = Stamper()
     issued: dict[tuple[int, int], float] = {}
 
-    async def run(jobs: Sequence[Job]) -> None:
-        started = trio.current_time()
-        if emit is not None:
-            for job in jobs:
-                emit(ReadStarted(**st.stamp(), layer=job.layer, expert=job.expert, slot=job.slot))
-        nbytes = await device.read(jobs)
+    async def run(jobs: Sequence[Job], started: float, reading: Awaitable[list[int]]) -> None:
+        nbytes = await reading
         stats.batches += 1
         stats.device_s += trio.current_time() - started
         for job, n in zip(jobs, nbytes, strict=True):
@@ -72,7 +68,11 @@ async def read_scheduler(
             now = trio.current_time()
             while jobs := queue.take(now):
                 stats.peak_in_flight = max(stats.peak_in_flight, queue.peak_in_flight)
-                nursery.start_soon(run, jobs)
+                if emit is not None:
+                    for job in jobs:
+                        emit(ReadStarted(**st.stamp(), layer=job.layer, expert=job.expert, slot=job.slot))
+                # Submitted in this turn: the I/O starts now, the task only waits for it.
+                nursery.start_soon(run, jobs, now, submit(device, jobs))
             for job in queue.pop_expired():
                 stats.expired += 1
                 issued.pop(job.key, None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import trio
@@ -35,6 +35,18 @@ class ExpertDevice(Protocol):
         ...
 
 
+def submit(device: ExpertDevice, jobs: Sequence[Job]) -> Awaitable[list[int]]:
+    """Start `jobs` on `device` now, when it can; await the result for `read`'s value.
+
+    A device with a `submit` method of this signature puts the reads on its way before
+    returning (`StoreDevice`: on its submitter thread), so the read scheduler's turn, not a
+    task started a scheduler batch later, is when the I/O begins; one with `read` alone
+    starts when the awaitable is first awaited. Either way the awaitable must be awaited.
+    """
+    start = getattr(device, "submit", None)
+    return start(jobs) if start is not None else device.read(jobs)
+
+
 class StoreDevice:
     """`ExpertDevice` over an `ExpertStore` and an `ExpertReader` (the real SSD)."""
 
@@ -45,22 +57,28 @@ class StoreDevice:
         self._verify = verify_crc32
         # A slot's scatter list never changes (its scratch parts are only ever written), so build it once.
         self._bufs: dict[tuple[int, int], tuple[WritableBuffer, ...]] = {}
+        self._paths: dict[Any, str] = {}
         self._submitter = _Submitter()
 
     def request(self, job: Job) -> ReadRequest:
         lf = self._store.layer_file(job.layer)
         path, offset, nbytes = self._store.record_location(job.layer, job.expert)
+        name = self._paths.get(path)
+        if name is None:
+            name = self._paths[path] = str(path)
         buf = self._bufs.get((job.layer, job.slot))
         if buf is None:
             buf = self._bufs[(job.layer, job.slot)] = scatter_buffers(lf.tensors, nbytes,
                                                                       self._dest(job.layer, job.slot))
-        return ReadRequest(path=str(path), offset=offset, nbytes=nbytes, buf=buf, layer=job.layer,
+        return ReadRequest(path=name, offset=offset, nbytes=nbytes, buf=buf, layer=job.layer,
                            expert=job.expert, crc32=lf.checksums[job.expert] if self._verify else None)
 
     async def read(self, jobs: Sequence[Job]) -> list[int]:
-        reqs = [self.request(j) for j in jobs]
-        results = await self._submitter.run(self._reader.read_batch, reqs)
-        return [r.nbytes for r in results]
+        return await self.submit(jobs)
+
+    def submit(self, jobs: Sequence[Job]) -> Awaitable[list[int]]:
+        """Hand the batch to the submitter thread now; the awaitable waits for it (qnpipe.io.device.submit)."""
+        return _nbytes(self._submitter.start(self._reader.read_batch, [self.request(j) for j in jobs]))
 
     def close(self) -> None:
         """Stop the submitter thread (idempotent)."""
@@ -82,19 +100,15 @@ class _Submitter:
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+    def start(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        """Queue `fn(*args)` on the thread now (from trio); the awaitable waits for its value."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="qnpipe-read-submit", daemon=True)
             self._thread.start()
         done = trio.Event()
         box: list[Any] = []
         self._q.put((fn, args, trio.lowlevel.current_trio_token(), done, box))
-        with trio.CancelScope(shield=True):
-            await done.wait()
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
+        return _outcome(done, box)
 
     def _loop(self) -> None:
         while (item := self._q.get()) is not None:
@@ -110,3 +124,16 @@ class _Submitter:
             self._q.put(None)
             self._thread.join()
             self._thread = None
+
+
+async def _outcome(done: trio.Event, box: list[Any]) -> Any:
+    with trio.CancelScope(shield=True):  # the read writes into slot memory: it must be waited for
+        await done.wait()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+async def _nbytes(results: Awaitable[list[Any]]) -> list[int]:
+    return [r.nbytes for r in await results]

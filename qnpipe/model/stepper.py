@@ -166,7 +166,9 @@ def _queue_present(w: LayerExperts, x: mx.array, slots: np.ndarray) -> tuple[np.
 def _complete(w: LayerExperts, x: mx.array, slots: np.ndarray, early: tuple[np.ndarray, mx.array]) -> mx.array:
     """`[..., k, H]` from the early pairs' outputs and the rest's, each pair back in its place."""
     done, y_done = early
-    rest = np.setdiff1d(np.arange(slots.size), done, assume_unique=True)
+    todo = np.ones(slots.size, dtype=bool)
+    todo[done] = False
+    rest = np.flatnonzero(todo)
     order = np.concatenate([done, rest])
     y = mx.concatenate([y_done, _pairs(w, x, rest, slots)], axis=0)[mx.array(np.argsort(order))]
     return y.reshape(*slots.shape, x.shape[-1])

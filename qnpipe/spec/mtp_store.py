@@ -11,13 +11,13 @@ into the slot's host views; unaligned offsets go through the reader's bounce buf
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from pathlib import Path
 
 import trio
 
 from qnpipe.errors import CheckpointError
-from qnpipe.io.device import ExpertDevice, SlotDest
+from qnpipe.io.device import ExpertDevice, SlotDest, submit
 from qnpipe.io.reader import ExpertReader, ReaderStats, ReadRequest
 from qnpipe.io.store_format import LayerFile, Quant, TensorSlot
 from qnpipe.model.args import ModelArgs
@@ -102,6 +102,21 @@ class MtpFileDevice:
         return self._reader.statistics()
 
 
+async def _gather(n: int, parts: list[tuple[list[int], Awaitable[list[int]]]]) -> list[int]:
+    """The parts' byte counts in job order; every part is awaited (each may be writing slot memory) before an error is raised."""
+    out = [0] * n
+    error: BaseException | None = None
+    for idx, reading in parts:
+        try:
+            for i, nb in zip(idx, await reading, strict=True):
+                out[i] = nb
+        except Exception as e:  # noqa: PERF203 - one per device, at most two
+            error = error or e
+    if error is not None:
+        raise error
+    return out
+
+
 class RoutedDevice:
     """`ExpertDevice` that sends the jobs of `special` layers to their own device, the rest to `default`."""
 
@@ -110,15 +125,16 @@ class RoutedDevice:
         self._special = special
 
     async def read(self, jobs: Sequence[Job]) -> list[int]:
-        out = [0] * len(jobs)
+        return await self.submit(jobs)
+
+    def submit(self, jobs: Sequence[Job]) -> Awaitable[list[int]]:
+        """Each device's share of the batch, started now where that device can (qnpipe.io.device.submit)."""
         groups: dict[int | None, list[int]] = {}
         for i, j in enumerate(jobs):
             groups.setdefault(j.layer if j.layer in self._special else None, []).append(i)
-        for layer, idx in groups.items():
-            dev = self._default if layer is None else self._special[layer]
-            for i, n in zip(idx, await dev.read([jobs[i] for i in idx]), strict=True):
-                out[i] = n
-        return out
+        parts = [(idx, submit(self._default if layer is None else self._special[layer], [jobs[i] for i in idx]))
+                 for layer, idx in groups.items()]
+        return _gather(len(jobs), parts)
 
     def statistics(self) -> ReaderStats | None:
         return self._default.statistics()

@@ -124,6 +124,35 @@ def test_an_early_acquire_gets_its_experts_in_memory_first_then_the_grant() -> N
     assert (granted.hits, granted.misses) == (2, 1)
 
 
+@attrs.define
+class SubmitDevice(FakeDevice):
+    """A device that starts its reads when submitted (as `StoreDevice` does), noting which task submitted:
+    whether it is the scheduler's own, which holds the nursery its read tasks wait in, or one of those."""
+
+    by_owner: list[bool] = attrs.field(factory=list)
+
+    def submit(self, jobs: Sequence[Job]):
+        self.by_owner.append(bool(trio.lowlevel.current_task().child_nurseries))
+        return self.read(jobs)
+
+
+def test_reads_go_on_the_device_in_the_schedulers_own_turn() -> None:
+    # Not in a task it starts, which would run a scheduler batch later (after, at random, the
+    # forward's work on an early grant).
+    dev = SubmitDevice(latency_s=0.001)
+
+    async def scenario() -> None:
+        async with open_pipeline(_cfg(), None, num_experts=64, capacities={0: 4}, device=dev,
+                                 record_nbytes={0: 100}) as p:
+            for step in range(1, 4):
+                g = await _acquire(p.forward, step, 0, (step, 10 + step))
+                assert g.misses == 2
+                await _release(p.forward, step, 0)
+
+    _run(scenario)
+    assert dev.by_owner == [True, True, True]
+
+
 def test_an_early_acquire_all_in_memory_or_all_missing_gets_only_the_grant() -> None:
     async def scenario() -> list[str]:
         kinds = []
