@@ -45,6 +45,7 @@ import contextlib
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +74,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+def log(msg: str) -> None:
+    print(f"[bench_mtp {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def _streamed_dir(work: Path) -> Path:
     out = work / "tiny-trained-qn32"
     if not (out / "config.json").is_file():
         from qnpipe.convert import convert
 
+        log(f"converting {MODEL} to {out} (float32) for the streamed runs")
         convert(MODEL, out, dtype="float32", mtp_bits=0)
     return out
 
@@ -94,7 +100,8 @@ def _summary(times: dict[str, list[float]], accept: dict[str, list[float]], suff
             f"accept_len{suffix}": {v: round(statistics.median(a), 3) for v, a in accept.items()}}
 
 
-def _run_set(model_dir: Path, base: dict[str, Any], rounds: int, tokens: int) -> tuple[dict[str, Any], bool]:
+def _run_set(model_dir: Path, base: dict[str, Any], rounds: int, tokens: int,
+             label: str) -> tuple[dict[str, Any], bool]:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     accept: dict[str, list[float]] = {v: [] for v in VARIANTS if v != "plain"}
     identical = True
@@ -105,7 +112,8 @@ def _run_set(model_dir: Path, base: dict[str, Any], rounds: int, tokens: int) ->
             engines[v] = stack.enter_context(qnpipe.Engine(model_dir, **settings))
         for e in engines.values():  # warm-up: compile, fill the pools
             e.generate(PROMPT, max_tokens=8, stop_at_eos=False)
-        for _ in range(rounds):
+        log(f"{label}: {len(engines)} engines open and warm; {rounds} rounds of {tokens} tokens each")
+        for r in range(rounds):
             ref = None
             for v, e in engines.items():
                 res = e.generate(PROMPT, max_tokens=tokens, stop_at_eos=False)
@@ -114,6 +122,10 @@ def _run_set(model_dir: Path, base: dict[str, Any], rounds: int, tokens: int) ->
                 times[v].append(res.stats.decode_tok_s)
                 if res.stats.mtp is not None:
                     accept[v].append(res.stats.mtp.mean_accept_len)
+            plain = times["plain"][-1]
+            best = max((v for v in times if v != "plain"), key=lambda v: times[v][-1])
+            log(f"{label} round {r + 1}/{rounds}: plain {plain:.1f} tok/s, best {best} {times[best][-1]:.1f} "
+                f"({times[best][-1] / plain:.2f}x), identical so far: {identical}")
     return {"times": times, "accept": accept}, identical
 
 
@@ -171,7 +183,10 @@ def _rollbacks(rounds: int, tokens: int) -> dict[str, float]:
         fwd = Forward(ThreadedBackend(th, MlxBackend(lm.model, None)), None, None, {}, lm.args.num_experts)
         ids = list(range(20, 60))
         out: dict[str, list[float]] = {"states": [], "rerun": [], "plain": [], **{f"verify{n}": [] for n in VERIFY_ROWS}}
-        for _ in range(rounds):
+        await decoding.generate(fwd, th, lm.model, None, ids, max_tokens=8, temperature=0.0, top_p=1.0,
+                                seed=None, eos=set(), chunk=2)  # warm-up, as the engines had
+        for r in range(rounds):
+            log(f"rollbacks and verify costs: round {r + 1}/{rounds}")
             p = await decoding.generate(fwd, th, lm.model, None, ids, max_tokens=tokens, temperature=0.0, top_p=1.0,
                                         seed=None, eos=set(), chunk=2)
             out["plain"].append(p.stats.decode_tok_s)
@@ -196,10 +211,11 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/qnpipe-bench-mtp"))
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    resident, same_r = _run_set(MODEL, {}, a.rounds, a.tokens)
+    resident, same_r = _run_set(MODEL, {}, a.rounds, a.tokens, "all resident")
     top_k = json.loads((MODEL / "config.json").read_text())["num_experts_per_tok"]
     streamed, same_s = _run_set(_streamed_dir(a.work), {"pool.expert_slots": top_k + 2,
-                                                        "predict.cross_layer_prefetch": True}, a.rounds, a.tokens)
+                                                        "predict.cross_layer_prefetch": True}, a.rounds, a.tokens,
+                                 "streamed")
     res = _summary(resident["times"], resident["accept"], "")
     rb = _rollbacks(a.rounds, a.tokens)
     out = {**res, "identical": same_r,
