@@ -27,8 +27,9 @@ class Acquire(Msg, frozen=True, kw_only=True, tag="pool.acquire"):
     """The forward needs `experts` (distinct ids) of `layer` resident for pass `part` of `step`.
 
     The pool answers with one `Granted` once every one of them is in memory, and holds
-    them until the matching `Release`. With `early`, when some are in memory and some must
-    be read, it first sends `Present` for those in memory, so their work can start during the reads.
+    them until the matching `Release`. With `early`, when some must be read, it first sends
+    `Present` for those in memory (if any), then one for those of each burst of reads that
+    lands before the last, so their work can start during the reads.
     """
 
     step: int
@@ -39,8 +40,9 @@ class Acquire(Msg, frozen=True, kw_only=True, tag="pool.acquire"):
 
 
 class Present(Msg, frozen=True, kw_only=True, tag="pool.present"):
-    """Before the `Granted` of an early `Acquire`: `experts[i]` (those already in memory) is in
-    slot `slots[i]`, held from now on as the grant's; the others are being read."""
+    """Before the `Granted` of an early `Acquire`: `experts[i]` (in memory now, and not in an
+    earlier `Present` of the grant) is in slot `slots[i]`, held from now on as the grant's;
+    the others are being read or were given before."""
 
     step: int
     layer: int

@@ -43,8 +43,9 @@ class PredictPlan:
 class PartGrant:
     """Run tokens `lo:hi` of the layer from slots `slots [hi-lo, k]`; `last` = no part follows.
 
-    `early`: only the experts already in memory have a slot (the others are -1, being read).
-    The backend queues their work and answers `Queued`; the same part's full grant follows.
+    `early`: only the experts in memory so far have a slot (the others are -1, being read).
+    The backend queues the work of those it has not queued yet and answers `Queued`; more
+    early grants may follow as reads land, then the same part's full grant.
     """
 
     lo: int

@@ -1,7 +1,9 @@
 """The pool actor: answers `Acquire` with slots once the experts are in memory.
 
-An early `Acquire` whose experts are partly in memory gets `Present` for those first (after
-the misses' reads are sent): the forward starts their work while the rest is read.
+An early `Acquire` gets `Present` for its experts already in memory (after the misses' reads
+are sent), then one for the experts of each burst of reads that lands while others are
+still on their way: the forward starts their work while the rest is read. `Granted` (all
+of them) ends it.
 
 Owns the slot tables (qnpipe.policy.pool.PoolPolicy). Misses become `ReadExpert`
 commands to the read scheduler; its `ReadDone`s complete grants. The slot memory itself
@@ -54,9 +56,24 @@ async def pool(
     already placed in `policy`); `after_forward` runs after each ForwardDone (autopin's saves).
     """
     st = Stamper()
+    early: set[tuple[int, int, int]] = set()  # pending grants whose step takes Present
+    landed: dict[tuple[int, int, int], list[tuple[int, int]]] = {}  # their reads done in this turn
+
+    async def present(key: tuple[int, int, int], experts: tuple[int, ...], slots: tuple[int, ...]) -> None:
+        step, layer, part = key
+        msg = Present(**st.stamp(), step=step, layer=layer, part=part, experts=experts, slots=slots)
+        if emit is not None:
+            emit(msg)
+        await send_soon(to_forward, msg)
+
+    async def flush(key: tuple[int, int, int]) -> None:
+        if got := landed.pop(key, None):
+            await present(key, tuple(e for e, _ in got), tuple(s for _, s in got))
 
     async def grant(g: Grant) -> None:
         step, layer, part = g.key
+        early.discard(g.key)
+        landed.pop(g.key, None)  # landed in the same turn as the last read: the grant gives them with the rest
         now = trio.current_time()
         msg = Granted(**st.stamp(), step=step, layer=layer, part=part, experts=g.experts, slots=tuple(g.slots),
                       generations=tuple(g.generations), hits=g.hits, misses=g.misses, waited_s=now - g.asked_t)
@@ -93,18 +110,21 @@ async def pool(
                 await read(layer, loads)
                 if ready is not None:
                     await grant(ready)
-                elif msg.early and (present := policy.present((step, layer, part)))[0]:
-                    early = Present(**st.stamp(), step=step, layer=layer, part=part, experts=present[0],
-                                    slots=present[1])
-                    if emit is not None:
-                        emit(early)
-                    await send_soon(to_forward, early)
+                elif msg.early:
+                    early.add((step, layer, part))
+                    if (there := policy.present((step, layer, part)))[0]:
+                        await present((step, layer, part), *there)
             case ReadDone(layer=layer, expert=expert, slot=slot):
                 loads, grants = policy.read_done(layer, expert, slot)
+                for key, e, s in policy.pop_landed():
+                    if key in early:
+                        landed.setdefault(key, []).append((e, s))
                 await read(layer, loads)
                 for g in grants:
                     await grant(g)
             case Release(step=step, layer=layer, part=part):
+                early.discard((step, layer, part))
+                landed.pop((step, layer, part), None)
                 policy.release((step, layer, part), msg.token_experts, msg.token_slots)
             case ForwardDone():
                 policy.forward_done()
@@ -128,4 +148,6 @@ async def pool(
             # Whatever else is already waiting is handled in the same turn: one wake-up, not one per message.
             for msg in drain(inbox, first):
                 await handle(msg)
+            for key in list(landed):  # one Present per grant per burst of reads
+                await flush(key)
 

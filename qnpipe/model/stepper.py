@@ -8,9 +8,10 @@ not fit a layer at once, the forward sends several parts, each a range of tokens
 experts fit; a part that is not the last is evaluated before the next is granted
 (`PartDone`), so its slots can be rewritten.
 
-An early grant (`PartGrant.early`: the experts already in memory while the rest are read)
-queues their work and yields `Queued` at once; the full grant then runs the rest, and the
-pairs are put back in the router's order before the same sum as one pass.
+An early grant (`PartGrant.early`: the experts in memory so far while the rest are read)
+queues the work of the pairs it newly gives and yields `Queued` at once; there may be
+several, as reads land; the full grant then runs the rest, and the pairs are put back in
+the router's order before the same sum as one pass.
 
 `MlxBackend` wraps it for the trio side: `begin` / `resume` each run on the MLX thread
 until the next yield. Every yield but `Queued` follows an `mx.eval` that depends on all
@@ -115,15 +116,16 @@ def _predict(m: Any, plan: PredictPlan, layer: int, x: mx.array, h: mx.array) ->
 
 def _run_parts(w: LayerExperts, x: mx.array, shape: tuple[int, ...],
                grant: PartGrant) -> Generator[PartDone | Queued, PartGrant, mx.array]:
-    early = None
-    if grant.early:
-        early = _queue_present(w, x, grant.slots)
+    early: tuple[np.ndarray, list[mx.array]] | None = None
+    while grant.early:  # each early grant: the pairs whose expert is now in memory start at once
+        early = _queue_present(w, x, grant.slots, early)
         try:
             grant = yield Queued()
         except GeneratorExit:
             mx.eval(early[1])  # the step is dropped: its reads of the held slots end before they are released
             raise
-        assert not grant.early and grant.last and grant.lo == 0, grant
+    if early is not None:
+        assert grant.last and grant.lo == 0, grant
     if grant.last and grant.lo == 0:
         slots = grant.slots.reshape(shape)
         if early is not None:
@@ -154,23 +156,34 @@ def _pairs(w: LayerExperts, x: mx.array, pairs: np.ndarray, slots: np.ndarray) -
     return switch_glu(w, rows, mx.array(slots.reshape(-1)[pairs][:, None], dtype=mx.uint32))[:, 0]
 
 
-def _queue_present(w: LayerExperts, x: mx.array, slots: np.ndarray) -> tuple[np.ndarray, mx.array]:
-    """Start the pairs whose expert has a slot (the rest is -1): their outputs compute meanwhile."""
+def _queue_present(w: LayerExperts, x: mx.array, slots: np.ndarray,
+                   early: tuple[np.ndarray, list[mx.array]] | None) -> tuple[np.ndarray, list[mx.array]]:
+    """Start the pairs whose expert has a slot (the rest is -1) and that `early` has not started:
+    their outputs compute meanwhile. Returns every started pair (flat index) and their outputs."""
     assert slots.size < EARLY_PAIRS, "an early grant with pairs switch_glu would sort"
-    pairs = np.flatnonzero(slots.reshape(-1) >= 0)
+    ready = slots.reshape(-1) >= 0
+    if early is not None:
+        ready[early[0]] = False
+    pairs = np.flatnonzero(ready)
+    if early is None:
+        early = (pairs[:0], [])
+    if not pairs.size:
+        return early
     y = _pairs(w, x, pairs, slots)
     mx.async_eval(y)
-    return pairs, y
+    return np.concatenate([early[0], pairs]), [*early[1], y]
 
 
-def _complete(w: LayerExperts, x: mx.array, slots: np.ndarray, early: tuple[np.ndarray, mx.array]) -> mx.array:
+def _complete(w: LayerExperts, x: mx.array, slots: np.ndarray, early: tuple[np.ndarray, list[mx.array]]) -> mx.array:
     """`[..., k, H]` from the early pairs' outputs and the rest's, each pair back in its place."""
-    done, y_done = early
+    done, ys = early
     todo = np.ones(slots.size, dtype=bool)
     todo[done] = False
     rest = np.flatnonzero(todo)
+    if rest.size:
+        ys = [*ys, _pairs(w, x, rest, slots)]
     order = np.concatenate([done, rest])
-    y = mx.concatenate([y_done, _pairs(w, x, rest, slots)], axis=0)[mx.array(np.argsort(order))]
+    y = (mx.concatenate(ys, axis=0) if len(ys) > 1 else ys[0])[mx.array(np.argsort(order))]
     return y.reshape(*slots.shape, x.shape[-1])
 
 

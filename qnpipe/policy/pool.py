@@ -111,6 +111,7 @@ class PoolPolicy:
     budgets: PrefetchBudgets = attrs.field(factory=PrefetchBudgets)
     moe_order: dict[int, int] = attrs.field(factory=dict)  # layer -> its index among MoE layers
     promotions: list[tuple[int, int, int]] = attrs.field(factory=list)  # (layer, expert, slot) now demanded
+    landed: list[tuple[GrantKey, int, int]] = attrs.field(factory=list)  # (key, expert, slot): read, grant not complete
     fates: dict[int, dict[int, HintFate]] = attrs.field(factory=dict)  # since the layer's last acquire
     hinted: dict[int, set[int]] = attrs.field(factory=dict)
     unused: dict[tuple[int, int], bool] = attrs.field(factory=dict)  # prefetched, not used yet
@@ -253,6 +254,12 @@ class PoolPolicy:
             c.causes[kind] = c.causes.get(kind, 0) + 1
         seen.update(experts)
 
+    def pop_landed(self) -> list[tuple[GrantKey, int, int]]:
+        """(key, expert, slot) of reads that finished for grants still waiting on others, since the last call:
+        what an early grant's step may start on (the grant holds them already)."""
+        out, self.landed = self.landed, []
+        return out
+
     def pop_promotions(self) -> list[tuple[int, int, int]]:
         """(layer, expert, slot) of prefetches a step now waits for: to be read as demand reads."""
         out, self.promotions = self.promotions, []
@@ -356,6 +363,8 @@ class PoolPolicy:
                 del self.pending[key]
                 self.held[key] = g
                 done.append(g)
+            else:
+                self.landed.append((key, expert, g.slots[g.experts.index(expert)]))
         return done
 
     def release(self, key: GrantKey, token_experts: Sequence[int] = (), token_slots: Sequence[int] = ()) -> None:

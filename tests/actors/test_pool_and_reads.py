@@ -124,6 +124,37 @@ def test_an_early_acquire_gets_its_experts_in_memory_first_then_the_grant() -> N
     assert (granted.hits, granted.misses) == (2, 1)
 
 
+def test_an_early_acquire_gets_each_burst_of_landed_reads_before_the_grant() -> None:
+    dev = FakeDevice(latency_s=0.001)
+
+    async def scenario() -> list[tuple[float, object]]:
+        out: list[tuple[float, object]] = []
+        # One read on the device at a time: each miss lands on its own, 1 ms apart.
+        async with open_pipeline(_cfg(workers=1), None, num_experts=8, capacities={0: 4}, device=dev,
+                                 record_nbytes={0: 100}) as p:
+            fwd = p.forward
+            assert fwd.to_pool is not None and fwd.grants is not None
+            await _acquire(fwd, 1, 0, (1, 2))
+            await _release(fwd, 1, 0)
+            t0 = trio.current_time()
+            await fwd.to_pool.send(Acquire(t=t0, seq=0, step=2, layer=0, part=0, experts=(2, 5, 1, 6), early=True))
+            while not isinstance(m := await fwd.grants.receive(), Granted):
+                out.append((trio.current_time() - t0, m))
+            out.append((trio.current_time() - t0, m))
+            await _release(fwd, 2, 0)
+        return out
+
+    got = _run(scenario)
+    assert [type(m).__name__ for _, m in got] == ["Present", "Present", "Granted"]
+    (t_hits, hits), (t_five, five), (t_all, granted) = got
+    assert isinstance(hits, Present) and isinstance(five, Present) and isinstance(granted, Granted)
+    assert hits.experts == (2, 1) and five.experts == (5,)
+    assert (t_hits, t_five, t_all) == (pytest.approx(0.0), pytest.approx(0.001), pytest.approx(0.002))
+    slot_of = dict(zip(granted.experts, granted.slots, strict=True))
+    assert hits.slots == (slot_of[2], slot_of[1]) and five.slots == (slot_of[5],)
+    assert (granted.hits, granted.misses) == (2, 2)
+
+
 @attrs.define
 class SubmitDevice(FakeDevice):
     """A device that starts its reads when submitted (as `StoreDevice` does), noting which task submitted:
