@@ -34,6 +34,7 @@ class ServerThread:
         self._stop: trio.Event | None = None
         self.engine: Any = None
         self._done = threading.Event()
+        self._clients: list[Any] = []  # closed at exit: an open keep-alive socket found by a late GC is an error
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="qnpipe-test-server", daemon=True)
 
@@ -68,6 +69,8 @@ class ServerThread:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for c in self._clients:
+            c.close()
         assert self._token is not None and self._stop is not None
         self._token.run_sync_soon(self._stop.set)
         assert self._done.wait(timeout=60), "the server did not stop"
@@ -87,8 +90,10 @@ class ServerThread:
     def client(self, **kw: Any) -> Any:
         import openai
 
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "unused"),
-                             max_retries=kw.pop("max_retries", 0), timeout=kw.pop("timeout", 60), **kw)
+        c = openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "unused"),
+                          max_retries=kw.pop("max_retries", 0), timeout=kw.pop("timeout", 60), **kw)
+        self._clients.append(c)
+        return c
 
 
 def post(url: str, body: bytes, key: str | None = None) -> tuple[int, dict[str, Any]]:
