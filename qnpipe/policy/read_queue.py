@@ -104,7 +104,12 @@ class ReadQueue:
         return True
 
     def take(self, now: float = -math.inf) -> list[Job]:
-        """The jobs to start now (empty when the budget is used up or nothing is queued)."""
+        """The jobs to start now, all of one class (empty when the budget is used up or nothing is queued).
+
+        A device reports a batch when all of it is read, so a demand read batched with
+        prefetches would wait for them: demand reads go in a batch of their own, and the
+        next call hands out the prefetches.
+        """
         out: list[Job] = []
         room = self.max_in_flight - len(self.in_flight)
         limit = room if self.batch else min(room, 1)
@@ -113,6 +118,9 @@ class ReadQueue:
             if self.queued.get(job.key) is not job:
                 continue
             self._start(job, out)
+        if out:
+            self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
+            return out
         cap = self.max_prefetch_in_flight
         while self.prefetch and len(out) < limit and (cap is None or self.prefetch_in_flight < cap):
             job = heapq.heappop(self.prefetch)[3]

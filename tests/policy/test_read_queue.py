@@ -1,4 +1,5 @@
-"""ReadQueue rules (qnpipe/policy/read_queue.py): merging, the in-flight budget, DEMAND first, FIFO per class."""
+"""ReadQueue rules (qnpipe/policy/read_queue.py): merging, the in-flight budget, DEMAND first, FIFO per class,
+one class per batch."""
 
 from __future__ import annotations
 
@@ -57,12 +58,14 @@ def test_read_queue_rules(budget: int, batch: bool, ops: list[tuple[str, object,
             # the budget is never exceeded, and take() fills it (one job without batch) when work is queued
             room = budget - len(in_flight)
             assert len(in_flight) + len(out) <= budget
-            assert len(out) == min(room if batch else min(room, 1), len(dq) + len(pq))
+            # one class per batch: demands when any are queued, else prefetches
+            assert len(out) == min(room if batch else min(room, 1), len(dq) or len(pq))
+            assert not (any(k in pq for k in keys) and any(k in dq for k in keys)), "a batch mixed classes"
             # demand before prefetch: no prefetch goes while a demanded read is still queued
             if any(k in pq for k in keys):
-                assert set(dq) <= set(keys), "a prefetch was taken while a demanded read waited"
+                assert not dq, "a prefetch was taken while a demanded read waited"
             # the exact order: demands first come first served, then prefetches
-            assert keys == (dq + pq)[: len(keys)]
+            assert keys == (dq or pq)[: len(keys)]
             for k in keys:
                 (dq if k in dq else pq).remove(k)
                 in_flight.add(k)
