@@ -78,7 +78,7 @@ def test_prefetch_why_smoke(tmp_path: Path) -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["reads"]["demand"]["prefetch_reads"] == 0 and out["reads"]["prefetch"]["prefetch_reads"] > 0
     assert out["misses_per_token_prefetch"] < out["misses_per_token_demand"]
-    assert set(out["replay"]) == {"this_device", "apple-m5-internal"}
+    assert set(out["replay"]) == {"this_device", "apple-m5-internal", "apple-m5-internal_no_hop"}
     for row in out["replay"].values():
         assert row["none"]["ratio_to_none"] == 1.0
         assert row["oracle_recall_1"]["misses_per_token"] <= row["none"]["misses_per_token"]
