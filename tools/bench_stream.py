@@ -72,8 +72,14 @@ What is measured (every figure is a median over `--rounds`):
 * `pipeline_alone_us_per_layer_step`: the forward, pool and read-scheduler actors with no
   model and no disk (a backend that routes uniformly at random at once, a device that
   completes reads at once; `demand_to_thread` passes each read batch through
-  `trio.to_thread` as the live device does): their own wall and process-CPU time per
-  layer-step, the best of 3 runs of 200 steps. Actor messaging and bookkeeping, isolated.
+  `trio.to_thread`): their own wall and process-CPU time per layer-step, the best of 3 runs
+  of 200 steps. Actor messaging and bookkeeping, isolated, run back to back.
+  `demand_bursts`: the same with each layer's compute as a 5 ms idle wait (`trio.sleep`, the
+  wall figure is what lies beyond it), as in a decode, where the loop thread waits for MLX
+  and the disk between one layer-step's burst of actor work and the next: on this VM the
+  same work then costs several times its back-to-back time (cold caches after an idle wait).
+  `overhead_frac_alone` and `overhead_frac_alone_bursts` = that wall per layer-step x the
+  demand run's layer-steps per token / the demand run's wall per token.
 * On a shared machine the step times drift between runs: every round runs the engines back
   to back in alternating order (ABC, CBA, ...), ratios are formed per round, then the median;
   `loadavg_start_end` records the load.
@@ -318,13 +324,14 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
 class _FakeBackend:
     """Answers at once: the next layer's route (uniform random top-k), StepDone after the last."""
 
-    def __init__(self, layers: int, experts: int, k: int, seed: int) -> None:
+    def __init__(self, layers: int, experts: int, k: int, seed: int, gap_s: float = 0.0) -> None:
         from qnpipe.steps import LayerRoute, StepDone
 
         self._route, self._done = LayerRoute, StepDone
         self.layers, self.experts, self.k = layers, experts, k
         self.rng = np.random.default_rng(seed)
         self.i = 0
+        self.gap_s = gap_s  # the layer's compute, as an idle wait (the loop thread waits for MLX)
 
     def route(self) -> Any:
         return self._route(self.i, self.rng.choice(self.experts, self.k, replace=False).reshape(1, self.k))
@@ -334,6 +341,8 @@ class _FakeBackend:
         return self.route()
 
     async def resume(self, grant: Any) -> Any:
+        if self.gap_s:
+            await trio.sleep(self.gap_s)
         self.i += 1
         return self._done(None) if self.i == self.layers else self.route()
 
@@ -359,16 +368,17 @@ class _FakeDevice:
 
 
 def bench_pipeline(layers: int, experts: int, k: int, capacity: int, nbytes: int, workers: int, *, hop: bool,
-                   steps: int = 200) -> dict[str, float]:
+                   steps: int = 200, gap_s: float = 0.0) -> dict[str, float]:
     """The forward + pool + read-scheduler actors (qnpipe.engine.open_pipeline) with no model and no
-    disk: their own time per layer-step (wall and process CPU), after `steps // 4` warm-up steps."""
+    disk: their own time per layer-step (wall beyond `gap_s`, and process CPU), after `steps // 4`
+    warm-up steps. `gap_s`: each layer's compute as an idle wait, so the actors run in bursts."""
     from qnpipe import config as config_mod
     from qnpipe.engine import open_pipeline
 
     cfg = config_mod.with_overrides(config_mod.Config(), {"read.workers": workers})
 
     async def run() -> dict[str, float]:
-        be = _FakeBackend(layers, experts, k, seed=0)
+        be = _FakeBackend(layers, experts, k, seed=0, gap_s=gap_s)
         caps = dict.fromkeys(range(layers), capacity)
         async with open_pipeline(cfg, be, num_experts=experts, capacities=caps, device=_FakeDevice(nbytes, hop),
                                  record_nbytes=dict.fromkeys(range(layers), nbytes)) as p:
@@ -381,7 +391,8 @@ def bench_pipeline(layers: int, experts: int, k: int, capacity: int, nbytes: int
                 await p.forward.run(None, None, _no_tail)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             n = steps * layers
-            return {"wall_us": wall / n * 1e6, "cpu_us": cpu / n * 1e6, "misses": (p.read_stats.reads - r0) / n}
+            return {"wall_us": (wall / n - gap_s) * 1e6, "cpu_us": cpu / n * 1e6,
+                    "misses": (p.read_stats.reads - r0) / n}
 
     return trio.run(run)
 
@@ -561,9 +572,13 @@ def main(argv: list[str] | None = None) -> int:
             _dump_profiles(prof, args.profile)
         # The actors alone (same shape, uniform random routes), while the engines idle.
         pipe = {}
-        for name, cap, hop in (("allhit", num_experts, False), ("demand", slots, False),
-                               ("demand_to_thread", slots, True)):
-            pipe[name] = min((bench_pipeline(len(layers), num_experts, k, cap, record_nbytes, args.workers, hop=hop)
+        # demand_bursts: each layer-step's compute as a 5 ms idle wait, as in a decode, where the
+        # loop thread waits for MLX and the disk between bursts of actor work.
+        for name, cap, hop, gap, steps in (("allhit", num_experts, False, 0.0, 200), ("demand", slots, False, 0.0, 200),
+                                           ("demand_to_thread", slots, True, 0.0, 200),
+                                           ("demand_bursts", slots, False, 5e-3, 40)):
+            pipe[name] = min((bench_pipeline(len(layers), num_experts, k, cap, record_nbytes, args.workers, hop=hop,
+                                             steps=steps, gap_s=gap)
                               for _ in range(3)), key=lambda x: x["cpu_us"])
             log(f"pipeline alone, {name}: {pipe[name]['wall_us']:.0f} us wall, {pipe[name]['cpu_us']:.0f} us cpu "
                 f"per layer-step ({pipe[name]['misses']:.2f} misses)")
@@ -663,6 +678,8 @@ def main(argv: list[str] | None = None) -> int:
             name: {key: rnd(m(name, key) * 1e3, 3) for key in ("wall", "mlx", "hop", "device", "overhead", "loop_work")
                    + (("stall",) if name != "resident" else ())}
             for name in runs},
+        "overhead_frac_alone": rnd(pipe["demand"]["wall_us"] * 1e-6 * len(layers) / m("demand", "wall")),
+        "overhead_frac_alone_bursts": rnd(pipe["demand_bursts"]["wall_us"] * 1e-6 * len(layers) / m("demand", "wall")),
         "pipeline_alone_us_per_layer_step": {
             name: {key: rnd(v, 2) for key, v in x.items()} for name, x in pipe.items()},
         "allhit_misses_per_token": rnd(m("allhit", "misses"), 3) if "allhit" in runs else None,
