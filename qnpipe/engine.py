@@ -4,9 +4,9 @@
 returns the forward that drives them, over whatever backend (the MLX model, or replay's
 recorded routes) and device (the SSD reader, or replay's simulated SSD) it is given:
 
-    forward ──Acquire/Release/ForwardDone──▶ pool ──ReadExpert──▶ read_scheduler ──▶ device
-       ▲                                      │  ▲                      │
-       └─────────Present, Granted─────────────┘  └──────ReadDone────────┘
+    forward ──Acquire/Release/ForwardDone──▶ pool ──ReadExperts──▶ read_scheduler ──▶ device
+       ▲                                      │  ▲                       │
+       └─────────Present, Granted─────────────┘  └──────ReadsDone────────┘
 
 When every expert is resident (`pool.eager_load`, or a model directory without an
 expert store) there are no actors: the forward runs the model straight through. The live

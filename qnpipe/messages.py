@@ -90,7 +90,8 @@ class ForwardDone(Msg, frozen=True, kw_only=True, tag="pool.forward_done"):
 
 
 class ReadExpert(Msg, frozen=True, kw_only=True, tag="read.request"):
-    """Read expert `expert` of `layer` into `slot` of that layer's arrays.
+    """Read expert `expert` of `layer` into `slot` of that layer's arrays (an event-log record:
+    one per read the pool asks for; the channel carries them as `ReadExperts`).
 
     A prefetch (`cls` PREFETCH) carries when the forward should need it (`deadline`, trio
     clock seconds) and the predictor's `score`.
@@ -102,6 +103,19 @@ class ReadExpert(Msg, frozen=True, kw_only=True, tag="read.request"):
     cls: ReadClass = ReadClass.DEMAND
     deadline: float = math.inf
     score: float = 0.0
+
+
+class ReadExperts(Msg, frozen=True, kw_only=True, tag="read.requests"):
+    """Read `experts` of `layer` into `slots` (pairwise), all of class `cls`: what one acquire,
+    hint or expired prefetch asks of the read scheduler, in one message (the log has a
+    `ReadExpert` per read). Prefetches carry `deadline` and a `scores` entry per expert."""
+
+    layer: int
+    experts: tuple[int, ...]
+    slots: tuple[int, ...]
+    cls: ReadClass = ReadClass.DEMAND
+    deadline: float = math.inf
+    scores: tuple[float, ...] = ()
 
 
 class Promote(Msg, frozen=True, kw_only=True, tag="read.promote"):
@@ -147,7 +161,8 @@ class PrefetchHint(Msg, frozen=True, kw_only=True, tag="predict.hint"):
 
 
 class ReadDone(Msg, frozen=True, kw_only=True, tag="read.done"):
-    """The record of (`layer`, `expert`) is in `slot`; issued at `issued_t`, on the device from `started_t`."""
+    """The record of (`layer`, `expert`) is in `slot`; issued at `issued_t`, on the device from `started_t`
+    (an event-log record: one per read; the channel carries a device batch's as `ReadsDone`)."""
 
     layer: int
     expert: int
@@ -157,7 +172,19 @@ class ReadDone(Msg, frozen=True, kw_only=True, tag="read.done"):
     started_t: float
 
 
-PoolInbox = Acquire | Release | ForwardDone | ReadDone | ReadExpired | PrefetchHint
+class ReadsDone(Msg, frozen=True, kw_only=True, tag="read.dones"):
+    """One device batch finished: the record of (`layers[i]`, `experts[i]`) is in `slots[i]`,
+    `nbytes[i]` bytes, asked for at `issued_t[i]`; the batch went on the device at `started_t`."""
+
+    layers: tuple[int, ...]
+    experts: tuple[int, ...]
+    slots: tuple[int, ...]
+    nbytes: tuple[int, ...]
+    issued_t: tuple[float, ...]
+    started_t: float
+
+
+PoolInbox = Acquire | Release | ForwardDone | ReadsDone | ReadExpired | PrefetchHint
 ForwardInbox = Granted | Present
-ReadInbox = ReadExpert | Promote
+ReadInbox = ReadExperts | Promote
 PredictorInbox = Candidates

@@ -5,9 +5,10 @@ are sent), then one for the experts of each burst of reads that lands while othe
 still on their way: the forward starts their work while the rest is read. `Granted` (all
 of them) ends it.
 
-Owns the slot tables (qnpipe.policy.pool.PoolPolicy). Misses become `ReadExpert`
-commands to the read scheduler; its `ReadDone`s complete grants. The slot memory itself
-is the forward's (qnpipe.model.slots); this actor only decides what goes where.
+Owns the slot tables (qnpipe.policy.pool.PoolPolicy). An acquire's misses become one
+`ReadExperts` command to the read scheduler (the event log gets a `ReadExpert` per read);
+its `ReadsDone` complete grants. The slot memory itself is the forward's
+(qnpipe.model.slots); this actor only decides what goes where.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from qnpipe.messages import (
     PrefetchHint,
     Present,
     Promote,
-    ReadDone,
     ReadExpert,
+    ReadExperts,
     ReadExpired,
     ReadInbox,
+    ReadsDone,
     Release,
 )
 from qnpipe.policy.pool import Grant, PoolPolicy
@@ -81,23 +83,34 @@ async def pool(
             emit(msg)
         await send_soon(to_forward, msg)
 
-    async def send(req: ReadInbox) -> None:
+    def log_reads(req: ReadExperts, evicted: Sequence[int] = ()) -> None:
+        assert emit is not None
+        for i, (e, s) in enumerate(zip(req.experts, req.slots, strict=True)):
+            # The request's time: the scheduler's read.done gives it back as issued_t.
+            r = ReadExpert(t=req.t, seq=st.stamp()["seq"], layer=req.layer, expert=e, slot=s, cls=req.cls,
+                           deadline=req.deadline, score=req.scores[i] if req.scores else 0.0)
+            if evicted and evicted[i] >= 0:  # right before the read that refills the slot
+                emit(Evicted(t=r.t, seq=r.seq, layer=req.layer, expert=evicted[i], slot=s, for_expert=e))
+            emit(r)
+
+    async def send(req: ReadInbox, evicted: Sequence[int] = ()) -> None:
         if emit is not None:
-            emit(req)
+            if isinstance(req, ReadExperts):  # the log keeps a record per read
+                log_reads(req, evicted)
+            else:
+                emit(req)
         await send_soon(to_reads, req)
 
     async def read(layer: int, loads: list[Load]) -> None:
-        # All of a step's misses reach the scheduler before it runs, so they go out as one batch.
-        for ld in loads:
-            req = ReadExpert(**st.stamp(), layer=layer, expert=ld.expert, slot=ld.slot)
-            if emit is not None and ld.evicted >= 0:
-                emit(Evicted(t=req.t, seq=req.seq, layer=layer, expert=ld.evicted, slot=ld.slot, for_expert=ld.expert))
-            await send(req)
+        # All of a step's misses go to the scheduler in one message, so they go out as one batch.
+        if loads:
+            await send(ReadExperts(**st.stamp(), layer=layer, experts=tuple(ld.expert for ld in loads),
+                                   slots=tuple(ld.slot for ld in loads)), [ld.evicted for ld in loads])
         for ly, e, _slot in policy.pop_promotions():  # a step now waits on these prefetches
             await send(Promote(**st.stamp(), layer=ly, expert=e))
 
     async def handle(msg: PoolInbox) -> None:
-        if emit is not None:
+        if emit is not None and not isinstance(msg, ReadsDone):  # the scheduler logs a ReadDone per read
             emit(msg)
         match msg:
             case Acquire(step=step, layer=layer, part=part, experts=experts):
@@ -114,14 +127,15 @@ async def pool(
                     early.add((step, layer, part))
                     if (there := policy.present((step, layer, part)))[0]:
                         await present((step, layer, part), *there)
-            case ReadDone(layer=layer, expert=expert, slot=slot):
-                loads, grants = policy.read_done(layer, expert, slot)
-                for key, e, s in policy.pop_landed():
-                    if key in early:
-                        landed.setdefault(key, []).append((e, s))
-                await read(layer, loads)
-                for g in grants:
-                    await grant(g)
+            case ReadsDone(layers=layers, experts=experts, slots=slots):
+                for layer, expert, slot in zip(layers, experts, slots, strict=True):
+                    loads, grants = policy.read_done(layer, expert, slot)
+                    for key, e, s in policy.pop_landed():
+                        if key in early:
+                            landed.setdefault(key, []).append((e, s))
+                    await read(layer, loads)
+                    for g in grants:
+                        await grant(g)
             case Release(step=step, layer=layer, part=part):
                 early.discard((step, layer, part))
                 landed.pop((step, layer, part), None)
@@ -132,17 +146,21 @@ async def pool(
                     after_forward()
             case PrefetchHint(step=step, source=source, layer=layer, experts=experts, scores=scores,
                               deadline=deadline):
-                for ld in policy.prefetch(step, source, layer, list(zip(experts, scores, strict=True))):
-                    await send(ReadExpert(**st.stamp(), layer=layer, expert=ld.expert, slot=ld.slot,
-                                          cls=ReadClass.PREFETCH, deadline=deadline,
-                                          score=scores[experts.index(ld.expert)]))
+                if loads := policy.prefetch(step, source, layer, list(zip(experts, scores, strict=True))):
+                    await send(ReadExperts(**st.stamp(), layer=layer, experts=tuple(ld.expert for ld in loads),
+                                           slots=tuple(ld.slot for ld in loads), cls=ReadClass.PREFETCH,
+                                           deadline=deadline,
+                                           scores=tuple(scores[experts.index(ld.expert)] for ld in loads)))
             case ReadExpired(layer=layer, expert=expert, slot=slot):
                 if policy.read_expired(layer, expert, slot):
-                    await send(ReadExpert(**st.stamp(), layer=layer, expert=expert, slot=slot))
+                    await send(ReadExperts(**st.stamp(), layer=layer, experts=(expert,), slots=(slot,)))
 
     async with inbox, to_reads, to_forward:
+        by_layer: dict[int, list[Load]] = {}
         for layer, ld in preload:
-            await read(layer, [ld])
+            by_layer.setdefault(layer, []).append(ld)
+        for layer, lds in by_layer.items():
+            await read(layer, lds)
         task_status.started()
         async for first in inbox:
             # Whatever else is already waiting is handled in the same turn: one wake-up, not one per message.

@@ -2,8 +2,8 @@
 
 Owns a `ReadQueue` (qnpipe.policy.read_queue): requests are merged when duplicate,
 ordered by class, and put on the device as the in-flight budget allows, a batch at a
-time; each finished read goes back to the pool as `ReadDone`. A failed read
-(`ReadError`) ends the actor with that error.
+time; each finished batch goes back to the pool as one `ReadsDone` (the event log gets a
+`ReadDone` per read). A failed read (`ReadError`) ends the actor with that error.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import trio
 
 from qnpipe.actors.stamp import Stamper, drain, send_soon
 from qnpipe.io.device import ExpertDevice, submit
-from qnpipe.messages import Msg, PoolInbox, Promote, ReadDone, ReadExpired, ReadInbox
+from qnpipe.messages import Msg, PoolInbox, Promote, ReadDone, ReadExpired, ReadInbox, ReadsDone
 from qnpipe.policy.read_queue import Job, ReadQueue
 from qnpipe.trace import ReadStarted
 
@@ -57,9 +57,14 @@ async def read_scheduler(
             queue.done(job)
             stats.reads += 1
             stats.bytes_read += n
-            done = ReadDone(**st.stamp(), layer=job.layer, expert=job.expert, slot=job.slot, nbytes=n,
-                            issued_t=issued.pop(job.key), started_t=started)
-            await send_soon(to_pool, done)  # the channel's bound is proven (engine.open_pipeline)
+        asked = tuple(issued.pop(job.key) for job in jobs)
+        done = ReadsDone(**st.stamp(), layers=tuple(j.layer for j in jobs), experts=tuple(j.expert for j in jobs),
+                         slots=tuple(j.slot for j in jobs), nbytes=tuple(nbytes), issued_t=asked, started_t=started)
+        if emit is not None:
+            for job, n, t in zip(jobs, nbytes, asked, strict=True):
+                emit(ReadDone(**st.stamp(), layer=job.layer, expert=job.expert, slot=job.slot, nbytes=n,
+                              issued_t=t, started_t=started))
+        await send_soon(to_pool, done)  # the channel's bound is proven (engine.open_pipeline)
         dispatch()
 
     async with inbox, to_pool, trio.open_nursery() as nursery:
@@ -89,10 +94,12 @@ async def read_scheduler(
                 if isinstance(msg, Promote):
                     stats.promoted += queue.promote((msg.layer, msg.expert))
                     continue
-                stats.requests += 1
-                job = Job(msg.layer, msg.expert, msg.slot, msg.cls, msg.deadline, msg.score)
-                if queue.push(job):
-                    issued[job.key] = msg.t
-                else:
-                    stats.merged += 1
+                scores = msg.scores or (0.0,) * len(msg.experts)
+                for expert, slot, score in zip(msg.experts, msg.slots, scores, strict=True):
+                    stats.requests += 1
+                    job = Job(msg.layer, expert, slot, msg.cls, msg.deadline, score)
+                    if queue.push(job):
+                        issued[job.key] = msg.t
+                    else:
+                        stats.merged += 1
             dispatch()
