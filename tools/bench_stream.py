@@ -78,8 +78,14 @@ What is measured (every figure is a median over `--rounds`):
   wall figure is what lies beyond it), as in a decode, where the loop thread waits for MLX
   and the disk between one layer-step's burst of actor work and the next: on this VM the
   same work then costs several times its back-to-back time (cold caches after an idle wait).
-  `overhead_frac_alone` and `overhead_frac_alone_bursts` = that wall per layer-step x the
-  demand run's layer-steps per token / the demand run's wall per token.
+  `overhead_frac_alone` and `overhead_frac_alone_bursts` = that CPU per layer-step x the
+  demand run's layer-steps per token / the demand run's wall per token (CPU, not wall: a
+  `trio.sleep` wakes 0.1-0.2 ms late here, which is not the actors' doing).
+* `floor_us_per_layer_step`: the messages of one demand layer-step with no bookkeeping at all
+  (forward -> pool -> scheduler -> a thread and back -> pool -> forward, twice, and a
+  release; `bench_floor`), back to back and after 5 ms idle waits; `overhead_frac_floor_bursts`
+  = its CPU in bursts x layer-steps per token / the demand wall: what the fixed design (trio
+  actors, one thread hand-off per read batch) costs on this machine before any bookkeeping.
 * On a shared machine the step times drift between runs: every round runs the engines back
   to back in alternating order (ABC, CBA, ...), ratios are formed per round, then the median;
   `loadavg_start_end` records the load.
@@ -397,6 +403,71 @@ def bench_pipeline(layers: int, experts: int, k: int, capacity: int, nbytes: int
     return trio.run(run)
 
 
+def bench_floor(gap_s: float, steps: int = 200) -> dict[str, float]:
+    """The messages of one demand layer-step and nothing else: forward -> pool (Acquire), pool ->
+    scheduler (the reads), scheduler -> a thread -> scheduler (the batch, as the live device's
+    submitter), scheduler -> pool (done), pool -> forward (Present, Granted), forward -> pool
+    (Release), on trio channels with no bookkeeping; each layer-step after a `gap_s` idle wait.
+    The trio thread's wall beyond the gap and CPU per layer-step: the fixed design's floor."""
+    import queue
+    import threading
+
+    jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def worker() -> None:
+        while (item := jobs.get()) is not None:
+            item[0].run_sync_soon(item[1].set)
+
+    th = threading.Thread(target=worker, daemon=True)
+    th.start()
+
+    async def main() -> dict[str, float]:
+        to_pool, pool_in = trio.open_memory_channel[str](16)
+        to_sched, sched_in = trio.open_memory_channel[str](16)
+        to_fwd, fwd_in = trio.open_memory_channel[str](16)
+
+        async def pool() -> None:
+            async for m in pool_in:
+                if m == "acquire":
+                    to_sched.send_nowait("reads")
+                    to_fwd.send_nowait("present")
+                elif m == "done":
+                    to_fwd.send_nowait("granted")
+
+        async def batch(ev: trio.Event) -> None:
+            await ev.wait()
+            to_pool.send_nowait("done")
+
+        async def sched(nursery: trio.Nursery) -> None:
+            async for _ in sched_in:
+                ev = trio.Event()
+                jobs.put((trio.lowlevel.current_trio_token(), ev))
+                nursery.start_soon(batch, ev)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pool)
+            nursery.start_soon(sched, nursery)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for _ in range(steps):
+                if gap_s:
+                    await trio.sleep(gap_s)
+                to_pool.send_nowait("acquire")
+                await fwd_in.receive()  # Present
+                await trio.lowlevel.checkpoint()
+                await fwd_in.receive()  # Granted
+                to_pool.send_nowait("release")
+                await trio.lowlevel.checkpoint()
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            nursery.cancel_scope.cancel()
+        return {"wall_us": (wall / steps - gap_s) * 1e6, "cpu_us": cpu / steps * 1e6}
+
+    try:
+        return trio.run(main)
+    finally:
+        jobs.put(None)
+        th.join()
+
+
 # ---------------------------------------------------------------------------- bandwidth
 
 
@@ -582,6 +653,10 @@ def main(argv: list[str] | None = None) -> int:
                               for _ in range(3)), key=lambda x: x["cpu_us"])
             log(f"pipeline alone, {name}: {pipe[name]['wall_us']:.0f} us wall, {pipe[name]['cpu_us']:.0f} us cpu "
                 f"per layer-step ({pipe[name]['misses']:.2f} misses)")
+        floor = {name: min((bench_floor(gap, steps) for _ in range(3)), key=lambda x: x["cpu_us"])
+                 for name, gap, steps in (("back_to_back", 0.0, 2000), ("bursts", 5e-3, 200))}
+        log("messages alone (the design's floor): " + ", ".join(
+            f"{n} {x['wall_us']:.0f} us wall, {x['cpu_us']:.0f} us cpu" for n, x in floor.items()) + " per layer-step")
         final_pool = engines["demand"].stats().pool
         final_pools = {name: e.stats().pool for name, e in engines.items()}
         assert final_pool is not None
@@ -678,8 +753,10 @@ def main(argv: list[str] | None = None) -> int:
             name: {key: rnd(m(name, key) * 1e3, 3) for key in ("wall", "mlx", "hop", "device", "overhead", "loop_work")
                    + (("stall",) if name != "resident" else ())}
             for name in runs},
-        "overhead_frac_alone": rnd(pipe["demand"]["wall_us"] * 1e-6 * len(layers) / m("demand", "wall")),
-        "overhead_frac_alone_bursts": rnd(pipe["demand_bursts"]["wall_us"] * 1e-6 * len(layers) / m("demand", "wall")),
+        "overhead_frac_alone": rnd(pipe["demand"]["cpu_us"] * 1e-6 * len(layers) / m("demand", "wall")),
+        "overhead_frac_alone_bursts": rnd(pipe["demand_bursts"]["cpu_us"] * 1e-6 * len(layers) / m("demand", "wall")),
+        "overhead_frac_floor_bursts": rnd(floor["bursts"]["cpu_us"] * 1e-6 * len(layers) / m("demand", "wall")),
+        "floor_us_per_layer_step": {name: {key: rnd(v, 2) for key, v in x.items()} for name, x in floor.items()},
         "pipeline_alone_us_per_layer_step": {
             name: {key: rnd(v, 2) for key, v in x.items()} for name, x in pipe.items()},
         "allhit_misses_per_token": rnd(m("allhit", "misses"), 3) if "allhit" in runs else None,
