@@ -26,3 +26,14 @@ def test_bench_stream_smoke(tmp_path: Path) -> None:
     assert out["store_to_pool"] >= 4
     assert out["allhit_misses_per_token"] == 0
     assert out["misses_per_token"] > 0
+
+
+def test_round_prompts_stay_in_the_vocabulary() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_stream_prompts", TOOL)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert [mod.round_prompt(r, 1024)[0] for r in range(3)] == [10, 47, 84]  # the rounds so far, unchanged
+    assert all(10 <= mod.round_prompt(r, 1024)[0] < 1024 for r in range(2000))

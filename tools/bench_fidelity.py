@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             path = Path(tmp) / f"live{r}.qtrace"
             cfg_live = config.load(None, overrides={**live_set, "trace.event_log_path": str(path)})
             with qnpipe.Engine(model, cfg_live) as eng:
-                res = eng.generate([10 + 37 * r], max_tokens=args.tokens, temperature=1.0, seed=100 + r,
+                res = eng.generate(bench_stream().round_prompt(r, eng.args.vocab_size), max_tokens=args.tokens,
+                                   temperature=1.0, seed=100 + r,
                                    stop_at_eos=False)
                 pool = eng.stats().pool
             assert pool is not None

@@ -265,6 +265,11 @@ def patch_item() -> None:
     decoding._item = _item  # looked up as a global at each call
 
 
+def round_prompt(r: int, vocab_size: int) -> list[int]:
+    """Round `r`'s one-token prompt: 10 + 37 r, wrapped to stay inside the vocabulary."""
+    return [10 + (37 * r) % (vocab_size - 10)]
+
+
 def _no_tail(h: Any) -> None:
     """The fake backend's steps end in nothing."""
 
@@ -620,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
             import cProfile
             prof = (cProfile.Profile(), cProfile.Profile())
         for r in range(args.rounds):
-            prompt = [10 + 37 * r]
+            prompt = round_prompt(r, margs.vocab_size)
             seed = 100 + r
             toks = {}
             order = list(engines) if r % 2 == 0 else list(reversed(engines))  # ABC, CBA, ...: drift hits all alike

@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefetch": {**read_cfg, **prefetch_cfg, "trace.event_log_path": str(paths["prefetch"])},
     }
     engines = {name: qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0, **kw[name]) for name in kw}
+    vocab = engines["demand"].args.vocab_size
     tok_s: dict[str, list[float]] = {name: [] for name in engines}
     try:
         for e in engines.values():
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             order = list(engines) if r % 2 == 0 else list(reversed(engines))
             toks = {}
             for name in order:
-                res = engines[name].generate([10 + 37 * r], max_tokens=args.tokens, temperature=1.0, seed=100 + r,
+                res = engines[name].generate(bench_stream.round_prompt(r, vocab), max_tokens=args.tokens, temperature=1.0, seed=100 + r,
                                              stop_at_eos=False)
                 tok_s[name].append(res.stats.decode_tok_s)
                 toks[name] = res.tokens
