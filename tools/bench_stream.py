@@ -46,10 +46,13 @@ What is measured (every figure is a median over `--rounds`):
       reads themselves; no compute overlaps them: the pipeline has no prefetch)
     - `stall`: `pool.stall_s` delta: forward waiting for grants that had misses (device +
       the pool / read-scheduler messaging and thread hand-offs on the miss path)
-    - `overhead` = wall - mlx - device: everything that is neither compute nor a read in
-      progress: actor messaging (Acquire/Granted/Release/ReadExpert/ReadDone), trio
-      scheduling, thread hand-offs (MLX thread, `trio.to_thread` of the reads), the pool's
-      and forward's bookkeeping, the decode loop.
+    - `overhead` = wall - the union of the intervals inside an MLX call (the two above) or a
+      read batch: everything that is neither compute on the loop thread nor a read in
+      progress: actor messaging (Acquire/Granted/Release/ReadExperts/ReadsDone), trio
+      scheduling, thread hand-offs (the submitter threads of the reads), the pool's and
+      forward's bookkeeping, the decode loop. (`overhead_sum` = wall - mlx - device, which
+      counts twice the time a read runs during an MLX call, as with early grants or prefetch;
+      `overhead_frac_sum` is its fraction, the definition before 2026-12-01's evening.)
     - `loop_work`: the CPU time of the thread whose trio loop runs the engine's pipeline (the
       MLX thread, qnpipe.mlx_thread, minus the CPU of the MLX calls inline there, taken apart
       inside the same wrappers; with prefetch on, the engine's own loop thread): the actors'
@@ -174,6 +177,7 @@ class Instruments:
         self.mlx_cpu_s = 0.0  # ... the MLX thread's CPU time in them
         self.await_s = 0.0  # awaiting ThreadedBackend.begin/resume, on the trio thread
         self.reads: list[tuple[float, float]] = []  # SsdReader.read_batch intervals (worker threads)
+        self.calls: list[tuple[float, float]] = []  # MlxBackend.begin/resume intervals (the MLX thread)
         fwd = rt.pipe.forward
         mlxb = fwd.backend._b
         for name in ("begin", "resume"):
@@ -199,19 +203,30 @@ class Instruments:
             try:
                 return fn(*a)
             finally:
-                self.mlx_s += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self.mlx_s += t1 - t0
                 self.mlx_cpu_s += time.thread_time() - c0
+                self.calls.append((t0, t1))
         return wrapped
 
     def device_union(self, since: float) -> float:
         """Wall time during which at least one read batch ran, after `since`."""
-        total, end = 0.0, since
-        for a, b in sorted(iv for iv in self.reads if iv[0] >= since):
-            a = max(a, end)
-            if b > a:
-                total += b - a
-                end = b
-        return total
+        return union_s(self.reads, since)
+
+    def busy_union(self, since: float) -> float:
+        """Wall time after `since` inside an MLX call, the token read, or a read batch (any of them)."""
+        return union_s(self.reads + self.calls + ITEM_IV, since)
+
+
+def union_s(intervals: list[tuple[float, float]], since: float) -> float:
+    """Length of the union of `intervals` that start at or after `since`."""
+    total, end = 0.0, since
+    for a, b in sorted(iv for iv in intervals if iv[0] >= since):
+        a = max(a, end)
+        if b > a:
+            total += b - a
+            end = b
+    return total
 
 
 class _TimedBackend:
@@ -247,6 +262,7 @@ def loop_cpu_s(eng: Any) -> float:
 
 ITEM_S = [0.0]  # time in decoding._item (reading the sampled token: waits for the LM head), MLX thread
 ITEM_CPU_S = [0.0]  # ... its CPU time
+ITEM_IV: list[tuple[float, float]] = []  # ... its intervals
 
 
 def patch_item() -> None:
@@ -259,7 +275,9 @@ def patch_item() -> None:
         try:
             return inner(y)
         finally:
-            ITEM_S[0] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            ITEM_S[0] += t1 - t0
+            ITEM_IV.append((t0, t1))
             ITEM_CPU_S[0] += time.thread_time() - c0
 
     decoding._item = _item  # looked up as a global at each call
@@ -306,6 +324,7 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
     if eng.loop_thread is MLXThread.shared().thread:  # MLX calls run inline on that thread
         loop -= (inst.mlx_cpu_s - mc0) + (ITEM_CPU_S[0] - ic0)
     device = inst.device_union(t0)
+    busy = inst.busy_union(t0)
     out = {
         "tok_s": res.stats.decode_tok_s,
         "step_s": 1.0 / res.stats.decode_tok_s if res.stats.decode_tok_s else math.inf,
@@ -314,7 +333,8 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
         "mlx": (mlx + item) / steps,
         "hop": (awaited - mlx) / steps,
         "device": device / steps,
-        "overhead": (wall - mlx - item - device) / steps,
+        "overhead": (wall - busy) / steps,
+        "overhead_sum": (wall - mlx - item - device) / steps,
         "loop_work": loop / steps,
         "tokens": res.tokens,
     }
@@ -742,6 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         "tok_s_serial_bound_at_effective_qd": rnd(
             1.0 / (step_res + m("demand", "bytes") / (med([b["gbps"] for b in bw_eff]) * 1e9)), 3),
         "overhead_frac": rnd(med(ovh)),
+        "overhead_frac_sum": rnd(med([d["overhead_sum"] / d["wall"] for d in runs["demand"]])),
         "overhead_frac_loop": rnd(med([d["loop_work"] / d["wall"] for d in runs["demand"]])),
         "overhead_frac_loop_allhit": rnd(med([a["loop_work"] / a["wall"] for a in runs["allhit"]]))
         if "allhit" in runs else None,
@@ -755,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio_prefetch_to_demand": "> 1", "ratio_prefetch_to_overlap_bound": ">= 0.85"},
         **prefetch_keys,
         "breakdown_ms_per_token": {
-            name: {key: rnd(m(name, key) * 1e3, 3) for key in ("wall", "mlx", "hop", "device", "overhead", "loop_work")
+            name: {key: rnd(m(name, key) * 1e3, 3) for key in ("wall", "mlx", "hop", "device", "overhead", "overhead_sum", "loop_work")
                    + (("stall",) if name != "resident" else ())}
             for name in runs},
         "overhead_frac_alone": rnd(pipe["demand"]["cpu_us"] * 1e-6 * len(layers) / m("demand", "wall")),
