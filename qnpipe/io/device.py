@@ -57,7 +57,7 @@ class StoreDevice:
         self._verify = verify_crc32
         # A slot's scatter list never changes (its scratch parts are only ever written), so build it once.
         self._bufs: dict[tuple[int, int], tuple[WritableBuffer, ...]] = {}
-        self._where: dict[int, tuple[str, int, int, int]] = {}  # layer -> (path, stride, nbytes, experts)
+        self._where: dict[int, tuple[str, int, Any]] = {}  # layer -> (path, record_nbytes, LayerFile)
         self._submitter = _Submitter()
 
     def request(self, job: Job) -> ReadRequest:
@@ -65,17 +65,16 @@ class StoreDevice:
         if where is None:  # once per layer: record_location builds a Path, too slow for every read
             lf = self._store.layer_file(job.layer)
             path, _, nbytes = self._store.record_location(job.layer, 0)
-            where = self._where[job.layer] = (str(path), lf.stride, nbytes, lf.num_experts)
-        path, stride, nbytes, n = where
-        if not 0 <= job.expert < n:
+            where = self._where[job.layer] = (str(path), nbytes, lf)
+        path, nbytes, lf = where
+        if not 0 <= job.expert < lf.num_experts:
             self._store.record_location(job.layer, job.expert)  # raises, naming the store and expert
         buf = self._bufs.get((job.layer, job.slot))
         if buf is None:
-            buf = self._bufs[(job.layer, job.slot)] = scatter_buffers(self._store.layer_file(job.layer).tensors,
-                                                                      nbytes, self._dest(job.layer, job.slot))
-        crc = self._store.layer_file(job.layer).checksums[job.expert] if self._verify else None
-        return ReadRequest(path=path, offset=job.expert * stride, nbytes=nbytes, buf=buf, layer=job.layer,
-                           expert=job.expert, crc32=crc)
+            buf = self._bufs[(job.layer, job.slot)] = scatter_buffers(lf.tensors, nbytes,
+                                                                      self._dest(job.layer, job.slot))
+        return ReadRequest(path=path, offset=job.expert * lf.stride, nbytes=nbytes, buf=buf, layer=job.layer,
+                           expert=job.expert, crc32=lf.checksums[job.expert] if self._verify else None)
 
     async def read(self, jobs: Sequence[Job]) -> list[int]:
         return await self.submit(jobs)
