@@ -39,7 +39,7 @@ def submit(device: ExpertDevice, jobs: Sequence[Job]) -> Awaitable[list[int]]:
     """Start `jobs` on `device` now, when it can; await the result for `read`'s value.
 
     A device with a `submit` method of this signature puts the reads on its way before
-    returning (`StoreDevice`: on its submitter thread), so the read scheduler's turn, not a
+    returning (`StoreDevice`: on one of its submitter threads), so the read scheduler's turn, not a
     task started a scheduler batch later, is when the I/O begins; one with `read` alone
     starts when the awaitable is first awaited. Either way the awaitable must be awaited.
     """
@@ -80,11 +80,11 @@ class StoreDevice:
         return await self.submit(jobs)
 
     def submit(self, jobs: Sequence[Job]) -> Awaitable[list[int]]:
-        """Hand the batch to the submitter thread now; the awaitable waits for it (qnpipe.io.device.submit)."""
+        """Hand the batch to a submitter thread now; the awaitable waits for it (qnpipe.io.device.submit)."""
         return _nbytes(self._submitter.start(self._reader.read_batch, [self.request(j) for j in jobs]))
 
     def close(self) -> None:
-        """Stop the submitter thread (idempotent)."""
+        """Stop the submitter threads (idempotent)."""
         self._submitter.close()
 
     def statistics(self) -> ReaderStats | None:
