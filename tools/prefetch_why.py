@@ -118,7 +118,7 @@ def prefetch_in_flight(intervals: Sequence[tuple[float, float]], starts: Sequenc
     return [bisect.bisect_right(begins, t) - bisect.bisect_right(ends, t) for t in starts]
 
 
-def device_profile(model_dir: Path, record_nbytes: int, seconds: float, backend: str) -> tuple[Any, dict[int, float]]:
+def device_profile(model_dir: Path, seconds: float, backend: str) -> tuple[Any, dict[int, float]]:
     """The `DeviceProfile` of this disk for the store's records (see the module doc) and the GB/s by depth."""
     from qnpipe.io.simssd import DeviceProfile
 
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     assert pools["demand"] is not None and pools["prefetch"] is not None
     figures = {name: read_figures(read(p)[1]) for name, p in paths.items()}
     log("device profile: cold random reads at depths 1..16")
-    profile, gbps = device_profile(model_dir, record_nbytes, args.bw_seconds, args.backend)
+    profile, gbps = device_profile(model_dir, args.bw_seconds, args.backend)
     fits = {name: fit_cost(p, profile) for name, p in paths.items()}
     cfg = config_mod.with_overrides(config_mod.Config(), {"pool.expert_slots": slots, **read_cfg, **prefetch_cfg})
     cfg = config_mod.with_overrides(cfg, {"predict.cross_layer_prefetch": False})
