@@ -85,3 +85,7 @@ class DeviceProfileError(QnpipeError):
 
 class TraceImportError(QnpipeError):
     """Another tool's routing log cannot be imported; the message names the file, the line or record, and what was wrong."""
+
+
+class InputFileError(QnpipeError):
+    """An input file is missing, not a regular file (a FIFO, a device, a directory), too large or unreadable; names the file."""
