@@ -22,6 +22,7 @@ Files are written to a temporary name and renamed.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
 import zlib
@@ -143,36 +144,147 @@ def restore(snap: Snapshot) -> list[Any]:
     return out
 
 
-def model_fingerprint(model: Any, extra: str = "") -> str:
-    """sha256 (hex) naming the weights a state belongs to: every non-expert parameter's name, shape,
-    dtype and first values, plus `extra` (the model's shape id, the KV-cache settings).
+_CHUNK = 64 << 20  # bytes per crc32 piece: big arrays and files are checksummed by several threads
 
-    Cheap (a few values per array) and different for any two checkpoints that differ in their
-    dense weights; the routed experts are not part of it.
+
+def _crc_pieces(views: Sequence[Any]) -> list[int]:
+    """zlib.crc32 of each buffer, in parallel (zlib releases the GIL on large buffers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(views) < 2:
+        return [zlib.crc32(v) for v in views]
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, len(views))) as pool:
+        return list(pool.map(zlib.crc32, views))
+
+
+def _array_pieces(a: Any) -> list[Any]:
+    """Contiguous byte views of `a`, at most `_CHUNK` bytes each, sharing its memory (evaluated by the caller)."""
+    flat = mx.contiguous(a).reshape(-1)
+    if flat.dtype == mx.bool_:
+        flat = flat.astype(mx.uint8)
+    u = flat.view(mx.uint8)
+    return [u[i:i + _CHUNK] for i in range(0, max(u.size, 1), _CHUNK)]
+
+
+def arrays_digest(named: Sequence[tuple[str, Any]]) -> str:
+    """sha256 (hex) of named arrays: each one's name, shape, dtype and the crc32s of all its bytes.
+
+    Every byte counts (a fine-tune that changes one row of one matrix changes it), at the cost
+    of one pass over the arrays in memory, on several threads.
     """
-    from mlx.utils import tree_flatten
-
-    h = hashlib.sha256(extra.encode())
-    params = sorted(cast(list[tuple[str, Any]], tree_flatten(model.parameters())), key=lambda kv: kv[0])
-    heads = [p.reshape(-1)[:16] for _, p in params]
-    mx.eval(heads)
-    for (name, p), head in zip(params, heads, strict=True):
-        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
-        h.update(_raw(head).tobytes())
+    arrays = [a for _, a in named]
+    mx.eval(arrays)
+    pieces = [_array_pieces(a) for a in arrays]
+    mx.eval(pieces)
+    crcs = iter(_crc_pieces([memoryview(v) for ps in pieces for v in ps]))
+    h = hashlib.sha256()
+    for (name, a), ps in zip(named, pieces, strict=True):
+        h.update(f"{name}|{tuple(a.shape)}|{a.dtype}|".encode())
+        h.update(np.array([next(crcs) for _ in ps], dtype="<u4").tobytes())
     return h.hexdigest()
 
 
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """sha256 (hex) of a file's size and the crc32s of its pieces (read in parallel); SnapshotError naming it."""
+    from qnpipe.io.files import check_regular
+
+    size = check_regular(path, error=SnapshotError)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise SnapshotError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        def piece(off: int) -> int:
+            data = os.pread(fd, min(_CHUNK, size - off), off)
+            if len(data) != min(_CHUNK, size - off):
+                raise SnapshotError(f"{path}: changed while it was read (short read at offset {off})")
+            return zlib.crc32(data)
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            crcs = list(pool.map(piece, range(0, size, _CHUNK)))
+    except OSError as e:
+        raise SnapshotError(f"{path}: cannot read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    return hashlib.sha256(_LEN.pack(size) + np.array(crcs, dtype="<u4").tobytes()).hexdigest()
+
+
+def model_fingerprint(model: Any, extra: str = "") -> str:
+    """sha256 (hex) naming the weights a state belongs to: every parameter's name, shape, dtype and
+    contents (`arrays_digest`), plus `extra` (what else changes the numbers: see `engine_fingerprint`).
+
+    The routed experts attached to the model are not its parameters: `engine_fingerprint` adds them.
+    """
+    from mlx.utils import tree_flatten
+
+    params = sorted(cast(list[tuple[str, Any]], tree_flatten(model.parameters())), key=lambda kv: kv[0])
+    return hashlib.sha256(f"{extra}|params={arrays_digest(params)}".encode()).hexdigest()
+
+
+def _resident_arrays(experts: Any) -> list[tuple[str, Any]]:
+    """The named arrays of a qnpipe.model.experts.ResidentExperts, with each projection's quantization in the name."""
+    out: list[tuple[str, Any]] = []
+    for layer, le in sorted(experts.layers.items()):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            p = getattr(le, proj)
+            q = f"{p.bits}:{p.group_size}:{p.mode}"
+            out += [(f"{layer}.{proj}.{part}[{q}]", a) for part, a in
+                    (("weight", p.weight), ("scales", p.scales), ("biases", p.biases)) if a is not None]
+    return out
+
+
+def experts_fingerprint(core: Any) -> str:
+    """What the routed experts add to an engine's fingerprint (a qnpipe.core.Core).
+
+    A streamed store is named by its `index.json` as decoded: every record's crc32, the tensors'
+    shapes, dtypes and offsets, the quantization, the model id. That is cheap (no read of the
+    records) and differs for any two stores that differ in a byte of a record, short of a
+    crc32 collision. Experts resident in memory (a checkpoint without a store, or `pool.eager_load`)
+    are checksummed where they are; a streamed MTP layer's file is checksummed once, whole.
+    """
+    parts = []
+    st = core.streaming
+    if st is not None:
+        parts.append("store=" + hashlib.sha256(msgspec.json.encode(st.store.index)).hexdigest())
+        if st.mtp is not None:
+            mtp_file = next(iter(st.mtp.infos.values())).file
+            parts.append("mtp_file=" + file_digest(mtp_file))
+    else:
+        parts.append("resident=" + arrays_digest(_resident_arrays(core.runner.loaded.experts)))
+    head = core.mtp
+    if head is not None:
+        from mlx.utils import tree_flatten
+
+        params = sorted(cast(list[tuple[str, Any]], tree_flatten(head.parameters())), key=lambda kv: kv[0])
+        parts.append("mtp_head=" + arrays_digest(params))
+        resident = getattr(head.mlp, "_experts", None)
+        if resident is not None and hasattr(resident, "layers"):
+            parts.append("mtp_experts=" + arrays_digest(_resident_arrays(resident)))
+    return "|".join(parts)
+
+
 def engine_fingerprint(core: Any) -> str:
-    """The fingerprint of an engine's states (a qnpipe.core.Core): its weights, shape, KV-cache settings
-    and what else changes the numbers of a prefill (its chunk, a top-k override)."""
+    """The fingerprint of an engine's states (a qnpipe.core.Core): everything that changes the numbers
+    of a prefill. The dense weights' bytes, the routed experts (`experts_fingerprint`), the MTP head,
+    the whole config.json (shape, norms' eps, rope, quantization), the KV-cache settings, the
+    forward settings (the prefill chunk, a top-k override) and the MTP settings.
+
+    Two models that differ in any of these never share a snapshot; the cost is one pass over the
+    weights in memory, once per engine, when a snapshot is first read or written.
+    """
     from qnpipe.model.args import model_id
 
     kv = msgspec.json.encode(core.cfg.kv).decode()
     fwd = msgspec.json.encode(core.cfg.forward).decode()
+    config = hashlib.sha256(json.dumps(core.runner.loaded.config, sort_keys=True, default=str).encode()).hexdigest()
     # An MTP engine's states end with the MTP layer's cache (built from the hidden `mtp.hidden` names):
     # never resumed by an engine without one, nor the other way round.
     mtp = f"on:{core.cfg.mtp.hidden}" if core.mtp is not None else "off"
-    return model_fingerprint(core.runner.loaded.model, extra=f"{model_id(core.args)}|kv={kv}|forward={fwd}|mtp={mtp}")
+    extra = (f"{model_id(core.args)}|config={config}|kv={kv}|forward={fwd}|mtp={mtp}|"
+             f"{experts_fingerprint(core)}")
+    return model_fingerprint(core.runner.loaded.model, extra=extra)
 
 
 # --------------------------------------------------------------------------- files

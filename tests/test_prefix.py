@@ -229,3 +229,48 @@ def test_a_file_made_with_another_prefill_chunk_is_ignored(prompts: list[list[in
                        prefill_chunk_tokens=4) as eng:
         with pytest.warns(SnapshotFileWarning, match="forward"):
             eng.next_logits(prompts[0])
+
+
+def _reverse_experts(experts_dir: Path) -> None:
+    """Rewrite a store in place with every layer's records in reverse order (and their crc32s with them):
+    a valid store of other experts under the same dense weights (an expert-only fine-tune)."""
+    import msgspec
+
+    from qnpipe.io.store import read_index, write_index
+
+    root, index = read_index(experts_dir)
+    layers = []
+    for lf in index.layers:
+        path = root / lf.file
+        data = path.read_bytes()
+        records = [data[e * lf.stride:(e + 1) * lf.stride].ljust(lf.stride, b"\0") for e in range(lf.num_experts)]
+        path.write_bytes(b"".join(reversed(records))[:lf.file_nbytes])
+        layers.append(msgspec.structs.replace(lf, checksums=tuple(reversed(lf.checksums))))
+    write_index(root, msgspec.structs.replace(index, layers=tuple(layers)))
+
+
+def test_a_store_of_other_experts_does_not_resume_the_first_ones_head(prompts: list[list[int]],
+                                                                     tmp_path: Path) -> None:
+    """Issue 22 item 3: same dense weights, other experts: the head state of one is not the other's."""
+    import shutil
+
+    from qnpipe.convert import convert
+    from qnpipe.verify import verify_store
+
+    first, second, snaps = tmp_path / "first", tmp_path / "second", tmp_path / "snaps"
+    convert(DEMO_MODEL_DIR, first)
+    shutil.copytree(first, second)
+    _reverse_experts(second / "experts")
+    assert verify_store(second).ok  # a good store, just not the first one's
+    with qnpipe.Engine(second, snapshot_head_tokens=0) as eng:
+        want = eng.generate(prompts[0], max_tokens=24, stop_at_eos=False).tokens
+    with qnpipe.Engine(first, snapshot_head_tokens=HEAD, snapshot_dir=str(snaps)) as eng:
+        theirs = eng.generate(prompts[0], max_tokens=24, stop_at_eos=False).tokens
+        assert eng.stats().prefix.disk_writes == 1  # type: ignore[union-attr]
+    assert theirs != want  # the experts change the numbers
+    with qnpipe.Engine(second, snapshot_head_tokens=HEAD, snapshot_dir=str(snaps)) as eng:
+        with pytest.warns(SnapshotFileWarning, match="another model"):
+            got = eng.generate(prompts[0], max_tokens=24, stop_at_eos=False)
+        st = eng.stats().prefix
+    assert st is not None and st.disk_loads == 0 and got.stats.prefix_tokens_reused == 0
+    assert got.tokens == want
