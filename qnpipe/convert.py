@@ -7,9 +7,9 @@ quantized, plus a `qnpipe` section), the non-expert weights in mlx-lm naming
 
 Memory: tensors are read with one pread each, transformed in MLX and streamed to the output,
 so the peak is about one chunk of experts (`CHUNK_BYTES` of source data), never the model.
-Atomicity: everything is written into a locked temporary sibling of the output and renamed
-at the end; errors, SIGINT and SIGTERM remove it, and a later convert removes what a killed
-one left behind.
+Atomicity: everything is written into a locked temporary sibling of the output and put in
+its place at the end (qnpipe.outdir.atomic_dir); errors, SIGINT and SIGTERM remove it, and a
+later convert removes what a killed one left behind (restoring an output it had moved aside).
 
 Here: the entry point, the report and the expert-layer writer. The plan (what is written and
 how each tensor is transformed) is `qnpipe.convert_plan`; the streaming safetensors writer is
@@ -54,9 +54,11 @@ from qnpipe.outdir import (
     Log,
     atomic_dir,
     check_output_location,
+    check_replaceable,
     clean_stale,
     fsync_dir,
     human_bytes,
+    output_path,
     peak_rss,
 )
 
@@ -159,8 +161,7 @@ def _check_paths(src: Path, out: Path, mtp_from: Path | None, force: bool) -> No
     for p, what in ((src, "SRC"), (mtp_from, "--mtp-from")):
         if p is not None and (p == out or out in p.parents):
             raise ConfigError(f"--out {out} must not be {what} {p} or contain it")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise FileExistsError(f"{out} exists (pass --force to replace it)")
+    check_replaceable(out, force, "--out")
 
 
 def convert(
@@ -190,13 +191,14 @@ def convert(
     matrix) and `max_shard_bytes` (per output shard) bound memory and file sizes.
 
     Raises CheckpointError (bad source), ConfigError (bad options), QnpipeError (not enough
-    disk space: both numbers), FileExistsError (`out` exists and `force` is false). Nothing is
-    left at `out` or beside it unless the convert succeeds.
+    disk space: both numbers), FileExistsError (`out` exists and `force` is false), OutputError
+    (`out` cannot be written, or is not something `force` may replace: outdir.check_replaceable).
+    Nothing is left at `out` or beside it unless the convert succeeds.
     """
     t0 = time.perf_counter()
     log = log or (lambda msg: None)
     src_p = Path(src).resolve()
-    out_p = Path(out).absolute().parent.resolve() / Path(out).name
+    out_p = output_path(out)
     mtp_p = Path(mtp_from).resolve() if mtp_from is not None else None
     if bits is not None and bits not in BITS:
         raise ConfigError(f"--bits must be one of {', '.join(map(str, BITS))}, got {bits}")
@@ -206,6 +208,8 @@ def convert(
         raise ConfigError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if out_p.name and out_p.parent.is_dir():  # first: a replace cut short may have left the only copy of `out` aside
+        clean_stale(out_p.parent, out_p.name, log)
     _check_paths(src_p, out_p, mtp_p, force)
     existing = check_output_location(out_p, "--out")
 
@@ -230,8 +234,6 @@ def convert(
     need = expert_bytes + main_bytes + mtp_bytes + small
 
     parent = out_p.parent
-    if parent.exists():
-        clean_stale(parent, out_p.name, log)
     free = shutil.disk_usage(existing).free
     if free < need:
         raise QnpipeError(f"not enough free disk space in {existing}: the conversion needs {need} bytes "
@@ -240,7 +242,7 @@ def convert(
 
     bar = ByteProgress(progress, expert_bytes + main_bytes + mtp_bytes, "non-expert weights")
     try:
-        with atomic_dir(out_p) as build:
+        with atomic_dir(out_p, marker="qnpipe convert") as build:
             index = _write_all(build, plan, records, args, bar, chunk_bytes=chunk_bytes,
                                max_shard_bytes=max_shard_bytes)
             cfg = dict(plan.config)

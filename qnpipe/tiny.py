@@ -13,9 +13,9 @@ import json
 import math
 import os
 import shutil
-import tempfile
+import sys
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,7 +25,7 @@ from qnpipe.convert_plan import transform
 from qnpipe.errors import ConfigError
 from qnpipe.io.safetensors_out import OutTensor, WriteJob, write_safetensors
 from qnpipe.model.args import args_from_dict
-from qnpipe.outdir import atomic_dir
+from qnpipe.outdir import atomic_dir, check_output_location, check_replaceable, clean_stale, output_path
 
 __all__ = ["TINY_CONFIG", "TOKENIZER_DIR", "TOKENIZER_VOCAB_SIZE", "make_tiny", "random_hf_weights"]
 
@@ -306,6 +306,10 @@ def _config(overrides: Mapping[str, Any] | None, dtype: str) -> dict[str, Any]:
     return config
 
 
+def _stderr(msg: str) -> None:
+    print(f"qnpipe: {msg}", file=sys.stderr)
+
+
 def make_tiny(
     out_dir: str | os.PathLike[str],
     *,
@@ -317,12 +321,16 @@ def make_tiny(
     shards: int = 1,
     dtype: str = "float32",
     force: bool = False,
+    log: Callable[[str], None] | None = None,
 ) -> Path:
     """Create a tiny random Qwen3-Next model directory and return its path.
 
     ``layout="hf"`` writes the original checkpoint layout (per-expert tensors, ``mtp.*``, optionally
     ``shards`` files with an index); ``layout="mlx"`` is what ``mlx_lm.convert`` makes of it
     (``bits`` quantises with ``group_size``; no MTP). ``dtype`` is the stored float type.
+    ``force`` replaces a non-empty ``out_dir`` that qnpipe wrote (never another directory:
+    qnpipe.outdir.check_replaceable); ``log`` gets the notices about what an interrupted
+    earlier run left (default: stderr).
     """
     if layout not in ("hf", "mlx"):
         raise ValueError(f"layout must be 'hf' or 'mlx', got {layout!r}")
@@ -334,20 +342,20 @@ def make_tiny(
         raise ValueError(f"shards must be 1, or > 1 with layout='hf'; got {shards} with layout={layout!r}")
     config = _config(config_overrides, dtype)
 
-    out = Path(out_dir).absolute()
-    occupied = out.exists() and (not out.is_dir() or any(out.iterdir()))
-    if occupied and not force:
-        raise FileExistsError(f"{out} exists and is not empty (pass force=True to replace it)")
-    from qnpipe.outdir import check_output_location
-
+    out = output_path(out_dir)
+    if out.name and out.parent.is_dir():  # first: a replace cut short may have left the only copy of `out` aside
+        clean_stale(out.parent, out.name, log or _stderr)
+    check_replaceable(out, force, "output directory", force_flag="force=True")
     check_output_location(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_dir(out) as build, tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.hf-") as tmp:
+    with atomic_dir(out, marker="qnpipe make-tiny") as build:
+        hf = build.parent / "hf"  # inside the locked temporary directory: removed with it, even after a kill
         if layout == "mlx":
-            _write_hf(Path(tmp) / "hf", config, seed, shards, dtype)
+            _write_hf(hf, config, seed, shards, dtype)
             # mlx_lm.convert wants to create its output itself.
             build.rmdir()
-            _write_mlx(build, Path(tmp) / "hf", bits, group_size)
+            _write_mlx(build, hf, bits, group_size)
+            shutil.rmtree(hf)
         else:
             build.rmdir()
             _write_hf(build, config, seed, shards, dtype)

@@ -14,15 +14,16 @@ from qnpipe.errors import QnpipeError
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from qnpipe.outdir import output_path
     from qnpipe.tiny import make_tiny
 
     if args.layout == "hf" and args.bits is not None:
         raise QnpipeError("--bits needs --layout mlx (the original HF layout is never quantized)")
     try:
         out = make_tiny(Path(args.out), layout=args.layout, bits=args.bits, group_size=args.group_size,
-                        seed=args.seed, force=args.force)
+                        seed=args.seed, force=args.force, log=lambda msg: print(msg, file=sys.stderr))
     except FileExistsError:
-        raise QnpipeError(f"{Path(args.out).absolute()} exists and is not empty (pass --force to replace it)") from None
+        raise QnpipeError(f"{output_path(args.out)} exists and is not empty (pass --force to replace it)") from None
     print(out)
     return 0
 
@@ -70,7 +71,8 @@ def register(sub: Any, fmt: Any) -> None:
     t.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8], help="quantize (mlx layout only)")
     t.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="quantization group size")
     t.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
-    t.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    t.add_argument("--force", action="store_true",
+                   help="replace OUT if it exists and qnpipe wrote it (never another directory)")
     t.set_defaults(func=cmd_make_tiny)
 
     v = sub.add_parser("convert", help="convert a checkpoint into a qnpipe model directory (expert store)",
@@ -99,7 +101,8 @@ def register(sub: Any, fmt: Any) -> None:
                    help="quantize the MTP head to N bits, 0 = keep float (default: mtp.bits, MTP_BITS, 4)")
     v.add_argument("--mtp-from", metavar="HF_DIR",
                    help="take mtp.* from this original checkpoint (an mlx-lm source has no MTP)")
-    v.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    v.add_argument("--force", action="store_true",
+                   help="replace DIR if it exists and qnpipe wrote it (never another directory)")
     v.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     v.add_argument("--json", action="store_true", help="print one JSON object with the figures (no progress bar)")
     add_config_flags(v, prefill=False, example="mtp.bits=8")
