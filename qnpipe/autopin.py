@@ -13,7 +13,7 @@ reported once (`HeatFileWarning`) and the engine keeps running.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import attrs
 import trio
@@ -38,13 +38,19 @@ class Autopin:
     _rx: trio.MemoryReceiveChannel[Counts] | None = None
 
     @classmethod
-    def open(cls, cfg: Config, model_id: str, top_k: int) -> Autopin | None:
-        """Autopin for this config (None when `pool.autopin` is off), with the saved heat loaded."""
+    def open(cls, cfg: Config, model_id: str, top_k: int, *, num_experts: int | None = None,
+             layers: Collection[int] | None = None) -> Autopin | None:
+        """Autopin for this config (None when `pool.autopin` is off), with the saved heat loaded.
+
+        `num_experts` and `layers` (the MoE layers, and the MTP layer) are the model's: a heat
+        file naming an expert or layer outside them is ignored with a warning (a zero start),
+        never pinned (that would read a record the store does not have).
+        """
         pool_cfg = cfg.pool
         if not pool_cfg.autopin:
             return None
         path = cfg.autopin_usage_path()
-        heat = Heat(load_heat(path, model_id))
+        heat = Heat(load_heat(path, model_id, num_experts=num_experts, layers=layers))
         return cls(path, model_id, top_k, pool_cfg.autopin_budget_frac, pool_cfg.autopin_save_every_forwards, heat,
                    explicit_path=bool(pool_cfg.autopin_usage_file))
 

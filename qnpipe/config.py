@@ -48,6 +48,7 @@ from qnpipe.config_tree import (
     TraceCfg,
 )
 from qnpipe.errors import ConfigError
+from qnpipe.io.files import CONFIG_CAP, read_capped
 from qnpipe.layersets import format_layer_set, parse_layer_set
 
 __all__ = [
@@ -260,11 +261,12 @@ def _env_settings(env: Mapping[str, str]) -> list[_Setting]:
 
 def _toml_settings(toml_path: str | os.PathLike[str]) -> list[_Setting]:
     where = os.fspath(toml_path)
+    try:  # a FIFO, a directory or a device given as the file is refused, never read (or waited on)
+        raw = read_capped(where, CONFIG_CAP, error=ConfigError)
+    except ConfigError as exc:
+        raise ConfigError(f"cannot read config file {exc}") from None
     try:
-        with open(where, "rb") as fh:
-            data = tomllib.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {where}: {exc.strerror or exc}") from exc
+        data = tomllib.loads(raw.decode("utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {where} is not valid TOML: {exc}") from exc
     except UnicodeDecodeError as exc:
@@ -368,10 +370,52 @@ def _coerce(spec: FieldSpec, value: object, source: str) -> object:
     return value
 
 
+# Upper bounds of the count settings that size something (threads, slots, arrays, loops): far
+# above any use (the 80B has 512 experts a layer, a draft is a few tokens), far below what would
+# exhaust memory or threads, so `read.workers=10**9` is an error naming the key at start-up, not a
+# crash while the engine builds. Counts that size nothing (periods, seeds, token thresholds) have none.
+COUNT_BOUNDS: dict[str, int] = {
+    "read.workers": 1024,  # reader threads; the C reader's pool takes at most 1024
+    "read.window_layers": 4096,
+    "read.bg_budget_experts": 1 << 20,
+    "read.prefetch_budget_experts": 1 << 20,
+    "pool.expert_slots": 1 << 16,  # clamped to the model's experts per layer anyway
+    "pool.side_region_slots": 4096,  # allocated per layer, beside the slots
+    "predict.ahead_layers": 4096,
+    "predict.candidate_mult": 4096,
+    "predict.width_experts": 1 << 16,
+    "predict.cutoff_layer": 4096,
+    "predict.ahead_lo_layers": 4096,
+    "predict.ahead_hi_layers": 4096,
+    "predict.union_k": 1 << 16,
+    "predict.file_global_budget_experts": 1 << 20,
+    "predict.stage_global_budget_experts": 1 << 20,
+    "predict.per_layer_budget_experts": 1 << 16,
+    "prefix.max_entries": 4096,  # states of tens of MB each
+    "mtp.num_draft_tokens": 64,  # one MTP forward and one verify row per draft
+    "mtp.depth_max": 64,
+    "mtp.tree_branches": 64,
+    "forward.moe_topk_override": 1 << 16,
+    "kv.group_size": 1 << 16,
+    "diag.accept_topk": 1 << 20,
+}
+
+
+def _check_bound(path: str, value: object, source: str) -> None:
+    bound = COUNT_BOUNDS.get(path)
+    if bound is not None and type(value) is int and value > bound:
+        raise ConfigError(f"bad value for {path} (from {source}={value!r}): {value} is more than {bound}; "
+                          f"allowed: {describe_allowed(_FIELDS[path].type)}, at most {bound}")
+
+
 def _apply(tree: dict[str, Any], sources: dict[str, str], settings: Iterable[_Setting]) -> None:
     for s in settings:
         section, field = s.path.split(".")
-        tree.setdefault(section, {})[field] = _coerce(_FIELDS[s.path], s.value, s.source)
+        value = _coerce(_FIELDS[s.path], s.value, s.source)
+        if isinstance(value, str) and s.path in COUNT_BOUNDS and value.strip().lstrip("+-").isdigit():
+            _check_bound(s.path, int(value), s.source)  # text from the environment or --set
+        _check_bound(s.path, value, s.source)
+        tree.setdefault(section, {})[field] = value
         sources[s.path] = f"{s.source}={s.value!r}"
 
 

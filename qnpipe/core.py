@@ -213,7 +213,9 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
     if st.mtp is not None:
         device = st.mtp.routed(store_device, lambda layer, slot: st.slots[layer].dest(slot))
         nbytes[st.mtp.layer] = st.mtp.file.record_nbytes
-    autopin = Autopin.open(core.cfg, model_id(core.args), core.args.num_experts_per_tok)
+    autopin = Autopin.open(core.cfg, model_id(core.args), core.args.num_experts_per_tok,
+                           num_experts=core.args.num_experts,
+                           layers=(*core.args.moe_layers, core.args.num_hidden_layers))  # + the MTP layer
 
     async def check_bytes(layer: int, experts: tuple[int, ...], slots: tuple[int, ...]) -> None:
         if st.mtp is not None and layer == st.mtp.layer:

@@ -130,6 +130,40 @@ def test_an_unusable_heat_file_warns_once_and_starts_from_zero(tmp_path: Path, d
     assert str(p) in str(rec[0].message) and reason in str(rec[0].message)
 
 
+@pytest.mark.parametrize(("counts", "reason"), [
+    ({0: {64: 3}}, "layer 0: expert 64 out of range (the model has 64 experts)"),
+    ({0: {1: 3}, 2: {-1: 1}}, "layer 2: expert -1 out of range"),
+    ({0: {1: 3}, 99: {1: 1}}, "layer 99 is not a MoE layer of this model"),
+    ({5: {1: 1}}, "layer 5 is not a MoE layer"),
+])
+def test_a_heat_file_naming_what_the_model_lacks_warns_and_starts_from_zero(
+        tmp_path: Path, counts: dict[int, dict[int, int]], reason: str) -> None:
+    """Issue 22 item 9: an out-of-range expert or layer is the file's fault, never the model's."""
+    p = tmp_path / "pool_usage.json"
+    save_heat(p, MID, counts)
+    assert load_heat(p, MID) == counts  # the file itself is well formed
+    with pytest.warns(HeatFileWarning) as rec:
+        assert load_heat(p, MID, num_experts=64, layers=(0, 1, 2, 8)) == {}
+    assert len(rec) == 1 and str(p) in str(rec[0].message) and reason in str(rec[0].message)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "too large"])
+def test_a_heat_file_that_is_not_a_small_regular_file_warns_without_blocking(tmp_path: Path, kind: str) -> None:
+    from qnpipe.io.heat_file import HEAT_CAP
+
+    p = tmp_path / "pool_usage.json"
+    if kind == "fifo":
+        os.mkfifo(p)  # no writer: a plain read would block for good
+    elif kind == "directory":
+        p.mkdir()
+    else:
+        with open(p, "wb") as f:
+            f.truncate(HEAT_CAP + 1)
+    with pytest.warns(HeatFileWarning) as rec:
+        assert load_heat(p, MID) == {}
+    assert len(rec) == 1 and str(p) in str(rec[0].message) and "unreadable" in str(rec[0].message)
+
+
 _SAVER = """
 import sys
 from qnpipe.io.heat_file import save_heat
