@@ -16,16 +16,20 @@ Bump `SCHEMA_VERSION` whenever a traced Struct changes; `read` refuses a newer v
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import struct
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import msgspec
 import numpy as np
 
-from qnpipe.errors import TraceSchemaError
+from qnpipe.errors import OutputError, TraceSchemaError
+from qnpipe.io.files import MiB, check_regular
 from qnpipe.messages import (
     Acquire,
     Candidates,
@@ -44,6 +48,15 @@ from qnpipe.messages import (
 SCHEMA_VERSION = 1
 MAGIC = b"QNPTRACE"
 _LEN = struct.Struct("<I")
+
+# Bounds on what a log may announce, checked before a reader sizes anything by them (trace stats
+# builds an experts x experts table, replay a pool of every MoE layer's experts). Each is far
+# above any real model (the 80B: 48 layers, 512 experts, top-10, hidden size 2048).
+MAX_LAYERS = 1 << 16
+MAX_EXPERTS = 1 << 12
+MAX_HIDDEN = 1 << 20
+MAX_FRAME = 256 * MiB  # one record: the route of a 256k-token prefill at top-10 with weights is ~30 MB
+TRACE_CAP = 64 << 30  # a whole log (a long 80B run logging every event writes a few GB)
 
 
 class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
@@ -177,26 +190,81 @@ def route_record(stamp: Any, step: int, layer: int, ids: np.ndarray, weights: np
     return Route(**stamp, step=step, layer=layer, top_k=k, experts=tuple(ids.reshape(-1).tolist()), weights=w)
 
 
+def check_output_path(path: str | Path, what: str = "event log", *, probe: bool = True) -> None:
+    """Raise OutputError (naming `path`) unless a log can be written there and renamed over `path`.
+
+    `path` must not be a directory or another non-regular file (the rename would replace a
+    device or a FIFO), its directory must exist, and with `probe` a file must be creatable in
+    that directory (permissions, a read-only or pseudo filesystem such as /proc). Run before
+    the work starts, so a bad `--trace` fails in a second, not when the run closes its log.
+    """
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise OutputError(f"{p}: cannot write the {what} ({e.strerror or e})") from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise OutputError(f"{p}: is a directory; give a file name for the {what}")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise OutputError(f"{p}: not a regular file; the {what} is written beside it and renamed over it")
+    parent = p.absolute().parent
+    if not parent.is_dir():
+        what_is = "is not a directory" if parent.exists() else "does not exist"
+        raise OutputError(f"{p}: cannot write the {what}: {parent} {what_is}")
+    if not probe:
+        return
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=parent)
+    except OSError as e:
+        raise OutputError(f"{p}: cannot write the {what} in {parent} ({e.strerror or e})") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+
+
 class TraceWriter:
     """Writes one log to ``<path>.partial`` and renames it to `path` on `close` (no torn final file).
 
     `flush` pushes what is buffered to the partial file (the recorder calls it every second), so
-    after a crash the partial file holds every record up to the last flush.
+    after a crash the partial file holds every record up to the last flush. Any failure to
+    write (a full disk, EFBIG, an I/O error, the target turned into a directory) is an
+    OutputError naming `path`, after the partial file has been removed: nothing is left.
     """
 
     def __init__(self, path: str | Path, header: Header) -> None:
         self.path = Path(path)
         self.partial = self.path.with_name(self.path.name + ".partial")
+        self.what = "routing log" if header.contents == "routes" else "event log"
         self.records = 0
-        self._f: IO[bytes] | None = open(self.partial, "wb", buffering=1 << 20)  # noqa: SIM115
-        self._f.write(MAGIC)
+        self._f: IO[bytes] | None = None
+        check_output_path(self.path, self.what, probe=False)
+        try:
+            # O_NONBLOCK: a FIFO left at the partial name must not block the open; O_NOFOLLOW: nor a link redirect it.
+            fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK
+                         | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except OSError as e:
+            raise OutputError(f"{self.path}: cannot write the {self.what} ({e.strerror or e})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OutputError(f"{self.path}: cannot write the {self.what}: {self.partial.name} is not a regular file")
+        self._f = os.fdopen(fd, "wb", buffering=1 << 20)
+        self._f.write(MAGIC)  # buffered: no I/O yet
         self._frame(header)
 
+    def _fail(self, e: OSError) -> NoReturn:
+        self.abandon()
+        raise OutputError(f"{self.path}: cannot write the {self.what} ({e.strerror or e})") from None
+
     def _frame(self, obj: Any) -> None:
-        assert self._f is not None
+        assert self._f is not None, "the log is closed"
         buf = _ENCODER.encode(obj)
-        self._f.write(_LEN.pack(len(buf)))
-        self._f.write(buf)
+        try:
+            self._f.write(_LEN.pack(len(buf)))
+            self._f.write(buf)
+        except OSError as e:
+            self._fail(e)
 
     def write(self, rec: Record) -> None:
         self._frame(rec)
@@ -204,50 +272,119 @@ class TraceWriter:
 
     def flush(self) -> None:
         if self._f is not None:
-            self._f.flush()
+            try:
+                self._f.flush()
+            except OSError as e:
+                self._fail(e)
 
     def close(self, dropped: int, clock_end_t: float) -> None:
-        """Write the footer, close and rename the file into place."""
+        """Write the footer, close and rename the file into place (OutputError, nothing left, if that fails)."""
         if self._f is None:
             return
         self._frame(Footer(records=self.records, dropped=dropped, clock_end_t=clock_end_t))
-        self._f.close()
-        self._f = None
-        os.replace(self.partial, self.path)
-
-    def abandon(self) -> None:
-        """Close without a footer, leaving only the partial file (the run failed to finish the log)."""
-        if self._f is not None:
+        try:
             self._f.close()
             self._f = None
+            os.replace(self.partial, self.path)
+        except OSError as e:
+            self._fail(e)
+
+    def abandon(self) -> None:
+        """Close without a footer and remove the partial file (the run failed to finish the log)."""
+        if self._f is None:
+            return
+        f, self._f = self._f, None
+        with contextlib.suppress(OSError):
+            f.close()  # its flush fails again on a full disk: the file goes anyway
+        with contextlib.suppress(OSError):
+            os.unlink(self.partial)
 
 
 def _frames(path: Path) -> Iterator[tuple[int, bytes]]:
+    """The frames of a log, one at a time: every length is checked against the bytes left before it is read."""
+    size = check_regular(path, cap=TRACE_CAP, error=TraceSchemaError)
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise TraceSchemaError(f"{path}: cannot read the trace ({e.strerror or e})") from None
-    if data[:len(MAGIC)] != MAGIC:
+    with os.fdopen(fd, "rb", buffering=1 << 20) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TraceSchemaError(f"{path}: not a regular file")
+        try:
+            yield from _read_frames(path, f, size)
+        except OSError as e:
+            raise TraceSchemaError(f"{path}: cannot read the trace ({e.strerror or e})") from None
+
+
+def _read_frames(path: Path, f: IO[bytes], size: int) -> Iterator[tuple[int, bytes]]:
+    if f.read(len(MAGIC)) != MAGIC:
         raise TraceSchemaError(f"{path}: not a qnpipe trace (no {MAGIC!r} magic)")
     pos, n = len(MAGIC), 0
-    while pos < len(data):
-        if pos + _LEN.size > len(data):
+    while True:
+        head = f.read(_LEN.size)
+        if not head:
+            return
+        if len(head) < _LEN.size:
             raise TraceSchemaError(f"{path}: truncated at record {n} (byte {pos}: partial length prefix)")
-        (size,) = _LEN.unpack_from(data, pos)
+        (length,) = _LEN.unpack(head)
         pos += _LEN.size
-        if pos + size > len(data):
-            raise TraceSchemaError(f"{path}: truncated at record {n} (byte {pos}: {size} bytes announced, "
-                                   f"{len(data) - pos} left)")
-        yield n, data[pos:pos + size]
-        pos += size
+        left = max(size - pos, 0)
+        if length > left:
+            raise TraceSchemaError(f"{path}: truncated at record {n} (byte {pos}: {length} bytes announced, "
+                                   f"{left} left)")
+        if length > MAX_FRAME:
+            raise TraceSchemaError(f"{path}: record {n} is {length} bytes, over the {MAX_FRAME}-byte bound "
+                                   f"of one record")
+        buf = f.read(length)
+        if len(buf) < length:  # the file shrank while being read
+            raise TraceSchemaError(f"{path}: truncated at record {n} (byte {pos}: {length} bytes announced, "
+                                   f"{len(buf)} read)")
+        yield n, buf
+        pos += length
         n += 1
+
+
+def check_header(path: str | Path, header: Header) -> None:
+    """Raise TraceSchemaError (naming the file and the field) for a header whose counts are out of bounds.
+
+    Readers size tables by these counts (experts x experts, a pool per MoE layer), so they are
+    checked before anything is built from them; records are checked against them by each reader.
+    """
+    def bad(field: str, value: Any, want: str) -> NoReturn:
+        shown = repr(value) if not isinstance(value, tuple | dict) or len(value) <= 8 else f"{len(value)} entries"
+        raise TraceSchemaError(f"{path}: record 0 (header): {field} = {shown}, expected {want}")
+
+    m = header.model
+    top_layer = MAX_LAYERS
+    experts = MAX_EXPERTS
+    if m is not None:
+        if not 1 <= m.num_layers <= MAX_LAYERS:
+            bad("model.num_layers", m.num_layers, f"1..{MAX_LAYERS}")
+        if not 1 <= m.num_experts <= MAX_EXPERTS:
+            bad("model.num_experts", m.num_experts, f"1..{MAX_EXPERTS}")
+        if not 1 <= m.top_k <= m.num_experts:
+            bad("model.top_k", m.top_k, f"1..num_experts ({m.num_experts})")
+        if not 0 <= m.hidden_size <= MAX_HIDDEN:
+            bad("model.hidden_size", m.hidden_size, f"0..{MAX_HIDDEN}")
+        if (len(set(m.moe_layers)) != len(m.moe_layers)
+                or not all(0 <= ly < m.num_layers for ly in m.moe_layers)):
+            bad("model.moe_layers", m.moe_layers, f"distinct layers in 0..{m.num_layers - 1}")
+        top_layer, experts = m.num_layers, m.num_experts  # the MTP head's MoE is layer num_layers
+    if not all(0 <= ly <= top_layer for ly in header.layers):
+        bad("layers", header.layers, f"layers in 0..{top_layer}")
+    for layer, cap in header.capacities.items():
+        if not 0 <= layer <= top_layer:
+            bad("capacities", header.capacities, f"layers in 0..{top_layer}")
+        if not 1 <= cap <= experts:
+            bad(f"capacities[{layer}]", cap, f"1..{experts} slots")
 
 
 def iter_records(path: str | Path) -> Iterator[Header | Record | Footer]:
     """The header, then every record, then the footer, typed; TraceSchemaError names the file and record.
 
-    Record 0 is the header. Raises TraceSchemaError for a newer schema, a corrupt or
-    truncated frame, or a log without its footer.
+    Record 0 is the header. Raises TraceSchemaError for a file that is not a regular file, a
+    newer schema, a header whose counts are out of bounds (`check_header`), a corrupt or
+    truncated frame, a footer whose record count is not the file's, or a log without its footer.
     """
     p = Path(path)
     footer = False
@@ -268,15 +405,21 @@ def iter_records(path: str | Path) -> Iterator[Header | Record | Footer]:
                 raise TraceSchemaError(f"{p}: schema version {version} is newer than this qnpipe reads "
                                        f"({SCHEMA_VERSION}); upgrade qnpipe")
             try:
-                yield _HEADER_DECODER.decode(buf)
+                header = _HEADER_DECODER.decode(buf)
             except msgspec.DecodeError as e:
                 raise TraceSchemaError(f"{p}: record 0 (header) is corrupt: {e}") from None
+            check_header(p, header)
+            yield header
             continue
         try:
             rec = _FRAME_DECODER.decode(buf)
         except msgspec.DecodeError as e:
             raise TraceSchemaError(f"{p}: record {n} is corrupt: {e}") from None
-        footer = isinstance(rec, Footer)
+        if isinstance(rec, Footer):
+            footer = True
+            if rec.records != n - 1 or rec.dropped < 0:
+                raise TraceSchemaError(f"{p}: record {n} (footer) counts {rec.records} records and {rec.dropped} "
+                                       f"dropped; the file holds {n - 1} records")
         yield rec
     if not footer:
         raise TraceSchemaError(f"{p}: truncated after record {last}: no footer "
@@ -319,7 +462,7 @@ def read(path: str | Path) -> tuple[Header, list[Record]]:
     return header, records
 
 
-__all__ = ["MAGIC", "SCHEMA_VERSION", "Candidates", "Evicted", "RecallSample", "SpecRound", "UnionSize", "Footer", "Header",
+__all__ = ["MAGIC", "MAX_EXPERTS", "MAX_FRAME", "MAX_HIDDEN", "MAX_LAYERS", "SCHEMA_VERSION", "TRACE_CAP", "Candidates", "Evicted", "RecallSample", "SpecRound", "UnionSize", "Footer", "Header",
            "PrefetchHint", "ModelShape", "ReadStarted", "Record", "RequestStart", "Route", "Stalled", "TraceWriter",
-           "canonical", "iter_records", "read", "read_all",
+           "canonical", "check_header", "check_output_path", "iter_records", "read", "read_all",
            "route_record"]

@@ -12,6 +12,15 @@ Records are written in the order they arrive, which on one trio loop is a causal
 followed by a derived `Stalled` record. The file is flushed every `flush_every_s` of
 trio time and renamed into place when the recorder stops (qnpipe.trace.TraceWriter).
 
+A log that cannot be written (a full disk, EFBIG, an I/O error) stops only that log: its
+recorder removes the partial file and keeps the OutputError (naming the log's path), and the
+next record the model's own task emits (a `trace.route`, at its next MoE router) raises it
+there, so the generation in flight fails with it and the caller sees it. The pool and the
+read scheduler are never raised into: the engine stays usable and later generations run
+without that log. An error nobody was raised into (the log failed while closing) is raised
+by `open_recording` when its block ends. Nothing waits on the recorder, so a failed disk
+cannot hang the run.
+
 With no trace configured, `open_recording` yields None and no recorder runs.
 """
 
@@ -28,8 +37,9 @@ import trio
 
 from qnpipe.actors.stamp import drain
 from qnpipe.config import Config
-from qnpipe.messages import Granted, Msg
-from qnpipe.trace import SCHEMA_VERSION, Header, ModelShape, Record, Route, Stalled, TraceWriter
+from qnpipe.errors import OutputError
+from qnpipe.messages import Candidates, Granted, Msg
+from qnpipe.trace import SCHEMA_VERSION, Header, ModelShape, Record, Route, SpecRound, Stalled, TraceWriter, UnionSize
 
 Emit = Callable[[Msg], None]
 
@@ -42,6 +52,11 @@ class RecorderStats(msgspec.Struct, frozen=True, kw_only=True):
     dropped: int
 
 
+# The records the model's own task emits (the forward, the speculation loop): a failed log's
+# error is raised into that task only, never into the pool or the read scheduler.
+_RAISED_ON = (Route, Candidates, UnionSize, SpecRound)
+
+
 @attrs.define(eq=False)
 class _Sink:
     tx: trio.MemorySendChannel[Record]
@@ -49,22 +64,44 @@ class _Sink:
     accept: Callable[[Msg], bool] | None  # None = every event
     writer: TraceWriter
     dropped: int = 0
+    failure: OutputError | None = None  # the log could not be written: it is stopped
+    raised: bool = False  # `failure` reached a caller
 
 
 class Emitter:
-    """`emit(event)`: hand an event to every recorder that wants it, never blocking (drops are counted)."""
+    """`emit(event)`: hand an event to every recorder that wants it, never blocking (drops are counted).
+
+    Once a log has failed, the first of the model task's own records (`_RAISED_ON`) emitted
+    after it raises its OutputError; the log takes no more events.
+    """
 
     def __init__(self, sinks: list[_Sink]) -> None:
         self._sinks = sinks
 
     def __call__(self, ev: Msg) -> None:
+        failed: _Sink | None = None
         for s in self._sinks:
+            if s.failure is not None:
+                failed = failed or (s if not s.raised else None)
+                continue
             if s.accept is not None and not s.accept(ev):
                 continue
             try:
                 s.tx.send_nowait(ev)  # type: ignore[arg-type]  # every emitted Msg is a Record
             except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
                 s.dropped += 1
+        if failed is not None and isinstance(ev, _RAISED_ON):
+            failed.raised = True
+            assert failed.failure is not None
+            raise failed.failure
+
+    def unraised(self) -> OutputError | None:
+        """The first log failure no caller has seen yet (None: none)."""
+        for s in self._sinks:
+            if s.failure is not None and not s.raised:
+                s.raised = True
+                return s.failure
+        return None
 
     def statistics(self) -> list[RecorderStats]:
         return [RecorderStats(path=str(s.writer.path), records=s.writer.records, dropped=s.dropped)
@@ -85,7 +122,12 @@ async def recorder(
     flush_every_s: float = 1.0,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Write every event of `inbox` until it closes; then (or when cancelled) write the footer and rename."""
+    """Write every event of `inbox` until it closes; then (or when cancelled) write the footer and rename.
+
+    A write that fails ends the recorder at once: the partial file is removed and the
+    OutputError kept in `sink.failure` (the Emitter raises it to the model's task). It never
+    propagates here, where it would cancel the whole pipeline around the caller's generation.
+    """
     writer = sink.writer
     task_status.started()
     finished = False
@@ -98,15 +140,21 @@ async def recorder(
                 writer.flush()
                 next_flush = trio.current_time() + flush_every_s
         finished = True
+    except OutputError as e:
+        sink.failure = e
     finally:
         # Shielded and bounded: the log is completed even while the pipeline is being cancelled.
         with trio.move_on_after(1, shield=True):
-            if not finished:
-                for ev in _rest(inbox):
-                    _write(writer, ev)
-            writer.close(sink.dropped, trio.current_time())
+            if sink.failure is None:
+                try:
+                    if not finished:
+                        for ev in _rest(inbox):
+                            _write(writer, ev)
+                    writer.close(sink.dropped, trio.current_time())
+                except OutputError as e:
+                    sink.failure = e
             await trio.lowlevel.checkpoint()
-        writer.abandon()  # no-op once closed
+        writer.abandon()  # no-op once closed; else removes the partial file
         inbox.close()
 
 
@@ -171,10 +219,12 @@ async def open_recording(cfg: Config, *, shape: ModelShape | None, capacities: d
         finally:
             for s in sinks:
                 s.tx.close()
-    for st in emitter.statistics():
-        if st.dropped:
+    for s, st in zip(sinks, emitter.statistics(), strict=True):
+        if st.dropped and s.failure is None:
             warnings.warn(f"{st.path}: {st.dropped} events were dropped (the recorder's channel was full)",
                           stacklevel=2)
+    if (failure := emitter.unraised()) is not None:
+        raise failure
 
 
 __all__ = ["Emit", "Emitter", "RecorderStats", "open_recording", "recorder"]
