@@ -224,6 +224,14 @@ def check_output_path(path: str | Path, what: str = "event log", *, probe: bool 
         os.unlink(tmp)
 
 
+def check_log_paths(cfg: Any) -> None:
+    """`check_output_path` of the logs a Config asks for (`trace.event_log_path`, the routing log)."""
+    if cfg.trace.event_log_path:
+        check_output_path(cfg.trace.event_log_path, "event log")
+    if cfg.trace.route_trace:
+        check_output_path(cfg.trace.route_trace_path, "routing log")
+
+
 class TraceWriter:
     """Writes one log to ``<path>.partial`` and renames it to `path` on `close` (no torn final file).
 
@@ -464,5 +472,5 @@ def read(path: str | Path) -> tuple[Header, list[Record]]:
 
 __all__ = ["MAGIC", "MAX_EXPERTS", "MAX_FRAME", "MAX_HIDDEN", "MAX_LAYERS", "SCHEMA_VERSION", "TRACE_CAP", "Candidates", "Evicted", "RecallSample", "SpecRound", "UnionSize", "Footer", "Header",
            "PrefetchHint", "ModelShape", "ReadStarted", "Record", "RequestStart", "Route", "Stalled", "TraceWriter",
-           "canonical", "check_header", "check_output_path", "iter_records", "read", "read_all",
+           "canonical", "check_header", "check_log_paths", "check_output_path", "iter_records", "read", "read_all",
            "route_record"]

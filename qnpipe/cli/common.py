@@ -154,6 +154,10 @@ def precheck_model(model_dir: str | Path, cfg: Any) -> None:
     from qnpipe.model.args import args_from_dict, read_config
     from qnpipe.validate import check_topk_override
 
+    if cfg.trace.event_log_path or cfg.trace.route_trace:  # a bad --trace fails now, not after the load or at the end
+        from qnpipe.trace import check_log_paths
+
+        check_log_paths(cfg)
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     margs = args_from_dict(config, str(model_dir / "config.json"))
