@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -72,13 +73,14 @@ def _release(core: Core) -> None:
 class _Runtime:
     """One engine's trio side: its pipeline, one request at a time, and the totals."""
 
-    def __init__(self, core: Core, thread: MLXThread, pipe: Pipeline) -> None:
+    def __init__(self, core: Core, thread: MLXThread, pipe: Pipeline, *, load_s: float = 0.0,
+                 warmup_s: float = 0.0) -> None:
         self.core = core
         self.thread = thread
         self.pipe = pipe
         self.lock = trio.Lock()
         resident = core.runner.loaded.experts.nbytes
-        self.totals = EngineStats(resident_expert_bytes=resident,
+        self.totals = EngineStats(load_s=load_s, warmup_s=warmup_s, resident_expert_bytes=resident,
                                   expert_source="resident" if core.streaming is None else "pool",
                                   kv_bytes_per_token=model_bytes_per_token(
                                       core.runner.loaded.model, core.cfg.kv if core.cfg.kv.quantize else None))
@@ -236,20 +238,61 @@ class AsyncEngine:
                              add_generation_prompt=add_generation_prompt)
 
 
+def _warm_up(core: Core) -> float:
+    """Pay MLX's one-time start-up (kernels built and loaded, first allocations) on a throwaway forward.
+
+    A prompt-shaped and a decode-shaped step on a cache of their own; nothing of the engine's
+    state (caches, pool, heat, event log, stats) sees them. Experts that stream run from slot
+    0 of each layer's slot arrays, whatever it holds: only the time is kept. Returns seconds.
+    """
+    import mlx.core as mx
+
+    from qnpipe.model.experts import switch_glu
+
+    model = core.runner.loaded.model
+    t0 = time.perf_counter()
+    streaming = core.streaming
+    if streaming is not None:
+        slots = streaming.slots
+
+        def any_slot(layer: int, x: mx.array, experts: mx.array) -> mx.array:
+            return switch_glu(slots[layer].experts, x, mx.zeros_like(experts))
+
+        model.attach_experts(any_slot)
+    try:
+        cache = model.make_cache()
+        n = max(1, min(4, model.args.vocab_size))
+        mx.eval(model(mx.arange(n, dtype=mx.uint32)[None], cache))
+        mx.eval(model(mx.zeros((1, 1), dtype=mx.uint32), cache))
+    finally:
+        if streaming is not None:
+            model.attach_experts(core.runner.loaded.experts)
+        mx.clear_cache()
+    return time.perf_counter() - t0
+
+
 @asynccontextmanager
 async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = None, *,
-                      reader: ExpertReader | None = None, **overrides: Any) -> AsyncIterator[AsyncEngine]:
+                      reader: ExpertReader | None = None, warm_up: bool = False,
+                      **overrides: Any) -> AsyncIterator[AsyncEngine]:
     """`async with open_engine(model_dir, cfg) as eng:` — the engine, its actors stopped on exit.
 
     `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name). `reader`
     replaces the SSD reader of a streamed model (an `ExpertReader`; the engine closes it).
+    `warm_up` runs a throwaway forward first, so the first prompt's prefill time is not MLX's
+    one-time start-up; `stats()` has the seconds of both (`load_s`, `warmup_s`).
     """
     cfg = _resolve(model_dir, cfg, overrides)
     thread = MLXThread.shared()
+    t0 = time.perf_counter()
     core = await run_on(thread, build_core, Path(cfg.model.model_dir), cfg, reader)
+    load_s = time.perf_counter() - t0
     try:
+        warmup_s = await run_on(thread, _warm_up, core) if warm_up else 0.0
+        t1 = time.perf_counter()
         async with open_core_pipeline(core, thread) as pipe:
-            yield AsyncEngine(_Runtime(core, thread, pipe))
+            load_s += time.perf_counter() - t1
+            yield AsyncEngine(_Runtime(core, thread, pipe, load_s=load_s, warmup_s=warmup_s))
     finally:
         with trio.CancelScope(shield=True):
             await run_on(thread, _release, core)
@@ -265,12 +308,14 @@ class Engine:
     caller's thread; with prefetch on (`predict.cross_layer_prefetch`) in a trio loop on a
     thread of its own, so read completions are taken while the model computes. `loop_thread`
     is the thread that loop runs on (for measuring it, as tools/bench_stream.py does).
+    `warm_up`: as `open_engine`'s.
     """
 
     def __init__(self, model_dir: str | Path | None = None, cfg: Config | None = None, *,
-                 reader: ExpertReader | None = None, **overrides: Any):
+                 reader: ExpertReader | None = None, warm_up: bool = False, **overrides: Any):
         self.cfg = _resolve(model_dir, cfg, overrides)
         self._reader = reader
+        self._warm_up = warm_up
         self.model_dir = Path(self.cfg.model.model_dir)
         self._aeng: AsyncEngine | None = None
         self._last_stats = EngineStats()
@@ -301,7 +346,8 @@ class Engine:
 
     async def _main(self, started: concurrent.futures.Future[None]) -> None:
         try:
-            async with open_engine(cfg=self.cfg, reader=self._reader) as eng, trio.open_nursery() as nursery:
+            async with open_engine(cfg=self.cfg, reader=self._reader, warm_up=self._warm_up) as eng, \
+                    trio.open_nursery() as nursery:
                 self._aeng, self._nursery = eng, nursery
                 self._token = trio.lowlevel.current_trio_token()
                 self._closing = trio.Event()

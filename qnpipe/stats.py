@@ -127,7 +127,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Totals since the engine opened.
 
     `expert_source` says how experts are served: "resident" (every expert in memory, no
-    reads or misses to count) or "pool" (streamed; `pool` has the figures).
+    reads or misses to count) or "pool" (streamed; `pool` has the figures). `load_s` is the
+    time the engine took to open (weights, pool, actors), `warmup_s` that of the throwaway
+    forward paying MLX's one-time start-up (0 when the engine was opened without it); neither
+    is in `prefill_s`.
     """
 
     requests: int = 0
@@ -146,6 +149,8 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     prefix: PrefixStats | None = None  # None when prefix snapshots are off
     kv_bytes_per_token: int = 0  # KV cache per token of context, full-attention layers (kv.quantize counted)
     mtp: SpecStats | None = None  # summed over the requests that speculated
+    load_s: float = 0.0
+    warmup_s: float = 0.0
 
     def add(self, g: GenerateStats) -> EngineStats:
         decode_s = self.decode_s + g.decode_s

@@ -86,8 +86,10 @@ class ChatSession:
                 else:
                     self.conv = Conversation.load(rest)
                     say(f"[loaded {len(self.conv.turns)} messages from {rest}]")
-            except (ChatError, OSError) as e:
+            except ChatError as e:
                 say(f"qnpipe chat: error: {e}")
+            except OSError as e:  # a full disk, a missing directory: the file and the reason
+                say(f"qnpipe chat: error: {e.filename or rest}: {e.strerror or e}")
         elif name == "/help":
             say(HELP)
         else:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,8 +146,8 @@ def text_arg(allow_empty: bool = False) -> Any:
     return checked(parse)
 
 
-def precheck_model(model_dir: str | Path, cfg: Any) -> None:
-    """The cheap checks of a model directory, before MLX is imported or anything loads.
+def precheck_model(model_dir: str | Path, cfg: Any) -> Any:
+    """The cheap checks of a model directory, before MLX is imported or anything loads; its ModelArgs.
 
     config.json (sizes, model type), the tokenizer files, settings that depend on the model
     (forward.moe_topk_override against num_experts) and a qnpipe directory's store index and
@@ -170,16 +173,56 @@ def precheck_model(model_dir: str | Path, cfg: Any) -> None:
         qcfg = config.get("quantization") or config.get("quantization_config")
         with ExpertStore.open(cfg.model.expert_dir or model_dir, expected_model_id=model_id(margs)) as store:
             check_against_model(store.index, store.root / "index.json", margs, qcfg if isinstance(qcfg, dict) else None)
+    return margs
+
+
+def check_token_ids(ids: list[int], margs: Any, model_dir: str | Path) -> None:
+    """Token ids given on the command line against the model's vocabulary (before the weights load)."""
+    bad = [t for t in ids if not 0 <= t < margs.vocab_size]
+    if bad:
+        raise QnpipeError(f"--tokens: token id {bad[0]} is out of range: the vocabulary of {model_dir} has "
+                          f"{margs.vocab_size} ids (0..{margs.vocab_size - 1})")
+
+
+@contextlib.contextmanager
+def stop_on_signals(args: argparse.Namespace) -> Iterator[None]:
+    """SIGTERM and SIGHUP stop the command through the engine's close, as Ctrl-C does and `serve` does.
+
+    Wrap the open engine in it (`with stop_on_signals(args), eng:`): the signal raises
+    SystemExit(128 + signal) in the main thread, the engine closes (the autopin heat is saved,
+    the event log closed) and the exit status says which signal it was. A second signal
+    during the close takes the default action: who sends two wants the process gone.
+    """
+    got: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        got.append(signum)
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if got:
+            with contextlib.suppress(OSError, ValueError):  # after SIGHUP the terminal may be gone
+                print(f"\nqnpipe {args.command}: stopped by {signal.Signals(got[0]).name}", file=sys.stderr)
 
 
 def warn(args: argparse.Namespace, msg: str) -> None:
     print(f"qnpipe {args.command}: warning: {msg}", file=sys.stderr)
 
 
-def print_stats(stats: Any) -> None:
+def print_stats(stats: Any, engine: Any = None) -> None:
+    """The figures of one answer on stderr; with `engine` (EngineStats) first its load and warm-up times,
+    which are not prefill (MLX's one-time start-up would otherwise look like a slow prompt)."""
     s = stats
+    opened = "" if engine is None else f"loaded in {engine.load_s:.2f}s, warm-up {engine.warmup_s:.2f}s; "
     print(
-        f"\n[{s.prompt_tokens} prompt tokens in {s.prefill_s:.2f}s ({s.prefill_tok_s:.1f} tok/s); "
+        f"\n[{opened}{s.prompt_tokens} prompt tokens in {s.prefill_s:.2f}s ({s.prefill_tok_s:.1f} tok/s); "
         f"{s.generated_tokens} generated, decode {s.decode_tok_s:.1f} tok/s; "
         f"peak memory {s.peak_memory_bytes / 2**20:.0f} MiB; stop: {s.finish_reason}]",
         file=sys.stderr,
@@ -254,9 +297,10 @@ def run_generate(eng: Any, prompt: str | list[int], args: argparse.Namespace) ->
                                    "engine": eng.stats()}).decode())
     else:
         print()
-        print_stats(res.stats)
+        st = eng.stats()
+        print_stats(res.stats, st)
         if getattr(args, "stats", False):
-            print_engine_stats(eng.stats())
+            print_engine_stats(st)
     return 0
 
 

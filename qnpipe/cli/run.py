@@ -12,9 +12,11 @@ from qnpipe.cli.common import (
     add_config_flags,
     add_gen_flags,
     add_mtp_flags,
+    check_token_ids,
     load_config,
     precheck_model,
     run_generate,
+    stop_on_signals,
     text_arg,
 )
 from qnpipe.errors import QnpipeError
@@ -28,7 +30,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     precheck_model(model_dir, cfg)
     from qnpipe.embed import Engine
 
-    with Engine(model_dir, cfg) as eng:
+    eng = Engine(model_dir, cfg, warm_up=True)
+    with stop_on_signals(args), eng:
         prompt = args.prompt
         if eng.tokenizer is not None and getattr(eng.tokenizer, "chat_template", None) and not args.raw:
             prompt = eng.render_chat([{"role": "user", "content": args.prompt}])
@@ -56,10 +59,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if tokens is not None and args.chat:
         raise QnpipeError("--chat needs --prompt TEXT (token ids are sent as they are)")
     cfg = load_config(args)
-    precheck_model(args.model_dir, cfg)
+    margs = precheck_model(args.model_dir, cfg)
+    if tokens is not None:
+        check_token_ids(tokens, margs, args.model_dir)
     from qnpipe.embed import Engine
 
-    with Engine(args.model_dir, cfg) as eng:
+    eng = Engine(args.model_dir, cfg, warm_up=True)
+    with stop_on_signals(args), eng:
         prompt: str | list[int]
         if tokens is not None:
             prompt = tokens
@@ -78,7 +84,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from qnpipe.cli.chat_session import ChatSession
     from qnpipe.embed import Engine
 
-    with Engine(args.model_dir, cfg) as eng:
+    eng = Engine(args.model_dir, cfg, warm_up=True)
+    with stop_on_signals(args), eng:
         return ChatSession(eng, args).run()
 
 
