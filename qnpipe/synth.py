@@ -30,7 +30,17 @@ import msgspec
 import numpy as np
 
 from qnpipe.errors import ConfigError, TraceSchemaError
+from qnpipe.io.files import SMALL_CAP, read_text_capped
 from qnpipe.trace import SCHEMA_VERSION, Header, ModelShape, Route, TraceWriter
+
+# Bounds on a spec, checked before anything is allocated. Each is far above a real model (512 experts,
+# 94 layers, top-10 at most today). The draws are made up front in one fixed order (the same spec gives the
+# same bytes), about 120 bytes per (token, layer, top_k) choice at the peak: 10^7 choices take ~1.2 GB and
+# ~15 s; the [layers, experts] tables (popularity, its cdf, the partners) 8 bytes per entry each.
+LIMITS = {"layers": 4096, "experts": 1 << 16, "top_k": 1024, "tokens": 10**7}
+MAX_CHOICES = 10**7  # tokens x layers x top_k
+MAX_TABLE = 1 << 24  # layers x experts
+MAX_SEED = 2**64 - 1
 
 
 class SynthSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -47,13 +57,19 @@ class SynthSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     def check(self) -> SynthSpec:
         """Self, or ConfigError naming the bad field."""
-        for name in ("layers", "experts", "top_k", "tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"synth {name}={getattr(self, name)}: must be >= 1")
+        for name, most in LIMITS.items():
+            v = getattr(self, name)
+            if not 1 <= v <= most:
+                raise ConfigError(f"synth {name}={v}: must be in [1, {most}]")
         if self.top_k > self.experts:
             raise ConfigError(f"synth top_k={self.top_k}: more than the {self.experts} experts")
-        if self.seed < 0:
-            raise ConfigError(f"synth seed={self.seed}: must be >= 0")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"synth seed={self.seed}: must be in [0, 2**64 - 1]")
+        if (n := self.tokens * self.layers * self.top_k) > MAX_CHOICES:
+            raise ConfigError(f"synth tokens x layers x top_k = {self.tokens} x {self.layers} x {self.top_k} = {n}: "
+                              f"at most {MAX_CHOICES} choices are drawn (~120 bytes each, up front)")
+        if (n := self.layers * self.experts) > MAX_TABLE:
+            raise ConfigError(f"synth layers x experts = {self.layers} x {self.experts} = {n}: at most {MAX_TABLE}")
         for name in ("locality", "cross_layer"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
@@ -92,10 +108,7 @@ def read_popularity_table(path: str | Path) -> np.ndarray:
     file and the row of anything malformed.
     """
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise TraceSchemaError(f"{p}: cannot read the popularity table ({e.strerror or e})") from None
+    text = read_text_capped(p, SMALL_CAP, error=TraceSchemaError)
     rows = list(csv.reader(text.splitlines()))
     if not rows or "Layer" not in rows[0]:
         raise TraceSchemaError(f"{p}: row 1 (header): no 'Layer' column: not a popularity table")
@@ -192,6 +205,7 @@ def write_synth(path: str | Path, spec: SynthSpec) -> Path:
         w.close(0, 0.0)
     except BaseException:
         w.abandon()
+        w.partial.unlink(missing_ok=True)
         raise
     return Path(path)
 

@@ -29,6 +29,7 @@ import msgspec
 import numpy as np
 
 from qnpipe.errors import TraceSchemaError
+from qnpipe.io.files import check_regular
 from qnpipe.trace import ModelShape, RequestStart, Route, read
 
 
@@ -69,13 +70,23 @@ class TraceStats(msgspec.Struct, frozen=True, kw_only=True):
     cross_layer: list[CrossLayerStats]
 
 
+# The cross-layer table is experts x experts counts (134 MB at this bound; real models have up to 512).
+MAX_EXPERTS = 4096
+
+
 def trace_stats(path: str | Path) -> TraceStats:
     """The statistics of a log's routes (TraceSchemaError when it has none or no model shape)."""
+    check_regular(path, error=TraceSchemaError)  # a FIFO would block the read, a device never end it
     header, records = read(path)
     shape = header.model
     if shape is None:
         raise TraceSchemaError(f"{path}: record 0 (header) has no model shape")
     k, n_exp = shape.top_k, shape.num_experts
+    if not 1 <= n_exp <= MAX_EXPERTS:
+        raise TraceSchemaError(f"{path}: record 0 (header): a model of {n_exp} experts per layer: trace stats "
+                               f"reads 1..{MAX_EXPERTS} (its cross-layer table is experts x experts)")
+    if not 1 <= k <= n_exp:
+        raise TraceSchemaError(f"{path}: record 0 (header): top_k={k}: want 1..{n_exp} (the model's experts)")
     firsts = {r.first_step for r in records if isinstance(r, RequestStart)}
     steps: dict[int, dict[int, np.ndarray]] = {}
     for n, r in enumerate(records, start=1):
@@ -177,8 +188,9 @@ def _cross(a: int, b: int, pairs: list[tuple[np.ndarray, np.ndarray]], n_exp: in
     rank[np.lexsort((np.arange(n_exp), -pop))] = np.arange(n_exp)  # ties: the more popular, then the lower id
     hits = base = 0
     popular = np.argsort(rank)[:k]
-    for lo in range(half, len(src), 4096):  # chunks: the scores are [tokens, k, experts] before the sum
-        test_src, test_dst = src[lo:lo + 4096], dst[lo:lo + 4096]
+    chunk = max(1, (1 << 22) // (k * n_exp))  # the scores are [tokens, k, experts] before the sum: <= 32 MB
+    for lo in range(half, len(src), chunk):
+        test_src, test_dst = src[lo:lo + chunk], dst[lo:lo + chunk]
         score = table[test_src].sum(axis=1)  # [tokens, experts]: co-occurrence counts from the token's experts
         guess = np.argsort(-score * n_exp + rank, axis=1, kind="stable")[:, :k]
         hits += int((guess[:, :, None] == test_dst[:, None, :]).sum())

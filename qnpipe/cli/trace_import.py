@@ -24,7 +24,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     total = _size(src)
     bar = ByteProgress(sys.stderr.isatty() and not args.quiet and total > 8 << 20, total, f"importing {src.name}")
     try:
-        summary = import_log(args.format, src, args.out, progress=bar.advance, max_steps=args.max_steps)
+        summary = import_log(args.format, src, args.out, progress=bar.advance, max_steps=args.max_steps,
+                             max_bytes=args.max_bytes)
     finally:
         bar.stop()
     print(msgspec.json.encode(summary).decode() if args.json else describe(summary))
@@ -32,7 +33,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def register(tsub: Any, fmt: Any) -> None:
-    from qnpipe.importers import FORMATS
+    from qnpipe.importers import FORMATS, MAX_BYTES
 
     p = tsub.add_parser("import", help="convert another tool's routing log into a qnpipe routing log",
                         formatter_class=fmt,
@@ -45,7 +46,9 @@ def register(tsub: Any, fmt: Any) -> None:
                         "Several requests in one source become consecutive requests of the log, each opened by a\n"
                         "trace.request record. What cannot be attributed (profiling passes, batched prefill rows,\n"
                         "tokens the source's logger dropped) is left out and counted in the summary line.\n"
-                        "Sources ending in .gz are read gunzipped. A progress bar shows on big files.",
+                        "Sources ending in .gz are read gunzipped. A progress bar shows on big files.\n"
+                        "At most --max-bytes of source are read (decompressed, all files together; the import\n"
+                        "holds a few times that in memory); a JSON line is at most 1 MiB.",
                         epilog="examples:\n"
                         "  qnpipe trace import mixtral-jsonl routing_raw.jsonl -o mixtral.qtrace\n"
                         "  qnpipe trace import vllm-jsonl moe_layer0.jsonl -o qwen-l0.qtrace --max-steps 500\n"
@@ -55,6 +58,8 @@ def register(tsub: Any, fmt: Any) -> None:
     p.add_argument("src", metavar="SRC", help="the source file (or, for flame-pt, a folder of .pt files)")
     p.add_argument("-o", "--out", metavar="LOG", required=True, help="the routing log to write")
     p.add_argument("--max-steps", type=int, metavar="N", help="keep the first N steps only (requests in order)")
+    p.add_argument("--max-bytes", type=int, default=MAX_BYTES, metavar="N",
+                   help="read at most N bytes of source, decompressed (default %(default)s: 1 GiB)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_import)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import os
+import stat
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,10 +20,49 @@ from typing import IO, TypeVar
 import msgspec
 
 from qnpipe.errors import TraceImportError
+from qnpipe.io.files import check_regular
 from qnpipe.trace import SCHEMA_VERSION, Header, ModelShape, RequestStart, Route, TraceWriter
 
 T = TypeVar("T")
 Progress = Callable[[int], None]  # called with the bytes of the source consumed since the last call
+
+# What one import may read, decompressed (`import_log(max_bytes=)`, `--max-bytes`): the requests are
+# held in memory, a few times the source's bytes, so this bounds the import's memory. The real
+# sources are tens of MB; a larger one is allowed by raising it.
+MAX_BYTES = 1 << 30
+# The longest JSON line read: a routing record is ~200 bytes; a longer line is not one.
+LINE_CAP = 1 << 20
+
+
+class Budget:
+    """The bytes an import may still read (decompressed), shared by its files; taken before they are read."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def take(self, n: int, where: str) -> None:
+        """Take `n` bytes for `where` (the file, line or member), or TraceImportError naming it and the limit."""
+        if n > self.left:
+            raise TraceImportError(f"{where}: {n} more bytes would pass the import's limit of {self.limit} bytes "
+                                   f"(decompressed, all files together; raise it with --max-bytes)")
+        self.left -= n
+
+
+def open_regular(path: Path, cap: int | None) -> IO[bytes]:
+    """`path` opened for reading: a regular file of at most `cap` bytes, never a FIFO, device or directory.
+
+    O_NONBLOCK: a FIFO swapped in after the check cannot block the open; fstat re-checks what was opened.
+    """
+    check_regular(path, cap=cap, error=TraceImportError)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise TraceImportError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise TraceImportError(f"{path}: not a regular file (replaced while opening)")
+    return os.fdopen(fd, "rb")
 
 
 class LayerRoute(msgspec.Struct, frozen=True):
@@ -69,32 +110,38 @@ QWEN15_MOE_A27B = ModelShape(num_layers=24, moe_layers=tuple(range(24)), num_exp
 VLLM_MODELS = {"Qwen/Qwen1.5-MoE-A2.7B-Chat": QWEN15_MOE_A27B, "Qwen/Qwen1.5-MoE-A2.7B": QWEN15_MOE_A27B}
 
 
-def open_source(path: Path) -> tuple[IO[bytes], IO[bytes] | gzip.GzipFile]:
+def open_source(path: Path, cap: int) -> tuple[IO[bytes], IO[bytes] | gzip.GzipFile]:
     """`(raw, text)`: the file as stored (for progress by its position) and its content (gunzipped if `.gz`)."""
-    try:
-        raw = open(path, "rb")  # noqa: SIM115
-    except OSError as e:
-        raise TraceImportError(f"{path}: cannot read ({e.strerror or e})") from None
+    raw = open_regular(path, cap)
     if path.suffix == ".gz":
         return raw, gzip.GzipFile(fileobj=raw, mode="rb")
     return raw, raw
 
 
-def jsonl_lines(path: Path, progress: Progress | None = None) -> Iterator[tuple[int, bytes]]:
-    """`(line number from 1, line)` of a JSON-lines file, blank lines skipped; a torn `.gz` names the line."""
-    raw, f = open_source(path)
+def jsonl_lines(path: Path, progress: Progress | None = None,
+                budget: Budget | None = None) -> Iterator[tuple[int, bytes]]:
+    """`(line number from 1, line)` of a JSON-lines file, blank lines skipped; a torn `.gz` names the line.
+
+    Streamed: a line longer than LINE_CAP is an error (read no further than that), and the
+    lines' bytes are taken from `budget` (whose limit also caps the file's size on disk).
+    """
+    budget = budget or Budget(MAX_BYTES)
+    raw, f = open_source(path, budget.limit)
     done = 0
     n = 0
     try:
         with raw, f:
             while True:
                 try:
-                    line = f.readline()
+                    line = f.readline(LINE_CAP + 1)
                 except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError
                     raise TraceImportError(f"{path}: line {n + 1}: cannot decompress ({e})") from None
                 if not line:
                     break
                 n += 1
+                if len(line) > LINE_CAP:
+                    raise TraceImportError(f"{path}: line {n}: longer than {LINE_CAP} bytes: not a routing record")
+                budget.take(len(line), f"{path}: line {n}")
                 if progress is not None and n % 4096 == 0:
                     pos = raw.tell()
                     progress(pos - done)
@@ -139,7 +186,7 @@ def fingerprint(paths: list[Path]) -> str:
     """The header's fingerprint of an imported log: sha256 of the source files' bytes, in order."""
     h = hashlib.sha256()
     for p in paths:
-        with open(p, "rb") as f:
+        with open_regular(p, None) as f:  # read before within their caps; streamed here
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
     return "import:" + h.hexdigest()

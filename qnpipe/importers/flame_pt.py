@@ -23,7 +23,7 @@ import numpy as np
 
 from qnpipe.errors import TraceImportError
 from qnpipe.importers import torch_zip
-from qnpipe.importers.common import Imported, LayerRoute, Progress, Request
+from qnpipe.importers.common import MAX_BYTES, Budget, Imported, LayerRoute, Progress, Request
 from qnpipe.trace import ModelShape
 
 # FLAME-MoE-290M-1.3B (cmu-flame; CMU-FLAME/FLAME-MoE-Traces README, its release launcher): 9 layers of hidden
@@ -49,8 +49,8 @@ class _Capture(msgspec.Struct, frozen=True):
     indices: np.ndarray
 
 
-def _read(path: Path) -> _Capture:
-    obj = torch_zip.load(path)
+def _read(path: Path, budget: Budget) -> _Capture:
+    obj = torch_zip.load(path, budget)
     if not isinstance(obj, dict):
         raise TraceImportError(f"{path}: holds a {type(obj).__name__}, a FLAME capture is a dict")
     arrays = {k: obj.get(k) for k in ("samples", "scores", "indices")}
@@ -65,6 +65,17 @@ def _read(path: Path) -> _Capture:
     if samples.ndim != 1 or indices.ndim != 2 or scores.shape != indices.shape or len(indices) != len(samples):
         raise TraceImportError(f"{path}: shapes samples {samples.shape}, scores {scores.shape}, indices "
                                f"{indices.shape}: want [N], [N, k], [N, k]")
+    # ids cast from floats would be truncated silently: the captures hold integer ids and float scores
+    for k, v, kinds in (("samples", samples, "iu"), ("indices", indices, "iu"), ("scores", scores, "f")):
+        if v.dtype.kind not in kinds or v.dtype == np.bool_:
+            raise TraceImportError(f"{path}: {k} are {v.dtype}: want {'integers' if kinds == 'iu' else 'floats'}")
+    for name in ("num_sequences", "sequence_length"):
+        if (v := getattr(meta, name)) is not None and v < 1:
+            raise TraceImportError(f"{path}: {name} {v}: want at least 1")
+    if meta.token_position is not None and meta.token_position < 0:
+        raise TraceImportError(f"{path}: token_position {meta.token_position}: want at least 0")
+    # the widened copies are held until the requests are built: charged like the tensors they come from
+    budget.take(scores.size * 8 + indices.size * 8, f"{path}: scores and indices as float64 and int64")
     return _Capture(path, meta, samples, scores.astype(np.float64), indices.astype(np.int64))
 
 
@@ -83,13 +94,14 @@ def _check(c: _Capture, shape: ModelShape) -> None:
         raise TraceImportError(f"{c.path}: {why}")
 
 
-def import_flame_pt(src: Path, progress: Progress | None = None) -> Imported:
+def import_flame_pt(src: Path, progress: Progress | None = None, budget: Budget | None = None) -> Imported:
+    budget = budget or Budget(MAX_BYTES)
     files = sorted(src.rglob("*.pt")) if src.is_dir() else [src]
     if not files:
         raise TraceImportError(f"{src}: no .pt files")
     caps = []
     for f in files:
-        caps.append(_read(f))
+        caps.append(_read(f, budget))
         if progress is not None:
             progress(f.stat().st_size)
     models = {c.meta.model for c in caps}

@@ -26,6 +26,7 @@ import msgspec
 from qnpipe.errors import TraceImportError
 from qnpipe.importers.common import (
     MIXTRAL_8X7B,
+    Budget,
     Imported,
     LayerRoute,
     Progress,
@@ -36,6 +37,9 @@ from qnpipe.importers.common import (
 )
 
 MISSING = "(token, layer) routes missing from the source (its logger drops [0.5, 0.5] gates)"
+# A forward pass's positions: the tokens a gap in them stands for are counted as missing, so an absurd
+# position would report absurd counts. Far beyond any context length.
+MAX_POSITION = 1 << 24
 
 
 class MixtralRecord(msgspec.Struct, frozen=True):
@@ -51,14 +55,15 @@ class MixtralRecord(msgspec.Struct, frozen=True):
 _DECODER = msgspec.json.Decoder(MixtralRecord)
 
 
-def import_mixtral_jsonl(src: Path, progress: Progress | None = None) -> Imported:
+def import_mixtral_jsonl(src: Path, progress: Progress | None = None,
+                         budget: Budget | None = None) -> Imported:
     shape = MIXTRAL_8X7B
     layout: str | None = None
     per_layer: dict[tuple[str, int | str], dict[int, list[LayerRoute]]] = {}  # token_idx layout
     timed: list[tuple[str, list[dict[int, list[tuple[int, LayerRoute]]]]]] = []  # token_pos layout
     key_prev: tuple[str, int | str] | None = None
     prev: tuple[int, int] = (-1, -1)  # (layer, token_pos) of the previous record
-    for n, line in jsonl_lines(src, progress):
+    for n, line in jsonl_lines(src, progress, budget):
         r = decode_line(src, n, line, _DECODER)
         mine = "token_idx" if r.token_idx is not None else "token_pos" if r.token_pos is not None else None
         if mine is None:
@@ -79,8 +84,8 @@ def import_mixtral_jsonl(src: Path, progress: Progress | None = None) -> Importe
             got.append(lr)
             continue
         assert r.token_pos is not None
-        if r.token_pos < 0:
-            raise TraceImportError(f"{src}: line {n}: token_pos {r.token_pos} is negative")
+        if not 0 <= r.token_pos < MAX_POSITION:
+            raise TraceImportError(f"{src}: line {n}: token_pos {r.token_pos}: outside 0..{MAX_POSITION - 1}")
         if key != key_prev:
             timed.append((_name(key), []))
             key_prev, prev = key, (-1, -1)

@@ -26,6 +26,7 @@ import msgspec
 from qnpipe.errors import TraceImportError
 from qnpipe.importers.common import (
     VLLM_MODELS,
+    Budget,
     Imported,
     LayerRoute,
     Progress,
@@ -58,8 +59,9 @@ _DECODER = msgspec.json.Decoder(VllmMeta | VllmRoute)
 Pass = list[tuple[int, list[tuple[tuple[int, ...], tuple[float, ...]]]]]  # [(layer, rows of (ids, weights))]
 
 
-def import_vllm_jsonl(src: Path, progress: Progress | None = None) -> Imported:
-    lines = jsonl_lines(src, progress)
+def import_vllm_jsonl(src: Path, progress: Progress | None = None,
+                      budget: Budget | None = None) -> Imported:
+    lines = jsonl_lines(src, progress, budget)
     first = next(lines, None)
     if first is None:
         raise TraceImportError(f"{src}: empty: no meta line")
@@ -73,12 +75,13 @@ def import_vllm_jsonl(src: Path, progress: Progress | None = None) -> Imported:
                                f"known: {', '.join(sorted(VLLM_MODELS))}")
     if meta.top_k != shape.top_k:
         raise TraceImportError(f"{src}: line {n}: top_k={meta.top_k}, {meta.model_id} routes to {shape.top_k}")
+    logged = set(meta.layers_logged)  # a set: the meta line may list many layers, each row looks one up
     passes: list[Pass] = []
     for n, line in lines:
         r = decode_line(src, n, line, _DECODER)
         if isinstance(r, VllmMeta):
             raise TraceImportError(f"{src}: line {n}: a second meta line")
-        if meta.layers_logged and r.layer not in meta.layers_logged:
+        if logged and r.layer not in logged:
             raise TraceImportError(f"{src}: line {n}: layer {r.layer} is not in the meta line's layers_logged "
                                    f"{meta.layers_logged}")
         check_route(src, f"line {n}", shape, r.layer, r.topk_ids, r.topk_weights)
