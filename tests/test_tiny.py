@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from safetensors import safe_open
 
+from qnpipe.errors import OutputError
 from qnpipe.tiny import TINY_CONFIG, TOKENIZER_DIR, make_tiny, random_hf_weights
 
 TOOLS = [
@@ -263,11 +264,16 @@ def test_refuses_to_overwrite(tmp_path: Path) -> None:
     d = tmp_path / "m"
     d.mkdir()
     (d / "keep.txt").write_text("x")
+    small = {"num_hidden_layers": 1, "num_experts": 2, "num_experts_per_tok": 1}
     with pytest.raises(FileExistsError, match=str(d)):
-        make_tiny(d, config_overrides={"num_hidden_layers": 1, "num_experts": 2, "num_experts_per_tok": 1})
+        make_tiny(d, config_overrides=small)
+    with pytest.raises(OutputError, match="not a qnpipe output"):  # force replaces only what qnpipe wrote
+        make_tiny(d, force=True, config_overrides=small)
     assert (d / "keep.txt").exists()
-    make_tiny(d, force=True, config_overrides={"num_hidden_layers": 1, "num_experts": 2, "num_experts_per_tok": 1})
-    assert not (d / "keep.txt").exists() and (d / "model.safetensors").exists()
+    (d / "keep.txt").unlink()
+    make_tiny(d, config_overrides=small)
+    make_tiny(d, force=True, seed=1, config_overrides=small)
+    assert (d / "model.safetensors").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temporary directories left behind
 
 

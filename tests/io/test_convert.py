@@ -17,7 +17,7 @@ import pytest
 import qnpipe
 import qnpipe.convert as cv
 from qnpipe.cli import main
-from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
+from qnpipe.errors import CheckpointError, ConfigError, OutputError, QnpipeError
 from qnpipe.io.store import ExpertStore, as_mx
 from qnpipe.model.checkpoint import Layout, load_safetensors
 from qnpipe.model.load import load_model
@@ -157,9 +157,14 @@ def test_refuses_existing_dir_without_force(tmp_path: Path, tiny_mlx4: Path) -> 
     (out / "keep.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="--force"):
         cv.convert(tiny_mlx4, out)
+    with pytest.raises(OutputError, match="not a qnpipe output"):  # --force replaces only what qnpipe wrote
+        cv.convert(tiny_mlx4, out, force=True)
     assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    cv.convert(tiny_mlx4, out)
+    (out / "stale.txt").write_text("from the first convert")
     cv.convert(tiny_mlx4, out, force=True)
-    assert not (out / "keep.txt").exists() and (out / "experts" / "index.json").is_file()
+    assert not (out / "stale.txt").exists() and (out / "experts" / "index.json").is_file()
     assert not _leftovers(tmp_path)
 
 
@@ -217,7 +222,7 @@ def test_failure_midway_leaves_nothing(tmp_path: Path, tiny_mlx4: Path, monkeypa
         return real(*a, **k)
 
     monkeypatch.setattr(cv, "_expert_chunk", failing)
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(OutputError, match=r"qn: No space left on device \(injected\)"):  # the output, not a temp name
         cv.convert(tiny_mlx4, tmp_path / "qn")
     assert calls == 3
     assert not (tmp_path / "qn").exists() and not _leftovers(tmp_path)
