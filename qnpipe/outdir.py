@@ -279,7 +279,8 @@ def _put_in_place(build: Path, out: Path, tmp: Path) -> None:
     elif not _exchange(build, out):
         os.rename(out, tmp / OLD)
         os.rename(build, out)
-        os.rename(tmp / OLD, tmp / "replaced")  # OLD means "put me back": no longer
+        with contextlib.suppress(OSError):  # OLD means "put me back": no longer; if this fails, rmtree takes it
+            os.rename(tmp / OLD, tmp / "replaced")
     fsync_dir(out.parent)
 
 
