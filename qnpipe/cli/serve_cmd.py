@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from qnpipe.cli.common import add_config_flags, int_arg, load_config, precheck_model
+from qnpipe.cli.common import add_config_flags, checked, int_arg, load_config, precheck_model
 from qnpipe.errors import QnpipeError
+from qnpipe.io.files import KiB, read_text_capped
+
+KEY_FILE_CAP = 64 * KiB
 
 
 def _positive(value: int, name: str = "value") -> int:
@@ -29,17 +33,30 @@ def _port(value: int, name: str = "value") -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def api_key(args: argparse.Namespace) -> str | None:
-    """The key of --api-key or --api-key-file (stripped); None without either. QnpipeError for both or an empty file."""
-    if args.api_key and args.api_key_file:
+    """The key of --api-key or --api-key-file (stripped); None without either.
+
+    QnpipeError for both, an empty key (`--api-key ''` would otherwise serve without one) or an
+    empty, unreadable or oversized file (read capped: a FIFO or a device is refused).
+    """
+    if args.api_key is not None and args.api_key_file:
         raise QnpipeError("give --api-key or --api-key-file, not both")
     if args.api_key_file:
         path = Path(args.api_key_file)
-        key = path.read_text(encoding="utf-8").strip()
+        key = read_text_capped(path, KEY_FILE_CAP).strip()
         if not key:
             raise QnpipeError(f"{path}: the API key file is empty")
         return key
-    return args.api_key or None
+    if args.api_key is not None and not args.api_key.strip():
+        raise QnpipeError("--api-key is empty: give a key (or leave --api-key out to serve loopback without one)")
+    return args.api_key.strip() if args.api_key is not None else None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -51,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           f"{args.max_tokens_cap}")
     opts = ServerOptions(host=args.host, port=args.port, api_key=api_key(args), max_queue=args.max_queue,
                          limits=Limits(max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens,
-                                       max_body_bytes=args.max_body_bytes),
+                                       max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout),
                          model_name=args.model_name)
     check_options(opts)  # before the model loads
     cfg = load_config(args)
@@ -99,6 +116,8 @@ def register(sub: Any, fmt: Any) -> None:
                    help="max_tokens of a request that gives none (default 512)")
     g.add_argument("--max-body-bytes", type=int_arg(_positive), default=4 * 2**20, metavar="N",
                    help="the largest request body accepted (default 4 MiB); larger gets 413")
+    g.add_argument("--body-timeout", type=checked(_seconds), default=30.0, metavar="S",
+                   help="a request body must arrive whole within S seconds (default 30); slower gets 408")
     g.add_argument("--model-name", metavar="NAME", help="the model id /v1/models shows (default: MODEL_DIR's name)")
     add_config_flags(p)
     p.set_defaults(func=cmd_serve)

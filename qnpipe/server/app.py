@@ -1,4 +1,4 @@
-"""The Starlette app: routes, the bearer-key check, the body cap, JSON errors in OpenAI's shape."""
+"""The Starlette app: routes, the bearer-key check, the body's cap and deadline, JSON errors in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 import msgspec
+import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -20,6 +21,9 @@ from qnpipe.server.jobs import BadRequest, Limits, chat_job, completion_job
 from qnpipe.server.metrics import render
 
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+# Nesting a request's free-form JSON (tool schemas) may have: real schemas use a handful of
+# levels; far deeper ones only exhaust the decoder's and the template's recursion.
+MAX_JSON_DEPTH = 64
 # Reachable without the key: a liveness probe learns nothing but that the server is up.
 OPEN_PATHS = frozenset({"/health"})
 
@@ -53,6 +57,10 @@ class BodyTooLarge(Exception):
     """The request body is over the server's cap (413)."""
 
 
+class BodyTooSlow(Exception):
+    """The request body did not arrive within the server's deadline (408)."""
+
+
 class _RawTools(msgspec.Struct):
     """A chat body's tools with their keys in the order the client wrote them (the template renders that order)."""
 
@@ -68,21 +76,42 @@ def _json(status: int, obj: Any) -> Response:
     return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
 
 
-def _error(status: int, message: str, param: str | None = None) -> Response:
-    return Response(error_body(status, message, param), status_code=status, media_type="application/json")
+def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> Response:
+    return Response(error_body(status, message, param), status_code=status, media_type="application/json",
+                    headers=headers)
 
 
-async def _body(request: Request, limit: int) -> bytes:
+async def _body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body, at most `limit` bytes, all of it within `timeout_s` (a client trickling it is cut off).
+
+    The deadline covers the body as a whole, not each read: hypercorn's `read_timeout` is per
+    read and also runs while a long answer is written, when a client sends nothing.
+    """
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise BodyTooLarge(f"the request body is {length} bytes; this server takes at most {limit}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"the request body is over {limit} bytes, this server's cap")
-        chunks.append(chunk)
+    with trio.move_on_after(timeout_s) as deadline:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"the request body is over {limit} bytes, this server's cap")
+            chunks.append(chunk)
+    if deadline.cancelled_caught:
+        raise BodyTooSlow(f"the request body did not arrive within {timeout_s:g} s ({size} bytes came)")
     return b"".join(chunks)
+
+
+def _too_deep(obj: Any, limit: int) -> bool:
+    """Whether `obj` (decoded JSON) nests lists and objects more than `limit` levels deep (no recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict | list):
+            if d > limit:
+                return True
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return False
 
 
 def build_app(served: Served, limits: Limits, api_key: str | None = None) -> ASGIApp:
@@ -92,10 +121,17 @@ def build_app(served: Served, limits: Limits, api_key: str | None = None) -> ASG
     async def generation(request: Request, endpoint: str, kind: type[s.ChatRequest] | type[s.CompletionRequest]
                          ) -> Any:
         try:
-            raw = await _body(request, limits.max_body_bytes)
-            req = msgspec.json.decode(raw, type=kind)
-            job = (chat_job(req, eng, limits, msgspec.json.decode(raw, type=_RawTools).tools)
-                   if isinstance(req, s.ChatRequest)
+            raw = await _body(request, limits.max_body_bytes, limits.body_timeout_s)
+            try:
+                req = msgspec.json.decode(raw, type=kind)
+                tools = msgspec.json.decode(raw, type=_RawTools).tools if isinstance(req, s.ChatRequest) else None
+            except RecursionError:
+                raise BadRequest(f"the body nests JSON too deeply (at most {MAX_JSON_DEPTH} levels are taken)"
+                                 ) from None
+            for i, t in enumerate(tools or ()):
+                if _too_deep(t, MAX_JSON_DEPTH):
+                    raise BadRequest(f"tools[{i}]: nested more than {MAX_JSON_DEPTH} levels deep", f"tools[{i}]")
+            job = (chat_job(req, eng, limits, tools) if isinstance(req, s.ChatRequest)
                    else completion_job(req, eng.args.vocab_size, limits))
         except ClientDisconnect:
             served.metrics.request(endpoint, 499)
@@ -103,6 +139,9 @@ def build_app(served: Served, limits: Limits, api_key: str | None = None) -> ASG
         except BodyTooLarge as e:
             served.metrics.request(endpoint, 413)
             return _error(413, str(e))
+        except BodyTooSlow as e:
+            served.metrics.request(endpoint, 408)
+            return _error(408, str(e), headers={"connection": "close"})
         except BadRequest as e:
             served.metrics.request(endpoint, 400)
             return _error(400, str(e), e.param)
@@ -138,7 +177,7 @@ def build_app(served: Served, limits: Limits, api_key: str | None = None) -> ASG
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         served.metrics.request(endpoint_label(request.url.path), status)
-        detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+        detail = exc.detail if isinstance(exc, HTTPException) else f"internal error ({type(exc).__name__})"
         return _error(status, f"{request.method} {request.url.path}: {detail}")
 
     app: ASGIApp = Starlette(routes=[
@@ -147,7 +186,7 @@ def build_app(served: Served, limits: Limits, api_key: str | None = None) -> ASG
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ], exception_handlers={HTTPException: http_error})
+    ], exception_handlers={HTTPException: http_error, Exception: http_error})
     if api_key is not None:
         app = BearerAuth(app, api_key, served)
     return app

@@ -5,12 +5,18 @@ has its turn and its prompt is checked, so a queued request that turns out bad s
 its 400. While the request waits or generates, a task listens for `http.disconnect`: the
 client leaving cancels the generation, which stops at its next layer and leaves the engine
 usable (every generation starts from a fresh cache, so the next request is exact).
+
+When the server stops (`Served.closing`), a request still waiting gets 503 at once and the one
+generating gets `cut_after_s` to finish; past it the generation is cancelled and the answer
+ends properly: a 503 error body, or for a stream that already began an SSE error event and
+`data: [DONE]`, so a client never mistakes a cut stream for a whole one.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+import sys
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -19,7 +25,8 @@ import attrs
 import msgspec
 import trio
 
-from qnpipe.errors import QnpipeError
+from qnpipe.chat.escape import encode_marked, has_marks
+from qnpipe.errors import ChatError, QnpipeError
 from qnpipe.server import schemas as s
 from qnpipe.server.jobs import BadRequest, Job
 from qnpipe.server.metrics import Metrics
@@ -47,6 +54,9 @@ class Outcome:
         return s.Usage(self.prompt_tokens, self.completion_tokens, self.prompt_tokens + self.completion_tokens)
 
 
+SHUTTING_DOWN = "the server is shutting down"
+
+
 @attrs.define
 class Served:
     """What every response shares: the engine, the queue, the counters, the model's name."""
@@ -55,11 +65,14 @@ class Served:
     sched: Scheduler
     metrics: Metrics
     model_id: str
+    closing: trio.Event = attrs.field(factory=trio.Event)  # set when the server begins to stop
+    cut_after_s: float = 4.0  # how long the generation in flight may still run once closing is set
 
 
 def error_body(status: int, message: str, param: str | None = None) -> bytes:
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+            408: "invalid_request_error", 413: "invalid_request_error",
+            429: "rate_limit_error"}.get(status, "server_error")
     return _ENC.encode(s.ErrorBody(s.ErrorDetail(message=message, type=kind, param=param)))
 
 
@@ -112,9 +125,15 @@ class GenerationResponse:
         self.created = int(time.time())
         self.disconnected = False
         self.finished = False
+        self.generating = False
+        self.stop = trio.CancelScope()  # cancelled when the server stops (`_watch_closing`)
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         sv = self.served
+        if sv.closing.is_set():
+            sv.metrics.request(self.endpoint, 503)
+            await send_json(send, 503, error_body(503, SHUTTING_DOWN))
+            return
         try:
             sv.sched.admit()
         except QueueFull as e:
@@ -134,13 +153,33 @@ class GenerationResponse:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch, receive, nursery.cancel_scope)
+            nursery.start_soon(self._watch_closing)
             try:
-                async with sv.sched.turn():
-                    await self._answer(tracked)
+                with self.stop:
+                    async with sv.sched.turn():
+                        self.generating = True
+                        await self._answer(tracked)
+                if self.stop.cancelled_caught and not self.finished:
+                    await self._cut(tracked, started)
             finally:
                 nursery.cancel_scope.cancel()
         if not started:
             sv.metrics.request(self.endpoint, 499)  # the client left before an answer started
+
+    async def _watch_closing(self) -> None:
+        await self.served.closing.wait()
+        if self.generating:
+            await trio.sleep(self.served.cut_after_s)
+        self.stop.cancel()
+
+    async def _cut(self, send: Send, started: bool) -> None:
+        """End an answer the server's stop cut short: 503, or (a stream already begun) an error event and [DONE]."""
+        if not started:
+            await send_json(send, 503, error_body(503, SHUTTING_DOWN))
+            return
+        event = error_body(503, f"{SHUTTING_DOWN}: the answer was cut off")
+        await send({"type": "http.response.body", "body": b"data: " + event + b"\n\ndata: [DONE]\n\n",
+                    "more_body": False})
 
     async def _watch(self, receive: Receive, scope: trio.CancelScope) -> None:
         while True:
@@ -168,14 +207,25 @@ class GenerationResponse:
         try:
             out = await run_job(sv.engine, job, ids, pieces.append)
         except (QnpipeError, ValueError) as e:
+            self._log_failure(e)
             await send_json(send, 500, error_body(500, f"generation failed: {e}"))
             return
         sv.metrics.completion_tokens += out.completion_tokens
         await send_json(send, 200, _ENC.encode(self._whole(out)))
 
+    def _log_failure(self, e: Exception) -> None:
+        # The client gets the error; the operator sees it too (a failed event log, a read error).
+        print(f"qnpipe serve: {self.rid}: generation failed: {e}", file=sys.stderr, flush=True)
+
     async def _ids(self) -> list[int]:
         eng, job = self.served.engine, self.job
-        ids = await eng.encode(job.prompt) if isinstance(job.prompt, str) else list(job.prompt)
+        if job.escaper is not None and isinstance(job.prompt, str) and has_marks(job.prompt):
+            try:
+                ids = await encode_marked(job.escaper, job.prompt, eng.encode)
+            except ChatError as e:
+                raise BadRequest(str(e), "messages") from None
+        else:
+            ids = await eng.encode(job.prompt) if isinstance(job.prompt, str) else list(job.prompt)
         limit = eng.args.max_position_embeddings
         if len(ids) + job.max_tokens > limit:
             field = "messages" if job.kind == "chat" else "prompt"
@@ -248,6 +298,7 @@ class GenerationResponse:
                 try:
                     out = await run_job(sv.engine, job, ids, tx.send_nowait)
                 except (QnpipeError, ValueError) as e:
+                    self._log_failure(e)
                     failed = f"generation failed: {e}"
         if out is None:
             await body(b"data: " + error_body(500, failed) + b"\n\n")

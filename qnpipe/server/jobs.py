@@ -1,7 +1,8 @@
 """A checked request becomes a Job: the prompt to run and how to run and answer it.
 
 Every check names the request field at fault (BadRequest -> 400). Nothing in a request
-is ever used as a path: `model` is only echoed back, never opened.
+is ever used as a path: `model` is only echoed back, never opened. Special-token text in a
+chat request's strings stays text (qnpipe.chat.escape): no client string can open a turn.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 import attrs
 import msgspec
 
+from qnpipe.chat.escape import Escaper, mark_request
 from qnpipe.chat.template import filter_tools
 from qnpipe.errors import ChatError, QnpipeError
 from qnpipe.server.schemas import ChatRequest, CompletionRequest, Message, NamedToolChoice
@@ -34,6 +36,7 @@ class Limits:
     max_tokens_cap: int = 4096
     default_max_tokens: int = 512
     max_body_bytes: int = 4 * 2**20
+    body_timeout_s: float = 30.0  # the whole request body must arrive within this (408 otherwise)
 
 
 @attrs.define
@@ -52,6 +55,7 @@ class Job:
     include_usage: bool
     ignore_eos: bool = False
     echo: str = ""  # completions' echo=true: the prompt text, sent before the output
+    escaper: Escaper | None = None  # chat: `prompt` was rendered from marked strings (qnpipe.chat.escape)
 
 
 def _check(fn: Any, value: Any, name: str) -> Any:
@@ -126,8 +130,9 @@ def _tools(req: ChatRequest, raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def chat_job(req: ChatRequest, eng: Any, limits: Limits, raw_tools: list[dict[str, Any]] | None = None) -> Job:
     """The Job of a chat request: its messages and tools rendered by `eng.render_chat` (the model's
-    chat template, tools kept by `chat.tools_allow`). `raw_tools` are `req.tools` as decoded
-    without a type (the keys in the client's order); default: `req.tools` re-encoded."""
+    chat template, tools kept by `chat.tools_allow`), every string marked first so that its
+    special-token text is encoded as text (qnpipe.chat.escape). `raw_tools` are `req.tools` as
+    decoded without a type (the keys in the client's order); default: `req.tools` re-encoded."""
     if not req.messages:
         raise BadRequest("messages is empty: give at least one message", "messages")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
@@ -140,8 +145,10 @@ def chat_job(req: ChatRequest, eng: Any, limits: Limits, raw_tools: list[dict[st
     if raw_tools is None or len(raw_tools) != len(req.tools or []):
         raw_tools = [msgspec.to_builtins(t) for t in req.tools or []]
     tools = _tools(req, raw_tools)
+    escaper = Escaper(eng.tokenizer)
+    marked, marked_tools = mark_request(escaper, messages, tools or None)
     try:
-        prompt = eng.render_chat(messages, tools or None)
+        prompt = eng.render_chat(marked, marked_tools)
     except ChatError as e:
         raise BadRequest(str(e), _chat_param(str(e))) from None
     except QnpipeError as e:
@@ -150,7 +157,7 @@ def chat_job(req: ChatRequest, eng: Any, limits: Limits, raw_tools: list[dict[st
         raise BadRequest(f"messages: the chat template refused them ({type(e).__name__}: {e})", "messages") from None
     # The allowlist (chat.tools_allow) may have kept none of the tools sent: then there is nothing to call.
     shown = filter_tools(tools, eng.cfg.chat.tools_allow) if tools else []
-    return Job(kind="chat", prompt=prompt, tools=bool(shown), **kw)
+    return Job(kind="chat", prompt=prompt, tools=bool(shown), escaper=escaper, **kw)
 
 
 def _chat_param(message: str) -> str:

@@ -1,10 +1,18 @@
-"""`serve`: the engine and the HTTP server in one trio run (one process, one engine, one MLX thread)."""
+"""`serve`: the engine and the HTTP server in one trio run (one process, one engine, one MLX thread).
+
+The listening sockets are bound before the model loads, so a port in use fails in a second
+rather than after minutes of loading. They listen from then on (a second server started
+meanwhile cannot take the port either); connections made while the model loads wait in the
+backlog and are answered once it is ready.
+"""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import signal
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +36,13 @@ class ServerOptions:
     max_queue: int = 8
     limits: Limits = attrs.field(factory=Limits)
     model_name: str | None = None  # the id /v1/models shows; default: the model directory's name
-    graceful_s: float = 5.0
+    graceful_s: float = 5.0  # on SIGINT/SIGTERM: how long the requests in flight have (see `cut_after`)
+
+
+def cut_after(graceful_s: float) -> float:
+    """How long the generation in flight may run once the server stops: the grace less the last second
+    (at least half of it), which is left for sending the cut answers' ends."""
+    return max(graceful_s - 1.0, graceful_s / 2)
 
 
 def is_loopback(host: str) -> bool:
@@ -41,7 +55,10 @@ def is_loopback(host: str) -> bool:
 
 
 def check_options(opts: ServerOptions) -> None:
-    """Raise QnpipeError for a bind the server refuses: a non-loopback address without an API key."""
+    """Raise QnpipeError for options the server refuses: an empty API key, a non-loopback address without one."""
+    if opts.api_key is not None and not opts.api_key.strip():
+        raise QnpipeError("the API key is empty: give a non-empty --api-key or --api-key-file (or none, "
+                          "on loopback only)")
     if not is_loopback(opts.host) and not opts.api_key:
         raise QnpipeError(f"--host {opts.host} is not a loopback address: binding it needs --api-key "
                           f"(or bind 127.0.0.1)")
@@ -59,45 +76,94 @@ def _hypercorn_config(opts: ServerOptions) -> Any:
     hc.accesslog = None
     hc.errorlog = "-"
     hc.h11_max_incomplete_size = 64 * 1024  # request line + headers
+    # A request line and headers must come within keep_alive_timeout (hypercorn's idle timer runs until a
+    # request is complete); the body has its own deadline (Limits.body_timeout_s, in the app).
+    hc.keep_alive_timeout = 5.0
     return hc
 
 
+def bind(opts: ServerOptions) -> Any:
+    """The server's sockets, bound and listening: QnpipeError naming the address when it is taken."""
+    hc = _hypercorn_config(opts)
+    try:
+        sockets = hc.create_sockets()
+    except OSError as e:
+        raise _bind_error(opts, e) from None
+    try:
+        for sock in sockets.insecure_sockets:
+            sock.listen(hc.backlog)
+    except OSError as e:
+        for sock in sockets.insecure_sockets:
+            sock.close()
+        raise _bind_error(opts, e) from None
+    return sockets
+
+
+def _bind_error(opts: ServerOptions, e: OSError) -> QnpipeError:
+    hint = ("; is another server running there? pick another --port (0 picks a free one)"
+            if e.errno == errno.EADDRINUSE else "")
+    return QnpipeError(f"cannot listen on {opts.host}:{opts.port} ({e.strerror or e}){hint}")
+
+
 async def serve_engine(eng: Any, model_dir: str | Path, opts: ServerOptions, *,
-                       shutdown: Callable[[], Any] | None = None,
+                       shutdown: Callable[[], Any] | None = None, sockets: Any = None,
                        task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the open AsyncEngine `eng` until `shutdown()` returns (an awaitable) or SIGINT/SIGTERM.
 
-    `task_status.started` gets the bound addresses (`http://127.0.0.1:PORT`; port 0 picks a free one).
+    `sockets` are those `bind` made (None: bound here). `task_status.started` gets the bound
+    addresses (`http://127.0.0.1:PORT`; port 0 picks a free one).
     """
-    from hypercorn.trio import serve
+    from hypercorn.trio.run import worker_serve
+    from hypercorn.utils import wrap_app
 
     check_options(opts)
     served = Served(engine=eng, sched=Scheduler(opts.max_queue), metrics=Metrics(),
-                    model_id=opts.model_name or Path(model_dir).name)
+                    model_id=opts.model_name or Path(model_dir).name, cut_after_s=cut_after(opts.graceful_s))
     app = build_app(served, opts.limits, opts.api_key)
+    hc = _hypercorn_config(opts)
+    own = sockets is None
+    if sockets is None:
+        sockets = bind(opts)
 
     async def stop() -> None:
-        if shutdown is not None:
-            await shutdown()
-            return
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for _ in signals:
+        try:
+            if shutdown is not None:
+                await shutdown()
                 return
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    return
+        finally:
+            served.closing.set()  # waiting requests get 503, the one generating `cut_after_s` more
 
-    await serve(app, _hypercorn_config(opts), shutdown_trigger=stop, task_status=task_status)  # type: ignore[arg-type]
+    try:
+        await worker_serve(wrap_app(app, hc.wsgi_max_body_size, "asgi"), hc, sockets=sockets,  # type: ignore[arg-type]
+                           shutdown_trigger=stop, task_status=task_status)
+    finally:
+        if own:
+            for sock in sockets.insecure_sockets:
+                sock.close()
 
 
 def run_server(model_dir: str | Path, cfg: Config, opts: ServerOptions,
                on_ready: Callable[[list[str]], None] | None = None) -> None:
-    """Open the engine on `model_dir` and serve it until SIGINT or SIGTERM (blocking)."""
+    """Open the engine on `model_dir` and serve it until SIGINT or SIGTERM (blocking).
+
+    The port is bound first: a port in use is a QnpipeError before the model loads.
+    """
     check_options(opts)
+    sockets = bind(opts)
 
     async def main() -> None:
         from qnpipe.embed import open_engine
 
         async with open_engine(model_dir, cfg) as eng, trio.open_nursery() as nursery:
-            binds = await nursery.start(serve_engine, eng, model_dir, opts)
+            binds = await nursery.start(partial(serve_engine, eng, model_dir, opts, sockets=sockets))
             if on_ready is not None:
                 on_ready(binds)
 
-    trio.run(main)
+    try:
+        trio.run(main)
+    finally:
+        for sock in sockets.insecure_sockets:
+            sock.close()
