@@ -143,7 +143,7 @@ def _load_mtp(cfg: Config, runner: Runner, model_dir: Path, resident: bool) -> t
     weights = runner.loaded.mtp_weights
     if cfg.model.mtp_weights_path:
         path = Path(cfg.model.mtp_weights_path)
-        if not path.is_file():
+        if not path.exists():  # a FIFO or a directory there is read_header's error, naming what it is
             raise ConfigError(f"model.mtp_weights_path={path}: no such file")
         weights = {k: v for k, v in load_tensors(read_header(path)).items() if k.startswith("mtp.")}
     head = load_mtp(runner.loaded.args, weights, str(path if cfg.model.mtp_weights_path else model_dir),

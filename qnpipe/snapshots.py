@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Sequence
@@ -41,6 +43,7 @@ from qnpipe.errors import SnapshotError
 MAGIC = b"QNSNAP\x00\x01"
 FORMAT_VERSION = 2  # 2: `next_token` in the header (MTP states)
 _LEN = struct.Struct("<Q")
+MAX_HEADER_BYTES = 16 << 20  # a header lists a few arrays per layer: kilobytes
 
 
 @runtime_checkable
@@ -351,33 +354,66 @@ def save(path: str | os.PathLike[str], snap: Snapshot, key: str, fingerprint: st
     return len(MAGIC) + _LEN.size + len(head) + total
 
 
+def _read_exactly(fd: int, n: int, offset: int, path: Path, what: str) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = os.pread(fd, min(n - len(data), 1 << 26), offset + len(data))
+        if not chunk:
+            raise SnapshotError(f"{path}: truncated {what} ({len(data)} of {n} bytes)")
+        data += chunk
+    return bytes(data)
+
+
 def load(path: str | os.PathLike[str], key: str, fingerprint: str) -> Snapshot:
-    """The snapshot in `path`; SnapshotError naming the file when it is not a valid snapshot of `key` for this model."""
+    """The snapshot in `path`; SnapshotError naming the file when it is not a valid snapshot of `key` for this model.
+
+    The header is read and checked first (a file of another model or other tokens costs a few
+    bytes, whatever its size), then the arrays, whose total must be what the file holds after it.
+    A FIFO, a directory or a device is refused without being opened for reading.
+    """
+    from qnpipe.io.files import check_regular
+
     path = Path(path)
+    size = check_regular(path, error=SnapshotError)
+    pre = len(MAGIC) + _LEN.size
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise SnapshotError(f"{path}: cannot read ({e.strerror or e})") from None
-    pre = len(MAGIC) + _LEN.size
-    if len(data) < pre or data[:len(MAGIC)] != MAGIC:
-        raise SnapshotError(f"{path}: not a qnpipe snapshot (bad magic)")
-    (hlen,) = _LEN.unpack_from(data, len(MAGIC))
-    if pre + hlen > len(data):
-        raise SnapshotError(f"{path}: truncated header ({len(data)} bytes, header needs {pre + hlen})")
     try:
-        h = msgspec.msgpack.decode(data[pre:pre + hlen], type=FileHeader)
-    except msgspec.DecodeError as e:
-        raise SnapshotError(f"{path}: corrupt header ({e})") from None
-    if h.format_version != FORMAT_VERSION:
-        raise SnapshotError(f"{path}: format version {h.format_version}, this qnpipe reads {FORMAT_VERSION}")
-    if h.fingerprint != fingerprint:
-        raise SnapshotError(f"{path}: made for another model or other kv.* / forward.* / mtp settings "
-                            f"(fingerprint {h.fingerprint[:12]}, this model {fingerprint[:12]})")
-    if h.tokens_sha256 != key:
-        raise SnapshotError(f"{path}: holds the state of other tokens (key {h.tokens_sha256[:12]})")
-    blob = memoryview(data)[pre + hlen:]
-    if len(blob) != h.blob_bytes:
-        raise SnapshotError(f"{path}: {len(blob)} bytes of arrays, the header says {h.blob_bytes} (truncated?)")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SnapshotError(f"{path}: not a regular file")
+        data = os.pread(fd, pre, 0)
+        if len(data) < pre or data[:len(MAGIC)] != MAGIC:
+            raise SnapshotError(f"{path}: not a qnpipe snapshot (bad magic)")
+        (hlen,) = _LEN.unpack_from(data, len(MAGIC))
+        if pre + hlen > size:
+            raise SnapshotError(f"{path}: truncated header ({size} bytes, header needs {pre + hlen})")
+        if hlen > MAX_HEADER_BYTES:
+            raise SnapshotError(f"{path}: header of {hlen} bytes; at most {MAX_HEADER_BYTES} are read")
+        head = _read_exactly(fd, hlen, pre, path, "header")
+        try:
+            h = msgspec.msgpack.decode(head, type=FileHeader)
+        except msgspec.DecodeError as e:
+            raise SnapshotError(f"{path}: corrupt header ({e})") from None
+        if h.format_version != FORMAT_VERSION:
+            raise SnapshotError(f"{path}: format version {h.format_version}, this qnpipe reads {FORMAT_VERSION}")
+        if h.fingerprint != fingerprint:
+            raise SnapshotError(f"{path}: made for another model or other kv.* / forward.* / mtp settings "
+                                f"(fingerprint {h.fingerprint[:12]}, this model {fingerprint[:12]})")
+        if h.tokens_sha256 != key:
+            raise SnapshotError(f"{path}: holds the state of other tokens (key {h.tokens_sha256[:12]})")
+        held = size - pre - hlen
+        if held != h.blob_bytes:
+            raise SnapshotError(f"{path}: {held} bytes of arrays, the header says {h.blob_bytes} (truncated?)")
+        listed = sum(ah.nbytes for lh in h.layers for ah in lh.arrays)
+        if listed != h.blob_bytes:
+            raise SnapshotError(f"{path}: the arrays' sizes add up to {listed} bytes, the header says {h.blob_bytes}")
+        blob = memoryview(_read_exactly(fd, held, pre + hlen, path, "arrays"))
+    except OSError as e:
+        raise SnapshotError(f"{path}: cannot read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
     if zlib.crc32(blob) != h.blob_crc32:
         raise SnapshotError(f"{path}: crc32 mismatch (corrupt)")
     layers: list[LayerState] = []
@@ -386,7 +422,8 @@ def load(path: str | os.PathLike[str], key: str, fingerprint: str) -> Snapshot:
         arrays = []
         for ah in lh.arrays:
             dtype = _DTYPES.get(ah.dtype)
-            if dtype is None or ah.nbytes != int(np.prod(ah.shape)) * dtype.size:
+            if (dtype is None or any(d < 0 for d in ah.shape) or len(ah.shape) > 8
+                    or ah.nbytes != math.prod(ah.shape) * dtype.size):
                 raise SnapshotError(f"{path}: layer {i}: bad array {ah.dtype} {ah.shape} of {ah.nbytes} bytes")
             udt = np.dtype(f"<u{dtype.size}")
             raw = np.frombuffer(blob[pos:pos + ah.nbytes], dtype=udt).reshape(ah.shape)

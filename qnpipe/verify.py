@@ -61,7 +61,8 @@ def verify_store(path: str | os.PathLike[str], *, progress: bool = False) -> Ver
     """
     t0 = time.perf_counter()
     p = Path(path)
-    expected = config_model_id(p) if (p / "config.json").is_file() else None
+    # lexists: a config.json that is a FIFO or a directory is refused by name, not taken for none.
+    expected = config_model_id(p) if os.path.lexists(p / "config.json") else None
     root, index = read_index(p, expected_model_id=expected)
     if expected is not None:
         from qnpipe.model.args import args_from_dict, read_config

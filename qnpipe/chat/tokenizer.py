@@ -3,26 +3,38 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from qnpipe.errors import TokenizerError
+from qnpipe.io.files import CONFIG_CAP, SMALL_CAP, check_regular, read_capped
 
 # Files that hold a vocabulary (tokenizer_config.json only configures one of these).
 _VOCAB_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt")
+# Every file the tokenizer libraries may read whole from a model directory: each present one must be
+# a regular file of at most TOKENIZER_CAP bytes before any of them is opened (a FIFO would block the
+# library's read for good, /dev/zero would fill memory).
+_READ_FILES = (*_VOCAB_FILES, "tokenizer_config.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
+               "chat_template.jinja", "chat_template.json", "generation_config.json")
+TOKENIZER_CAP = SMALL_CAP  # the largest real tokenizer.json files are ~35 MB
 
 
 def check_tokenizer_files(model_dir: str | Path) -> list[str]:
     """The vocabulary files of `model_dir` (cheap: no tokenizer library is imported).
 
-    Raises TokenizerError naming the missing file when there is no tokenizer, or only a
-    tokenizer_config.json (which configures a vocabulary but holds none).
+    Raises TokenizerError naming the file when there is no tokenizer, only a
+    tokenizer_config.json (which configures a vocabulary but holds none), or a tokenizer or
+    chat-template file that is not a regular file or is too large.
     """
     model_dir = Path(model_dir)
-    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+    present = [f for f in _READ_FILES if os.path.lexists(model_dir / f)]
+    for f in present:
+        check_regular(model_dir / f, cap=TOKENIZER_CAP, error=TokenizerError)
+    if "tokenizer.json" not in present and "tokenizer_config.json" not in present:
         raise TokenizerError(f"{model_dir}: no tokenizer.json or tokenizer_config.json")
-    vocab_files = [f for f in _VOCAB_FILES if (model_dir / f).is_file()]
+    vocab_files = [f for f in _VOCAB_FILES if f in present]
     if not vocab_files:
         raise TokenizerError(f"{model_dir / 'tokenizer.json'}: missing; tokenizer_config.json alone has no "
                              f"vocabulary (copy tokenizer.json from the original checkpoint)")
@@ -40,12 +52,16 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     vocab_files = check_tokenizer_files(model_dir)
     eos: list[int] = []
     gen = model_dir / "generation_config.json"
-    if gen.is_file():
+    if os.path.lexists(gen):
         try:
-            e = json.loads(gen.read_text()).get("eos_token_id")
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raw = json.loads(read_capped(gen, CONFIG_CAP, error=TokenizerError))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
             raise TokenizerError(f"{gen}: not valid JSON ({err})") from None
-        eos = [e] if isinstance(e, int) else list(e or [])
+        e = raw.get("eos_token_id") if isinstance(raw, dict) else None
+        ids = [e] if isinstance(e, int) else e if isinstance(e, list) else []
+        if not all(type(i) is int for i in ids):
+            raise TokenizerError(f"{gen}: eos_token_id is {e!r}; expected a token id or a list of them")
+        eos = list(ids)
     try:
         tok = load(model_dir, eos_token_ids=eos or None)
         size = len(tok.get_vocab())

@@ -21,6 +21,7 @@ import numpy as np
 
 from qnpipe.dtypes import NP_DTYPES
 from qnpipe.errors import CheckpointError, StoreError
+from qnpipe.io.files import MiB, read_capped
 from qnpipe.io.store_format import (
     ALIGN,
     FORMAT,
@@ -43,6 +44,17 @@ __all__ = [
 ]
 
 EXPERTS_DIR = "experts"
+
+# Bounds of what an index may claim, checked before anything is sized from it: far above any real
+# store (the 80B: 48 layers x 512 experts of ~1.7 MB records, an index of ~3 MB) and far below
+# what would exhaust memory (the slots, verify-store's report and the index itself scale with them).
+INDEX_CAP = 64 * MiB
+MAX_ALIGN = 1 << 20
+MAX_LAYERS = 4096
+MAX_EXPERTS = 1 << 16
+MAX_RECORDS = 1 << 20  # in all layers together
+MAX_RECORD_BYTES = 1 << 30
+MAX_TENSORS = 64
 
 
 def layer_file_name(layer: int) -> str:
@@ -75,7 +87,7 @@ def write_index(experts_dir: Path, index: StoreIndex) -> Path:
 def _experts_dir(path: str | os.PathLike[str]) -> Path:
     """`path` itself when it is the experts directory, else `path/experts`."""
     p = Path(path)
-    if (p / INDEX_FILE).is_file() or (p.name == EXPERTS_DIR and not (p / EXPERTS_DIR).is_dir()):
+    if os.path.lexists(p / INDEX_FILE) or (p.name == EXPERTS_DIR and not (p / EXPERTS_DIR).is_dir()):
         return p
     return p / EXPERTS_DIR
 
@@ -86,8 +98,18 @@ def _check_layer(lf: LayerFile, index_path: Path, align: int) -> None:
 
     if not lf.file or "/" in lf.file or "\\" in lf.file or lf.file.startswith("."):
         raise bad(f"file name {lf.file!r} must be a plain name inside the experts directory")
+    if not 0 <= lf.layer < MAX_LAYERS:
+        raise bad(f"layer id {lf.layer} must be in 0..{MAX_LAYERS - 1}")
     if lf.num_experts < 1 or lf.record_nbytes < 1:
         raise bad(f"num_experts {lf.num_experts} and record_nbytes {lf.record_nbytes} must be positive")
+    # Before the sizes are compared with the file's: slots are sized from these, so a sparse file
+    # of a terabyte must not make them so.
+    if lf.num_experts > MAX_EXPERTS:
+        raise bad(f"num_experts {lf.num_experts}; at most {MAX_EXPERTS}")
+    if lf.record_nbytes > MAX_RECORD_BYTES:
+        raise bad(f"record_nbytes {lf.record_nbytes}; at most {MAX_RECORD_BYTES} bytes a record")
+    if len(lf.tensors) > MAX_TENSORS:
+        raise bad(f"{len(lf.tensors)} tensors a record; at most {MAX_TENSORS}")
     if lf.stride % align or lf.stride < lf.record_nbytes:
         raise bad(f"stride {lf.stride} must be a multiple of {align} and >= record_nbytes {lf.record_nbytes}")
     # Writers pad the last record to `stride` (qnpipe convert does); an unpadded last record is valid too.
@@ -98,6 +120,8 @@ def _check_layer(lf: LayerFile, index_path: Path, align: int) -> None:
     if len(lf.checksums) != lf.num_experts:
         raise bad(f"{len(lf.checksums)} checksums for {lf.num_experts} experts")
     for t in lf.tensors:
+        if len(t.shape) > 8 or any(d < 0 for d in t.shape):
+            raise bad(f"tensor {t.name} has shape {list(t.shape)} (at most 8 dimensions, none negative)")
         if t.dtype not in NP_DTYPES:
             raise bad(f"tensor {t.name} has unknown dtype {t.dtype!r} (known: {', '.join(NP_DTYPES)})")
         want = math.prod(t.shape) * np.dtype(NP_DTYPES[t.dtype]).itemsize
@@ -117,12 +141,9 @@ def read_index(path: str | os.PathLike[str], *, expected_model_id: str | None = 
     """
     root = _experts_dir(path)
     index_path = root / INDEX_FILE
-    try:
-        raw = index_path.read_bytes()
-    except FileNotFoundError:
-        raise StoreError(f"{index_path}: missing expert store index (is {path} a `qnpipe convert` output?)") from None
-    except OSError as e:
-        raise StoreError(f"{index_path}: cannot read ({e.strerror})") from None
+    if not os.path.lexists(index_path):
+        raise StoreError(f"{index_path}: missing expert store index (is {path} a `qnpipe convert` output?)")
+    raw = read_capped(index_path, INDEX_CAP, error=StoreError)
     try:
         head = msgspec.json.decode(raw, type=dict[str, Any])
     except msgspec.DecodeError as e:
@@ -145,14 +166,19 @@ def read_index(path: str | os.PathLike[str], *, expected_model_id: str | None = 
         )
     if index.checksum != "crc32":
         raise StoreError(f"{index_path}: unknown checksum {index.checksum!r} (expected 'crc32')")
-    if index.align < 512 or index.align & (index.align - 1):
-        raise StoreError(f"{index_path}: align {index.align} must be a power of two >= 512")
+    if not 512 <= index.align <= MAX_ALIGN or index.align & (index.align - 1):
+        raise StoreError(f"{index_path}: align {index.align} must be a power of two in 512..{MAX_ALIGN}")
+    if len(index.layers) > MAX_LAYERS:
+        raise StoreError(f"{index_path}: {len(index.layers)} layers; at most {MAX_LAYERS} are read")
     seen: set[int] = set()
     for lf in index.layers:
         if lf.layer in seen:
             raise StoreError(f"{index_path}: layer {lf.layer} listed twice")
         seen.add(lf.layer)
         _check_layer(lf, index_path, index.align)
+    total = sum(lf.num_experts for lf in index.layers)
+    if total > MAX_RECORDS:
+        raise StoreError(f"{index_path}: {total} expert records in all; at most {MAX_RECORDS} are read")
     return root, index
 
 
@@ -314,7 +340,7 @@ class ExpertStore:
 
 def config_model_id(model_dir: Path) -> str | None:
     """The model id from `model_dir/config.json`, or None when there is no readable config there."""
-    if not (Path(model_dir) / "config.json").is_file():
+    if not os.path.lexists(Path(model_dir) / "config.json"):  # a FIFO or a directory there is read_config's error
         return None
     try:
         return model_id(read_config(Path(model_dir)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import msgspec
 
 from qnpipe.errors import CheckpointError
+from qnpipe.io.files import CONFIG_CAP, read_capped
 
 MODEL_TYPE = "qwen3_next"
 
@@ -129,6 +131,19 @@ _POSITIVE = (
 )
 _NON_NEGATIVE = ("num_experts", "shared_expert_intermediate_size", "intermediate_size")
 
+# Upper bounds, checked before anything is sized from them: each far above any real model (the
+# 80B: hidden 2048, 48 layers, 512 experts, vocab 151,936; the largest open models stay within a
+# tenth of these) and small enough that no array dimension or product of two overflows MLX's
+# int32 shapes, so a config.json of 10**12 experts is an error naming the key, not an allocation.
+_AT_MOST = {
+    "hidden_size": 1 << 16, "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+    "head_dim": 4096, "linear_num_value_heads": 1024, "linear_num_key_heads": 1024, "linear_key_head_dim": 4096,
+    "linear_value_head_dim": 4096, "linear_conv_kernel_dim": 1024, "num_experts": 1 << 16,
+    "num_experts_per_tok": 1 << 16, "moe_intermediate_size": 1 << 18, "shared_expert_intermediate_size": 1 << 18,
+    "intermediate_size": 1 << 18, "vocab_size": 1 << 22, "max_position_embeddings": 1 << 31,
+    "full_attention_interval": 1024, "decoder_sparse_step": 1024,
+}
+
 
 def _check_ranges(args: ModelArgs, source: str) -> None:
     """Impossible sizes are refused here, naming the key and the value, not deep inside MLX."""
@@ -141,6 +156,9 @@ def _check_ranges(args: ModelArgs, source: str) -> None:
     for key in _NON_NEGATIVE:
         if getattr(args, key) < 0:
             raise bad(key, ">= 0")
+    for key, most in _AT_MOST.items():
+        if getattr(args, key) > most:
+            raise bad(key, f"at most {most} (qnpipe's bound for this size)")
     if args.num_experts > 0:
         if not 1 <= args.num_experts_per_tok <= args.num_experts:
             raise bad("num_experts_per_tok", f"in 1..num_experts ({args.num_experts})")
@@ -165,14 +183,11 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     if model_dir.exists() and not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: is a file, not a model directory (give the directory holding "
                               f"config.json and the weights)")
-    if not path.exists():
+    if not os.path.lexists(path):
         raise CheckpointError(f"{path}: not found (is {model_dir} a model directory?)")
-    if not path.is_file():
-        raise CheckpointError(f"{path}: not a regular file")
+    data = read_capped(path, CONFIG_CAP, error=CheckpointError)
     try:
-        raw = json.loads(path.read_bytes())
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+        raw = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):

@@ -23,12 +23,16 @@ import numpy as np
 
 from qnpipe.dtypes import ST_DTYPE_BYTES, ST_NUMPY
 from qnpipe.errors import CheckpointError
+from qnpipe.io.files import SMALL_CAP, check_regular, read_capped
 
 INDEX_FILE = "model.safetensors.index.json"
 NORM_SUFFIXES = (
     ".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
     ".q_norm.weight", ".k_norm.weight",
 )
+# The safetensors format's own bound on its JSON header (safetensors' MAX_HEADER_SIZE): a file that
+# claims more is refused before the header is read into memory.
+MAX_HEADER_BYTES = 100_000_000
 HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -53,13 +57,14 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     Raises CheckpointError naming the file when it is truncated, its header is not
     valid JSON, or a tensor's byte range does not fit its dtype and shape.
     """
+    size = check_regular(path, error=CheckpointError)
     try:
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{path}: not a regular file")
-        size = st.st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
+        # O_NONBLOCK: a FIFO swapped in after the check cannot block the open.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CheckpointError(f"{path}: not a regular file")
+            head = os.pread(fd, 8, 0)
             if len(head) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", head)
@@ -67,9 +72,16 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 raise CheckpointError(
                     f"{path}: truncated safetensors file: header says {n} header bytes, file has {size - 8}"
                 )
-            raw = f.read(n)
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: safetensors header of {n} bytes; at most {MAX_HEADER_BYTES} "
+                                      f"are read (the format's own limit)")
+            raw = os.pread(fd, n, 8)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    if len(raw) != n:
+        raise CheckpointError(f"{path}: truncated safetensors header ({len(raw)} of {n} bytes)")
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, int too long
@@ -109,14 +121,19 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint, via its shard index when there is one."""
     index = model_dir / INDEX_FILE
-    if index.is_file():
+    if os.path.lexists(index):
+        data = read_capped(index, SMALL_CAP, error=CheckpointError)
         try:
-            wmap = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            wmap = json.loads(data)["weight_map"]
+            names = set(wmap.values())
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise CheckpointError(f"{index}: not a valid shard index (needs a 'weight_map' object)") from None
-        files = sorted({model_dir / f for f in wmap.values()})
+        for name in sorted(names, key=str):
+            if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
+                raise CheckpointError(f"{index}: shard {name!r} must be a plain file name inside {model_dir}")
+        files = sorted(model_dir / f for f in names)
         for f in files:
-            if not f.is_file():
+            if not os.path.lexists(f):
                 raise CheckpointError(f"{index}: lists shard {f.name}, which is missing from {model_dir}")
         return files
     files = sorted(model_dir.glob("model*.safetensors"))
@@ -138,7 +155,8 @@ def scan(model_dir: Path) -> dict[str, TensorInfo]:
 
 def is_qnpipe_dir(model_dir: Path, config: dict[str, Any]) -> bool:
     """True for a `qnpipe convert` output: a `qnpipe` section in config.json or an `experts/index.json`."""
-    return isinstance(config.get("qnpipe"), dict) or (Path(model_dir) / "experts" / "index.json").is_file()
+    # exists, not is_file: an index that is a FIFO or a directory is reported by the store, not taken for no store.
+    return isinstance(config.get("qnpipe"), dict) or (Path(model_dir) / "experts" / "index.json").exists()
 
 
 def read_tensor(info: TensorInfo) -> np.ndarray:

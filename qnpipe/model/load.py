@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -258,7 +259,8 @@ def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None, v
         if args.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
         mtp_file = model_dir / "mtp.safetensors"
-        mtp = load_tensors(read_header(mtp_file)) if mtp_file.is_file() else {}
+        # lexists: an mtp.safetensors that is a FIFO or a directory is refused by read_header, not skipped.
+        mtp = load_tensors(read_header(mtp_file)) if os.path.lexists(mtp_file) else {}
         store_dir = Path(expert_dir) if expert_dir else model_dir
         if resident_experts:
             experts = _store_experts(args, store_dir, qcfg, verify=verify)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -57,4 +58,5 @@ class Runner:
 
 
 def _has_tokenizer(model_dir: Path) -> bool:
-    return any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    # lexists: a tokenizer file that is a FIFO or a directory is refused by name (load_tokenizer), not ignored.
+    return any(os.path.lexists(model_dir / n) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
