@@ -127,7 +127,7 @@ def check_replaceable(out: Path, force: bool, what: str, force_flag: str = "--fo
         cwd = None
     if not out.name or (cwd is not None and (out == cwd or out in cwd.parents)):
         raise OutputError(f"{what} {out} is the current directory or contains it: qnpipe writes a new directory "
-                          f"and renames it into place, so give one that is not in use (e.g. {what} ./model)")
+                          f"and renames it into place, so give one that does not hold the current directory (e.g. ./model)")
     if out.is_symlink():
         raise OutputError(f"{what} {out} is a symbolic link (to {os.readlink(out)}): qnpipe would replace the link, "
                           f"not the directory it points to; give the target's path or another one")

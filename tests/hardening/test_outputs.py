@@ -80,6 +80,8 @@ def _mounted(m: Path | str, rows: list[Case]) -> list[Case]:
 
 
 def test_output_paths_and_messages(tmp_path: Path, tiny_hf: Path, mounts: dict[str, Path | str]) -> None:
+    from qnpipe.tiny import make_tiny
+
     tree = tmp_path / "tree"
     work = tree / "work"
     work.mkdir(parents=True)
@@ -93,8 +95,7 @@ def test_output_paths_and_messages(tmp_path: Path, tiny_hf: Path, mounts: dict[s
     a_file = tree / "file.txt"
     a_file.write_text("a file")
     own = tree / "own"
-    subprocess.run([sys.executable, "-m", "qnpipe", "make-tiny", str(own)], check=True, capture_output=True,
-                   env=clean_env(), timeout=120)
+    make_tiny(own, config_overrides={"num_hidden_layers": 1, "num_experts": 2, "num_experts_per_tok": 1})
     full, ro = mounts["full"], mounts["ro"]
     fp = Path(str(full))
     rp = Path(str(ro))
