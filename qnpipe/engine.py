@@ -17,6 +17,7 @@ imports no MLX model code, so replay starts fast.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -25,6 +26,7 @@ from typing import Any
 
 import attrs
 import trio
+import trio.testing
 
 from qnpipe.actors.forward import Forward
 from qnpipe.actors.pool import pool
@@ -112,14 +114,24 @@ async def watchdog(fwd: Forward, limit_s: float, dump: Callable[[], str], *,
                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Raise StallError when a step in progress has not moved for `limit_s` (SGLang's soft watchdog).
 
-    A silent deadlock thus becomes an error with every actor's state attached.
+    A silent deadlock thus becomes an error with every actor's state attached. Under a virtual
+    clock (replay's MockClock) the seconds are the simulation's: a read of an hour on a slow
+    simulated device is a result, not a stall, so there only a deadlock counts: no progress
+    while nothing else is due (no deadline but this task's own).
     """
     task_status.started()
+    virtual = isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock)
     last, since = fwd.progress, trio.current_time()
     while True:
-        await trio.sleep(limit_s / 4)
+        nap, nxt = limit_s / 4, trio.lowlevel.current_statistics().seconds_to_next_deadline
+        # In virtual time, waking before what is due next would only make the clock stop for nothing
+        # (a simulated read of 10^4 s would cost 10^4 wake-ups).
+        await trio.sleep(max(nap, nxt) if virtual and nxt < math.inf else nap)
+        if virtual:  # look once what was due with this wake-up has run
+            await trio.testing.wait_all_tasks_blocked()
         now = trio.current_time()
-        if not fwd.busy or fwd.progress != last:
+        due = virtual and trio.lowlevel.current_statistics().seconds_to_next_deadline < math.inf
+        if not fwd.busy or fwd.progress != last or due:
             last, since = fwd.progress, now
             continue
         if now - since >= limit_s:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import attrs
@@ -279,7 +280,7 @@ def test_watchdog_turns_a_hung_device_into_a_stall_error_with_the_evidence() -> 
 
     async def scenario() -> float:
         async with open_pipeline(cfg, OneLayer(), num_experts=8, capacities={0: 4},
-                                 device=FakeDevice(latency_s=1e9), record_nbytes={0: 100}) as p:
+                                 device=FakeDevice(latency_s=math.inf), record_nbytes={0: 100}) as p:
             with pytest.raises(StallError, match=r"no progress for 2\.\d s .*pending \[\(1, 0, 0\)\].*in flight"):
                 await p.forward.run(None, None, lambda h: None)
             return trio.current_time()
