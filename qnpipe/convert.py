@@ -120,7 +120,7 @@ def _write_expert_layer(experts_dir: Path, el: ExpertLayerPlan, tensors: list[tu
     fname = st.layer_file_name(el.layer)
     crcs: list[int] = []
     per_chunk = max(1, min(num_experts, chunk_bytes // max(1, el.src_bytes_per_expert)))
-    fd = os.open(experts_dir / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(experts_dir / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
     try:
         for e0 in range(0, num_experts, per_chunk):
             e1 = min(num_experts, e0 + per_chunk)
