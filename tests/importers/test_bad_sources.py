@@ -194,3 +194,30 @@ def test_a_single_vllm_request_keeps_its_prefill(tmp_path: Path) -> None:
     lines = [META, *[_vllm(i) for i in range(3)], *[_vllm(0, [9, 8, 7, i]) for i in range(4)]]
     s = import_log("vllm-jsonl", _write(tmp_path, lines), tmp_path / "out.qtrace")
     assert (s.requests, s.steps, s.token_routes, s.skipped) == (1, 5, 7, {})  # a 3-row prefill, then 4 decode steps
+
+
+def test_valid_views_of_a_storage_still_import_with_the_right_ids(tmp_path: Path) -> None:
+    """The bounds checks refuse what reaches outside a storage, not offsets, transposes or shared storages."""
+    import numpy as np
+    from pt_craft import META, capture_tensors, write_pt
+
+    from qnpipe import trace
+
+    ts = capture_tensors(8)
+    ids = ts["indices"].data.reshape(8, 6)
+    # indices stored transposed ([6, 8] row-major, viewed with strides (1, 8)) after 5 elements of padding
+    stored = np.concatenate([np.full(5, 63), ids.T.reshape(-1)]).astype(np.int64)
+    ts["indices"] = ts["indices"]._replace(data=stored, offset=5, stride=(1, 8), numel=stored.size)
+    write_pt(tmp_path / "views.pt", META, ts)
+    import_log("flame-pt", tmp_path / "views.pt", tmp_path / "out.qtrace")
+    routes = [r for r in trace.read(tmp_path / "out.qtrace")[1] if isinstance(r, trace.Route)]
+    assert [list(r.experts) for r in routes] == ids.tolist()
+
+
+def test_the_byte_budget_is_shared_by_the_files_of_a_folder(flame_dir: Path, tmp_path: Path) -> None:
+    folder = flame_dir / "Decoder_Batch_0-64"
+    total = sum(p.stat().st_size for p in folder.rglob("*.pt"))
+    import_log("flame-pt", folder, tmp_path / "ok.qtrace", max_bytes=4 * total)
+    with pytest.raises(TraceImportError, match=r"\.pt: .*would pass the import's limit of 100000 bytes"):
+        import_log("flame-pt", folder, tmp_path / "small.qtrace", max_bytes=100_000)
+    assert not list(tmp_path.glob("small.qtrace*"))
