@@ -45,6 +45,7 @@ import numpy as np
 
 from qnpipe.atomic import atomic_write
 from qnpipe.errors import ConfigError, TraceSchemaError
+from qnpipe.io.files import CONFIG_CAP, read_capped
 from qnpipe.io.simssd import DeviceProfile
 from qnpipe.messages import Acquire, Granted, ReadDone
 from qnpipe.policy.parts import plan_parts
@@ -196,10 +197,9 @@ def load_cost(path: str | os.PathLike[str]) -> CostFit:
     """The cost file at `path`; ConfigError naming the file when absent, corrupt or not a cost file."""
     p = Path(path)
     try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read the cost file ({e.strerror or e}): write one with "
-                          "`qnpipe trace fit-cost LOG -o FILE`") from None
+        data = read_capped(p, CONFIG_CAP, error=ConfigError)
+    except ConfigError as e:
+        raise ConfigError(f"{e}: a cost file is written by `qnpipe trace fit-cost LOG -o FILE`") from None
     try:
         fit = msgspec.json.decode(data, type=CostFit)
     except msgspec.DecodeError as e:
@@ -207,9 +207,10 @@ def load_cost(path: str | os.PathLike[str]) -> CostFit:
     if fit.kind != COST_KIND or fit.version > COST_VERSION:
         raise ConfigError(f"{p}: kind {fit.kind!r} version {fit.version}: expected {COST_KIND!r} "
                           f"version <= {COST_VERSION}")
-    bad = [t for t in TERMS if not getattr(fit.cost, t) >= 0]
-    if bad:
-        raise ConfigError(f"{p}: cost.{bad[0]}={getattr(fit.cost, bad[0])}: must be >= 0")
+    try:
+        fit.cost.check()
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
     return fit
 
 

@@ -14,6 +14,7 @@ policy's own. Each layer's Belady optimum (`qnpipe.policy.belady`) is reported b
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,8 +25,9 @@ import trio.testing
 
 from qnpipe.config import Config, with_overrides
 from qnpipe.engine import layer_capacities, open_pipeline
-from qnpipe.errors import ConfigError, TraceSchemaError
+from qnpipe.errors import ConfigError, QnpipeError, TraceSchemaError
 from qnpipe.io.device_file import named_profile
+from qnpipe.io.files import CONFIG_CAP, read_text_capped
 from qnpipe.io.simssd import DeviceProfile, open_simssd
 from qnpipe.messages import Candidates, ReadDone
 from qnpipe.policy.belady import belady_hits
@@ -40,6 +42,44 @@ PREDICTORS = ("none", "previous", "recorded", "transition", "oracle")
 Predictions = tuple[tuple[int, np.ndarray, np.ndarray], ...]
 
 
+# Bounds of the replay's own settings: far beyond any real machine, far below what breaks the
+# virtual clock's arithmetic (a 1e300 s layer would make every later time equal to it).
+MAX_COST_S = 3600.0  # an hour for one layer part, one step's extra or one read batch's hop
+MAX_TABLE_LAYERS = 10_000
+MAX_RECORD_NBYTES = 1 << 40
+
+
+def _check_seconds(key: str, v: float) -> None:
+    if not (math.isfinite(v) and 0.0 <= v <= MAX_COST_S):
+        raise ConfigError(f"{key}={v!r}: must be a finite number of seconds in [0, {MAX_COST_S:g}]")
+
+
+def check_record_nbytes(n: int, key: str = "replay.record_nbytes") -> int:
+    """`n`, or ConfigError naming `key` when it is not in [1, MAX_RECORD_NBYTES]."""
+    if not 1 <= n <= MAX_RECORD_NBYTES:
+        raise ConfigError(f"{key}={n}: must be in [1, {MAX_RECORD_NBYTES}] (bytes of one expert record)")
+    return n
+
+
+def setting_value(key: str, text: Any) -> Any:
+    """A replay setting's value (`cost.*`, `device.*`, `replay.*`) of its field's type, from text (`--set`, a grid).
+
+    ConfigError names the key and the value; the range is checked with the struct (`CostModel.check`, ...)."""
+    section, _, name = key.partition(".")
+    types: dict[str, Any] = {"replay.record_nbytes": int, "replay.predictor": str}
+    for struct, prefix in ((CostModel, "cost"), (DeviceProfile, "device")):
+        types |= {f"{prefix}.{f.name}": f.type for f in msgspec.structs.fields(struct)}
+    if key not in types:
+        raise ConfigError(f"{key}: not a replay setting (known: {', '.join(sorted(types))})")
+    want = types[key]
+    if want not in (int, float, str):
+        raise ConfigError(f"{key}: cannot be set from text (a cost file sets it)")
+    try:
+        return msgspec.convert(text.strip() if isinstance(text, str) else text, want, strict=False)
+    except msgspec.ValidationError:
+        raise ConfigError(f"{section}.{name}={text}: expected {'an integer' if want is int else 'a number'}") from None
+
+
 class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Modelled compute: each MoE layer part takes `per_layer_s + per_token_s * tokens` (its layer's
     `layer_table` entry in place of `per_layer_s` when it has one), and each
@@ -51,6 +91,19 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     per_step_s: float = 0.0
     read_hop_s: float = 0.0  # the live read path's time per read batch beyond the device (thread hand-offs)
     layer_table: dict[int, float] = msgspec.field(default_factory=dict)  # per_layer_s of the layers listed
+
+    def check(self, where: str = "cost.") -> CostModel:
+        """Self, or ConfigError naming the bad term (`where` + its name) and its value."""
+        for name in ("per_layer_s", "per_token_s", "per_step_s", "read_hop_s"):
+            _check_seconds(f"{where}{name}", getattr(self, name))
+        if len(self.layer_table) > MAX_TABLE_LAYERS:
+            raise ConfigError(f"{where}layer_table: {len(self.layer_table)} entries: at most {MAX_TABLE_LAYERS} "
+                              "(one per MoE layer)")
+        for layer, v in self.layer_table.items():
+            if layer < 0:
+                raise ConfigError(f"{where}layer_table: layer {layer}: must be >= 0")
+            _check_seconds(f"{where}layer_table[{layer}]", v)
+        return self
 
     def layer_s(self, tokens: int, layer: int | None = None) -> float:
         base = self.per_layer_s if layer is None else self.layer_table.get(layer, self.per_layer_s)
@@ -175,10 +228,12 @@ def _shape(path: str | Path, header: Header) -> ModelShape:
 
 def replay_capacities(cfg: Config, shape: ModelShape) -> dict[int, int]:
     """The config's slots per MoE layer of the log's model; ConfigError when they do not fit its shape."""
-    args = _ShapeArgs(shape)
-    caps = layer_capacities(cfg, cast(Any, args))
-    if path := cfg.pool.capacity_profile_path:
-        given = {int(k) for k in json.loads(Path(path).read_text(encoding="utf-8"))["layer_caps"]}
+    path = cfg.pool.capacity_profile_path
+    # Read here first, capped and regular files only: a FIFO given as the profile must not block.
+    text = read_text_capped(path, CONFIG_CAP, error=ConfigError) if path else ""
+    caps = layer_capacities(cfg, cast(Any, _ShapeArgs(shape)))
+    if path:
+        given = {int(k) for k in json.loads(text)["layer_caps"]}
         if extra := sorted(given - set(shape.moe_layers)):
             raise ConfigError(f"pool.capacity_profile_path={path}: layers {extra} are not MoE layers of the "
                               f"log's model (MoE layers {list(shape.moe_layers)}): a profile for another model?")
@@ -341,10 +396,10 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
         cfg = with_overrides(cfg, {"predict.cross_layer_prefetch": True})
     if isinstance(device_profile, str):
         device_profile = named_profile(device_profile, cfg.read.device_profile_path)
-    try:
-        device_profile.check()
-    except ValueError as e:
-        raise ConfigError(f"device profile: {e}") from None
+    device_profile.check(where="device.")
+    cost.check()
+    if record_nbytes is not None:
+        check_record_nbytes(record_nbytes)
     log = load_log(log_path)
     first = int(len(log.steps) * opts.train_frac)
     if first >= len(log.steps):
@@ -414,7 +469,15 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
             reads=dev.stats.reads, layers=layers, resident_hit_rate=_ratio(hits - side, hits + misses),
             side_hit_rate=_ratio(side, hits + misses), prefetch=prefetch, predictor_opts=opts, train_steps=first)
 
-    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    try:
+        return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    except BaseExceptionGroup as group:  # an actor's error (a StallError) comes wrapped in the nurseries' groups
+        own: BaseException | None = group.subgroup(lambda x: isinstance(x, QnpipeError))
+        if own is None:
+            raise
+        while isinstance(own, BaseExceptionGroup):
+            own = own.exceptions[0]
+        raise own from None
 
 
 def _ratio(a: float, b: float) -> float:

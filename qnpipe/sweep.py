@@ -9,16 +9,20 @@ section) or one of the replay's own settings (`cost.*`, `device.*`, `replay.reco
 `replay.predictor`). `plan` builds and checks every point before anything runs, so an unknown
 field or a bad value fails at once, naming it. Each point is a `qnpipe.replay.replay`, which is
 deterministic, so results are the same on every executor; they come back in grid order.
-Remote Dask workers need qnpipe importable and the log at the same path.
+A point that fails while it replays is reported as failed (`PointResult.error`) and the
+others still run. Remote Dask workers need qnpipe importable and the log at the same path.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import multiprocessing
 import os
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
 from typing import Any
@@ -29,9 +33,21 @@ from qnpipe.atomic import atomic_write
 from qnpipe.config import Config, override_path, with_overrides
 from qnpipe.errors import ConfigError, QnpipeError
 from qnpipe.io.simssd import PROFILES, DeviceProfile
-from qnpipe.replay import PREDICTORS, CostModel, ReplayReport, load_log, replay, replay_capacities
+from qnpipe.replay import (
+    PREDICTORS,
+    CostModel,
+    ReplayReport,
+    check_record_nbytes,
+    load_log,
+    replay,
+    replay_capacities,
+    setting_value,
+)
 
 EXECUTORS = ("processes", "dask", "serial")
+# Points in one sweep: a replay takes ~0.1 s to minutes, so more is days of work, and each
+# point's config is built before anything runs.
+MAX_POINTS = 100_000
 # The replay's own settings besides the cost and device fields (those follow their structs).
 REPLAY_KEYS = ("replay.record_nbytes", "replay.predictor")
 # Columns of the table, when the report has them (any numeric metric can be chosen as well).
@@ -127,16 +143,18 @@ def split_settings(settings: Mapping[str, Any]) -> tuple[dict[str, Any], dict[st
 
 def _settings(own: Mapping[str, Mapping[str, Any]], base: Settings, where: str) -> Settings:
     try:
-        cost = msgspec.convert({**msgspec.to_builtins(base.cost), **own["cost"]}, CostModel, strict=False)
-        device = msgspec.convert({**msgspec.to_builtins(base.device), **own["device"]}, DeviceProfile, strict=False)
-        device.check()
-        rep = own["replay"]
-        nbytes = base.record_nbytes if "record_nbytes" not in rep else msgspec.convert(
-            rep["record_nbytes"], int, strict=False)
-    except (msgspec.ValidationError, ValueError) as e:
+        typed = {section: {name: setting_value(f"{section}.{name}", v) for name, v in values.items()}
+                 for section, values in own.items()}
+        # typed above, so these convert; each value is then checked against its bounds, named
+        cost = msgspec.convert({**msgspec.to_builtins(base.cost), **typed["cost"]}, CostModel, strict=False).check()
+        device = msgspec.convert({**msgspec.to_builtins(base.device), **typed["device"]}, DeviceProfile,
+                                 strict=False).check(where="device.")
+        rep = typed["replay"]
+        nbytes = rep.get("record_nbytes", base.record_nbytes)
+        if nbytes is not None:
+            check_record_nbytes(nbytes)
+    except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
-    if nbytes is not None and nbytes < 1:
-        raise ConfigError(f"{where}: replay.record_nbytes={nbytes}: must be >= 1")
     predictor = str(rep.get("predictor", base.predictor))
     if predictor not in PREDICTORS:
         raise ConfigError(f"{where}: replay.predictor={predictor!r}: unknown, known: {', '.join(PREDICTORS)}")
@@ -152,6 +170,15 @@ def _typed(field: str, cfg: Config, s: Settings) -> Any:
     return msgspec.to_builtins(getattr(getattr(cfg, section), name))
 
 
+def count_points(axes: Sequence[Axis]) -> int:
+    """The grid's number of points; ConfigError naming each field's count when above MAX_POINTS."""
+    n = math.prod(len(a.values) for a in axes)
+    if n > MAX_POINTS:
+        sizes = " x ".join(f"{a.field}: {len(a.values)} values" for a in axes)
+        raise ConfigError(f"the grid has {n} points ({sizes}): a sweep runs at most {MAX_POINTS}")
+    return n
+
+
 def plan(log: str | Path, axes: Sequence[Axis], cfg: Config, *, base: Settings | None = None,
          fixed: Mapping[str, Any] | None = None) -> list[Point]:
     """Every point of the grid (the cartesian product, last axis fastest), each checked as its replay
@@ -159,6 +186,7 @@ def plan(log: str | Path, axes: Sequence[Axis], cfg: Config, *, base: Settings |
     the record size. `fixed`: replay settings (`cost.*`, `device.*`, `replay.*`) of every point, over
     `base`. ConfigError names the point and the setting; nothing has run yet."""
     base = base if base is not None else Settings(device=PROFILES["apple-m5-internal"], cost=CostModel())
+    count_points(axes)
     shape = load_log(log)
     points: list[Point] = []
     logs: dict[str, int] = {}  # event or routing log written by a point -> the point
@@ -193,11 +221,35 @@ def run_point(log: str, point: Point) -> ReplayReport:
                   predictor=point.predictor)
 
 
+class Outcome(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker sends back: the report, or why the point failed (text: every error travels, pickled or not)."""
+
+    report: ReplayReport | None = None
+    error: str | None = None
+
+
+def point_outcome(log: str, point: Point) -> Outcome:
+    """`run_point`, its failure caught (a top-level function: worker processes and Dask workers import it)."""
+    try:
+        return Outcome(report=run_point(log, point))
+    except Exception as e:  # one point's failure is its result, the sweep goes on
+        return Outcome(error=_failure(point, e))
+
+
+def _failure(p: Point, e: BaseException) -> str:
+    where = ", ".join(f"{k}={v}" for k, v in p.values.items())
+    what = str(e) if isinstance(e, QnpipeError) else f"{type(e).__name__}: {e}"
+    return f"grid point {p.index} ({where}): {what}"
+
+
 class PointResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One point: its report and metrics, or (`error`, then no report and no metrics) why it failed."""
+
     index: int
     values: dict[str, Any]
     metrics: dict[str, float]
-    report: ReplayReport
+    report: ReplayReport | None
+    error: str | None = None
 
 
 class SweepResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -206,6 +258,11 @@ class SweepResult(msgspec.Struct, frozen=True, kw_only=True):
     log: str
     fields: list[str]
     points: list[PointResult]
+
+    @property
+    def failed(self) -> list[int]:
+        """The indices of the points that failed."""
+        return [p.index for p in self.points if p.error is not None]
 
 
 def metric_names() -> tuple[str, ...]:
@@ -241,7 +298,8 @@ def run(log: str | Path, points: Sequence[Point], *, executor: str = "processes"
         scheduler: Any = None, progress: Progress | None = None) -> SweepResult:
     """Replay every point: "processes" (`jobs` worker processes, default the machine's cores),
     "dask" (`scheduler`: a scheduler address or a `dask.distributed.Client`) or "serial" (here).
-    Results are in grid order whatever the executor; a failing point raises naming it."""
+    Results are in grid order whatever the executor; a point that fails (its replay raises, its
+    worker dies) is a `PointResult` with its `error`, and the other points still run."""
     if executor not in EXECUTORS:
         raise ConfigError(f"executor {executor!r}: unknown, known: {', '.join(EXECUTORS)}")
     log = str(log)
@@ -256,32 +314,20 @@ def run(log: str | Path, points: Sequence[Point], *, executor: str = "processes"
     if progress is not None:
         progress(0, len(points))
     if executor == "serial" or not points:
-        reports = []
+        outcomes = []
         for p in points:
-            reports.append(_point_or_raise(p, lambda p=p: run_point(log, p)))
+            outcomes.append(point_outcome(log, p))
             tick()
     elif executor == "processes":
-        reports = _run_processes(log, points, jobs or os.cpu_count() or 1, tick)
+        outcomes = _run_processes(log, points, jobs or os.cpu_count() or 1, tick)
     else:
         if scheduler is None:
             raise ConfigError("the dask executor needs a scheduler address (--scheduler tcp://HOST:8786)")
-        reports = _run_dask(log, points, scheduler, tick)
+        outcomes = _run_dask(log, points, scheduler, tick)
     return SweepResult(log=log, fields=list(points[0].values) if points else [],
-                       points=[PointResult(index=p.index, values=p.values, metrics=metrics(r), report=r)
-                               for p, r in zip(points, reports, strict=True)])
-
-
-def _point_or_raise(p: Point, get: Callable[[], ReplayReport]) -> ReplayReport:
-    try:
-        return get()
-    except QnpipeError as e:
-        where = ", ".join(f"{k}={v}" for k, v in p.values.items())
-        msg = f"grid point {p.index} ({where}): {e}"
-        try:
-            named = type(e)(msg)
-        except TypeError:  # an error class with more to its constructor than a message
-            named = QnpipeError(msg)
-        raise named from e
+                       points=[PointResult(index=p.index, values=p.values, report=o.report, error=o.error,
+                                           metrics=metrics(o.report) if o.report is not None else {})
+                               for p, o in zip(points, outcomes, strict=True)])
 
 
 def _worker_context() -> Any:
@@ -296,38 +342,100 @@ def _worker_context() -> Any:
     return ctx
 
 
-def _run_processes(log: str, points: Sequence[Point], jobs: int, tick: Callable[[], None]) -> list[ReplayReport]:
-    ex = ProcessPoolExecutor(max_workers=max(1, min(jobs, len(points))), mp_context=_worker_context())
-    try:
-        futures: dict[Future[ReplayReport], int] = {ex.submit(run_point, log, p): i for i, p in enumerate(points)}
-        for f in as_completed(futures):
-            _point_or_raise(points[futures[f]], f.result)
+def _worker_init() -> None:
+    """Make the worker die with the sweep.
+
+    A worker whose sweep was killed (SIGKILL, the OOM killer) would run its point to the end,
+    then wait for work forever. Its parent is the fork server, which outlives the sweep while
+    workers hold its pipe, so PR_SET_PDEATHSIG would never fire; the pipe behind
+    `parent_process().sentinel` is the sweep's own (forkserver and spawn alike): it reads EOF
+    when the sweep is gone, and a daemon thread waits for that.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="qnpipe-sweep-parent", daemon=True).start()
+
+
+def _run_processes(log: str, points: Sequence[Point], jobs: int, tick: Callable[[], None]) -> list[Outcome]:
+    out: list[Outcome | None] = [None] * len(points)
+    lost = _pool_pass(log, points, range(len(points)), jobs, tick, out)
+    # A worker that dies (killed, out of memory) breaks the pool and every point still in it: run
+    # those again, each alone, so only the one that kills its worker is reported.
+    for i in lost:
+        if _pool_pass(log, points, [i], 1, tick, out):
+            out[i] = Outcome(error=_failure(points[i], RuntimeError("its worker process died (killed, out of memory?)")))
             tick()
-        return [_point_or_raise(p, f.result) for f, p in zip(futures, points, strict=True)]
+    assert all(o is not None for o in out)
+    return [o for o in out if o is not None]
+
+
+def _pool_pass(log: str, points: Sequence[Point], which: Iterable[int], jobs: int, tick: Callable[[], None],
+               out: list[Outcome | None]) -> list[int]:
+    """Run `points[i]` for each i in `which` on a new pool, the outcomes into `out`; the points a broken pool lost."""
+    which = list(which)
+    ex = ProcessPoolExecutor(max_workers=max(1, min(jobs, len(which))), mp_context=_worker_context(),
+                             initializer=_worker_init)
+    lost: list[int] = []
+    try:
+        futures: dict[Future[Outcome], int] = {ex.submit(point_outcome, log, points[i]): i for i in which}
+        for f in as_completed(futures):
+            i = futures[f]
+            try:
+                out[i] = f.result()
+            except BrokenProcessPool:
+                lost.append(i)
+                continue
+            except Exception as e:  # the outcome could not come back (pickling): this point's failure
+                out[i] = Outcome(error=_failure(points[i], e))
+            tick()
     except BaseException:
-        # A failed point or Ctrl-C: drop the points not started instead of waiting for all of them.
-        ex.shutdown(wait=False, cancel_futures=True)
+        _terminate(ex)  # Ctrl-C, SIGTERM: the points running would otherwise finish first
         raise
-    finally:
-        ex.shutdown()
+    ex.shutdown()
+    return sorted(lost)
 
 
-def _run_dask(log: str, points: Sequence[Point], scheduler: Any, tick: Callable[[], None]) -> list[ReplayReport]:
+def _terminate(ex: ProcessPoolExecutor) -> None:
+    """Stop the pool's workers now, not after their points (concurrent.futures has no public way before 3.14)."""
+    procs = list((getattr(ex, "_processes", None) or {}).values())
+    ex.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def _run_dask(log: str, points: Sequence[Point], scheduler: Any, tick: Callable[[], None]) -> list[Outcome]:
     from dask.distributed import Client, as_completed
 
     client = scheduler if isinstance(scheduler, Client) else Client(scheduler)
     try:
         # pure=False: each point is its own task (no hashing of the configs for a cache key).
-        futures = client.map(run_point, [log] * len(points), list(points), pure=False)
+        futures = client.map(point_outcome, [log] * len(points), list(points), pure=False)
         index = {f.key: i for i, f in enumerate(futures)}
+        out: list[Outcome | None] = [None] * len(points)
         try:
             for f in as_completed(futures):
-                _point_or_raise(points[index[f.key]], f.result)
+                i = index[f.key]
+                try:
+                    out[i] = f.result()
+                except Exception as e:  # its worker died (KilledWorker), the task could not travel
+                    out[i] = Outcome(error=_failure(points[i], e))
                 tick()
         except BaseException:
             client.cancel(futures)
             raise
-        return [_point_or_raise(p, f.result) for f, p in zip(futures, points, strict=True)]
+        return [o if o is not None else Outcome(error=_failure(p, RuntimeError("no result came back")))
+                for o, p in zip(out, points, strict=True)]
     finally:
         if client is not scheduler:
             client.close()
@@ -369,6 +477,7 @@ def table_metrics(metric: str) -> list[str]:
     return list(dict.fromkeys([*TABLE_METRICS, metric]))
 
 
-__all__ = ["EXECUTORS", "REPLAY_KEYS", "Axis", "Point", "PointResult", "Settings", "SweepResult", "check_metric",
-           "fmt_metric", "fmt_value", "metric_names", "metrics", "parse_grid", "plan", "replay_keys", "resolve_key",
-           "run", "run_point", "split_settings", "table_metrics", "to_json", "write_json"]
+__all__ = ["EXECUTORS", "MAX_POINTS", "REPLAY_KEYS", "Axis", "Outcome", "Point", "PointResult", "Settings",
+           "SweepResult", "check_metric", "count_points", "fmt_metric", "fmt_value", "metric_names", "metrics",
+           "parse_grid", "plan", "point_outcome", "replay_keys", "resolve_key", "run", "run_point", "split_settings",
+           "table_metrics", "to_json", "write_json"]

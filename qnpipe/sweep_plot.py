@@ -25,6 +25,8 @@ def series(result: SweepResult, field: str, metric: str) -> tuple[list[Any], dic
     xs: list[Any] = []
     lines: dict[str, list[tuple[Any, float]]] = {}
     for p in result.points:
+        if p.error is not None:  # a failed point has no metrics: a gap in its line
+            continue
         x = p.values[field]
         if x not in xs:
             xs.append(x)

@@ -22,29 +22,27 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from qnpipe.cost_fit import load_cost
     from qnpipe.io.device_file import device_names, named_profile
     from qnpipe.io.simssd import DeviceProfile
-    from qnpipe.replay import CostModel, PredictorOpts, describe, replay, to_json
+    from qnpipe.replay import CostModel, PredictorOpts, describe, replay, setting_value, to_json
 
     if args.device not in device_names():
         raise QnpipeError(f"--device {args.device}: unknown, known: {', '.join(device_names())}")
-    own: dict[str, dict[str, str]] = {"cost": {}, "device": {}, "replay": {}}
+    own: dict[str, dict[str, Any]] = {"cost": {}, "device": {}, "replay": {}}
     rest = []
     for item in args.sets:  # cost.*, device.* and replay.* are the replay's own; the rest is the config
         key, sep, value = item.partition("=")
         if sep and key.strip() in _REPLAY_KEYS:
             section, _, name = key.strip().partition(".")
-            own[section][name] = value.strip()
+            own[section][name] = setting_value(key.strip(), value)  # the ranges: replay checks them
         else:
             rest.append(item)
     args.sets = rest
     cfg = config.load(args.config, overrides=config_overrides(args))
     fitted = msgspec.to_builtins(load_cost(args.cost).cost) if args.cost else {}
-    try:
-        cost = msgspec.convert({**fitted, **own["cost"]}, CostModel, strict=False)
-        base = msgspec.to_builtins(named_profile(args.device, cfg.read.device_profile_path))
-        device = msgspec.convert({**base, **own["device"]}, DeviceProfile, strict=False)
-        nbytes = int(own["replay"]["record_nbytes"]) if "record_nbytes" in own["replay"] else None
-    except (msgspec.ValidationError, ValueError) as e:
-        raise QnpipeError(f"--set: {e}") from None
+    # The values were typed above, so these convert; replay checks each against its bounds, naming it.
+    cost = msgspec.convert({**fitted, **own["cost"]}, CostModel, strict=False)
+    base = msgspec.to_builtins(named_profile(args.device, cfg.read.device_profile_path))
+    device = msgspec.convert({**base, **own["device"]}, DeviceProfile, strict=False)
+    nbytes = own["replay"].get("record_nbytes")
     opts = PredictorOpts(train_frac=args.train_frac, train_log=args.train_log or "", recall=args.recall, seed=args.seed)
     report = replay(args.log, cfg, device_profile=device, cost=cost, record_nbytes=nbytes, predictor=args.predict,
                     opts=opts)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +45,19 @@ def table(result: Any, metric: str) -> Any:
 
     from qnpipe.sweep import fmt_metric, fmt_value, table_metrics
 
-    names = [m for m in table_metrics(metric) if result.points and m in result.points[0].metrics]
-    t = Table(title=f"sweep of {result.log}: {len(result.points)} points")
+    done = [p for p in result.points if p.error is None]
+    names = [m for m in table_metrics(metric) if done and m in done[0].metrics]
+    failed = f", {len(result.failed)} failed" if result.failed else ""
+    t = Table(title=f"sweep of {result.log}: {len(result.points)} points{failed}")
     t.add_column("#", justify="right")
     for f in result.fields:
         t.add_column(f, justify="right")
     for m in names:
         t.add_column(m, justify="right", style="bold" if m == metric else None)
     for p in result.points:
-        t.add_row(str(p.index), *(fmt_value(p.values[f]) for f in result.fields),
-                  *(fmt_metric(m, p.metrics[m]) for m in names))
+        cells = [fmt_metric(m, p.metrics[m]) for m in names] if p.error is None else ["failed"] + ["-"] * (len(names) - 1)
+        t.add_row(str(p.index), *(fmt_value(p.values[f]) for f in result.fields), *cells,
+                  style="red" if p.error is not None else None)
     return t
 
 
@@ -81,7 +88,42 @@ class _Bar:
             self.progress = None
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwind (the pool's workers are stopped on the way out) instead of dying on the spot."""
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[list[bool]]:
+    """SIGTERM raises _Terminated in this (the main) thread for the duration; the list says whether it came."""
+    came: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+
+    def on_term(signum: int, frame: Any) -> None:
+        came.append(True)
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
+    with _sigterm_unwinds() as terminated:
+        try:
+            return _sweep(args)
+        except BaseException:
+            # the serial executor's replay may wrap it in trio's exception groups: the flag says it came
+            if not terminated:
+                raise
+    print("qnpipe sweep: terminated (SIGTERM); the workers were stopped, nothing was written", file=sys.stderr)
+    return 128 + signal.SIGTERM
+
+
+def _sweep(args: argparse.Namespace) -> int:
     from qnpipe.sweep import check_metric, parse_grid, plan, run, to_json, write_json
 
     if args.log is None:  # `qnpipe sweep --grid a=1,2 LOG`: the list of --grid took the log
@@ -119,6 +161,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         from rich.console import Console
 
         Console(width=None if sys.stdout.isatty() else 200).print(table(result, metric))
+    if result.failed:
+        print(f"qnpipe sweep: {len(result.failed)} of {len(result.points)} points failed:", file=sys.stderr)
+        for p in result.points:
+            if p.error is not None:
+                print(f"  {p.error}", file=sys.stderr)
+        return 1
     return 0
 
 

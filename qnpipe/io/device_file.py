@@ -13,10 +13,12 @@ import msgspec
 
 from qnpipe.atomic import atomic_write
 from qnpipe.errors import ConfigError, DeviceProfileError
+from qnpipe.io.files import CONFIG_CAP, read_capped
 from qnpipe.io.simssd import PROFILES, DeviceProfile
 
 PROFILE_KIND = "qnpipe.device-profile"
 PROFILE_VERSION = 1
+MAX_SAMPLES = 10_000  # `qnpipe bench io` writes 20 by default (4 record sizes x 5 queue depths)
 
 
 class ReadSample(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -54,11 +56,10 @@ def save_profile(path: str | os.PathLike[str], measured: MeasuredProfile) -> Non
 def load_profile(path: str | os.PathLike[str]) -> MeasuredProfile:
     """The profile file at `path`; DeviceProfileError naming the file when absent, corrupt or invalid."""
     p = Path(path)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
+    if not p.exists():
         raise DeviceProfileError(f"{p}: no measured device profile here: run `qnpipe bench io` first "
-                                 "(or set read.device_profile_path)") from None
+                                 "(or set read.device_profile_path)")
+    data = read_capped(p, CONFIG_CAP, error=DeviceProfileError)
     try:
         measured = msgspec.json.decode(data, type=MeasuredProfile)
     except msgspec.DecodeError as e:
@@ -66,10 +67,13 @@ def load_profile(path: str | os.PathLike[str]) -> MeasuredProfile:
     if measured.kind != PROFILE_KIND or measured.version > PROFILE_VERSION:
         raise DeviceProfileError(f"{p}: kind {measured.kind!r} version {measured.version}: expected "
                                  f"{PROFILE_KIND!r} version <= {PROFILE_VERSION}")
+    if len(measured.samples) > MAX_SAMPLES:
+        raise DeviceProfileError(f"{p}: {len(measured.samples)} samples: a profile holds at most {MAX_SAMPLES} "
+                                 "(`qnpipe bench io` writes one per record size and queue depth)")
     try:
-        measured.profile.check()
+        measured.profile.check(where="profile.")
     except ValueError as e:
-        raise DeviceProfileError(f"{p}: profile: {e}") from None
+        raise DeviceProfileError(f"{p}: {e}") from None
     return measured
 
 

@@ -23,7 +23,15 @@ import attrs
 import msgspec
 import trio
 
+from qnpipe.errors import ConfigError
 from qnpipe.policy.read_queue import Job
+
+# Bounds of a profile: far beyond any real device (1 B/s is slow enough for any what-if), far
+# below what breaks the virtual clock's arithmetic or the device's bookkeeping.
+MIN_BANDWIDTH = 1.0
+MAX_BANDWIDTH = 1e15
+MAX_LATENCY_S = 3600.0
+MAX_QUEUE_DEPTH = 1 << 16
 
 
 class DeviceProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -38,16 +46,18 @@ class DeviceProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         """Seconds one read of `nbytes` spends in service."""
         return self.latency_s + self.per_mb_latency_s * nbytes / 1e6 + nbytes / self.bandwidth_bytes_per_s
 
-    def check(self) -> DeviceProfile:
-        """Self, or ValueError naming the bad field."""
-        if not self.bandwidth_bytes_per_s > 0:
-            raise ValueError(f"bandwidth_bytes_per_s={self.bandwidth_bytes_per_s}: must be > 0")
+    def check(self, where: str = "") -> DeviceProfile:
+        """Self, or ConfigError (a ValueError) naming the bad field (`where` + its name) and its value."""
+        bw = self.bandwidth_bytes_per_s
+        if not (math.isfinite(bw) and MIN_BANDWIDTH <= bw <= MAX_BANDWIDTH):
+            raise ConfigError(f"{where}bandwidth_bytes_per_s={bw!r}: must be a finite number in "
+                              f"[{MIN_BANDWIDTH:g}, {MAX_BANDWIDTH:g}] (bytes per second)")
         for name in ("latency_s", "per_mb_latency_s"):
             v = getattr(self, name)
-            if not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"{name}={v}: must be a finite number >= 0")
-        if self.queue_depth < 1:
-            raise ValueError(f"queue_depth={self.queue_depth}: must be >= 1")
+            if not (math.isfinite(v) and 0.0 <= v <= MAX_LATENCY_S):
+                raise ConfigError(f"{where}{name}={v!r}: must be a finite number of seconds in [0, {MAX_LATENCY_S:g}]")
+        if not 1 <= self.queue_depth <= MAX_QUEUE_DEPTH:
+            raise ConfigError(f"{where}queue_depth={self.queue_depth}: must be >= 1 and <= {MAX_QUEUE_DEPTH}")
         return self
 
 

@@ -90,7 +90,7 @@ def test_measured_device_without_a_profile_or_with_a_bad_one_fails_naming_the_fi
     good = MeasuredProfile(profile=DeviceProfile(bandwidth_bytes_per_s=1e9, latency_s=1e-4), latency_fit_residual_s=0,
                            rate_fit_residual=0, backend="c", mode="o_direct", samples=[])
     save_profile(bad, msgspec.structs.replace(good, profile=msgspec.structs.replace(good.profile, queue_depth=0)))
-    with pytest.raises(DeviceProfileError, match=r"bad\.json: profile: queue_depth=0: must be >= 1"):
+    with pytest.raises(DeviceProfileError, match=r"bad\.json: profile\.queue_depth=0: must be >= 1"):
         load_profile(bad)
     with pytest.raises(ConfigError, match="device profile 'ssd9': unknown, known: apple-m5-internal, measured"):
         replay(LOG, _cfg(), device_profile="ssd9", record_nbytes=NBYTES)
@@ -139,7 +139,7 @@ def test_fit_cost_cli_writes_the_cost_file_replay_cost_reads(replayed_log: tuple
     with pytest.raises(ConfigError, match=r"cost\.json: not a cost file"):
         load_cost(out)
     assert main(["replay", str(path), "--cost", str(tmp_path / "nope.json")]) == 2
-    assert "nope.json: cannot read the cost file" in capsys.readouterr().err
+    assert "nope.json: not found: a cost file is written by `qnpipe trace fit-cost" in capsys.readouterr().err
 
 
 def test_fit_cost_of_a_routing_log_says_it_needs_an_event_log() -> None:

@@ -244,28 +244,34 @@ def test_results_come_in_grid_order_when_points_finish_out_of_order(log: Path, m
 
 
 @pytest.mark.parametrize("executor", ["serial", "dask"])
-@pytest.mark.parametrize("error", ["schema", "read"])
-def test_a_point_that_fails_in_its_replay_is_named(log: Path, monkeypatch: pytest.MonkeyPatch, executor: str,
-                                                   error: str) -> None:
-    from qnpipe.errors import QnpipeError, ReadError, TraceSchemaError
+@pytest.mark.parametrize("error", ["schema", "read", "bug"])
+def test_a_point_that_fails_in_its_replay_is_named_and_the_others_complete(
+        log: Path, monkeypatch: pytest.MonkeyPatch, executor: str, error: str) -> None:
+    from qnpipe.errors import ReadError, TraceSchemaError
 
     real = sweep.replay
 
     def fail_at_8(path: object, cfg: config.Config, **kw: object) -> object:
-        if cfg.pool.expert_slots == 8:
+        if cfg.pool.expert_slots == 8 and cfg.pool.evict_policy.value == "lru":
             if error == "schema":
                 raise TraceSchemaError("device on fire")
-            raise ReadError("device on fire", layer=0, expert=1, path="x", offset=0, nbytes=1)
+            if error == "read":  # an error whose constructor takes more than the message: still reported
+                raise ReadError("device on fire", layer=0, expert=1, path="x", offset=0, nbytes=1)
+            raise KeyError("device on fire")
         return real(path, cfg, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(sweep, "replay", fail_at_8)
-    expected = TraceSchemaError if error == "schema" else QnpipeError
-    with pytest.raises(expected, match=r"grid point 2 \(pool.expert_slots=8, pool.evict_policy=lru\): .*device on fire"):
-        if executor == "serial":
-            sweep.run(log, _points(log), executor="serial")
-        else:
-            with _cluster(threads=1) as cluster:
-                sweep.run(log, _points(log), executor="dask", scheduler=cluster.scheduler_address)
+    if executor == "serial":
+        result = sweep.run(log, _points(log), executor="serial")
+    else:
+        with _cluster(threads=1) as cluster:
+            result = sweep.run(log, _points(log), executor="dask", scheduler=cluster.scheduler_address)
+    assert result.failed == [2]
+    bad = result.points[2]
+    assert bad.report is None and bad.metrics == {} and bad.error is not None
+    assert bad.error.startswith("grid point 2 (pool.expert_slots=8, pool.evict_policy=lru): ")
+    assert "device on fire" in bad.error and ("KeyError" in bad.error) == (error == "bug")
+    assert all(p.report is not None and p.error is None for i, p in enumerate(result.points) if i != 2)
 
 
 def test_the_log_may_follow_the_grid(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
