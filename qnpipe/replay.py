@@ -34,7 +34,7 @@ from qnpipe.policy.belady import belady_hits
 from qnpipe.policy.model_free import TransitionTable, oracle_guess, previous_guess
 from qnpipe.policy.parts import plan_parts
 from qnpipe.steps import Event, LayerRoute, PartDone, PartGrant, StepDone, Tail
-from qnpipe.trace import Header, ModelShape, Route, read
+from qnpipe.trace import Header, ModelShape, Route, check_log_paths, read
 
 PREDICTORS = ("none", "previous", "recorded", "transition", "oracle")
 
@@ -394,6 +394,7 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
         raise ConfigError(f"seed={opts.seed}: must be >= 0")
     if predictor != "none":
         cfg = with_overrides(cfg, {"predict.cross_layer_prefetch": True})
+    check_log_paths(cfg)  # a log that cannot be written fails now, not when the recorder opens it
     if isinstance(device_profile, str):
         device_profile = named_profile(device_profile, cfg.read.device_profile_path)
     device_profile.check(where="device.")

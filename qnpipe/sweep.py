@@ -43,6 +43,7 @@ from qnpipe.replay import (
     replay_capacities,
     setting_value,
 )
+from qnpipe.trace import check_log_paths
 
 EXECUTORS = ("processes", "dask", "serial")
 # Points in one sweep: a replay takes ~0.1 s to minutes, so more is days of work, and each
@@ -197,7 +198,8 @@ def plan(log: str | Path, axes: Sequence[Axis], cfg: Config, *, base: Settings |
         try:
             pcfg = with_overrides(cfg, conf) if conf else cfg
             caps = replay_capacities(pcfg, shape.shape)
-        except ConfigError as e:
+            check_log_paths(pcfg)
+        except QnpipeError as e:
             raise ConfigError(f"{where}: {e}") from None
         s = _settings(own, base, where)
         if s.record_nbytes is None and not set(caps) <= set(shape.record_nbytes):

@@ -36,6 +36,9 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
     if not args.seconds > 0 or not args.size_mib > 0:
         raise QnpipeError("--seconds and --size-mib must be > 0")
     out = Path(args.output or cfg.read.device_profile_path)
+    from qnpipe.trace import check_output_path
+
+    check_output_path(out, "device profile")  # before ~20 s of measuring, not after
     d = Path(args.dir)
     if not d.is_dir():
         raise QnpipeError(f"--dir {d}: not a directory")

@@ -139,8 +139,12 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise QnpipeError(f"--jobs {args.jobs}: must be >= 1")
     metric = check_metric(args.metric)
-    if args.output and not Path(args.output).resolve().parent.is_dir():
-        raise QnpipeError(f"-o {args.output}: no such directory {Path(args.output).resolve().parent}")
+    if args.output:  # before the sweep, not after hours of it
+        from qnpipe.trace import check_output_path
+
+        check_output_path(args.output, "sweep JSON (-o)")
+    if args.plot_dir and Path(args.plot_dir).exists() and not Path(args.plot_dir).is_dir():
+        raise QnpipeError(f"--plot-dir {args.plot_dir}: exists and is not a directory")
     cfg, base, fixed = _base(args)
     points = plan(args.log, parse_grid(args.grid), cfg, base=base, fixed=fixed)
     bar = _Bar(enabled=sys.stderr.isatty() and not args.no_progress)
@@ -181,7 +185,9 @@ def register(sub: Any, fmt: Any) -> None:
                        "(cost.*, device.*, replay.record_nbytes, replay.predictor). Every point is checked\n"
                        "before any replay runs: an unknown field or a bad value fails at once, naming it.\n"
                        "Values are comma-separated, or ';'-separated when a value holds commas.\n"
-                       "Results are in grid order and the same whatever the executor (docs/replay.md).",
+                       "Results are in grid order and the same whatever the executor (docs/replay.md).\n"
+                       "A point whose replay fails is reported (its row says failed, its JSON point holds the\n"
+                       "error) and the others still run; the exit status is then 1. SIGTERM stops the workers.",
                        epilog="examples:\n"
                        "  qnpipe sweep run.qtrace --grid pool.expert_slots=4,8,16 --grid pool.evict_policy=lru,lfu\n"
                        "  qnpipe sweep run.qtrace --grid expert_slots=8,16 replay.predictor=none,previous \\\n"

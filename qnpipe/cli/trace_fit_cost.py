@@ -14,7 +14,9 @@ def cmd_fit_cost(args: argparse.Namespace) -> int:
     from qnpipe import config
     from qnpipe.cost_fit import fit_cost, save_cost
     from qnpipe.io.device_file import named_profile
+    from qnpipe.trace import check_output_path
 
+    check_output_path(args.output, "cost file (-o)")
     device = None
     if args.device:
         cfg = config.load(args.config, overrides=config_overrides(args))

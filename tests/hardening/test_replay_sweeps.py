@@ -134,6 +134,15 @@ def test_replay_and_sweep_inputs(d: Path) -> None:
              ("fifo", "FIFO"), timeout=20),
         Case("FIFO as a sweep's capacity profile", [*sw, "--grid", f"pool.capacity_profile_path={d / 'fifo'}"], 2,
              ("fifo", "FIFO"), timeout=20),
+        # outputs are checked before the work, not after it
+        Case("sweep -o a directory", [*sw, "--grid", "pool.expert_slots=4", "-o", d / "dir.json"], 2,
+             ("dir.json", "is a directory")),
+        Case("fit-cost -o a FIFO", ["trace", "fit-cost", log, "-o", d / "fifo"], 2, ("fifo", "not a regular file")),
+        Case("bench io -o a directory", ["bench", "io", "--dir", d, "--size-mib", "1", "--seconds", "0.01", "-q",
+                                         "-o", d / "dir.json"], 2, ("dir.json", "is a directory")),
+        Case("a point's event log in no directory", [*sw, "--grid", f"trace.event_log_path={d / 'a.qtrace'},"
+                                                     f"{d / 'no' / 'b.qtrace'}"], 2,
+             ("grid point trace.event_log_path=", "b.qtrace", "does not exist")),
         Case("good measured profile", [*rp, *measured, f"read.device_profile_path={d / 'good.json'}"], 0,
              ("10 steps",)),
     ], cwd=d)
@@ -178,8 +187,9 @@ def test_a_point_failing_on_any_executor_keeps_the_others(d: Path, executor: str
 
         from dask.distributed import LocalCluster
 
-        with LocalCluster(processes=False, n_workers=1, threads_per_worker=2,
-                          dashboard_address=cast(Any, None)) as cluster:
+        cluster: Any = LocalCluster(processes=False, n_workers=1, threads_per_worker=2,
+                                    dashboard_address=cast(Any, None))
+        with cluster:
             result = sweep.run(d / "r.qtrace", points, executor="dask", scheduler=cluster.scheduler_address)
     else:
         result = sweep.run(d / "r.qtrace", points, executor=executor, jobs=2)
