@@ -247,6 +247,28 @@ def test_the_watchdog_counts_a_slow_simulated_device_as_time_and_a_deadlock_as_a
     assert stall is not None and "no progress for 2.0 s" in str(stall.exceptions[0])
 
 
+def test_a_point_that_kills_its_worker_fails_alone(d: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker killed in a point (the OOM killer) breaks its pool; the points it took down run again, each alone."""
+    import multiprocessing
+
+    real = sweep.replay
+
+    def die_at_5(path: object, cfg: config.Config, **kw: object) -> object:
+        if cfg.pool.expert_slots == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(path, cfg, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sweep, "replay", die_at_5)
+    # forked workers (not the fork server's fresh imports) run the patched replay
+    monkeypatch.setattr(sweep, "_worker_context", lambda: multiprocessing.get_context("fork"))
+    points = sweep.plan(d / "r.qtrace", sweep.parse_grid(["pool.expert_slots=4,5,6,7"]), config.load(None, env={}),
+                        fixed={"replay.record_nbytes": NBYTES})
+    result = sweep.run(d / "r.qtrace", points, executor="processes", jobs=2)
+    assert result.failed == [1]
+    assert result.points[1].error is not None and "worker process died" in result.points[1].error
+    assert [p.report is not None for p in result.points] == [True, False, True, True]
+
+
 # ---------------------------------------------------------------------------- killing a sweep
 
 
