@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import threading
 import urllib.error
@@ -68,11 +69,16 @@ class ServerThread:
         self.url = self._ready.result(timeout=120)[0]
         return self
 
+    def stop(self) -> None:
+        """Begin the server's shutdown (as SIGINT would), without waiting for it."""
+        assert self._token is not None and self._stop is not None
+        with contextlib.suppress(trio.RunFinishedError):  # it had stopped already
+            self._token.run_sync_soon(self._stop.set)
+
     def __exit__(self, *exc: object) -> None:
         for c in self._clients:
             c.close()
-        assert self._token is not None and self._stop is not None
-        self._token.run_sync_soon(self._stop.set)
+        self.stop()
         assert self._done.wait(timeout=60), "the server did not stop"
         if self.error is not None:
             raise self.error
