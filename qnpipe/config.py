@@ -401,10 +401,10 @@ COUNT_BOUNDS: dict[str, int] = {
 }
 
 
-def _check_bound(path: str, value: object, source: str) -> None:
+def _check_bound(path: str, value: object, source: str, given: object) -> None:
     bound = COUNT_BOUNDS.get(path)
     if bound is not None and type(value) is int and value > bound:
-        raise ConfigError(f"bad value for {path} (from {source}={value!r}): {value} is more than {bound}; "
+        raise ConfigError(f"bad value for {path} (from {source}={given!r}): {value} is more than {bound}; "
                           f"allowed: {describe_allowed(_FIELDS[path].type)}, at most {bound}")
 
 
@@ -413,8 +413,8 @@ def _apply(tree: dict[str, Any], sources: dict[str, str], settings: Iterable[_Se
         section, field = s.path.split(".")
         value = _coerce(_FIELDS[s.path], s.value, s.source)
         if isinstance(value, str) and s.path in COUNT_BOUNDS and value.strip().lstrip("+-").isdigit():
-            _check_bound(s.path, int(value), s.source)  # text from the environment or --set
-        _check_bound(s.path, value, s.source)
+            _check_bound(s.path, int(value), s.source, s.value)  # text from the environment or --set
+        _check_bound(s.path, value, s.source, s.value)
         tree.setdefault(section, {})[field] = value
         sources[s.path] = f"{s.source}={s.value!r}"
 
