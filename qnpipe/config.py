@@ -380,7 +380,7 @@ COUNT_BOUNDS: dict[str, int] = {
     "read.bg_budget_experts": 1 << 20,
     "read.prefetch_budget_experts": 1 << 20,
     "pool.expert_slots": 1 << 16,  # clamped to the model's experts per layer anyway
-    "pool.side_region_slots": 4096,  # allocated per layer, beside the slots
+    "pool.side_region_slots": 1024,  # allocated per layer beside the slots; more than a layer has experts is no use
     "predict.ahead_layers": 4096,
     "predict.candidate_mult": 4096,
     "predict.width_experts": 1 << 16,

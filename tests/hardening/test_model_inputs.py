@@ -263,5 +263,5 @@ def test_count_settings_beyond_their_bound_are_named_errors(m: dict[str, Path]) 
         Case("-K 10**9", _gen(qn, "--mtp", "-K", "1000000000"), 2, ("mtp.num_draft_tokens", "at most 64")),
         Case("pool.side_region_slots=10**9", _gen(qn, "--set", "pool.side_region_slots=1000000000", "--set",
                                                   "predict.cross_layer_prefetch=true"), 2,
-             ("pool.side_region_slots", "at most 4096")),
+             ("pool.side_region_slots", "at most 1024")),
     ])
