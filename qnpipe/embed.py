@@ -27,6 +27,7 @@ from qnpipe import decoding
 from qnpipe.config import Config
 from qnpipe.core import Core, build_core, open_core_pipeline
 from qnpipe.engine import Pipeline
+from qnpipe.errors import PipelineError
 from qnpipe.io.reader import ExpertReader
 from qnpipe.mlx_thread import MLXThread, run_on
 from qnpipe.model.kvquant import model_bytes_per_token
@@ -397,6 +398,11 @@ class Engine:
             except Exception as e:
                 fut.set_exception(e)
                 return
+            except BaseException:
+                # The loop itself is going (its nursery cancelled, a KeyboardInterrupt in its
+                # thread): the caller must still be answered, or it waits forever.
+                fut.set_exception(PipelineError("the engine's loop stopped while a call was running"))
+                raise
             if scope.cancelled_caught:
                 fut.set_exception(KeyboardInterrupt())
             else:

@@ -21,7 +21,6 @@ import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -37,6 +36,7 @@ from qnpipe.autopin import Autopin
 from qnpipe.config import Config, EvictPolicy
 from qnpipe.errors import CapacityError, ConfigError, StallError
 from qnpipe.io.device import ExpertDevice
+from qnpipe.io.files import CONFIG_CAP, read_capped
 from qnpipe.messages import Candidates, ForwardInbox, PoolInbox, ReadInbox
 from qnpipe.model.args import ModelArgs
 from qnpipe.policy.eviction import make_eviction
@@ -57,7 +57,7 @@ def layer_capacities(cfg: Config, args: ModelArgs) -> dict[int, int]:
     path = cfg.pool.capacity_profile_path
     if path:
         try:
-            raw = json.loads(Path(path).read_text(encoding="utf-8"))
+            raw = json.loads(read_capped(path, CONFIG_CAP, error=OSError))
             given = {int(k): int(v) for k, v in raw["layer_caps"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(f"pool.capacity_profile_path={path}: not a capacity profile "

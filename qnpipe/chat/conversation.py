@@ -15,6 +15,7 @@ import msgspec
 
 from qnpipe.atomic import atomic_write
 from qnpipe.errors import ChatError
+from qnpipe.io.files import SMALL_CAP, read_capped
 
 FORMAT = "qnpipe-conversation"
 VERSION = 1
@@ -77,10 +78,7 @@ class Conversation:
     def load(cls, path: str | os.PathLike[str]) -> Conversation:
         """The conversation in `path`; ChatError naming the file (and the bad key or message) otherwise."""
         path = Path(path)
-        try:
-            raw = path.read_bytes()
-        except OSError as e:
-            raise ChatError(f"{path}: cannot read ({e.strerror or e})") from None
+        raw = read_capped(path, SMALL_CAP, error=ChatError)
         try:
             f = msgspec.json.decode(raw, type=ConversationFile)
         except msgspec.ValidationError as e:

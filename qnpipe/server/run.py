@@ -108,7 +108,7 @@ def _bind_error(opts: ServerOptions, e: OSError) -> QnpipeError:
 async def serve_engine(eng: Any, model_dir: str | Path, opts: ServerOptions, *,
                        shutdown: Callable[[], Any] | None = None, sockets: Any = None,
                        task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve the open AsyncEngine `eng` until `shutdown()` returns (an awaitable) or SIGINT/SIGTERM.
+    """Serve the open AsyncEngine `eng` until `shutdown()` returns (an awaitable) or SIGINT/SIGTERM/SIGHUP.
 
     `sockets` are those `bind` made (None: bound here). `task_status.started` gets the bound
     addresses (`http://127.0.0.1:PORT`; port 0 picks a free one).
@@ -130,7 +130,8 @@ async def serve_engine(eng: Any, model_dir: str | Path, opts: ServerOptions, *,
             if shutdown is not None:
                 await shutdown()
                 return
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            # SIGHUP too: a server started from a terminal that closes stops cleanly (heat saved).
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
                 async for _ in signals:
                     return
         finally:

@@ -62,14 +62,17 @@ def _with_index(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) ->
 def _special(src: Path, dst: Path, name: str, kind: str) -> Path:
     """A linked copy of `src` whose `name` is a FIFO, a directory or a link to /dev/zero."""
     d = _linked(src, dst, skip=(name,))
-    p = d / name
+    _make_special(d / name, kind)
+    return d
+
+
+def _make_special(p: Path, kind: str) -> None:
     if kind == "fifo":
         os.mkfifo(p)
     elif kind == "dir":
         p.mkdir()
     else:
         p.symlink_to("/dev/zero")
-    return d
 
 
 def _layer0(edit: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
@@ -137,12 +140,7 @@ def m(tmp_path_factory: pytest.TempPathFactory, tiny_hf: Path, tiny_qn4: Path) -
     for kind in ("fifo", "dir", "dev"):
         p = t / f"toml-{kind}" / "qnpipe.toml"
         p.parent.mkdir()
-        if kind == "fifo":
-            os.mkfifo(p)
-        elif kind == "dir":
-            p.mkdir()
-        else:
-            p.symlink_to("/dev/zero")
+        _make_special(p, kind)
         out[f"toml-{kind}"] = p
     (t / "workers.toml").write_text("[read]\nworkers = 1000000000\n")
     out["workers.toml"] = t / "workers.toml"

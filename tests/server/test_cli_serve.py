@@ -1,4 +1,4 @@
-"""`qnpipe serve` as a command: its help, and a real process that serves, then stops on SIGINT."""
+"""`qnpipe serve` as a command: its help, and a real process that serves, then stops on SIGINT or SIGHUP."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def test_bad_flags_exit_2_before_the_model_loads(capsys: pytest.CaptureFixture[s
     assert "--max-tokens-cap" in capsys.readouterr().err
 
 
-def test_serve_process_answers_then_stops_on_sigint() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
+def test_serve_process_answers_then_stops_on_sigint(sig: signal.Signals) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "qnpipe", "serve", str(MODEL), "--port", "0", "--max-queue", "2"],
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -56,7 +57,7 @@ def test_serve_process_answers_then_stops_on_sigint() -> None:
                                          headers={"content-type": "application/json"})
             with urllib.request.urlopen(req, timeout=30) as r:
                 assert json.loads(r.read())["usage"]["prompt_tokens"] > 0
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(sig)
             assert proc.wait() == 0
     finally:
         proc.kill()
