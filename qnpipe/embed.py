@@ -1,8 +1,8 @@
 """The embedded API: `Engine` (sync facade) and `open_engine` (trio-native).
 
-Both run the same pipeline (qnpipe.engine): the forward's step loop and the pool and
+Both run the same pipeline (qnpipe.actors.pipeline): the forward's step loop and the pool and
 read-scheduler actors in trio, every MLX call on the process's one MLX thread. The sync
-facade runs its pipeline as tasks of the MLX thread's own trio loop (qnpipe.mlx_thread:
+facade runs its pipeline as tasks of the MLX thread's own trio loop (qnpipe.live.mlx_thread:
 MLX calls then run inline, no thread hand-off per layer), or with prefetch on in a loop
 on a thread of its own; a KeyboardInterrupt in the caller
 stops the generation in progress at its next layer and leaves the engine usable.
@@ -23,19 +23,19 @@ import msgspec
 import numpy as np
 import trio
 
-from qnpipe import decoding
+from qnpipe.actors.pipeline import Pipeline
 from qnpipe.config import Config
-from qnpipe.core import Core, build_core, open_core_pipeline
-from qnpipe.engine import Pipeline
+from qnpipe.config.validate import check_generate_args
 from qnpipe.errors import PipelineError
 from qnpipe.io.reader import ExpertReader
-from qnpipe.mlx_thread import MLXThread, run_on
+from qnpipe.live import decoding
+from qnpipe.live.core import Core, build_core, open_core_pipeline
+from qnpipe.live.mlx_thread import MLXThread, run_on
+from qnpipe.live.prefix import PrefixCache
+from qnpipe.live.spec.engine import speculate
 from qnpipe.model.kvquant import model_bytes_per_token
-from qnpipe.prefix import PrefixCache
-from qnpipe.snapshots import engine_fingerprint
-from qnpipe.spec.engine import speculate
+from qnpipe.model.snapshots import engine_fingerprint
 from qnpipe.stats import EngineStats, GenerateResult, LayerPoolStats, PoolStats, UnionProf
-from qnpipe.validate import check_generate_args
 
 Prompt = str | Sequence[int]
 
@@ -53,7 +53,7 @@ def _resolve(model_dir: str | Path | None, cfg: Config | None, overrides: dict[s
 
 def _gen_kwargs(prompt: Prompt, max_tokens: int, temperature: float, top_p: float, seed: int | None,
                 stop_at_eos: bool) -> dict[str, Any]:
-    """The checked generation arguments (ValueError naming the first bad one: qnpipe.validate)."""
+    """The checked generation arguments (ValueError naming the first bad one: qnpipe.config.validate)."""
     check_generate_args(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
             "stop_at_eos": stop_at_eos}
@@ -217,7 +217,7 @@ class AsyncEngine:
         in the trio thread, in order. `partial` (a list) collects the tokens as they come,
         which is what is left after a cancellation. Cancelling stops the work at the next
         layer; the engine stays usable. With `prefix.snapshot_head_tokens` on, a prompt that
-        starts like an earlier one resumes from its kept state (qnpipe.prefix): same result,
+        starts like an earlier one resumes from its kept state (qnpipe.live.prefix): same result,
         bit for bit, without prefilling the shared part again.
         """
         kw = _gen_kwargs(prompt, max_tokens, temperature, top_p, seed, stop_at_eos)
@@ -305,7 +305,7 @@ class Engine:
     `overrides` are configuration fields by name (`expert_slots=32`, `prefill_chunk_tokens=0`)
     applied on top of defaults, the TOML file and the environment (see docs/config.md);
     `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name). The
-    pipeline runs as tasks of the MLX thread's trio loop (qnpipe.mlx_thread), apart from the
+    pipeline runs as tasks of the MLX thread's trio loop (qnpipe.live.mlx_thread), apart from the
     caller's thread; with prefetch on (`predict.cross_layer_prefetch`) in a trio loop on a
     thread of its own, so read completions are taken while the model computes. `loop_thread`
     is the thread that loop runs on (for measuring it, as tools/bench_stream.py does).

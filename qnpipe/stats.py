@@ -6,7 +6,7 @@ import enum
 
 import msgspec
 
-from qnpipe.spec.stats import SpecStats
+from qnpipe.live.spec.stats import SpecStats
 
 
 class FinishReason(enum.StrEnum):
@@ -103,7 +103,7 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PrefixStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Prefix snapshots since the engine opened (qnpipe.prefix).
+    """Prefix snapshots since the engine opened (qnpipe.live.prefix).
 
     `hits` resumed a prompt from a kept state (`disk_loads` of them read from the snapshot
     directory), `misses` found none; `tokens_reused` prompt tokens not prefilled again;

@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default tiny model (docs/model.md, "Tiny test configuration") in the original HF layout, fp32."""
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("models") / "tiny-hf", layout="hf", seed=0)
 

@@ -1,4 +1,4 @@
-"""qnpipe.atomic: a file appears whole or not at all; an error mid-write leaves the old one and no temp file."""
+"""qnpipe.io.atomic: a file appears whole or not at all; an error mid-write leaves the old one and no temp file."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from qnpipe.atomic import atomic_file, atomic_write
+from qnpipe.io.atomic import atomic_file, atomic_write
 
 
 def test_atomic_write_replaces_the_file_and_leaves_no_temporary(tmp_path: Path) -> None:
@@ -38,7 +38,7 @@ def test_a_new_file_gets_the_umask_mode_and_a_replaced_file_keeps_its_mode(tmp_p
     import os
     import stat
 
-    from qnpipe.atomic import UMASK
+    from qnpipe.io.atomic import UMASK
 
     old = os.umask(0o022)
     os.umask(old)

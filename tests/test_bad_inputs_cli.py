@@ -75,7 +75,7 @@ def _edit_index(d: Path, edit) -> Path:
 
 @pytest.fixture(scope="module")
 def bad(tmp_path_factory: pytest.TempPathFactory, tiny_hf: Path, tiny_qn4: Path) -> dict[str, Path]:
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     t = tmp_path_factory.mktemp("bad")
     d: dict[str, Path] = {"tmp": t}

@@ -39,7 +39,7 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("chat_term") / "hf", layout="hf", seed=3)
 

@@ -26,10 +26,11 @@ from qnpipe.config import (
     ReplacedSwitchWarning,
     format_layer_set,
     load,
+    loader,
     parse_layer_set,
     with_overrides,
 )
-from qnpipe.config_aliases import LEGACY_NAMES, Kind, LegacyName
+from qnpipe.config.aliases import LEGACY_NAMES, Kind, LegacyName
 from qnpipe.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ COMPANIONS = {"TREE_TOP2_P1": {"TREE_TOP2": "1"}, "MTP_ADAPTIVE_RESCUE": {"MTP_A
 @pytest.fixture(autouse=True)
 def _fresh_warning_registry() -> Iterator[None]:
     # "Once per process" is module state; each test starts as a fresh process would.
-    config._warned_names.clear()
+    loader._warned_names.clear()
     # These tests set every field on purpose; the warning itself is tested below with pytest.warns.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NotImplementedConfigWarning)
@@ -207,7 +208,7 @@ def test_a_field_without_its_feature_warns_once_naming_both() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load(env={"WINDOW_PROF": "1"})  # once per process
-        config._warned_names.clear()
+        loader._warned_names.clear()
         load(env={"WINDOW_PROF": "0"})  # the default: nothing to warn about
         load(overrides={"pool.expert_slots": 8})  # a field with a consumer
     with pytest.warns(NotImplementedConfigWarning, match=r"model\.config_path='c\.json' .*loader") as record:
@@ -359,7 +360,7 @@ def test_unknown_and_ambiguous_overrides(monkeypatch: pytest.MonkeyPatch) -> Non
         load(env={}, overrides={"expert_slot": 3})
     with pytest.raises(ConfigError, match="'pool.expert_slot'.*did you mean pool.expert_slots"):
         load(env={}, overrides={"pool.expert_slot": 3})
-    monkeypatch.setitem(config._FLAT, "expert_slots", ["pool.expert_slots", "read.workers"])
+    monkeypatch.setitem(loader._FLAT, "expert_slots", ["pool.expert_slots", "read.workers"])
     with pytest.raises(ConfigError, match="ambiguous.*pool.expert_slots, read.workers"):
         load(env={}, overrides={"expert_slots": 3})
 

@@ -2,7 +2,7 @@
 
 A consumer is an attribute access ``<x>.<section>.<field>`` (``cfg.pool.expert_slots``) or
 ``<section>_cfg.<field>`` in a module of qnpipe/ other than the config modules, which only
-declare and load fields. A field without one must be in ``config_pending.NOT_YET_IMPLEMENTED``
+declare and load fields. A field without one must be in ``qnpipe.config.pending.NOT_YET_IMPLEMENTED``
 (it then warns when set); a field with one must not be there any more.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from qnpipe import config
 
 PACKAGE = Path(__file__).resolve().parents[1] / "qnpipe"
-CONFIG_MODULES = {"config.py", "config_tree.py", "config_aliases.py", "config_pending.py"}
+CONFIG_MODULES = {"config/loader.py", "config/tree.py", "config/aliases.py", "config/pending.py"}
 
 
 def consumers(sources: Mapping[str, str], sections: Iterable[str]) -> dict[str, list[str]]:
@@ -44,14 +44,14 @@ def problems(fields: Iterable[str], used: Mapping[str, list[str]], pending: Mapp
         if path in used and path in pending:
             out.append(f"{path} is read at {', '.join(used[path])}: remove it from NOT_YET_IMPLEMENTED")
         elif path not in used and path not in pending:
-            out.append(f"{path} has no consumer: wire it, or add it to config_pending.NOT_YET_IMPLEMENTED")
+            out.append(f"{path} has no consumer: wire it, or add it to qnpipe.config.pending.NOT_YET_IMPLEMENTED")
     out += [f"{path} in NOT_YET_IMPLEMENTED is not a Config field" for path in pending if path not in set(fields)]
     return out
 
 
 def _package_sources() -> dict[str, str]:
     return {str(p.relative_to(PACKAGE.parent)): p.read_text(encoding="utf-8")
-            for p in sorted(PACKAGE.rglob("*.py")) if p.name not in CONFIG_MODULES}
+            for p in sorted(PACKAGE.rglob("*.py")) if p.relative_to(PACKAGE).as_posix() not in CONFIG_MODULES}
 
 
 def _fields() -> list[str]:
@@ -73,7 +73,7 @@ def test_the_check_fails_on_a_field_nobody_reads() -> None:
     assert used == {"pool.expert_slots": ["a.py:2"], "pool.side_region_slots": ["a.py:2"]}
     fields = ["pool.expert_slots", "pool.side_region_slots", "read.workers", "read.nocache"]
     assert problems(fields, used, {"read.nocache": "the reader", "pool.gone": "x"}) == [
-        "read.workers has no consumer: wire it, or add it to config_pending.NOT_YET_IMPLEMENTED",
+        "read.workers has no consumer: wire it, or add it to qnpipe.config.pending.NOT_YET_IMPLEMENTED",
         "pool.gone in NOT_YET_IMPLEMENTED is not a Config field",
     ]
     # Wired but still listed as pending: the warning would lie.

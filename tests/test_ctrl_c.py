@@ -59,7 +59,7 @@ def _env() -> dict[str, str]:
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """resident: the tiny model in the HF layout (experts in memory); streamed: it converted (experts on disk)."""
     from qnpipe.convert import convert
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("ctrl_c")
     hf = make_tiny(root / "hf", layout="hf", seed=3)

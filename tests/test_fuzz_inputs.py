@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from qnpipe import config
 from qnpipe.config import NotImplementedConfigWarning
+from qnpipe.convert.verify import verify_store
 from qnpipe.errors import QnpipeError
 from qnpipe.io.store import ExpertStore, read_index
 from qnpipe.model.checkpoint import read_header
-from qnpipe.verify import verify_store
 
 FUZZ = settings(max_examples=60, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -19,8 +19,8 @@ PACKAGE = ROOT / "qnpipe"
 # The C extension is a private module by name only (the Python fallback stands beside it).
 PRIVATE_OK = {"qnpipe._preadx"}
 
-PURE = ("qnpipe/policy/", "qnpipe/messages.py", "qnpipe/ids.py", "qnpipe/config.py", "qnpipe/config_tree.py",
-        "qnpipe/config_aliases.py", "qnpipe/config_pending.py")
+PURE = ("qnpipe/policy/", "qnpipe/messages.py", "qnpipe/ids.py", "qnpipe/config/loader.py", "qnpipe/config/tree.py",
+        "qnpipe/config/aliases.py", "qnpipe/config/pending.py")
 # qnpipe.io.files (read a small file whole, capped and regular-only) is a leaf below every
 # layer: it imports nothing of qnpipe but errors, so the config modules may read TOML through it.
 LEAVES = {"qnpipe.io.files"}
@@ -93,9 +93,9 @@ def test_leaves_import_nothing_of_qnpipe_but_errors() -> None:
 
 
 def test_the_checks_catch_violations() -> None:
-    bad = "from qnpipe.io.safetensors_out import _Job, write_safetensors\nimport qnpipe._hidden\nimport qnpipe.config\n"
+    bad = "from qnpipe.convert.safetensors_out import _Job, write_safetensors\nimport qnpipe._hidden\nimport qnpipe.config\n"
     assert private_imports("qnpipe/x.py", bad) == [
-        "qnpipe/x.py:1: qnpipe.io.safetensors_out._Job", "qnpipe/x.py:2: qnpipe._hidden"]
+        "qnpipe/x.py:1: qnpipe.convert.safetensors_out._Job", "qnpipe/x.py:2: qnpipe._hidden"]
     assert private_imports("qnpipe/x.py", "from qnpipe import _preadx\n") == []
     policy = "import trio\n\ndef f():\n    import mlx.core as mx\n    from qnpipe.io.store import ExpertStore\n"
     assert layering_violations("qnpipe/policy/eviction.py", policy) == [
@@ -111,9 +111,9 @@ def test_the_checks_catch_violations() -> None:
 
 # What replay, sweeps and the trace tools load: the actors and policies, never the model code
 # (mlx-lm pulls in transformers: ~1.4 s of start-up per process, paid by every sweep worker).
-MODEL_FREE = ("qnpipe.replay", "qnpipe.sweep", "qnpipe.cost_fit", "qnpipe.engine", "qnpipe.cli.replay_cmd",
+MODEL_FREE = ("qnpipe.replay", "qnpipe.replay.sweep", "qnpipe.replay.cost_fit", "qnpipe.actors.pipeline", "qnpipe.cli.replay_cmd",
               "qnpipe.cli.sweep_cmd", "qnpipe.cli.trace_cmd")
-HEAVY = ("mlx_lm", "transformers", "qnpipe.core", "qnpipe.model.stepper", "qnpipe.model.qwen3_next")
+HEAVY = ("mlx_lm", "transformers", "qnpipe.live.core", "qnpipe.model.stepper", "qnpipe.model.qwen3_next")
 
 
 def test_replay_and_sweeps_load_no_model_code() -> None:
@@ -123,6 +123,6 @@ def test_replay_and_sweeps_load_no_model_code() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
     # The check itself sees these modules when they are loaded.
-    live = subprocess.run([sys.executable, "-c", code.replace("for m in", "import qnpipe.core\nfor m in", 1)],
+    live = subprocess.run([sys.executable, "-c", code.replace("for m in", "import qnpipe.live.core\nfor m in", 1)],
                           capture_output=True, text=True, timeout=120, check=True)
-    assert "qnpipe.core" in json.loads(live.stdout.strip().splitlines()[-1])
+    assert "qnpipe.live.core" in json.loads(live.stdout.strip().splitlines()[-1])

@@ -8,10 +8,10 @@ import mlx.core as mx
 import pytest
 
 import qnpipe
-from qnpipe import memory
 from qnpipe.cli.common import DEMO_MODEL_DIR
 from qnpipe.config import MemoryCfg
 from qnpipe.errors import ConfigError
+from qnpipe.model import memory
 
 
 def test_the_cache_limit_bounds_mlxs_buffer_cache() -> None:

@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.lowlevel
 
-from qnpipe.mlx_thread import MLXThread, run_on
+from qnpipe.live.mlx_thread import MLXThread, run_on
 
 
 def _name() -> str:

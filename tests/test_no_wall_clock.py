@@ -8,8 +8,8 @@ from pathlib import Path
 import qnpipe
 
 ROOT = Path(qnpipe.__file__).parent
-CLOCKED = [*(ROOT / "actors").glob("*.py"), *(ROOT / "policy").glob("*.py"), ROOT / "replay.py",
-           ROOT / "io" / "simssd.py", ROOT / "decoding.py"]
+CLOCKED = [*(ROOT / "actors").glob("*.py"), *(ROOT / "policy").glob("*.py"), ROOT / "replay" / "runner.py",
+           ROOT / "io" / "simssd.py", ROOT / "live" / "decoding.py"]
 WALL = re.compile(r"\btime\.(time|perf_counter|monotonic|process_time)\(|\bdatetime\.now\(")
 
 

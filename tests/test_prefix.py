@@ -16,8 +16,8 @@ import pytest
 
 import qnpipe
 from qnpipe.cli.common import DEMO_MODEL_DIR
-from qnpipe.prefix import SUFFIX, SnapshotFileWarning, boundaries
-from qnpipe.snapshots import token_key
+from qnpipe.live.prefix import SUFFIX, SnapshotFileWarning, boundaries
+from qnpipe.model.snapshots import token_key
 
 HEAD = 16
 SYSTEM = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Entry point.\"\"\"\n"
@@ -176,7 +176,7 @@ def test_a_corrupt_file_is_ignored_with_one_warning(prompts: list[list[int]], re
 
 
 def test_a_file_of_another_model_is_ignored(prompts: list[list[int]], tmp_path: Path) -> None:
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     other = make_tiny(tmp_path / "other", layout="hf", seed=5, config_overrides={"vocab_size": 4096})
     snaps = tmp_path / "snaps"
@@ -203,8 +203,8 @@ def test_an_unwritable_directory_warns_once_and_the_answer_comes(prompts: list[l
 def test_a_state_that_cannot_be_captured_turns_snapshots_off_with_a_warning(
         prompts: list[list[int]], reference: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
     """A cache kind capture does not know (one a later feature adds) costs the snapshots, never the answer."""
-    from qnpipe import snapshots
     from qnpipe.errors import SnapshotError
+    from qnpipe.model import snapshots
 
     ref = reference["tokens"]
     assert isinstance(ref, list)
@@ -255,7 +255,7 @@ def test_a_store_of_other_experts_does_not_resume_the_first_ones_head(prompts: l
     import shutil
 
     from qnpipe.convert import convert
-    from qnpipe.verify import verify_store
+    from qnpipe.convert.verify import verify_store
 
     first, second, snaps = tmp_path / "first", tmp_path / "second", tmp_path / "snaps"
     convert(DEMO_MODEL_DIR, first)

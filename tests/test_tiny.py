@@ -12,8 +12,8 @@ import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from safetensors import safe_open
 
+from qnpipe.convert.tiny import TINY_CONFIG, TOKENIZER_DIR, make_tiny, random_hf_weights
 from qnpipe.errors import OutputError
-from qnpipe.tiny import TINY_CONFIG, TOKENIZER_DIR, make_tiny, random_hf_weights
 
 TOOLS = [
     {

@@ -1,4 +1,4 @@
-"""Issue 8 at the API level: argument checks (qnpipe.validate), config ranges, loader refusals."""
+"""Issue 8 at the API level: argument checks (qnpipe.config.validate), config ranges, loader refusals."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from qnpipe.config.validate import check_generate_args, check_prompt, check_topk_override, context_warning
 from qnpipe.errors import CheckpointError, ConfigError, OutputError, QnpipeError, TokenizerError
 from qnpipe.model.args import args_from_dict, read_config
-from qnpipe.validate import check_generate_args, check_prompt, check_topk_override, context_warning
 
 
 @pytest.mark.parametrize("prompt, needle", [
@@ -97,8 +97,8 @@ def test_a_file_as_model_dir(tiny_hf: Path) -> None:
 def test_bf16_experts_refused_on_cpu_before_loading(tmp_path: Path) -> None:
     import mlx.core as mx
 
+    from qnpipe.convert.tiny import make_tiny
     from qnpipe.model.load import load_model
-    from qnpipe.tiny import make_tiny
 
     if mx.default_device().type != mx.DeviceType.cpu:
         pytest.skip("the refusal applies to the CPU backend only")
@@ -138,7 +138,7 @@ def test_tokenizer_config_without_tokenizer_json(tmp_path: Path, tiny_hf: Path) 
 
 def test_unwritable_output_locations(tmp_path: Path) -> None:
     from qnpipe.convert import convert
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     f = tmp_path / "file"
     f.write_text("x")
@@ -152,7 +152,7 @@ def test_unwritable_output_locations(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_read_only_directory(tmp_path: Path) -> None:
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     ro = tmp_path / "ro"
     ro.mkdir()

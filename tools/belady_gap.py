@@ -1,6 +1,6 @@
 """Belady's gap on the whole real traces: each imported, replayed with every demand policy; prints JSON.
 
-Imports the traces of tests/data/traces (`qnpipe.importers`), replays each through the real
+Imports the traces of tests/data/traces (`qnpipe.trace.importers`), replays each through the real
 pool (`qnpipe.replay`, a routing log: `record_nbytes` given) with `pool.evict_policy` = lru,
 lfu, fifo and lrfu at one capacity per trace, checks every layer's hit rate against Belady's
 and prints a table on stderr and one JSON line on stdout: `traces`, a list of
@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from qnpipe import config  # noqa: E402
-from qnpipe.importers import import_log  # noqa: E402
 from qnpipe.replay import replay  # noqa: E402
+from qnpipe.trace.importers import import_log  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "traces"
 POLICIES = ("lru", "lfu", "fifo", "lrfu")

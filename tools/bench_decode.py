@@ -23,7 +23,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load
 
 import qnpipe
-from qnpipe.tiny import make_tiny
+from qnpipe.convert.tiny import make_tiny
 
 SIZES = {
     "tiny": {},

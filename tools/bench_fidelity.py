@@ -2,7 +2,7 @@
 
 For each round: a live `tools/bench_stream.py`-style demand run (the pool at `--pool-frac` of
 each layer's experts, direct I/O, `read.workers` reads in flight, no prefetch, no autopin, a
-1-token prompt, temperature 1) writes its event log; `qnpipe.cost_fit.fit_cost` fits the cost
+1-token prompt, temperature 1) writes its event log; `qnpipe.replay.cost_fit.fit_cost` fits the cost
 model from that log against the device profile; `qnpipe.replay` replays the log with that
 profile and cost. Compared per round, then the median over the rounds:
 
@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import qnpipe
     from qnpipe import config
-    from qnpipe.cost_fit import fit_cost
     from qnpipe.io.device_file import load_profile
     from qnpipe.io.measure import measure_profile
     from qnpipe.io.store import ExpertStore
     from qnpipe.replay import replay
+    from qnpipe.replay.cost_fit import fit_cost
 
     model = args.model or bench_stream().make_model(args.work, "bench", 4, 64)
     with ExpertStore.open(model) as store:

@@ -138,8 +138,8 @@ async def _verify_time(fwd: Any, th: Any, model: Any, head: Any, ids: list[int],
     import mlx.core as mx
     import trio
 
-    from qnpipe.mlx_thread import run_on
-    from qnpipe.spec import loop
+    from qnpipe.live.mlx_thread import run_on
+    from qnpipe.live.spec import loop
 
     st = await run_on(th, loop.SpecState, model, head, loop.SpecOptions(k=n - 1, hidden=loop.MtpHidden.POST_NORM))
     await loop.prefill(fwd, th, st, ids, 0)
@@ -166,14 +166,14 @@ def _bounds(rb: dict[str, float], accept: dict[str, float], best: float) -> dict
 def _rollbacks(rounds: int, tokens: int) -> dict[str, float]:
     """tok/s of the loop at K = 3 with each rollback, and the verify forwards' times (seconds), interleaved
     (all resident)."""
-    from qnpipe import decoding
     from qnpipe.actors.forward import Forward
-    from qnpipe.core import ThreadedBackend
-    from qnpipe.mlx_thread import MLXThread, run_on
+    from qnpipe.live import decoding
+    from qnpipe.live.core import ThreadedBackend
+    from qnpipe.live.mlx_thread import MLXThread, run_on
+    from qnpipe.live.spec import loop
     from qnpipe.model.load import load_model
     from qnpipe.model.mtp import load_mtp
     from qnpipe.model.stepper import MlxBackend
-    from qnpipe.spec import loop
 
     async def main() -> dict[str, float]:
         th = MLXThread.shared()

@@ -44,7 +44,7 @@ import trio.testing
 
 from qnpipe import config
 from qnpipe.replay import PREDICTORS, PredictorOpts, load_log, predictions, replay, to_json
-from qnpipe.synth import SynthSpec, write_synth
+from qnpipe.replay.synth import SynthSpec, write_synth
 
 RECORD_80B_4BIT = 1769472  # one Qwen3-Next-80B expert at 4 bits (tools/bench_io.py)
 

@@ -54,7 +54,7 @@ What is measured (every figure is a median over `--rounds`):
       counts twice the time a read runs during an MLX call, as with early grants or prefetch;
       `overhead_frac_sum` is its fraction, the definition before 2026-12-01's evening.)
     - `loop_work`: the CPU time of the thread whose trio loop runs the engine's pipeline (the
-      MLX thread, qnpipe.mlx_thread, minus the CPU of the MLX calls inline there, taken apart
+      MLX thread, qnpipe.live.mlx_thread, minus the CPU of the MLX calls inline there, taken apart
       inside the same wrappers; with prefetch on, the engine's own loop thread): the actors'
       and the decode loop's own work, measured directly. (A trio instrument summing task steps measured the same but cost
       3.6 % of demand tok/s itself, side by side.)
@@ -67,7 +67,7 @@ What is measured (every figure is a median over `--rounds`):
   `overhead_frac_allhit` = (allhit step - resident step) / allhit step, from decode_tok_s:
   the streaming pipeline with every access a hit against the model run straight through
   (this also contains what the streamed decode loses by not queueing the next step
-  before reading the token, see qnpipe.decoding). `overhead_frac_allhit_direct` is
+  before reading the token, see qnpipe.live.decoding). `overhead_frac_allhit_direct` is
   (wall - mlx) / wall of the allhit run.
 * `read_batches_per_token`: `read_batch` calls per token (read scheduler `batches`); equal to
   `reads_per_token` means every miss went to the device on its own (one trio task and one
@@ -146,7 +146,7 @@ def log(msg: str) -> None:
 def make_model(work: Path, shape: str, bits: int, group_size: int) -> Path:
     """The qnpipe directory `work/<shape>-<bits>b-g<group>` (made once: HF random -> convert)."""
     from qnpipe.convert import convert
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     out = work / f"{shape}-{bits}b-g{group_size}"
     if (out / "config.json").exists():
@@ -266,7 +266,7 @@ ITEM_IV: list[tuple[float, float]] = []  # ... its intervals
 
 
 def patch_item() -> None:
-    from qnpipe import decoding
+    from qnpipe.live import decoding
 
     inner = decoding._item
 
@@ -319,7 +319,7 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
     item = ITEM_S[0] - i0
     awaited = inst.await_s - a0
     loop = loop_cpu_s(eng) - l0
-    from qnpipe.mlx_thread import MLXThread
+    from qnpipe.live.mlx_thread import MLXThread
 
     if eng.loop_thread is MLXThread.shared().thread:  # MLX calls run inline on that thread
         loop -= (inst.mlx_cpu_s - mc0) + (ITEM_CPU_S[0] - ic0)
@@ -400,11 +400,11 @@ class _FakeDevice:
 
 def bench_pipeline(layers: int, experts: int, k: int, capacity: int, nbytes: int, workers: int, *, hop: bool,
                    steps: int = 200, gap_s: float = 0.0) -> dict[str, float]:
-    """The forward + pool + read-scheduler actors (qnpipe.engine.open_pipeline) with no model and no
+    """The forward + pool + read-scheduler actors (qnpipe.actors.pipeline.open_pipeline) with no model and no
     disk: their own time per layer-step (wall beyond `gap_s`, and process CPU), after `steps // 4`
     warm-up steps. `gap_s`: each layer's compute as an idle wait, so the actors run in bursts."""
     from qnpipe import config as config_mod
-    from qnpipe.engine import open_pipeline
+    from qnpipe.actors.pipeline import open_pipeline
 
     cfg = config_mod.with_overrides(config_mod.Config(), {"read.workers": workers})
 
@@ -797,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _profile(eng: Any, prof: tuple[Any, Any], on: bool) -> None:
     """Enable / disable `prof[0]` on the engine's trio thread and `prof[1]` on the MLX thread."""
-    from qnpipe.mlx_thread import MLXThread
+    from qnpipe.live.mlx_thread import MLXThread
 
     async def toggle() -> None:
         prof[0].enable() if on else prof[0].disable()

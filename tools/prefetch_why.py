@@ -203,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import qnpipe
     from qnpipe import config as config_mod
-    from qnpipe.cost_fit import fit_cost
     from qnpipe.io.simssd import PROFILES
     from qnpipe.io.store import ExpertStore
+    from qnpipe.replay.cost_fit import fit_cost
     from qnpipe.trace import read
 
     model_dir = args.model or bench_stream.make_model(args.work, args.shape, 4, 64)

@@ -65,7 +65,7 @@ EOT, IM_START, IM_END = 0, 1, 2
 
 def model_config(vocab: int, experts: int, top_k: int, moe_inter: int) -> dict[str, Any]:
     """config.json: the tiny test configuration of docs/model.md with a larger vocabulary and the expert sizes."""
-    from qnpipe.tiny import TINY_CONFIG
+    from qnpipe.convert.tiny import TINY_CONFIG
 
     c = dict(TINY_CONFIG)
     c.update(vocab_size=vocab, num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_inter,

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from qnpipe.atomic import atomic_write
 from qnpipe.errors import ChatError
+from qnpipe.io.atomic import atomic_write
 from qnpipe.io.files import SMALL_CAP, read_capped
 
 FORMAT = "qnpipe-conversation"

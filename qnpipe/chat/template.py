@@ -2,7 +2,7 @@
 
 The server and `qnpipe chat` both call `render_prompt`. A prompt head (system turn + tools)
 that renders to the same bytes on every request is what lets a prefix snapshot of it be
-reused (qnpipe.snapshots), so `filter_tools` makes the rendered tool list depend only on the
+reused (qnpipe.model.snapshots), so `filter_tools` makes the rendered tool list depend only on the
 allowlist (`chat.tools_allow`) and on the definitions of the allowed tools, not on which
 other tools, or in which order, a caller sends.
 """

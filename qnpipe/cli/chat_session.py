@@ -1,7 +1,7 @@
 """The `qnpipe chat` loop: read a line, run a /command or answer it with streamed text.
 
 Each answer's prompt is the whole conversation under the chat template; prefix snapshots
-(qnpipe.prefix) resume it from the previous turn's state, so a turn prefills only what is new.
+(qnpipe.live.prefix) resume it from the previous turn's state, so a turn prefills only what is new.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class ChatSession:
                 say(f"qnpipe chat: error: the input line is not valid UTF-8 (byte 0x{e.object[e.start]:02x}); "
                     f"not sent")
                 continue
-            from qnpipe.validate import check_text
+            from qnpipe.config.validate import check_text
 
             try:
                 check_text(line, "the input line")

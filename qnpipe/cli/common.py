@@ -36,7 +36,7 @@ def echo(piece: str) -> None:
 
 
 def add_gen_flags(p: argparse.ArgumentParser, default_tokens: int, json: bool = True) -> None:
-    from qnpipe.validate import check_max_tokens, check_seed, check_temperature, check_top_p
+    from qnpipe.config.validate import check_max_tokens, check_seed, check_temperature, check_top_p
 
     g = p.add_argument_group("generation")
     g.add_argument("-n", "--max-tokens", type=int_arg(check_max_tokens), default=default_tokens, metavar="N",
@@ -105,7 +105,7 @@ def load_config(args: argparse.Namespace) -> Any:
 
 
 def checked(check: Any) -> Any:
-    """An argparse `type=` that parses with `check` (qnpipe.validate), so bad values exit 2 before loading."""
+    """An argparse `type=` that parses with `check` (qnpipe.config.validate), so bad values exit 2 before loading."""
     def parse(text: str) -> Any:
         try:
             return check(text)
@@ -137,7 +137,7 @@ def float_arg(check: Any) -> Any:
 
 
 def text_arg(allow_empty: bool = False) -> Any:
-    from qnpipe.validate import check_text
+    from qnpipe.config.validate import check_text
 
     def parse(text: str) -> str:
         if not text and not allow_empty:
@@ -154,8 +154,8 @@ def precheck_model(model_dir: str | Path, cfg: Any) -> Any:
     layer files (the validation verify-store makes). The loader repeats them.
     """
     from qnpipe.chat.tokenizer import check_tokenizer_files
+    from qnpipe.config.validate import check_topk_override
     from qnpipe.model.args import args_from_dict, read_config
-    from qnpipe.validate import check_topk_override
 
     if cfg.trace.event_log_path or cfg.trace.route_trace:  # a bad --trace fails now, not after the load or at the end
         from qnpipe.trace import check_log_paths
@@ -167,8 +167,9 @@ def precheck_model(model_dir: str | Path, cfg: Any) -> Any:
     check_tokenizer_files(model_dir)
     check_topk_override(cfg.forward.moe_topk_override, margs.num_experts)
     if isinstance(config.get("qnpipe"), dict) or (model_dir / "experts" / "index.json").is_file():
-        from qnpipe.io.store import ExpertStore, model_id
+        from qnpipe.io.store import ExpertStore
         from qnpipe.io.store_check import check_against_model
+        from qnpipe.model.args import model_id
 
         qcfg = config.get("quantization") or config.get("quantization_config")
         with ExpertStore.open(cfg.model.expert_dir or model_dir, expected_model_id=model_id(margs)) as store:
@@ -278,7 +279,7 @@ class PrefillBar:
 
 
 def run_generate(eng: Any, prompt: str | list[int], args: argparse.Namespace) -> int:
-    from qnpipe.validate import check_prompt, context_warning
+    from qnpipe.config.validate import check_prompt, context_warning
 
     try:
         prompt = check_prompt(prompt)

@@ -19,10 +19,10 @@ _REPLAY_KEYS = {"cost.per_layer_s", "cost.per_token_s", "cost.per_step_s", "cost
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from qnpipe import config
-    from qnpipe.cost_fit import load_cost
     from qnpipe.io.device_file import device_names, named_profile
     from qnpipe.io.simssd import DeviceProfile
     from qnpipe.replay import CostModel, PredictorOpts, describe, replay, setting_value, to_json
+    from qnpipe.replay.cost_fit import load_cost
 
     if args.device not in device_names():
         raise QnpipeError(f"--device {args.device}: unknown, known: {', '.join(device_names())}")

@@ -14,8 +14,8 @@ from qnpipe.errors import QnpipeError
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from qnpipe.outdir import output_path
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
+    from qnpipe.io.outdir import output_path
 
     if args.layout == "hf" and args.bits is not None:
         raise QnpipeError("--bits needs --layout mlx (the original HF layout is never quantized)")
@@ -50,7 +50,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_verify_store(args: argparse.Namespace) -> int:
-    from qnpipe.verify import describe, verify_store
+    from qnpipe.convert.verify import describe, verify_store
 
     report = verify_store(args.dir, progress=not args.json)
     if args.json:

@@ -20,7 +20,7 @@ def _base(args: argparse.Namespace) -> tuple[Any, Any, dict[str, str]]:
     from qnpipe import config
     from qnpipe.io.simssd import PROFILES
     from qnpipe.replay import CostModel
-    from qnpipe.sweep import Settings, resolve_key, split_settings
+    from qnpipe.replay.sweep import Settings, resolve_key, split_settings
 
     if args.device not in PROFILES:
         raise QnpipeError(f"--device {args.device}: unknown, known: {', '.join(sorted(PROFILES))}")
@@ -43,7 +43,7 @@ def _base(args: argparse.Namespace) -> tuple[Any, Any, dict[str, str]]:
 def table(result: Any, metric: str) -> Any:
     from rich.table import Table
 
-    from qnpipe.sweep import fmt_metric, fmt_value, table_metrics
+    from qnpipe.replay.sweep import fmt_metric, fmt_value, table_metrics
 
     done = [p for p in result.points if p.error is None]
     names = [m for m in table_metrics(metric) if done and m in done[0].metrics]
@@ -124,7 +124,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from qnpipe.sweep import check_metric, parse_grid, plan, run, to_json, write_json
+    from qnpipe.replay.sweep import check_metric, parse_grid, plan, run, to_json, write_json
 
     if args.log is None:  # `qnpipe sweep --grid a=1,2 LOG`: the list of --grid took the log
         logs = [g for g in args.grid if "=" not in g]
@@ -156,7 +156,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.output:
         write_json(result, args.output)
     if args.plot_dir:
-        from qnpipe.sweep_plot import plot
+        from qnpipe.replay.sweep_plot import plot
 
         plot(result, metric, args.plot_dir)
     if args.json:

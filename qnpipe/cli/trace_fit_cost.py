@@ -12,8 +12,8 @@ def cmd_fit_cost(args: argparse.Namespace) -> int:
     import msgspec
 
     from qnpipe import config
-    from qnpipe.cost_fit import fit_cost, save_cost
     from qnpipe.io.device_file import named_profile
+    from qnpipe.replay.cost_fit import fit_cost, save_cost
     from qnpipe.trace import check_output_path
 
     check_output_path(args.output, "cost file (-o)")

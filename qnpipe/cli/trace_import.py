@@ -17,8 +17,8 @@ def _size(src: Path) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     import msgspec
 
-    from qnpipe.importers import describe, import_log
-    from qnpipe.outdir import ByteProgress
+    from qnpipe.io.outdir import ByteProgress
+    from qnpipe.trace.importers import describe, import_log
 
     src = Path(args.src)
     total = _size(src)
@@ -33,7 +33,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def register(tsub: Any, fmt: Any) -> None:
-    from qnpipe.importers import FORMATS, MAX_BYTES
+    from qnpipe.trace.importers import FORMATS, MAX_BYTES
 
     p = tsub.add_parser("import", help="convert another tool's routing log into a qnpipe routing log",
                         formatter_class=fmt,

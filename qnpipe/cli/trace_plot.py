@@ -9,9 +9,9 @@ from typing import Any
 def cmd_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from qnpipe.timeline import parse_steps, timeline
     from qnpipe.trace import read
-    from qnpipe.trace_plot import draw
+    from qnpipe.trace.plot import draw
+    from qnpipe.trace.timeline import parse_steps, timeline
 
     window = parse_steps(args.steps) if args.steps else (None, None)
     header, records = read(args.log)

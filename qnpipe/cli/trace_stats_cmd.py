@@ -7,7 +7,7 @@ from typing import Any
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from qnpipe.trace_stats import describe, to_json, trace_stats
+    from qnpipe.trace.stats import describe, to_json, trace_stats
 
     s = trace_stats(args.log)
     print(to_json(s).decode() if args.json else describe(s))

@@ -1,4 +1,4 @@
-"""`qnpipe trace synth`: write a seeded synthetic routing log (qnpipe.synth)."""
+"""`qnpipe trace synth`: write a seeded synthetic routing log (qnpipe.replay.synth)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from qnpipe.synth import SynthSpec, write_synth
+    from qnpipe.replay.synth import SynthSpec, write_synth
 
     spec = SynthSpec(layers=args.layers, experts=args.experts, top_k=args.top_k, tokens=args.tokens, seed=args.seed,
                      locality=args.locality, cross_layer=args.cross_layer, popularity=args.popularity)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import msgspec
 
-from qnpipe.atomic import atomic_write
 from qnpipe.errors import ConfigError, DeviceProfileError
+from qnpipe.io.atomic import atomic_write
 from qnpipe.io.files import CONFIG_CAP, read_capped
 from qnpipe.io.simssd import PROFILES, DeviceProfile
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from qnpipe.atomic import atomic_write
+from qnpipe.io.atomic import atomic_write
 from qnpipe.io.files import MiB, read_capped
 
 FORMAT = "qnpipe-heat"

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import numpy as np
 
-from qnpipe.config_tree import ReadBackend
+from qnpipe.config.tree import ReadBackend
 from qnpipe.errors import ReadError
 from qnpipe.io.reader import (
     ALIGN,

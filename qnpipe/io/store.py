@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from qnpipe.dtypes import NP_DTYPES
-from qnpipe.errors import CheckpointError, StoreError
+from qnpipe.errors import StoreError
+from qnpipe.io.dtypes import NP_DTYPES
 from qnpipe.io.files import MiB, read_capped
 from qnpipe.io.store_format import (
     ALIGN,
@@ -33,14 +33,13 @@ from qnpipe.io.store_format import (
     TensorSlot,
     aligned_len,
 )
-from qnpipe.model.args import model_id, read_config
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
 __all__ = [
     "EXPERTS_DIR", "ExpertStore", "as_mx", "layer_file_name",
-    "config_model_id", "read_index", "record_layout", "write_index",
+    "read_index", "record_layout", "write_index",
 ]
 
 EXPERTS_DIR = "experts"
@@ -336,13 +335,3 @@ class ExpertStore:
             out[t.name] = np.ndarray((lf.num_experts, *t.shape), dtype=dt, buffer=buf, offset=t.offset,
                                      strides=(lf.stride, *inner))
         return out
-
-
-def config_model_id(model_dir: Path) -> str | None:
-    """The model id from `model_dir/config.json`, or None when there is no readable config there."""
-    if not os.path.lexists(Path(model_dir) / "config.json"):  # a FIFO or a directory there is read_config's error
-        return None
-    try:
-        return model_id(read_config(Path(model_dir)))
-    except CheckpointError as e:
-        raise StoreError(str(e)) from None

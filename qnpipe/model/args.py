@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from qnpipe.errors import CheckpointError
+from qnpipe.errors import CheckpointError, StoreError
 from qnpipe.io.files import CONFIG_CAP, read_capped
 
 MODEL_TYPE = "qwen3_next"
@@ -215,3 +215,13 @@ def model_id(config: ModelArgs | Mapping[str, Any]) -> str:
     keys = {k: getattr(args, k) for k in SHAPE_KEYS}
     keys["mlp_only_layers"] = sorted(keys["mlp_only_layers"])
     return hashlib.sha256(json.dumps(keys, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def config_model_id(model_dir: Path) -> str | None:
+    """The model id from `model_dir/config.json`, or None when there is no readable config there."""
+    if not os.path.lexists(Path(model_dir) / "config.json"):  # a FIFO or a directory there is read_config's error
+        return None
+    try:
+        return model_id(read_config(Path(model_dir)))
+    except CheckpointError as e:
+        raise StoreError(str(e)) from None

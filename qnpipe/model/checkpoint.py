@@ -21,8 +21,8 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from qnpipe.dtypes import ST_DTYPE_BYTES, ST_NUMPY
 from qnpipe.errors import CheckpointError
+from qnpipe.io.dtypes import ST_DTYPE_BYTES, ST_NUMPY
 from qnpipe.io.files import SMALL_CAP, check_regular, read_capped
 
 INDEX_FILE = "model.safetensors.index.json"

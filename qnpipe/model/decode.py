@@ -1,6 +1,6 @@
 """Prompt chunks, and a plain chunked forward: the reference the pipeline's logits are checked against.
 
-The engine's own prefill and decode loops are step loops over the forward actor (qnpipe.decoding).
+The engine's own prefill and decode loops are step loops over the forward actor (qnpipe.live.decoding).
 """
 
 from __future__ import annotations

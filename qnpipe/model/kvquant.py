@@ -22,7 +22,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from qnpipe.config import KvCfg
 from qnpipe.errors import ConfigError
-from qnpipe.snapshots import LayerState, register_kind
+from qnpipe.model.snapshots import LayerState, register_kind
 
 BLOCK = 4
 STEP = 256  # tokens of cache allocated at a time (as mlx-lm)
@@ -175,7 +175,7 @@ class RotatedQuantizedKVCache:
         k, v = self.fetch()
         return sum(a.nbytes for a in (*k, *v))
 
-    # -- prefix snapshots (qnpipe.snapshots)
+    # -- prefix snapshots (qnpipe.model.snapshots)
     def snapshot(self) -> LayerState:
         k, v = self.fetch()
         rot = () if self.rot is None else (self.rot,)

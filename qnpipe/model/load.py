@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from qnpipe.config.validate import check_topk_override
 from qnpipe.errors import CheckpointError
 from qnpipe.io.store import ExpertStore, as_mx
 from qnpipe.io.store_format import Quant
@@ -27,7 +28,6 @@ from qnpipe.model.checkpoint import (
 )
 from qnpipe.model.experts import PROJS, LayerExperts, ProjWeights, ResidentExperts
 from qnpipe.model.qwen3_next import Model
-from qnpipe.validate import check_topk_override
 
 
 @attrs.define

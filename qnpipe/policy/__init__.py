@@ -1,5 +1,25 @@
-"""Pure, synchronous decision logic of the pipeline: slot tables, eviction, the read queue.
+"""Pure, synchronous decision logic of the pipeline: slot tables, eviction, the read queue, the pool.
 
-Nothing here imports trio, MLX or the I/O layer (tests/test_layering.py checks it), so
-every decision can be driven and checked directly, without a clock or a device.
+`slot_table` (one layer's slots) and `eviction` (whom to evict) under `pool` (every layer's
+grants, reads and counters), `read_queue` (the order reads go to the device), `predict`
+(which experts to prefetch), `parts` (a step split into parts), `heat` (autopin's counts and
+plan). Nothing here imports trio, MLX, qnpipe.io or qnpipe.actors (tests/test_imports.py), so
+every decision can be driven and checked directly, without a clock or a device; the actors
+are the thin trio shells that drive them.
 """
+
+from __future__ import annotations
+
+from qnpipe.policy.eviction import FIFO, LFU, LRFU, LRU, Eviction, make_eviction
+from qnpipe.policy.heat import Heat, autopin_plan, pin_budget
+from qnpipe.policy.parts import plan_parts
+from qnpipe.policy.pool import Grant, HintFate, LayerCounters, MissKind, PoolPolicy, PrefetchBudgets
+from qnpipe.policy.predict import hint_top, predict_targets, rank
+from qnpipe.policy.read_queue import Job, ReadClass, ReadQueue
+from qnpipe.policy.slot_table import AcquirePlan, Load, MissCause, SlotState, SlotTable
+
+__all__ = [
+    "FIFO", "LFU", "LRFU", "LRU", "AcquirePlan", "Eviction", "Grant", "Heat", "HintFate", "Job", "LayerCounters",
+    "Load", "MissCause", "MissKind", "PoolPolicy", "PrefetchBudgets", "ReadClass", "ReadQueue", "SlotState",
+    "SlotTable", "autopin_plan", "hint_top", "make_eviction", "pin_budget", "plan_parts", "predict_targets", "rank",
+]

@@ -9,19 +9,16 @@ expert is needed in the pool, not how much work it does.
 `autopin_plan` fills each layer with its hottest experts (count > 0; ties to the lower
 id), at most `pin_budget(capacity, top_k, frac)` of them: floor(frac * capacity), clamped
 so that capacity - pinned >= top_k, since a decode step needs top_k slots that are not
-pinned to other experts. `preload` puts them in a `PoolPolicy` pinned. Pure: the file
-(qnpipe.io.heat_file) and the trio side (qnpipe.autopin) live elsewhere.
+pinned to other experts. `PoolPolicy.preload` puts them in the pool pinned. Pure: the file
+(qnpipe.io.heat_file) and the trio side (qnpipe.actors.autopin) live elsewhere.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import attrs
-
-from qnpipe.policy.pool import PoolPolicy
-from qnpipe.policy.slot_table import Load, MissCause
 
 Counts = dict[int, dict[int, int]]  # layer -> expert -> count
 
@@ -69,23 +66,3 @@ def autopin_plan(heat: Heat, capacities: Mapping[int, int], top_k: int, frac: fl
     """layer -> the experts to pin there (only layers that get at least one)."""
     plan = {layer: heat.hottest(layer, pin_budget(cap, top_k, frac)) for layer, cap in capacities.items()}
     return {layer: experts for layer, experts in plan.items() if experts}
-
-
-def preload(policy: PoolPolicy, layer: int, experts: Sequence[int]) -> list[Load]:
-    """Put `experts` (distinct) in `layer`'s pool, pinned; returns the reads to issue.
-
-    The table's acquire gives each a slot (no step holds them: released at once) and the
-    pin keeps them there. The loads count as cold misses' loads in the layer's counters
-    (cold + capacity = loads = reads) but not as misses: hits and misses are demand only.
-    Raises CapacityError when they cannot all be in the pool.
-    """
-    table = policy.tables[layer]
-    plan = table.acquire(experts)
-    table.release(experts)
-    for e in experts:
-        table.pin(e)
-    c = policy.counters[layer]
-    c.cold += sum(ld.cause is MissCause.COLD for ld in plan.loads)
-    c.capacity += sum(ld.cause is MissCause.CAPACITY for ld in plan.loads)
-    c.evictions += sum(ld.evicted >= 0 for ld in plan.loads)
-    return list(plan.loads)

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import attrs
 
 from qnpipe.errors import CapacityError, RouteError
 from qnpipe.policy.eviction import Eviction
+from qnpipe.policy.heat import Heat
 from qnpipe.policy.slot_table import Load, MissCause, SlotTable
-
-if TYPE_CHECKING:
-    from qnpipe.policy.heat import Heat
 
 GrantKey = tuple[int, int, int]  # (step, layer, part)
 
@@ -143,6 +140,25 @@ class PoolPolicy:
               record_nbytes: Mapping[int, int]) -> PoolPolicy:
         tables = {layer: SlotTable(layer, cap, evictions[layer]) for layer, cap in capacities.items()}
         return cls(tables, record_nbytes)
+
+    def preload(self, layer: int, experts: Sequence[int]) -> list[Load]:
+        """Put `experts` (distinct) in `layer`'s pool, pinned; returns the reads to issue.
+
+        The table's acquire gives each a slot (no step holds them: released at once) and the
+        pin keeps them there. The loads count as cold misses' loads in the layer's counters
+        (cold + capacity = loads = reads) but not as misses: hits and misses are demand only.
+        Raises CapacityError when they cannot all be in the pool.
+        """
+        table = self.tables[layer]
+        plan = table.acquire(experts)
+        table.release(experts)
+        for e in experts:
+            table.pin(e)
+        c = self.counters[layer]
+        c.cold += sum(ld.cause is MissCause.COLD for ld in plan.loads)
+        c.capacity += sum(ld.cause is MissCause.CAPACITY for ld in plan.loads)
+        c.evictions += sum(ld.evicted >= 0 for ld in plan.loads)
+        return list(plan.loads)
 
     def acquire(self, key: GrantKey, experts: Sequence[int], now: float) -> tuple[list[Load], Grant | None]:
         """Plan the grant `key` of `experts`; returns the reads to issue and the grant if complete.

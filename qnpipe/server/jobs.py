@@ -14,9 +14,9 @@ import msgspec
 
 from qnpipe.chat.escape import Escaper, mark_request
 from qnpipe.chat.template import filter_tools
+from qnpipe.config.validate import check_seed, check_temperature, check_top_p
 from qnpipe.errors import ChatError, QnpipeError
 from qnpipe.server.schemas import ChatRequest, CompletionRequest, Message, NamedToolChoice
-from qnpipe.validate import check_seed, check_temperature, check_top_p
 
 MAX_STOPS = 4
 

@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.testing
 
+from qnpipe.actors.pipeline import open_pipeline
 from qnpipe.config import Config, with_overrides
-from qnpipe.engine import open_pipeline
 from qnpipe.errors import ReadError
 from qnpipe.messages import Acquire, Granted, Present, Release
 from qnpipe.policy.read_queue import Job

@@ -12,8 +12,8 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qnpipe.actors.pipeline import open_pipeline
 from qnpipe.config import Config, EvictPolicy, with_overrides
-from qnpipe.engine import open_pipeline
 from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.pool import MissKind, PoolPolicy, PrefetchBudgets
 from qnpipe.policy.read_queue import Job

@@ -98,7 +98,7 @@ def _too_many_records(raw: dict[str, Any]) -> None:
 def m(tmp_path_factory: pytest.TempPathFactory, tiny_hf: Path, tiny_qn4: Path) -> dict[str, Path]:
     from qnpipe.io.heat_file import encode_heat
     from qnpipe.model.args import model_id, read_config
-    from qnpipe.snapshots import token_key
+    from qnpipe.model.snapshots import token_key
 
     t = tmp_path_factory.mktemp("model-inputs")
     out: dict[str, Path] = {"hf": tiny_hf, "qn": tiny_qn4, "root": t}

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from qnpipe.cli.common import DEMO_MODEL_DIR
-from qnpipe.outdir import TMP_TAG
+from qnpipe.io.outdir import TMP_TAG
 from tests.cli_harness import Case, check_table, clean_env, leftovers
 
 # --------------------------------------------------------------------------- small file systems
@@ -80,7 +80,7 @@ def _mounted(m: Path | str, rows: list[Case]) -> list[Case]:
 
 
 def test_output_paths_and_messages(tmp_path: Path, tiny_hf: Path, mounts: dict[str, Path | str]) -> None:
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     tree = tmp_path / "tree"
     work = tree / "work"
@@ -166,8 +166,8 @@ def test_json_of_the_engine_keeps_its_keys_and_adds_load_and_warm_up() -> None:
 _KILL_BETWEEN = """
 import os, signal, sys
 from pathlib import Path
-import qnpipe.outdir as od
-from qnpipe.tiny import make_tiny
+import qnpipe.io.outdir as od
+from qnpipe.convert.tiny import make_tiny
 
 out = Path(sys.argv[1])
 mode = sys.argv[2]
@@ -197,7 +197,7 @@ def _model_bytes(d: Path) -> bytes:
 
 @pytest.mark.parametrize("mode", ["fallback", "exchange"])
 def test_a_kill_between_the_steps_of_a_replace_keeps_a_complete_output(tmp_path: Path, mode: str) -> None:
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     out = tmp_path / "m"
     make_tiny(out, seed=0)
@@ -226,7 +226,7 @@ def test_a_kill_between_the_steps_of_a_replace_keeps_a_complete_output(tmp_path:
 
 def test_a_replace_keeps_the_old_output_aside_when_the_path_was_taken_again(tmp_path: Path) -> None:
     """Recovery never deletes the only copy: with OUT made again since the kill, the old one stays where it is."""
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     out = tmp_path / "m"
     make_tiny(out, seed=0)

@@ -20,11 +20,12 @@ import msgspec
 import pytest
 from cli_harness import MEM_LIMIT, Case, check_table, clean_env
 
-from qnpipe import config, sweep
+from qnpipe import config
 from qnpipe.errors import ConfigError
 from qnpipe.io.device_file import MeasuredProfile, ReadSample, save_profile
 from qnpipe.io.simssd import DeviceProfile
-from qnpipe.synth import SynthSpec, write_synth
+from qnpipe.replay import sweep
+from qnpipe.replay.synth import SynthSpec, write_synth
 
 NBYTES = 1_000_000
 REC = f"replay.record_nbytes={NBYTES}"
@@ -213,7 +214,7 @@ def test_the_watchdog_counts_a_slow_simulated_device_as_time_and_a_deadlock_as_a
     import trio
     import trio.testing
 
-    from qnpipe.engine import open_pipeline
+    from qnpipe.actors.pipeline import open_pipeline
     from qnpipe.steps import LayerRoute
 
     class Hung:

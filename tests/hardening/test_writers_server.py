@@ -29,7 +29,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from qnpipe.synth import SynthSpec, write_synth
+from qnpipe.replay.synth import SynthSpec, write_synth
 from qnpipe.trace import MAGIC, SCHEMA_VERSION, Footer, Header, ModelShape, Route, TraceWriter
 from tests.cli_harness import MEM_LIMIT, Case, check_table, clean_env, leftovers
 

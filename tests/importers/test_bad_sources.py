@@ -14,7 +14,7 @@ from real_traces import MARIO, WEIRAN
 
 from qnpipe.cli import main
 from qnpipe.errors import TraceImportError
-from qnpipe.importers import import_log
+from qnpipe.trace.importers import import_log
 
 
 def _mixtral(i: int, layer: object = 0, **over: object) -> str:

@@ -15,8 +15,8 @@ import pytest
 from real_traces import MARIO, TOTANI, WEIRAN
 
 from qnpipe import config
-from qnpipe.importers import import_log
 from qnpipe.replay import replay
+from qnpipe.trace.importers import import_log
 
 POLICIES = ("lru", "lfu", "fifo", "lrfu")
 

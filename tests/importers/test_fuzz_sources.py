@@ -30,7 +30,7 @@ from real_traces import MARIO, WEIRAN
 
 from qnpipe import trace
 from qnpipe.errors import TraceImportError
-from qnpipe.importers import import_log
+from qnpipe.trace.importers import import_log
 
 FUZZ = settings(max_examples=60, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

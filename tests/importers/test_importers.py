@@ -11,10 +11,10 @@ import pytest
 from real_traces import MARIO, TOTANI, WEIRAN
 
 from qnpipe import trace
-from qnpipe.importers import import_log, vllm_jsonl
-from qnpipe.importers.common import MIXTRAL_8X7B, QWEN15_MOE_A27B
-from qnpipe.importers.torch_zip import load as load_pt
 from qnpipe.replay import load_log
+from qnpipe.trace.importers import import_log, vllm_jsonl
+from qnpipe.trace.importers.common import MIXTRAL_8X7B, QWEN15_MOE_A27B
+from qnpipe.trace.importers.torch_zip import load as load_pt
 
 
 def _read(path: Path) -> tuple[trace.Header, list[trace.RequestStart], list[trace.Route]]:

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 import qnpipe
-import qnpipe.convert as cv
+import qnpipe.convert.build as cv
 from qnpipe.cli import main
 from qnpipe.errors import CheckpointError, ConfigError, OutputError, QnpipeError
+from qnpipe.io.outdir import TMP_TAG
 from qnpipe.io.store import ExpertStore, as_mx
 from qnpipe.model.checkpoint import Layout, load_safetensors
 from qnpipe.model.load import load_model
-from qnpipe.outdir import TMP_TAG
 
 PROMPT = [5, 17, 300, 42, 9, 77, 1000, 3, 64, 128]
 
@@ -67,7 +67,7 @@ def _assert_same_as_mlx(qn: Path, ref: Path) -> None:
 
 
 def test_hf_float_round_trip_from_shards(tmp_path: Path, tiny_hf: Path) -> None:
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     src = make_tiny(tmp_path / "hf3", layout="hf", seed=0, shards=3)  # same weights as tiny_hf, 3 shards
     out = tmp_path / "qn"
@@ -230,8 +230,8 @@ def test_failure_midway_leaves_nothing(tmp_path: Path, tiny_mlx4: Path, monkeypa
 
 _SLOW_CONVERT = """
 import sys, time
-import qnpipe.convert as cv
-from qnpipe.outdir import TMP_TAG
+import qnpipe.convert.build as cv
+from qnpipe.io.outdir import TMP_TAG
 real = cv._expert_chunk
 def slow(*a, **k):
     time.sleep(0.25)

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from qnpipe.cli import main
+from qnpipe.convert.verify import verify_store
 from qnpipe.errors import StoreError
 from qnpipe.io.store import ExpertStore, read_index
 from qnpipe.io.store_format import ALIGN, TENSOR_ALIGN, StoreIndex
 from qnpipe.model.args import model_id, read_config
 from qnpipe.model.load import load_model
-from qnpipe.verify import verify_store
 
 
 @pytest.fixture
@@ -138,7 +138,7 @@ def test_missing_index(qn: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_index_from_another_model_is_refused(qn: Path, tmp_path: Path) -> None:
     from qnpipe.convert import convert
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     other = make_tiny(tmp_path / "other-hf", layout="hf", seed=1,
                       config_overrides={"num_experts": 16, "num_hidden_layers": 4})

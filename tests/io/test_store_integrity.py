@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from deadline import deadline
 
+from qnpipe.convert.verify import verify_store
 from qnpipe.errors import StoreError
 from qnpipe.io.store import read_index
 from qnpipe.model.load import load_model
-from qnpipe.verify import verify_store
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from mlx.utils import tree_flatten
 from mlx_lm import convert
 from mlx_lm.utils import load_model as mlx_lm_load
 
+from qnpipe.convert.tiny import make_tiny
 from qnpipe.model.load import load_model
-from qnpipe.tiny import make_tiny
 
 TOKS = [int(t) for t in np.random.default_rng(9).integers(3, 1024, 40)]
 

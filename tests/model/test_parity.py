@@ -84,7 +84,7 @@ def test_greedy_32_tokens_identical_to_mlx_lm(tiny_hf: Path) -> None:
     ids=["3L-fai3-e16k2", "4L-fai2-gqa4-r3-e8k8", "5L-fai5-hd64-e32k6-v1536"],
 )
 def test_other_shapes_match_mlx_lm(tmp_path: Path, over: dict) -> None:
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     d = make_tiny(tmp_path / "m", layout="hf", seed=7, config_overrides=over)
     vocab = over.get("vocab_size", 1024)

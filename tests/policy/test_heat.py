@@ -22,7 +22,7 @@ from qnpipe.config import EvictPolicy
 from qnpipe.errors import CapacityError
 from qnpipe.io.heat_file import HeatFileWarning, encode_heat, load_heat, save_heat
 from qnpipe.policy.eviction import make_eviction
-from qnpipe.policy.heat import Heat, autopin_plan, pin_budget, preload
+from qnpipe.policy.heat import Heat, autopin_plan, pin_budget
 from qnpipe.policy.pool import PoolPolicy
 from qnpipe.policy.slot_table import FREE, MissCause, SlotState
 
@@ -77,7 +77,7 @@ def test_autopin_plan_takes_the_hottest_within_the_budget() -> None:
 
 def test_preload_pins_experts_in_the_pool_and_names_their_reads() -> None:
     pol = _policy({0: 4, 1: 3})
-    loads = preload(pol, 0, [5, 9])
+    loads = pol.preload(0, [5, 9])
     t = pol.tables[0]
     assert [(ld.expert, ld.slot, ld.evicted, ld.cause) for ld in loads] == [
         (5, 0, FREE, MissCause.COLD), (9, 1, FREE, MissCause.COLD)]
@@ -98,7 +98,7 @@ def test_preload_pins_experts_in_the_pool_and_names_their_reads() -> None:
     with pytest.raises(CapacityError):
         pol.acquire((99, 0, 0), [30, 31, 32], 0.0)
     with pytest.raises(CapacityError):
-        preload(pol, 1, [1, 2, 3, 4])
+        pol.preload(1, [1, 2, 3, 4])
 
 
 def test_heat_file_round_trip(tmp_path: Path) -> None:

@@ -1,10 +1,10 @@
-"""Model-free guesses (qnpipe.policy.model_free): transition table, oracle recall, previous token."""
+"""Model-free guesses (qnpipe.replay.model_free): transition table, oracle recall, previous token."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from qnpipe.policy.model_free import TransitionTable, oracle_guess, previous_guess, top_by_score
+from qnpipe.replay.model_free import TransitionTable, oracle_guess, previous_guess, top_by_score
 
 
 def test_transition_table_ranks_what_followed_most_often() -> None:

@@ -20,7 +20,7 @@ SHAPES = {
 def streamed_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """name -> qnpipe model directory: each shape in fp32, the default also 4-bit, the trained model in both."""
     from qnpipe.convert import convert
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("streamed")
     out: dict[str, Path] = {}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import qnpipe
-from qnpipe.engine import Pipeline
+from qnpipe.actors.pipeline import Pipeline
 from qnpipe.io.heat_file import HeatFileWarning, load_heat, save_heat
 from qnpipe.model.args import ModelArgs, args_from_dict, model_id, read_config
 from qnpipe.policy.heat import pin_budget

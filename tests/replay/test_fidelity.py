@@ -12,10 +12,10 @@ import pytest
 
 import qnpipe
 from qnpipe import config
-from qnpipe.cost_fit import fit_cost
 from qnpipe.io.device_file import load_profile, save_profile
 from qnpipe.io.measure import measure_profile
 from qnpipe.replay import replay
+from qnpipe.replay.cost_fit import fit_cost
 
 SHAPE = {"num_hidden_layers": 4, "full_attention_interval": 4, "num_experts": 32, "num_experts_per_tok": 4}
 SLOTS = 8
@@ -28,8 +28,8 @@ LIVE: dict[str, object] = {"pool.expert_slots": SLOTS, "read.workers": 16, "read
 def model_and_device(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A streamed tiny model and this machine's device profile, measured next to it."""
     from qnpipe.convert import convert
+    from qnpipe.convert.tiny import make_tiny
     from qnpipe.io.store import ExpertStore
-    from qnpipe.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("fidelity")
     model = root / "q"

@@ -12,7 +12,7 @@ from qnpipe.cli import main
 from qnpipe.errors import ConfigError
 from qnpipe.messages import PrefetchHint
 from qnpipe.replay import PredictorOpts, replay, to_json
-from qnpipe.synth import SynthSpec, write_synth
+from qnpipe.replay.synth import SynthSpec, write_synth
 
 SHAPE = {"num_hidden_layers": 3, "full_attention_interval": 3, "num_experts": 16, "num_experts_per_tok": 2}
 PREFETCH = {"pool.expert_slots": "4", "predict.cross_layer_prefetch": "true", "pool.side_region_slots": "2",
@@ -27,7 +27,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import io
 
     from qnpipe.convert import convert
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("predict")
     hf = make_tiny(root / "hf", layout="hf", seed=5, config_overrides=SHAPE)

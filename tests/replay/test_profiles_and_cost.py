@@ -11,13 +11,13 @@ import pytest
 
 from qnpipe import config, trace
 from qnpipe.cli import main
-from qnpipe.cost_fit import fit_cost, load_cost
 from qnpipe.errors import ConfigError, DeviceProfileError, TraceSchemaError
 from qnpipe.io.device_file import MeasuredProfile, ReadSample, load_profile, save_profile
 from qnpipe.io.measure import fit_profile, modelled_reads_per_s, run_submitters
 from qnpipe.io.simssd import DeviceProfile
 from qnpipe.messages import Acquire
 from qnpipe.replay import CostModel, replay
+from qnpipe.replay.cost_fit import fit_cost, load_cost
 
 GOLDEN = Path(__file__).parent / "golden"
 LOG = GOLDEN / "skewed-4x32-top4.qtrace"  # a seeded routing log (tools/regen_golden.py)

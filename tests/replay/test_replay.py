@@ -19,9 +19,9 @@ from qnpipe import config, trace
 from qnpipe.cli import main
 from qnpipe.errors import ConfigError, TraceSchemaError
 from qnpipe.io.simssd import DeviceProfile, open_simssd
-from qnpipe.policy.belady import belady_hits, brute_force_hits
 from qnpipe.policy.read_queue import Job
 from qnpipe.replay import CostModel, replay, to_json
+from qnpipe.replay.belady import belady_hits, brute_force_hits
 
 SHAPE = {"num_hidden_layers": 3, "full_attention_interval": 3, "num_experts": 16, "num_experts_per_tok": 2}
 SLOTS = "4"
@@ -34,7 +34,7 @@ def logged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, ob
     import io
 
     from qnpipe.convert import convert
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("replay")
     hf = make_tiny(root / "hf", layout="hf", seed=3, config_overrides=SHAPE)

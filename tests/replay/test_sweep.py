@@ -10,10 +10,10 @@ from typing import Any, cast
 import msgspec
 import pytest
 
-from qnpipe import config, sweep, trace
+from qnpipe import config, trace
 from qnpipe.cli import main
 from qnpipe.errors import ConfigError
-from qnpipe.replay import replay, to_json
+from qnpipe.replay import replay, sweep, to_json
 
 NBYTES = 1 << 20
 GRID = ["pool.expert_slots=4,8", "evict_policy=lru,lfu"]  # a short name, resolved to pool.evict_policy
@@ -55,7 +55,7 @@ def processes_json(log: Path) -> bytes:
     """The sweep's JSON file from `qnpipe sweep` through two local worker processes (the default executor)."""
     out = log.with_name("processes.json")
     assert main(["sweep", str(log), *CLI, "--jobs", "2", "-o", str(out)]) == 0
-    assert not list(log.parent.glob(".*.tmp"))  # written through a temporary name (qnpipe.atomic), none left
+    assert not list(log.parent.glob(".*.tmp"))  # written through a temporary name (qnpipe.io.atomic), none left
     return out.read_bytes()
 
 
@@ -200,7 +200,7 @@ def test_plots_are_written_and_the_table_printed(log: Path, tmp_path: Path,
 
 
 def test_series_give_one_line_per_value_of_the_other_fields(by_processes: sweep.SweepResult) -> None:
-    from qnpipe.sweep_plot import series
+    from qnpipe.replay.sweep_plot import series
 
     xs, lines = series(by_processes, "pool.expert_slots", "hit_rate")
     assert xs == [4, 8]

@@ -1,4 +1,4 @@
-"""`qnpipe trace synth` (qnpipe.synth): seeded bytes, and each knob doing what it says."""
+"""`qnpipe trace synth` (qnpipe.replay.synth): seeded bytes, and each knob doing what it says."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from qnpipe import trace
 from qnpipe.cli import main
 from qnpipe.errors import ConfigError, TraceSchemaError
-from qnpipe.synth import SynthSpec, read_popularity_table, synth, write_synth
+from qnpipe.replay.synth import SynthSpec, read_popularity_table, synth, write_synth
 
 RAW = Path("/work/shared/traces/raw/sarelWeinberger__qwen-hebrew-finetuning")
 QWEN30B = RAW / "moe_all_layers_analysis_gsm_en_he_500_20250921_115824_avg_activation.csv"

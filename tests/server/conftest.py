@@ -61,7 +61,7 @@ class ServerThread:
         finally:
             self._done.set()
         # Park, never end: MLX objects freed on this thread gave it thread-local state whose destructors,
-        # run when a thread ends, abort the process if the interpreter is finalizing (see qnpipe.mlx_thread).
+        # run when a thread ends, abort the process if the interpreter is finalizing (see qnpipe.live.mlx_thread).
         threading.Event().wait()
 
     def __enter__(self) -> ServerThread:

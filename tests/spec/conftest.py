@@ -38,7 +38,7 @@ def trained_qn4(tmp_path_factory: pytest.TempPathFactory, trained_hf: Path) -> P
 @pytest.fixture(scope="module")
 def trained_mtp(trained_hf: Path) -> tuple[Any, Any, Any]:
     """(the loaded model, its MTP head, the MLX thread) of `trained_hf`, loaded on the MLX thread."""
-    from qnpipe.mlx_thread import MLXThread
+    from qnpipe.live.mlx_thread import MLXThread
     from qnpipe.model.load import load_model
     from qnpipe.model.mtp import load_mtp
 

@@ -10,14 +10,14 @@ import pytest
 import trio
 from mlx_lm.models.cache import KVCache
 
-from qnpipe import decoding
 from qnpipe.actors.forward import Forward
-from qnpipe.core import ThreadedBackend
-from qnpipe.mlx_thread import MLXThread, run_on
+from qnpipe.live import decoding
+from qnpipe.live.core import ThreadedBackend
+from qnpipe.live.mlx_thread import MLXThread, run_on
+from qnpipe.live.spec import loop
 from qnpipe.model.mtp import MtpHead
 from qnpipe.model.step_cache import StepCache
 from qnpipe.model.stepper import MlxBackend
-from qnpipe.spec import loop
 
 PROMPT = [17, 300, 1000, 42, 9, 2048, 77]
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from qnpipe.spec.sampling import accept_sampled, draw, probs
+from qnpipe.live.spec.sampling import accept_sampled, draw, probs
 
 V = 8
 CHI2_999_DF7 = 24.322  # the 0.999 quantile of chi-square with V - 1 = 7 degrees of freedom
@@ -88,7 +88,7 @@ def tiny_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The random tiny model cut to a 16-token vocabulary (embedding and LM head rows 0..15), no tokenizer."""
     import mlx.core as mx
 
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     d = make_tiny(tmp_path_factory.mktemp("models") / "v16", layout="hf", seed=4)
     for f in d.glob("tokenizer*"):
@@ -110,12 +110,12 @@ def test_sampled_speculation_matches_plain_sampling_end_to_end(tiny_vocab: Path)
     import trio
 
     from qnpipe.actors.forward import Forward
-    from qnpipe.core import ThreadedBackend
-    from qnpipe.mlx_thread import MLXThread
+    from qnpipe.live.core import ThreadedBackend
+    from qnpipe.live.mlx_thread import MLXThread
+    from qnpipe.live.spec import loop
     from qnpipe.model.load import load_model
     from qnpipe.model.mtp import load_mtp
     from qnpipe.model.stepper import MlxBackend
-    from qnpipe.spec import loop
 
     prompt, T, runs = [3, 7, 1, 12], 3.0, 240  # T = 3: the random head's and the model's distributions overlap
     th = MLXThread.shared()

@@ -15,12 +15,12 @@ import trio
 import qnpipe
 from qnpipe.actors.forward import Forward
 from qnpipe.config import PrefixCfg
-from qnpipe.core import ThreadedBackend
-from qnpipe.mlx_thread import run_on
+from qnpipe.live.core import ThreadedBackend
+from qnpipe.live.mlx_thread import run_on
+from qnpipe.live.prefix import PrefixCache, SnapshotFileWarning
+from qnpipe.live.spec import loop
+from qnpipe.model.snapshots import capture
 from qnpipe.model.stepper import MlxBackend
-from qnpipe.prefix import PrefixCache, SnapshotFileWarning
-from qnpipe.snapshots import capture
-from qnpipe.spec import loop
 
 HEAD = 16
 SYSTEM = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Entry point.\"\"\"\n"

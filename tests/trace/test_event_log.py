@@ -19,7 +19,7 @@ SLOTS = "4"  # 16 experts, top-2: misses and evictions every step
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from qnpipe.convert import convert
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("trace-model")
     hf = make_tiny(root / "hf", layout="hf", seed=3, config_overrides=SHAPE)

@@ -15,7 +15,7 @@ from qnpipe.errors import QnpipeError, TraceSchemaError
 from qnpipe.messages import Acquire, ForwardDone, Granted, PrefetchHint, ReadDone, ReadExpert, Release
 from qnpipe.policy.read_queue import ReadClass
 from qnpipe.replay import replay
-from qnpipe.timeline import assign_lanes, parse_steps, timeline
+from qnpipe.trace.timeline import assign_lanes, parse_steps, timeline
 
 SHAPE = trace.ModelShape(num_layers=2, moe_layers=(0, 1), num_experts=8, top_k=2, hidden_size=4)
 
@@ -199,7 +199,7 @@ def live_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import io
 
     from qnpipe.convert import convert
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("live")
     hf = make_tiny(root / "hf", layout="hf", seed=3, config_overrides={

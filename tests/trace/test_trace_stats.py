@@ -14,7 +14,7 @@ import pytest
 from qnpipe import trace
 from qnpipe.cli import main
 from qnpipe.errors import TraceSchemaError
-from qnpipe.trace_stats import bucket, popularity, reuse_histogram, stack_distances, trace_stats
+from qnpipe.trace.stats import bucket, popularity, reuse_histogram, stack_distances, trace_stats
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "traces"
 SHAPE = trace.ModelShape(num_layers=2, moe_layers=(0, 1), num_experts=4, top_k=2, hidden_size=8)
@@ -117,7 +117,7 @@ def test_cli_stats_of_an_imported_real_trace(tmp_path: Path, capsys: pytest.Capt
 
 def test_cli_stats_of_a_native_log(tmp_path: Path) -> None:
     from qnpipe.convert import convert
-    from qnpipe.tiny import make_tiny
+    from qnpipe.convert.tiny import make_tiny
 
     hf = make_tiny(tmp_path / "hf", layout="hf", seed=3,
                    config_overrides={"num_hidden_layers": 3, "full_attention_interval": 3, "num_experts": 16,

@@ -1,0 +1,260 @@
+"""The wiring: build the pool's policy, open the channels, start the actors.
+
+`open_pipeline` starts the pool, read-scheduler and predictor actors in one nursery and
+returns the forward that drives them, over whatever backend (the MLX model, or replay's
+recorded routes) and device (the SSD reader, or replay's simulated SSD) it is given:
+
+    forward ──Acquire/Release/ForwardDone──▶ pool ──ReadExperts──▶ read_scheduler ──▶ device
+       ▲                                      │  ▲                       │
+       └─────────Present, Granted─────────────┘  └──────ReadsDone────────┘
+
+When every expert is resident (`pool.eager_load`, or a model directory without an
+expert store) there are no actors: the forward runs the model straight through. The live
+model side (loading, slot arrays, the MLX-thread backend) is qnpipe.live.core; this module
+imports no MLX model code, so replay starts fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import attrs
+import trio
+import trio.testing
+
+from qnpipe.actors.autopin import Autopin
+from qnpipe.actors.forward import Forward
+from qnpipe.actors.pool import pool
+from qnpipe.actors.predictor import PredictorStats, predictor
+from qnpipe.actors.read_scheduler import ReadSchedulerStats, read_scheduler
+from qnpipe.actors.recorder import Emit, Emitter, open_recording
+from qnpipe.config import Config, EvictPolicy
+from qnpipe.errors import CapacityError, ConfigError, StallError
+from qnpipe.io.device import ExpertDevice
+from qnpipe.io.files import CONFIG_CAP, read_capped
+from qnpipe.messages import Candidates, ForwardInbox, PoolInbox, ReadInbox
+from qnpipe.model.args import ModelArgs
+from qnpipe.policy.eviction import make_eviction
+from qnpipe.policy.pool import PoolPolicy, PrefetchBudgets
+from qnpipe.policy.predict import hint_top
+from qnpipe.policy.read_queue import ReadQueue
+from qnpipe.policy.slot_table import SlotTable
+from qnpipe.trace import ModelShape
+
+
+def layer_capacities(cfg: Config, args: ModelArgs) -> dict[int, int]:
+    """Slots per MoE layer: `pool.expert_slots`, or the profile file's `layer_caps`, at most every expert.
+
+    Raises ConfigError for an unreadable profile or a capacity below top-k, naming the layer.
+    """
+    caps = {layer: cfg.pool.expert_slots for layer in args.moe_layers}
+    path = cfg.pool.capacity_profile_path
+    if path:
+        try:
+            raw = json.loads(read_capped(path, CONFIG_CAP, error=OSError))
+            given = {int(k): int(v) for k, v in raw["layer_caps"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"pool.capacity_profile_path={path}: not a capacity profile "
+                              f'{{"layer_caps": {{"0": n, ...}}}} ({e})') from None
+        for layer, cap in given.items():
+            if layer in caps:
+                caps[layer] = cap
+    out = {}
+    for layer, cap in caps.items():
+        if cap < args.num_experts_per_tok:
+            where = f"pool.capacity_profile_path={path}" if path else f"pool.expert_slots={cfg.pool.expert_slots}"
+            raise ConfigError(f"{where}: layer {layer} gets {cap} slots, below the model's top-k "
+                              f"({args.num_experts_per_tok} experts per token)")
+        out[layer] = min(cap, args.num_experts)
+    return out
+
+
+@attrs.define
+class Pipeline:
+    """A running pipeline: the forward to drive, and the actors' state to report on."""
+
+    forward: Forward
+    policy: PoolPolicy | None = None
+    read_stats: ReadSchedulerStats | None = None
+    device: ExpertDevice | None = None
+    predictor_stats: PredictorStats | None = None
+    autopin: Autopin | None = None
+    recording: Emitter | None = None  # the recorders' emitter when a trace is written (statistics())
+
+
+def side_slots(cfg: Config) -> int:
+    """Side-region slots per layer: `pool.side_region_slots` when prefetch is on, else none (nothing lands there)."""
+    return cfg.pool.side_region_slots if cfg.predict.cross_layer_prefetch else 0
+
+
+def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int, int]) -> PoolPolicy:
+    evictions = {layer: make_eviction(cfg.pool.evict_policy,
+                                      lfu_decay_interval=cfg.pool.lfu_decay_interval_forwards)
+                 for layer in capacities}
+    policy = PoolPolicy.build(capacities, evictions, record_nbytes)
+    policy.predicting = cfg.predict.cross_layer_prefetch
+    if (side := side_slots(cfg)) > 0:
+        # The side region keeps its hot prefetched experts by LFU (side_region_lfu) or is cleared each step.
+        policy.sides = {layer: SlotTable(layer, side, make_eviction(EvictPolicy.LFU)) for layer in capacities}
+        policy.side_persistent = cfg.pool.side_region_lfu
+    policy.budgets = PrefetchBudgets(per_layer=cfg.predict.per_layer_budget_experts or 10**9,
+                                     global_reads=cfg.predict.file_global_budget_experts or 10**9,
+                                     global_unused=cfg.predict.stage_global_budget_experts or 10**9,
+                                     per_hint=cfg.read.prefetch_budget_experts, window_layers=cfg.read.window_layers)
+    return policy
+
+
+async def watchdog(fwd: Forward, limit_s: float, dump: Callable[[], str], *,
+                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Raise StallError when a step in progress has not moved for `limit_s` (SGLang's soft watchdog).
+
+    A silent deadlock thus becomes an error with every actor's state attached. Under a virtual
+    clock (replay's MockClock) the seconds are the simulation's: a read of an hour on a slow
+    simulated device is a result, not a stall, so there only a deadlock counts: no progress
+    while nothing else is due (no deadline but this task's own).
+    """
+    task_status.started()
+    virtual = isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock)
+    last, since = fwd.progress, trio.current_time()
+    while True:
+        nap, nxt = limit_s / 4, trio.lowlevel.current_statistics().seconds_to_next_deadline
+        # In virtual time, waking before what is due next would only make the clock stop for nothing
+        # (a simulated read of 10^4 s would cost 10^4 wake-ups).
+        await trio.sleep(max(nap, nxt) if virtual and nxt < math.inf else nap)
+        if virtual:  # look once what was due with this wake-up has run
+            await trio.testing.wait_all_tasks_blocked()
+        now = trio.current_time()
+        due = virtual and trio.lowlevel.current_statistics().seconds_to_next_deadline < math.inf
+        if not fwd.busy or fwd.progress != last or due:
+            last, since = fwd.progress, now
+            continue
+        if now - since >= limit_s:
+            raise StallError(f"no progress for {now - since:.1f} s (diag.watchdog_s={limit_s}): {dump()}")
+
+
+def _dump(policy: PoolPolicy, queue: ReadQueue, rstats: ReadSchedulerStats, pstats: PredictorStats) -> str:
+    return (f"pool: pending {sorted(policy.pending)}, deferred {sorted(policy.deferred)}, held {sorted(policy.held)}, "
+            f"prefetch reads out {policy.prefetch_reads_out}; read queue: {len(queue.queued)} queued, "
+            f"{len(queue.in_flight)} in flight {sorted(queue.in_flight)}; read scheduler {rstats}; predictor {pstats}")
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The first real error inside an actor's nursery groups (what a caller can act on)."""
+    while isinstance(e, BaseExceptionGroup):
+        real = [x for x in e.exceptions if not isinstance(x, trio.Cancelled)]
+        e = (real or list(e.exceptions))[0]
+    return e
+
+
+@asynccontextmanager
+async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capacities: dict[int, int] | None,
+                        device: ExpertDevice | None, record_nbytes: dict[int, int] | None = None,
+                        check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None = None,
+                        autopin: Autopin | None = None, shape: ModelShape | None = None,
+                        wall_start_unix_s: float = 0.0) -> AsyncIterator[Pipeline]:
+    """Start the actors (none when `capacities` is None: all resident) and yield the pipeline.
+
+    With `trace.event_log_path` (or `trace.route_trace`) set, a recorder per log gets every
+    actor's events (qnpipe.actors.recorder); `shape` goes in the log's header.
+
+    With `autopin`, the pool counts routing heat, starts with each layer's hottest experts
+    pinned (their reads issued before the first step), and the heat is saved every
+    `pool.autopin_save_every_forwards` forwards and when the block is left. The forward's
+    capacity of a layer is its capacity minus its pins: a step can always get that many.
+
+    An actor that fails stops the others; the forward then raises its error (e.g.
+    `ReadError`) to whoever is generating. Leaving the block stops every actor.
+    """
+    # A layer-step emits a few records per expert it reads, and the forward yields to the
+    # recorder at least once per layer-step: 8 per slot (at least 4096) never fills.
+    size = max(4096, 8 * sum((capacities or {}).values()))
+    async with open_recording(cfg, shape=shape, capacities=capacities, channel_size=size,
+                              wall_start_unix_s=wall_start_unix_s) as emit:
+        async with _open_actors(cfg, backend, num_experts=num_experts, capacities=capacities, device=device,
+                                record_nbytes=record_nbytes, check_bytes=check_bytes, autopin=autopin,
+                                emit=emit) as p:
+            p.recording = emit
+            yield p
+
+
+@asynccontextmanager
+async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacities: dict[int, int] | None,
+                       device: ExpertDevice | None, record_nbytes: dict[int, int] | None,
+                       check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None,
+                       autopin: Autopin | None, emit: Emit | None) -> AsyncIterator[Pipeline]:
+    if capacities is None:
+        yield Pipeline(Forward(backend, None, None, {}, num_experts))
+        return
+    assert device is not None and record_nbytes is not None
+    total = sum(capacities.values())
+    # Every outstanding read holds a distinct (layer, slot), so no edge carries more than
+    # `total` messages (+ the forward's Acquire/Release/ForwardDone); bounds are proven, not hoped.
+    pool_tx, pool_rx = trio.open_memory_channel[PoolInbox](total + 4)
+    read_tx, read_rx = trio.open_memory_channel[ReadInbox](2 * total)  # a read and at most one promotion each
+    grant_tx, grant_rx = trio.open_memory_channel[ForwardInbox](2)  # a Present, then its Granted
+    policy = make_policy(cfg, capacities, record_nbytes)
+    preloads = []
+    if autopin is not None:
+        policy.heat = autopin.heat
+        for layer, experts in autopin.plan(capacities).items():
+            preloads += [(layer, ld) for ld in policy.preload(layer, experts)]
+    pass_caps = {layer: cap - len(policy.tables[layer].pinned) for layer, cap in capacities.items()}
+    rstats = ReadSchedulerStats()
+    pstats = PredictorStats()
+    predicting = cfg.predict.cross_layer_prefetch
+    # Advisory edge: one Candidates per (layer, target) of a step; a full inbox drops, never blocks.
+    cand_tx, cand_rx = trio.open_memory_channel[Candidates](4 * len(capacities) + 8)
+    fwd = Forward(backend, pool_tx, grant_rx, pass_caps, num_experts, route_verify=cfg.diag.route_verify,
+                  to_predictor=cand_tx if predicting else None, moe_order=dict(policy.moe_order),
+                  check_bytes=check_bytes, emit=emit, union_prof=cfg.diag.union_prof,
+                  # a backend that can start a layer's experts before all are read says for how many pairs
+                  early_pairs=getattr(backend, "early_pairs", 0) if cfg.forward.early_grants else 0)
+    if cfg.diag.predict_recall_prof:
+        policy.recall_samples = []
+    scopes: list[trio.CancelScope] = []
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def supervised(actor: Callable[..., Awaitable[None]], *,
+                                 task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                # Not the nursery's scope: that would cancel the caller's code inside the block too.
+                with trio.CancelScope() as scope:
+                    scopes.append(scope)
+                    try:
+                        await actor(task_status=task_status)
+                    except Exception as e:  # handed to the forward; the other actors stop with it
+                        fwd.failure.append(_root_cause(e))
+                        for sc in scopes:
+                            sc.cancel()
+
+            queue = ReadQueue(cfg.read.workers, batch=cfg.read.batch_miss_read,
+                              max_prefetch_in_flight=cfg.read.bg_budget_experts or None)
+            if cfg.diag.watchdog_s > 0:
+                await nursery.start(supervised, partial(watchdog, fwd, cfg.diag.watchdog_s,
+                                                        lambda: _dump(policy, queue, rstats, pstats)))
+            after_forward = None
+            if autopin is not None:
+                await nursery.start(autopin.run_saver)
+                after_forward = autopin.after_forward
+            await nursery.start(supervised, partial(pool, pool_rx, read_tx, grant_tx, policy=policy,
+                                                    preload=preloads, after_forward=after_forward, emit=emit))
+            if predicting:
+                await nursery.start(supervised, partial(predictor, cand_rx, pool_tx.clone(), predict_cfg=cfg.predict,
+                                                        top=hint_top(cfg.predict), stats=pstats))
+            await nursery.start(supervised, partial(read_scheduler, read_rx, pool_tx.clone(), device=device,
+                                                    queue=queue, stats=rstats, emit=emit))
+            try:
+                yield Pipeline(fwd, policy, rstats, device, pstats, autopin)
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        if autopin is not None:  # after the saver stopped: one writer at a time
+            await autopin.save_final()
+
+
+__all__ = ["CapacityError", "Pipeline", "layer_capacities", "make_policy", "open_pipeline", "side_slots"]

@@ -1,0 +1,59 @@
+"""The configuration: one frozen `Config` tree, loaded from defaults < TOML file < environment.
+
+`qnpipe.config.load()` is the only place in qnpipe that reads the environment or a TOML file
+(tests/test_no_env_reads.py); everything else is handed a `Config`. Inside: `tree` (the
+sections and their fields), `loader` (`load`, `with_overrides`, the field specs), `aliases` and
+`layersets` (the previous system's names and layer-set syntax), `pending` (fields declared but
+not yet consumed) and `validate` (the checks of a generation's arguments). This package imports
+nothing of qnpipe but `qnpipe.errors` and the leaf `qnpipe.io.files` (tests/test_imports.py), so
+every layer may depend on it.
+"""
+
+from __future__ import annotations
+
+from qnpipe.config.loader import (
+    LEGACY_NAMES,
+    NOT_YET_IMPLEMENTED,
+    OVERRIDE_ALIASES,
+    ChatCfg,
+    Config,
+    DiagCfg,
+    EvictPolicy,
+    FieldSpec,
+    ForwardCfg,
+    HiddenVariant,
+    KvCfg,
+    MemoryCfg,
+    ModelCfg,
+    MtpCfg,
+    MtpHidden,
+    MtpVerifyMode,
+    NotImplementedConfigWarning,
+    PoolCfg,
+    PredictAgg,
+    PredictCfg,
+    PrefixCfg,
+    ReadBackend,
+    ReadCfg,
+    ReplacedSwitchWarning,
+    TraceCfg,
+    describe_allowed,
+    field_specs,
+    format_layer_set,
+    load,
+    override_path,
+    parse_layer_set,
+    with_overrides,
+)
+
+# Callers catch what the loader raises without reaching for qnpipe.errors.
+from qnpipe.errors import ConfigError
+
+__all__ = [
+    "ChatCfg", "Config", "ConfigError", "describe_allowed", "DiagCfg", "EvictPolicy", "field_specs",
+    "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
+    "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning",
+    "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",
+    "parse_layer_set", "PoolCfg", "PredictAgg", "PredictCfg", "PrefixCfg", "ReadCfg",
+    "ReadBackend", "ReplacedSwitchWarning", "LEGACY_NAMES", "TraceCfg", "with_overrides", "override_path",
+]

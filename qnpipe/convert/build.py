@@ -1,0 +1,324 @@
+"""`qnpipe convert`: an original HF or mlx-lm converted Qwen3-Next checkpoint -> a qnpipe model directory.
+
+Output (docs/store-format.md): `config.json` (the model's, plus mlx-lm's `quantization` when
+quantized, plus a `qnpipe` section), the non-expert weights in mlx-lm naming
+(`model.safetensors` or shards), `mtp.safetensors` (HF naming), the tokenizer files, and
+`experts/` (one record file per MoE layer + `index.json`).
+
+Memory: tensors are read with one pread each, transformed in MLX and streamed to the output,
+so the peak is about one chunk of experts (`CHUNK_BYTES` of source data), never the model.
+Atomicity: everything is written into a locked temporary sibling of the output and put in
+its place at the end (qnpipe.io.outdir.atomic_dir); errors, SIGINT and SIGTERM remove it, and a
+later convert removes what a killed one left behind (restoring an output it had moved aside).
+
+Here: the entry point, the report and the expert-layer writer. The plan (what is written and
+how each tensor is transformed) is `qnpipe.convert.plan`; the streaming safetensors writer is
+`qnpipe.convert.safetensors_out`; the atomic output directory and progress bar are `qnpipe.io.outdir`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from qnpipe.convert.plan import (
+    BITS,
+    DTYPES,
+    GROUP_SIZES,
+    PROJS,
+    ConvertPlan,
+    ExpertLayerPlan,
+    make_plan,
+    out_float_dtype,
+    record_tensors,
+    transform,
+)
+from qnpipe.convert.safetensors_out import plan_shards, safetensors_nbytes, write_model_shards, write_safetensors
+from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
+from qnpipe.io import store as st
+from qnpipe.io.dtypes import NP_DTYPES
+from qnpipe.io.outdir import (
+    ByteProgress,
+    Log,
+    atomic_dir,
+    check_output_location,
+    check_replaceable,
+    clean_stale,
+    fsync_dir,
+    human_bytes,
+    output_path,
+    peak_rss,
+)
+from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, LayerFile, Quant, StoreIndex
+from qnpipe.model.args import ModelArgs, args_from_dict, model_id, read_config
+from qnpipe.model.checkpoint import Layout, detect_layout, is_qnpipe_dir, scan
+
+__all__ = ["CHUNK_BYTES", "MAX_SHARD_BYTES", "ROW_BLOCK_BYTES", "MODEL_FORMAT", "MODEL_VERSION", "ConvertReport", "convert"]
+
+MODEL_FORMAT = "qnpipe-model"
+MODEL_VERSION = 1
+MAX_SHARD_BYTES = 5 << 30  # like mlx-lm's save_model
+CHUNK_BYTES = 256 << 20  # source bytes of experts transformed at once
+ROW_BLOCK_BYTES = 64 << 20  # source bytes of a large non-expert matrix transformed at once
+# The sizes above are `convert`'s defaults; its keyword arguments of the same names override them.
+
+
+class ConvertReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What `convert` did. Sizes in bytes, times in seconds."""
+
+    out: str
+    source_layout: str
+    moe_layers: int
+    num_experts: int
+    quantization: dict[str, Any] | None  # of the experts; None = float
+    dtype: str | None
+    mtp: bool
+    bytes_written: int
+    expert_bytes: int
+    seconds: float
+    bytes_per_s: float
+    peak_rss_bytes: int
+    warnings: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------- the expert layers
+
+
+def _expert_chunk(el: ExpertLayerPlan, e0: int, e1: int) -> dict[str, np.ndarray]:
+    """Record tensor name -> stacked output `[e1 - e0, ...]` for experts e0..e1 of one layer."""
+    src = el.read(e0, e1)
+    out: dict[str, np.ndarray] = {}
+    for proj in PROJS:
+        if el.quant_in[proj] is not None:
+            for part in ("weight", "scales", "biases"):
+                a = src[f"{proj}.{part}"]
+                st_dtype = "U32" if part == "weight" else el.src_st[f"{proj}.scales"]
+                cast = el.cast if part != "weight" and out_float_dtype(st_dtype, el.cast) != st_dtype else None
+                out[f"{proj}.{part}"] = transform(a, st_dtype, cast=cast)[0]
+            continue
+        key = proj if proj in src else f"{proj}.weight"
+        st_dtype = el.src_st[proj]
+        cast = el.cast if out_float_dtype(st_dtype, el.cast) != st_dtype else None
+        res = transform(src[key], st_dtype, cast=cast, quant=el.quant_out[proj])
+        names = ("weight", "scales", "biases") if el.quant_out[proj] else ("weight",)
+        out.update({f"{proj}.{n}": r for n, r in zip(names, res, strict=True)})
+    return out
+
+
+def _write_expert_layer(experts_dir: Path, el: ExpertLayerPlan, tensors: list[tuple[str, str, tuple[int, ...]]],
+                        num_experts: int, advance: Callable[[int], None], chunk_bytes: int) -> LayerFile:
+    slots, record_nbytes, stride = st.record_layout(tensors)
+    fname = st.layer_file_name(el.layer)
+    crcs: list[int] = []
+    per_chunk = max(1, min(num_experts, chunk_bytes // max(1, el.src_bytes_per_expert)))
+    fd = os.open(experts_dir / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
+    try:
+        for e0 in range(0, num_experts, per_chunk):
+            e1 = min(num_experts, e0 + per_chunk)
+            arrays = _expert_chunk(el, e0, e1)
+            buf = np.zeros((e1 - e0, stride), dtype=np.uint8)
+            for s in slots:
+                a = arrays[s.name]
+                if a.shape[1:] != s.shape or a.dtype != np.dtype(NP_DTYPES[s.dtype]):
+                    raise QnpipeError(f"internal error: layer {el.layer} {s.name} came out {a.dtype}{list(a.shape)}")
+                buf[:, s.offset:s.offset + s.nbytes] = np.ascontiguousarray(a).reshape(e1 - e0, -1).view(np.uint8)
+            crcs += [zlib.crc32(buf[i, :record_nbytes].data) for i in range(e1 - e0)]
+            os.pwrite(fd, buf.data, e0 * stride)
+            advance((e1 - e0) * stride)
+            del arrays, buf
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    quant = {p: _layer_quant(el, p) for p in PROJS if any(s.name == f"{p}.scales" for s in slots)} or None
+    return LayerFile(layer=el.layer, file=fname, num_experts=num_experts, stride=stride, record_nbytes=record_nbytes,
+                     file_nbytes=num_experts * stride, tensors=slots, quant=quant, checksums=tuple(crcs))
+
+
+def _layer_quant(el: ExpertLayerPlan, proj: str) -> Quant:
+    q = el.quant_in[proj]
+    if q is not None:
+        return q
+    qo = el.quant_out[proj]
+    assert qo is not None
+    return qo
+
+
+# --------------------------------------------------------------------------- the directory, atomically
+
+
+def _check_paths(src: Path, out: Path, mtp_from: Path | None, force: bool) -> None:
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: not a directory")
+    for p, what in ((src, "SRC"), (mtp_from, "--mtp-from")):
+        if p is not None and (p == out or out in p.parents):
+            raise ConfigError(f"--out {out} must not be {what} {p} or contain it")
+    check_replaceable(out, force, "--out")
+
+
+def convert(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    bits: int | None = None,
+    group_size: int = 64,
+    dtype: str | None = None,
+    mtp_bits: int = 4,
+    mtp_from: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    progress: bool = False,
+    log: Log | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    row_block_bytes: int = ROW_BLOCK_BYTES,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> ConvertReport:
+    """Convert checkpoint `src` (original HF or mlx-lm layout) into the qnpipe model directory `out`.
+
+    `bits`/`group_size` quantize an unquantized source exactly as `mlx_lm.convert -q` does
+    (router and shared-expert gate at 8 bits / 64); `dtype` casts float tensors (default: the
+    config's torch_dtype for HF sources, as mlx-lm does; unchanged for mlx-lm sources).
+    `mtp_bits` quantizes the MTP head (0 keeps it float); `mtp_from` is the original checkpoint
+    to take `mtp.*` from when `src` has none. `log` receives warnings and notices. `chunk_bytes`
+    (source bytes of experts transformed at once), `row_block_bytes` (of a large non-expert
+    matrix) and `max_shard_bytes` (per output shard) bound memory and file sizes.
+
+    Raises CheckpointError (bad source), ConfigError (bad options), QnpipeError (not enough
+    disk space: both numbers), FileExistsError (`out` exists and `force` is false), OutputError
+    (`out` cannot be written, or is not something `force` may replace: outdir.check_replaceable).
+    Nothing is left at `out` or beside it unless the convert succeeds.
+    """
+    t0 = time.perf_counter()
+    log = log or (lambda msg: None)
+    src_p = Path(src).resolve()
+    out_p = output_path(out)
+    mtp_p = Path(mtp_from).resolve() if mtp_from is not None else None
+    if bits is not None and bits not in BITS:
+        raise ConfigError(f"--bits must be one of {', '.join(map(str, BITS))}, got {bits}")
+    if mtp_bits and mtp_bits not in BITS:
+        raise ConfigError(f"--mtp-bits must be 0 (float) or one of {', '.join(map(str, BITS))}, got {mtp_bits}")
+    if group_size not in GROUP_SIZES:
+        raise ConfigError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if out_p.name and out_p.parent.is_dir():  # first: a replace cut short may have left the only copy of `out` aside
+        clean_stale(out_p.parent, out_p.name, log)
+    _check_paths(src_p, out_p, mtp_p, force)
+    existing = check_output_location(out_p, "--out")
+
+    config = read_config(src_p)
+    args = args_from_dict(config, str(src_p / "config.json"))
+    if is_qnpipe_dir(src_p, config):
+        raise CheckpointError(f"{src_p} is already a qnpipe model directory (nothing to convert)")
+    infos = scan(src_p)
+    layout = detect_layout(infos, src_p)
+    if not args.moe_layers:
+        raise CheckpointError(f"{src_p / 'config.json'}: the model has no MoE layers (num_experts "
+                              f"{args.num_experts}); there are no experts to store")
+    plan = make_plan(src_p, config, args, infos, layout, bits=bits, group_size=group_size, dtype=dtype,
+                 mtp_bits=mtp_bits, mtp_from=mtp_p, row_block_bytes=row_block_bytes)
+    for w in plan.warnings:
+        log(f"warning: {w}")
+    records = [record_tensors(el, args) for el in plan.experts]
+    expert_bytes = sum(st.record_layout(r)[2] * args.num_experts for r in records)
+    main_bytes = sum(safetensors_nbytes(s) for s in plan_shards(plan.main, max_shard_bytes))
+    mtp_bytes = safetensors_nbytes(plan.mtp) if plan.mtp else 0
+    small = sum(p.stat().st_size for p in plan.extra_files) + (1 << 20) + 64 * len(records) * args.num_experts
+    need = expert_bytes + main_bytes + mtp_bytes + small
+
+    parent = out_p.parent
+    free = shutil.disk_usage(existing).free
+    if free < need:
+        raise QnpipeError(f"not enough free disk space in {existing}: the conversion needs {need} bytes "
+                          f"({human_bytes(need)}), {free} bytes ({human_bytes(free)}) are available")
+    parent.mkdir(parents=True, exist_ok=True)
+
+    bar = ByteProgress(progress, expert_bytes + main_bytes + mtp_bytes, "non-expert weights")
+    try:
+        with atomic_dir(out_p, marker="qnpipe convert") as build:
+            index = _write_all(build, plan, records, args, bar, chunk_bytes=chunk_bytes,
+                               max_shard_bytes=max_shard_bytes)
+            cfg = dict(plan.config)
+            cfg["qnpipe"] = _qnpipe_section(layout, plan, index, mtp_p)
+            (build / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
+            bar.stop()
+    finally:
+        bar.stop()
+    seconds = time.perf_counter() - t0
+    written = expert_bytes + main_bytes + mtp_bytes
+    q0 = index.layers[0].quant
+    return ConvertReport(
+        out=str(out_p), source_layout=str(layout), moe_layers=len(index.layers), num_experts=args.num_experts,
+        quantization=msgspec.to_builtins(q0["gate_proj"]) if q0 else None, dtype=plan.float_dtype,
+        mtp=bool(plan.mtp), bytes_written=written, expert_bytes=expert_bytes, seconds=seconds,
+        bytes_per_s=written / seconds if seconds > 0 else 0.0, peak_rss_bytes=peak_rss(),
+        warnings=tuple(plan.warnings),
+    )
+
+
+def _write_all(build: Path, plan: ConvertPlan, records: list[list[tuple[str, str, tuple[int, ...]]]], args: ModelArgs,
+               bar: ByteProgress, *, chunk_bytes: int, max_shard_bytes: int) -> StoreIndex:
+    """Every file of the model directory except config.json, into `build`; returns the store index."""
+    (build / st.EXPERTS_DIR).mkdir()
+    write_model_shards(build, plan.main, max_shard_bytes, bar.advance)
+    if plan.mtp:
+        bar.describe("MTP weights")
+        write_safetensors(build / "mtp.safetensors", plan.mtp, bar.advance)
+    layer_files = []
+    for el, rec in zip(plan.experts, records, strict=True):
+        bar.describe(f"experts, layer {el.layer}")
+        layer_files.append(_write_expert_layer(build / st.EXPERTS_DIR, el, rec, args.num_experts, bar.advance,
+                                               chunk_bytes))
+        _clear_mlx_cache()
+    index = StoreIndex(model_id=model_id(args), layers=tuple(layer_files))
+    st.write_index(build / st.EXPERTS_DIR, index)
+    fsync_dir(build / st.EXPERTS_DIR)
+    for f in plan.extra_files:
+        shutil.copyfile(f, build / f.name)
+    return index
+
+
+def _clear_mlx_cache() -> None:
+    import mlx.core as mx
+
+    mx.clear_cache()
+
+
+def _qnpipe_section(layout: Layout, plan: ConvertPlan, index: StoreIndex, mtp_from: Path | None) -> dict[str, Any]:
+    lf = index.layers[0]
+    q = lf.quant
+    return {
+        "format": MODEL_FORMAT,
+        "version": MODEL_VERSION,
+        "source_layout": str(layout),
+        "dtype": plan.float_dtype,
+        "quantization": msgspec.to_builtins(q) if q else None,
+        "experts": {
+            "dir": st.EXPERTS_DIR,
+            "index": f"{st.EXPERTS_DIR}/index.json",
+            "store_format": FORMAT,
+            "store_version": VERSION,
+            "model_id": index.model_id,
+            "align": ALIGN,
+            "layers": [x.layer for x in index.layers],
+            "num_experts": lf.num_experts,
+            "stride": lf.stride,
+            "record_nbytes": lf.record_nbytes,
+            "record": [msgspec.to_builtins(t) for t in lf.tensors],
+        },
+        "mtp": None if not plan.mtp else {
+            "file": "mtp.safetensors",
+            "naming": "hf",
+            "norms": "zero-centred (as in the HF checkpoint; the model adds 1)",
+            "experts": "per-expert tensors mtp.layers.0.mlp.experts.E.*",
+            "quantization": plan.mtp_qcfg,
+            "from": "source" if mtp_from is None else "mtp-from",
+        },
+    }

@@ -1,0 +1,102 @@
+"""Files that appear whole or not at all: written under a temporary name beside them, then renamed.
+
+A reader never sees a torn file, and a crash, an error or Ctrl-C mid-write leaves the old file
+(or none) in place: the temporary one is removed. Directories written whole: qnpipe.io.outdir.
+
+The file gets the mode a plain `open(path, "w")` would give it (0o666 less the umask), or
+the mode of the file it replaces: mkstemp's 0600 would lock other users out of a shared
+directory (a snapshot directory, a heat file). Errors name `path`, never the temporary name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+
+def _read_umask() -> int:
+    # /proc reads it without changing it; os.umask can only read by setting, which races with
+    # threads creating files, so it is done once, here, at import.
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+UMASK = _read_umask()
+
+
+def _named(e: OSError, path: Path) -> OSError:
+    """`e` (same class and errno) naming `path` instead of the temporary file."""
+    if e.errno is None:
+        return e
+    return OSError(e.errno, e.strerror or os.strerror(e.errno), str(path))
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str], *, fsync_dir: bool = False) -> Iterator[BinaryIO]:
+    """A binary file that replaces `path` when the block ends without an error (flushed, fsynced, renamed).
+
+    `fsync_dir` also syncs the directory, so the rename itself survives a power cut (files that
+    must outlive the process that wrote them, such as the heat file). Raises OSError naming
+    `path` (a write to the file that fails, a full disk for one, names it too).
+    """
+    p = Path(path)
+    try:
+        mode = stat.S_IMODE(os.stat(p).st_mode)
+    except OSError:
+        mode = 0o666 & ~UMASK
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    except OSError as e:
+        raise _named(e, p) from None
+    try:
+        try:
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), mode)
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        except OSError as e:
+            # Ours (the temporary file, or a write with no name: ENOSPC from f.write) or the caller's (another file).
+            if e.filename is None or os.fsdecode(e.filename) == tmp:
+                raise _named(e, p) from None
+            raise
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if fsync_dir:
+        _fsync_dir(p.parent)
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes, *, fsync_dir: bool = False) -> None:
+    """Replace `path` with `data` atomically (atomic_file). Raises OSError naming `path`."""
+    with atomic_file(path, fsync_dir=fsync_dir) as f:
+        f.write(data)
+
+
+def _fsync_dir(d: Path) -> None:
+    # Best effort: some filesystems cannot open or sync a directory; the data itself is synced.
+    try:
+        dfd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)

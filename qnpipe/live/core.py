@@ -1,0 +1,236 @@
+"""The live engine's model side: the loaded model, its expert slots and store, the MLX-thread backend.
+
+`build_core` runs on the MLX thread and makes what MLX owns: the model (without its
+routed experts when they stream), the slot arrays, and the reader over the expert
+store. `open_core_pipeline` starts the actors (qnpipe.actors.pipeline.open_pipeline) over the
+live device: the SSD reader filling those slot arrays. Replay wires the same actors to
+a simulated device and needs none of this, so it lives apart from the wiring and replay
+never imports MLX's model code.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from qnpipe.actors.autopin import Autopin
+from qnpipe.actors.pipeline import Pipeline, layer_capacities, open_pipeline, side_slots
+from qnpipe.config import Config, PoolCfg
+from qnpipe.errors import ConfigError, RouteError
+from qnpipe.io.device import StoreDevice
+from qnpipe.io.reader import ExpertReader
+from qnpipe.io.store import ExpertStore
+from qnpipe.live.mlx_thread import MLXThread, run_on
+from qnpipe.model.args import ModelArgs, model_id
+from qnpipe.model.checkpoint import Layout
+from qnpipe.model.runner import Runner
+from qnpipe.model.slots import LayerSlots, make_layer_slots
+from qnpipe.model.stepper import MlxBackend
+from qnpipe.policy.predict import predict_targets
+from qnpipe.steps import Event, PartGrant, PredictPlan, Tail
+from qnpipe.trace import ModelShape
+
+
+@attrs.define
+class Streaming:
+    """What a streamed model adds: the store, the reader, and the slot arrays per MoE layer."""
+
+    store: ExpertStore
+    reader: ExpertReader
+    slots: dict[int, LayerSlots]
+    capacities: dict[int, int]
+    mtp: Any = None  # the MTP layer's record layout and its reader (qnpipe.live.spec.mtp_store.MtpLayer) when it streams
+
+    def close(self) -> None:
+        self.reader.close()
+        self.store.close()
+        if self.mtp is not None:
+            self.mtp.close()
+
+
+@attrs.define
+class Core:
+    """The engine's MLX-side state (touched only on the MLX thread)."""
+
+    cfg: Config
+    runner: Runner
+    streaming: Streaming | None
+    backend: MlxBackend
+    mtp: Any = None  # the MTP head (qnpipe.model.mtp.MtpHead) when `mtp.enabled` and the model has one
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.runner.loaded.args
+
+
+def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None) -> Core:
+    """Load the model and, when its experts stream, the pool's memory and reader. MLX thread only.
+
+    `reader` replaces the SSD reader made from `cfg.read` (fault injection, slow devices);
+    the engine closes it with the store.
+    """
+    from qnpipe.io.ssd import SsdReader
+    from qnpipe.model.args import read_config
+    from qnpipe.model.checkpoint import is_qnpipe_dir
+    from qnpipe.model.memory import apply_memory_limits
+
+    apply_memory_limits(cfg.memory)
+    stream = not cfg.pool.eager_load and is_qnpipe_dir(model_dir, read_config(model_dir))
+    runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
+                    expert_dir=cfg.model.expert_dir or None, resident_experts=not stream,
+                    verify=cfg.read.verify_crc32, topk_override=cfg.forward.moe_topk_override)
+    if (k := cfg.forward.moe_topk_override) is not None:
+        _override_topk(runner, k)
+    if cfg.kv.quantize:
+        from qnpipe.model.kvquant import kv_factory
+
+        runner.loaded.model.kv_factory = kv_factory(cfg.kv, runner.loaded.args.head_dim)
+    mtp, mtp_path = _load_mtp(cfg, runner, model_dir, resident=not stream)
+    if not stream:
+        asked = cfg.pool.expert_slots != PoolCfg().expert_slots or cfg.pool.capacity_profile_path
+        if asked and not cfg.pool.eager_load and runner.loaded.layout is not Layout.QNPIPE:
+            warnings.warn(f"{model_dir} has no expert store: every expert is resident "
+                          f"(`qnpipe convert` makes a directory whose experts stream)", stacklevel=2)
+        return Core(cfg, runner, None, MlxBackend(runner.loaded.model, None), mtp)
+    args = runner.loaded.args
+    store = ExpertStore.open(cfg.model.expert_dir or model_dir)
+    try:
+        caps = layer_capacities(cfg, args)
+        side = side_slots(cfg)
+        # One stacked array per layer holds the resident slots and, after them, the side region.
+        slots = {layer: make_layer_slots(store.layer_file(layer), cap + side) for layer, cap in caps.items()}
+        mtp_layer = None
+        if mtp is not None:  # the head's MoE: a pool layer of its own, read from mtp.safetensors
+            from qnpipe.live.spec.mtp_store import MtpLayer
+
+            mtp_layer = MtpLayer.open(args, mtp_path, SsdReader.from_config(cfg.read))
+            caps[mtp_layer.layer] = min(cfg.pool.expert_slots, args.num_experts)
+            slots[mtp_layer.layer] = make_layer_slots(mtp_layer.file, caps[mtp_layer.layer] + side)
+        reader = reader if reader is not None else SsdReader.from_config(cfg.read)
+    except BaseException:
+        store.close()
+        raise
+    streaming = Streaming(store, reader, slots, caps, mtp_layer)
+    plan = None
+    if cfg.predict.cross_layer_prefetch:
+        plan = PredictPlan(predict_targets(args.moe_layers, cfg.predict), cfg.predict.width_experts,
+                           cfg.predict.use_moe_input)
+    traced = bool(cfg.trace.event_log_path or cfg.trace.route_trace)
+    backend = MlxBackend(runner.loaded.model, {layer: s.experts for layer, s in slots.items()}, plan, traced)
+    return Core(cfg, runner, streaming, backend, mtp)
+
+
+def _load_mtp(cfg: Config, runner: Runner, model_dir: Path, resident: bool) -> tuple[Any, Path]:
+    """(the MTP head when `mtp.enabled`, the file it came from); a model without MTP weights runs
+    without, and says so once.
+
+    `model.mtp_weights_path` names another file of HF-named `mtp.*` tensors. Streamed
+    (`resident` False), the head's experts stay in that file: the pool reads them.
+    """
+    path = model_dir / "mtp.safetensors"
+    if not cfg.mtp.enabled:
+        return None, path
+    from qnpipe.model.checkpoint import load_tensors, read_header
+    from qnpipe.model.mtp import load_mtp
+
+    weights = runner.loaded.mtp_weights
+    if cfg.model.mtp_weights_path:
+        path = Path(cfg.model.mtp_weights_path)
+        if not path.exists():  # a FIFO or a directory there is read_header's error, naming what it is
+            raise ConfigError(f"model.mtp_weights_path={path}: no such file")
+        weights = {k: v for k, v in load_tensors(read_header(path)).items() if k.startswith("mtp.")}
+    head = load_mtp(runner.loaded.args, weights, str(path if cfg.model.mtp_weights_path else model_dir),
+                    resident_experts=resident)
+    if head is None:
+        warnings.warn(f"mtp.enabled: {model_dir} has no MTP weights (mtp.* / mtp.safetensors); generating "
+                      f"without MTP speculation", stacklevel=3)
+    return head, path
+
+
+def _override_topk(runner: Runner, k: int) -> None:
+    from qnpipe.model.qwen3_next import SparseMoeBlock
+
+    warnings.warn(f"forward.moe_topk_override={k}: every router picks {k} experts instead of "
+                  f"{runner.loaded.args.num_experts_per_tok}; output differs from the model's (diagnostic only)",
+                  stacklevel=3)
+    for layer in runner.loaded.model.layers:
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp.top_k = k
+
+
+def compare_slots_with_disk(st: Streaming, layer: int, experts: Sequence[int], slots: Sequence[int]) -> None:
+    """read.verify_hit_bytes: each slot's tensors equal its expert's record on disk, else RouteError."""
+    lf = st.store.layer_file(layer)
+    host = st.slots[layer].host
+    for e, s in zip(experts, slots, strict=True):
+        rec = st.store.read_record(layer, e)
+        for t in lf.tensors:
+            if host[t.name][s].tobytes() != rec[t.offset:t.offset + t.nbytes]:
+                raise RouteError(f"layer {layer}: slot {s} should hold expert {e}, but its {t.name} bytes "
+                                 f"differ from {st.store.root / lf.file} at offset {e * lf.stride + t.offset}")
+
+
+class ThreadedBackend:
+    """The forward's `Backend` over an `MlxBackend` on the MLX thread."""
+
+    def __init__(self, thread: MLXThread, backend: MlxBackend) -> None:
+        self._thread = thread
+        self._b = backend
+        self.early_pairs = backend.early_pairs
+
+    async def begin(self, inputs: Any, cache: Any, tail: Tail) -> Event:
+        return await run_on(self._thread, self._b.begin, inputs, cache, tail)
+
+    async def resume(self, grant: PartGrant) -> Event:
+        return await run_on(self._thread, self._b.resume, grant)
+
+    async def abort(self) -> None:
+        await run_on(self._thread, self._b.abort)
+
+
+
+@asynccontextmanager
+async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pipeline]:
+    """`open_pipeline` for a loaded `Core`: the live device over its store and slot arrays."""
+    backend = ThreadedBackend(thread, core.backend)
+    st = core.streaming
+    if st is None:
+        async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=None,
+                                 device=None, shape=ModelShape.of(core.args), wall_start_unix_s=time.time()) as p:
+            yield p
+        return
+    store_device = StoreDevice(st.store, st.reader, lambda layer, slot: st.slots[layer].dest(slot),
+                               verify_crc32=core.cfg.read.verify_crc32)
+    device: Any = store_device
+    nbytes = {layer: st.store.layer_file(layer).record_nbytes for layer in st.capacities if layer != core.args.num_hidden_layers}
+    if st.mtp is not None:
+        device = st.mtp.routed(store_device, lambda layer, slot: st.slots[layer].dest(slot))
+        nbytes[st.mtp.layer] = st.mtp.file.record_nbytes
+    autopin = Autopin.open(core.cfg, model_id(core.args), core.args.num_experts_per_tok,
+                           num_experts=core.args.num_experts,
+                           layers=(*core.args.moe_layers, core.args.num_hidden_layers))  # + the MTP layer
+
+    async def check_bytes(layer: int, experts: tuple[int, ...], slots: tuple[int, ...]) -> None:
+        if st.mtp is not None and layer == st.mtp.layer:
+            return  # mtp.safetensors has no per-record checksum or store record to compare with
+        await trio.to_thread.run_sync(compare_slots_with_disk, st, layer, experts, slots)
+
+    try:
+        async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=st.capacities,
+                                 device=device, record_nbytes=nbytes,
+                                 check_bytes=check_bytes if core.cfg.read.verify_hit_bytes else None,
+                                 autopin=autopin, shape=ModelShape.of(core.args),
+                                 wall_start_unix_s=time.time()) as p:
+            yield p
+    finally:
+        store_device.close()
+
+
+__all__ = ["Core", "Streaming", "ThreadedBackend", "build_core", "compare_slots_with_disk", "open_core_pipeline"]

@@ -1,0 +1,485 @@
+"""Sweeps: one replay per point of a grid of settings, run in parallel processes or on a Dask cluster.
+
+    axes = parse_grid(["pool.expert_slots=16,32,64", "predict.width_experts=8,16"])
+    points = plan("run.qtrace", axes, cfg)          # every point checked: nothing has run yet
+    result = run("run.qtrace", points, executor="processes", jobs=2)
+
+A grid field is any config field (a dotted path, or a short name that config resolves to one
+section) or one of the replay's own settings (`cost.*`, `device.*`, `replay.record_nbytes`,
+`replay.predictor`). `plan` builds and checks every point before anything runs, so an unknown
+field or a bad value fails at once, naming it. Each point is a `qnpipe.replay.replay`, which is
+deterministic, so results are the same on every executor; they come back in grid order.
+A point that fails while it replays is reported as failed (`PointResult.error`) and the
+others still run. Remote Dask workers need qnpipe importable and the log at the same path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import get_all_start_methods, get_context
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from qnpipe.config import Config, override_path, with_overrides
+from qnpipe.errors import ConfigError, QnpipeError
+from qnpipe.io.atomic import atomic_write
+from qnpipe.io.simssd import PROFILES, DeviceProfile
+from qnpipe.replay.runner import (
+    PREDICTORS,
+    CostModel,
+    ReplayReport,
+    check_record_nbytes,
+    load_log,
+    replay,
+    replay_capacities,
+    setting_value,
+)
+from qnpipe.trace import check_log_paths
+
+EXECUTORS = ("processes", "dask", "serial")
+# Points in one sweep: a replay takes ~0.1 s to minutes, so more is days of work, and each
+# point's config is built before anything runs.
+MAX_POINTS = 100_000
+# The replay's own settings besides the cost and device fields (those follow their structs).
+REPLAY_KEYS = ("replay.record_nbytes", "replay.predictor")
+# Columns of the table, when the report has them (any numeric metric can be chosen as well).
+TABLE_METRICS = ("tok_s", "hit_rate", "belady_hit_rate", "misses", "stall_s_per_token", "bytes_per_token",
+                 "device_utilisation")
+
+
+def replay_keys() -> tuple[str, ...]:
+    """Every replay setting a grid or `--set` may name: cost.*, device.*, replay.*."""
+    return (*(f"cost.{f.name}" for f in msgspec.structs.fields(CostModel)),
+            *(f"device.{f.name}" for f in msgspec.structs.fields(DeviceProfile)), *REPLAY_KEYS)
+
+
+def resolve_key(key: str) -> str:
+    """The dotted name of a grid or `--set` key: a replay setting, else a config field (as config resolves it)."""
+    key = key.strip()
+    own = replay_keys()
+    if key in own:
+        return key
+    try:
+        return override_path(key)
+    except ConfigError:
+        short = [k for k in own if k.partition(".")[2] == key]
+        if len(short) == 1:
+            return short[0]
+        raise
+
+
+class Axis(msgspec.Struct, frozen=True, kw_only=True):
+    """One swept field: its dotted name and its values as given (text)."""
+
+    field: str
+    values: tuple[str, ...]
+
+
+def parse_grid(items: Sequence[str]) -> list[Axis]:
+    """`KEY=V1,V2,...` items as axes; values are split on `;` instead when the list holds one
+    (for values with commas, such as layer sets: `trace.route_trace_layers=0-3;4,6`). ConfigError names the item."""
+    axes: list[Axis] = []
+    for item in items:
+        key, sep, rest = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--grid {item!r}: expected KEY=V1,V2,... (e.g. pool.expert_slots=16,32)")
+        try:
+            field = resolve_key(key)
+        except ConfigError as e:
+            raise ConfigError(f"--grid {item!r}: {e}") from None
+        values = tuple(v.strip() for v in rest.split(";" if ";" in rest else ","))
+        if not rest.strip() or any(not v for v in values):
+            raise ConfigError(f"--grid {item!r}: an empty value in the list of {field}")
+        if field in (a.field for a in axes):
+            raise ConfigError(f"--grid {item!r}: {field} is already swept by another --grid")
+        axes.append(Axis(field=field, values=values))
+    if not axes:
+        raise ConfigError("no --grid given: name at least one field to sweep, e.g. --grid pool.expert_slots=16,32")
+    return axes
+
+
+class Point(msgspec.Struct, frozen=True, kw_only=True):
+    """One replay of a sweep, checked and ready to run anywhere (picklable)."""
+
+    index: int
+    values: dict[str, Any]  # swept field -> value as the replay uses it, in axis order
+    cfg: Config
+    device: DeviceProfile
+    cost: CostModel
+    record_nbytes: int | None
+    predictor: str
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """The replay's own settings of a point (everything besides the config)."""
+
+    device: DeviceProfile
+    cost: CostModel
+    record_nbytes: int | None = None
+    predictor: str = "none"
+
+
+def split_settings(settings: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(config overrides, {"cost": ..., "device": ..., "replay": ...}) of resolved `settings`."""
+    conf: dict[str, Any] = {}
+    own: dict[str, dict[str, Any]] = {"cost": {}, "device": {}, "replay": {}}
+    keys = set(replay_keys())
+    for key, value in settings.items():
+        if key in keys:
+            section, _, name = key.partition(".")
+            own[section][name] = value
+        else:
+            conf[key] = value
+    return conf, own
+
+
+def _settings(own: Mapping[str, Mapping[str, Any]], base: Settings, where: str) -> Settings:
+    try:
+        typed = {section: {name: setting_value(f"{section}.{name}", v) for name, v in values.items()}
+                 for section, values in own.items()}
+        # typed above, so these convert; each value is then checked against its bounds, named
+        cost = msgspec.convert({**msgspec.to_builtins(base.cost), **typed["cost"]}, CostModel, strict=False).check()
+        device = msgspec.convert({**msgspec.to_builtins(base.device), **typed["device"]}, DeviceProfile,
+                                 strict=False).check(where="device.")
+        rep = typed["replay"]
+        nbytes = rep.get("record_nbytes", base.record_nbytes)
+        if nbytes is not None:
+            check_record_nbytes(nbytes)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    predictor = str(rep.get("predictor", base.predictor))
+    if predictor not in PREDICTORS:
+        raise ConfigError(f"{where}: replay.predictor={predictor!r}: unknown, known: {', '.join(PREDICTORS)}")
+    return Settings(device=device, cost=cost, record_nbytes=nbytes, predictor=predictor)
+
+
+def _typed(field: str, cfg: Config, s: Settings) -> Any:
+    section, _, name = field.partition(".")
+    if section in ("cost", "device"):
+        return getattr(s.cost if section == "cost" else s.device, name)
+    if section == "replay":
+        return s.record_nbytes if name == "record_nbytes" else s.predictor
+    return msgspec.to_builtins(getattr(getattr(cfg, section), name))
+
+
+def count_points(axes: Sequence[Axis]) -> int:
+    """The grid's number of points; ConfigError naming each field's count when above MAX_POINTS."""
+    n = math.prod(len(a.values) for a in axes)
+    if n > MAX_POINTS:
+        sizes = " x ".join(f"{a.field}: {len(a.values)} values" for a in axes)
+        raise ConfigError(f"the grid has {n} points ({sizes}): a sweep runs at most {MAX_POINTS}")
+    return n
+
+
+def plan(log: str | Path, axes: Sequence[Axis], cfg: Config, *, base: Settings | None = None,
+         fixed: Mapping[str, Any] | None = None) -> list[Point]:
+    """Every point of the grid (the cartesian product, last axis fastest), each checked as its replay
+    would check it: values, config rules, device, predictor, capacities against the log's model and
+    the record size. `fixed`: replay settings (`cost.*`, `device.*`, `replay.*`) of every point, over
+    `base`. ConfigError names the point and the setting; nothing has run yet."""
+    base = base if base is not None else Settings(device=PROFILES["apple-m5-internal"], cost=CostModel())
+    count_points(axes)
+    shape = load_log(log)
+    points: list[Point] = []
+    logs: dict[str, int] = {}  # event or routing log written by a point -> the point
+    for index, combo in enumerate(itertools.product(*(a.values for a in axes))):
+        given = dict(zip((a.field for a in axes), combo, strict=True))
+        where = "grid point " + ", ".join(f"{k}={v}" for k, v in given.items())
+        conf, own = split_settings({**(fixed or {}), **given})
+        try:
+            pcfg = with_overrides(cfg, conf) if conf else cfg
+            caps = replay_capacities(pcfg, shape.shape)
+            check_log_paths(pcfg)
+        except QnpipeError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        s = _settings(own, base, where)
+        if s.record_nbytes is None and not set(caps) <= set(shape.record_nbytes):
+            raise ConfigError(f"{where}: the log {log} has no read.done record of layers "
+                              f"{sorted(set(caps) - set(shape.record_nbytes))}: give the record size "
+                              f"(--set replay.record_nbytes=N)")
+        for path in (pcfg.trace.event_log_path, pcfg.trace.route_trace_path if pcfg.trace.route_trace else ""):
+            if path and path in logs:
+                raise ConfigError(f"{where}: writes the log {path} that grid point {logs[path]} writes too: "
+                                  f"sweep trace.event_log_path (or leave it unset) so each point has its own")
+            if path:
+                logs[path] = index
+        points.append(Point(index=index, values={a.field: _typed(a.field, pcfg, s) for a in axes}, cfg=pcfg,
+                            device=s.device, cost=s.cost, record_nbytes=s.record_nbytes, predictor=s.predictor))
+    return points
+
+
+def run_point(log: str, point: Point) -> ReplayReport:
+    """The replay of one point (a top-level function: worker processes and Dask workers import it)."""
+    return replay(log, point.cfg, device_profile=point.device, cost=point.cost, record_nbytes=point.record_nbytes,
+                  predictor=point.predictor)
+
+
+class Outcome(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker sends back: the report, or why the point failed (text: every error travels, pickled or not)."""
+
+    report: ReplayReport | None = None
+    error: str | None = None
+
+
+def point_outcome(log: str, point: Point) -> Outcome:
+    """`run_point`, its failure caught (a top-level function: worker processes and Dask workers import it)."""
+    try:
+        return Outcome(report=run_point(log, point))
+    except Exception as e:  # one point's failure is its result, the sweep goes on
+        return Outcome(error=_failure(point, e))
+
+
+def _failure(p: Point, e: BaseException) -> str:
+    where = ", ".join(f"{k}={v}" for k, v in p.values.items())
+    what = str(e) if isinstance(e, QnpipeError) else f"{type(e).__name__}: {e}"
+    return f"grid point {p.index} ({where}): {what}"
+
+
+class PointResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One point: its report and metrics, or (`error`, then no report and no metrics) why it failed."""
+
+    index: int
+    values: dict[str, Any]
+    metrics: dict[str, float]
+    report: ReplayReport | None
+    error: str | None = None
+
+
+class SweepResult(msgspec.Struct, frozen=True, kw_only=True):
+    """A sweep: the swept fields and every point's values, headline metrics and whole report, in grid order."""
+
+    log: str
+    fields: list[str]
+    points: list[PointResult]
+
+    @property
+    def failed(self) -> list[int]:
+        """The indices of the points that failed."""
+        return [p.index for p in self.points if p.error is not None]
+
+
+def metric_names() -> tuple[str, ...]:
+    """The metrics a sweep can plot: the report's numeric fields, `misses` and `belady_hit_rate`."""
+    info = msgspec.inspect.type_info(ReplayReport)
+    assert isinstance(info, msgspec.inspect.StructType)
+    numeric = [f.name for f in info.fields
+               if isinstance(f.type, msgspec.inspect.IntType | msgspec.inspect.FloatType)]
+    return tuple(dict.fromkeys([*numeric, "misses", "belady_hit_rate"]))
+
+
+def metrics(r: ReplayReport) -> dict[str, float]:
+    """The report's headline numbers by name (`metric_names`); `belady_hit_rate` over all layers
+    when the report does not give it (the per-layer optima weighted by requests)."""
+    out = {name: float(getattr(r, name)) for name in metric_names() if hasattr(r, name)}
+    out["misses"] = float(sum(r.misses_by_cause.values()))
+    if "belady_hit_rate" not in out:
+        requests = sum(x.requests for x in r.layers)
+        out["belady_hit_rate"] = sum(x.belady_hit_rate * x.requests for x in r.layers) / requests if requests else 0.0
+    return out
+
+
+def check_metric(name: str) -> str:
+    if name not in metric_names():
+        raise ConfigError(f"--metric {name!r}: unknown, known: {', '.join(metric_names())}")
+    return name
+
+
+Progress = Callable[[int, int], None]  # (points done, points in all)
+
+
+def run(log: str | Path, points: Sequence[Point], *, executor: str = "processes", jobs: int | None = None,
+        scheduler: Any = None, progress: Progress | None = None) -> SweepResult:
+    """Replay every point: "processes" (`jobs` worker processes, default the machine's cores),
+    "dask" (`scheduler`: a scheduler address or a `dask.distributed.Client`) or "serial" (here).
+    Results are in grid order whatever the executor; a point that fails (its replay raises, its
+    worker dies) is a `PointResult` with its `error`, and the other points still run."""
+    if executor not in EXECUTORS:
+        raise ConfigError(f"executor {executor!r}: unknown, known: {', '.join(EXECUTORS)}")
+    log = str(log)
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, len(points))
+
+    if progress is not None:
+        progress(0, len(points))
+    if executor == "serial" or not points:
+        outcomes = []
+        for p in points:
+            outcomes.append(point_outcome(log, p))
+            tick()
+    elif executor == "processes":
+        outcomes = _run_processes(log, points, jobs or os.cpu_count() or 1, tick)
+    else:
+        if scheduler is None:
+            raise ConfigError("the dask executor needs a scheduler address (--scheduler tcp://HOST:8786)")
+        outcomes = _run_dask(log, points, scheduler, tick)
+    return SweepResult(log=log, fields=list(points[0].values) if points else [],
+                       points=[PointResult(index=p.index, values=p.values, report=o.report, error=o.error,
+                                           metrics=metrics(o.report) if o.report is not None else {})
+                               for p, o in zip(points, outcomes, strict=True)])
+
+
+def _worker_context() -> Any:
+    """Workers forked from a fork server that imported qnpipe once (this module: replay, numpy, trio),
+    or spawned where there is none. Not a plain fork: this process may hold threads (MLX, a progress
+    bar) that fork would copy half-way. Measured here: a 4-point sweep on 2 workers took 6.8 s with a
+    new fork server, 0.7 s with a running one, 14-19 s spawning (each worker imports qnpipe anew)."""
+    if "forkserver" not in get_all_start_methods():
+        return get_context("spawn")
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
+def _worker_init() -> None:
+    """Make the worker die with the sweep.
+
+    A worker whose sweep was killed (SIGKILL, the OOM killer) would run its point to the end,
+    then wait for work forever. Its parent is the fork server, which outlives the sweep while
+    workers hold its pipe, so PR_SET_PDEATHSIG would never fire; the pipe behind
+    `parent_process().sentinel` is the sweep's own (forkserver and spawn alike): it reads EOF
+    when the sweep is gone, and a daemon thread waits for that.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="qnpipe-sweep-parent", daemon=True).start()
+
+
+def _run_processes(log: str, points: Sequence[Point], jobs: int, tick: Callable[[], None]) -> list[Outcome]:
+    out: list[Outcome | None] = [None] * len(points)
+    lost = _pool_pass(log, points, range(len(points)), jobs, tick, out)
+    # A worker that dies (killed, out of memory) breaks the pool and every point still in it: run
+    # those again, each alone, so only the one that kills its worker is reported.
+    for i in lost:
+        if _pool_pass(log, points, [i], 1, tick, out):
+            out[i] = Outcome(error=_failure(points[i], RuntimeError("its worker process died (killed, out of memory?)")))
+            tick()
+    assert all(o is not None for o in out)
+    return [o for o in out if o is not None]
+
+
+def _pool_pass(log: str, points: Sequence[Point], which: Iterable[int], jobs: int, tick: Callable[[], None],
+               out: list[Outcome | None]) -> list[int]:
+    """Run `points[i]` for each i in `which` on a new pool, the outcomes into `out`; the points a broken pool lost."""
+    which = list(which)
+    ex = ProcessPoolExecutor(max_workers=max(1, min(jobs, len(which))), mp_context=_worker_context(),
+                             initializer=_worker_init)
+    lost: list[int] = []
+    try:
+        futures: dict[Future[Outcome], int] = {ex.submit(point_outcome, log, points[i]): i for i in which}
+        for f in as_completed(futures):
+            i = futures[f]
+            try:
+                out[i] = f.result()
+            except BrokenProcessPool:
+                lost.append(i)
+                continue
+            except Exception as e:  # the outcome could not come back (pickling): this point's failure
+                out[i] = Outcome(error=_failure(points[i], e))
+            tick()
+    except BaseException:
+        _terminate(ex)  # Ctrl-C, SIGTERM: the points running would otherwise finish first
+        raise
+    ex.shutdown()
+    return sorted(lost)
+
+
+def _terminate(ex: ProcessPoolExecutor) -> None:
+    """Stop the pool's workers now, not after their points (concurrent.futures has no public way before 3.14)."""
+    procs = list((getattr(ex, "_processes", None) or {}).values())
+    ex.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def _run_dask(log: str, points: Sequence[Point], scheduler: Any, tick: Callable[[], None]) -> list[Outcome]:
+    from dask.distributed import Client, as_completed
+
+    client = scheduler if isinstance(scheduler, Client) else Client(scheduler)
+    try:
+        # pure=False: each point is its own task (no hashing of the configs for a cache key).
+        futures = client.map(point_outcome, [log] * len(points), list(points), pure=False)
+        index = {f.key: i for i, f in enumerate(futures)}
+        out: list[Outcome | None] = [None] * len(points)
+        try:
+            for f in as_completed(futures):
+                i = index[f.key]
+                try:
+                    out[i] = f.result()
+                except Exception as e:  # its worker died (KilledWorker), the task could not travel
+                    out[i] = Outcome(error=_failure(points[i], e))
+                tick()
+        except BaseException:
+            client.cancel(futures)
+            raise
+        return [o if o is not None else Outcome(error=_failure(p, RuntimeError("no result came back")))
+                for o, p in zip(out, points, strict=True)]
+    finally:
+        if client is not scheduler:
+            client.close()
+
+
+def to_json(result: SweepResult) -> bytes:
+    """The sweep as JSON: points in grid order, each with its values, metrics and whole replay report."""
+    return msgspec.json.encode(result)
+
+
+def write_json(result: SweepResult, path: str | Path) -> Path:
+    """Write `to_json(result)` to `path` through a temporary name (never a torn file)."""
+    path = Path(path)
+    atomic_write(path, to_json(result) + b"\n")
+    return path
+
+
+def fmt_value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, list | tuple):
+        return ",".join(map(str, v)) or "-"
+    return str(v)
+
+
+def fmt_metric(name: str, v: float) -> str:
+    if not math.isfinite(v):
+        return str(v)
+    if name == "bytes_per_token":
+        return f"{v / 2**20:.3f} MiB"
+    if name.endswith("_s_per_token") or name == "virtual_s":
+        return f"{v * 1e3:.3f} ms"
+    if name in ("misses", "reads", "steps", "tokens"):
+        return f"{v:.0f}"
+    return f"{v:.4g}"
+
+
+def table_metrics(metric: str) -> list[str]:
+    return list(dict.fromkeys([*TABLE_METRICS, metric]))
+
+
+__all__ = ["EXECUTORS", "MAX_POINTS", "REPLAY_KEYS", "Axis", "Outcome", "Point", "PointResult", "Settings",
+           "SweepResult", "check_metric", "count_points", "fmt_metric", "fmt_value", "metric_names", "metrics",
+           "parse_grid", "plan", "point_outcome", "replay_keys", "resolve_key", "run", "run_point", "split_settings",
+           "table_metrics", "to_json", "write_json"]

@@ -1,0 +1,254 @@
+"""What the importers share: reading a source line by line, the models they know, writing the log.
+
+An importer turns a source into `Imported`: `Request`s (each a list of steps, each step the
+routes of the layers recorded, in layer order); `write_log` writes them as a routing log
+(docs/trace-format.md: `contents = "routes"`, a `trace.request` record before each request's
+first `trace.route`). Imported logs have no times: every `t` is 0 and `seq` counts records.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import stat
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, TypeVar
+
+import msgspec
+
+from qnpipe.errors import TraceImportError
+from qnpipe.io.files import check_regular
+from qnpipe.trace.format import SCHEMA_VERSION, Header, ModelShape, RequestStart, Route, TraceWriter
+
+T = TypeVar("T")
+Progress = Callable[[int], None]  # called with the bytes of the source consumed since the last call
+
+# What one import may read, decompressed (`import_log(max_bytes=)`, `--max-bytes`): the requests are
+# held in memory, a few times the source's bytes, so this bounds the import's memory. The real
+# sources are tens of MB; a larger one is allowed by raising it.
+MAX_BYTES = 1 << 30
+# The longest JSON line read: a routing record is ~200 bytes; a longer line is not one.
+LINE_CAP = 1 << 20
+
+
+class Budget:
+    """The bytes an import may still read (decompressed), shared by its files; taken before they are read."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def take(self, n: int, where: str) -> None:
+        """Take `n` bytes for `where` (the file, line or member), or TraceImportError naming it and the limit."""
+        if n > self.left:
+            raise TraceImportError(f"{where}: {n} more bytes would pass the import's limit of {self.limit} bytes "
+                                   f"(decompressed, all files together; raise it with --max-bytes)")
+        self.left -= n
+
+
+def open_regular(path: Path, cap: int | None) -> IO[bytes]:
+    """`path` opened for reading: a regular file of at most `cap` bytes, never a FIFO, device or directory.
+
+    O_NONBLOCK: a FIFO swapped in after the check cannot block the open; fstat re-checks what was opened.
+    """
+    check_regular(path, cap=cap, error=TraceImportError)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise TraceImportError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise TraceImportError(f"{path}: not a regular file (replaced while opening)")
+    return os.fdopen(fd, "rb")
+
+
+class LayerRoute(msgspec.Struct, frozen=True):
+    """One layer's routing in one step: token i chose `experts[i*k:(i+1)*k]` with `weights` (same layout)."""
+
+    layer: int
+    experts: tuple[int, ...]
+    weights: tuple[float, ...] = ()
+
+
+class Request(msgspec.Struct):
+    """One request of the source: `steps[i]` = the routes of step i, in layer order."""
+
+    name: str
+    steps: list[list[LayerRoute]]
+
+
+class Imported(msgspec.Struct, frozen=True, kw_only=True):
+    """An importer's result, before it is written: the requests, and what was left out (reason -> routes)."""
+
+    shape: ModelShape
+    requests: list[Request]
+    skipped: dict[str, int]
+    sources: list[Path]  # the files read, for the fingerprint
+
+
+class ImportSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """What an import wrote, and what it left out and why (`skipped`: reason -> (token, layer) routes)."""
+
+    format: str
+    source: str
+    log: str
+    model: ModelShape
+    layers: tuple[int, ...]
+    requests: int
+    steps: int
+    routes: int  # trace.route records
+    token_routes: int  # (token, layer) pairs
+    skipped: dict[str, int]
+
+
+# The models whose logs the importers know: the routing shape of each (`hidden_size` for completeness).
+MIXTRAL_8X7B = ModelShape(num_layers=32, moe_layers=tuple(range(32)), num_experts=8, top_k=2, hidden_size=4096)
+QWEN15_MOE_A27B = ModelShape(num_layers=24, moe_layers=tuple(range(24)), num_experts=60, top_k=4, hidden_size=2048)
+VLLM_MODELS = {"Qwen/Qwen1.5-MoE-A2.7B-Chat": QWEN15_MOE_A27B, "Qwen/Qwen1.5-MoE-A2.7B": QWEN15_MOE_A27B}
+
+
+def open_source(path: Path, cap: int) -> tuple[IO[bytes], IO[bytes] | gzip.GzipFile]:
+    """`(raw, text)`: the file as stored (for progress by its position) and its content (gunzipped if `.gz`)."""
+    raw = open_regular(path, cap)
+    if path.suffix == ".gz":
+        return raw, gzip.GzipFile(fileobj=raw, mode="rb")
+    return raw, raw
+
+
+def jsonl_lines(path: Path, progress: Progress | None = None,
+                budget: Budget | None = None) -> Iterator[tuple[int, bytes]]:
+    """`(line number from 1, line)` of a JSON-lines file, blank lines skipped; a torn `.gz` names the line.
+
+    Streamed: a line longer than LINE_CAP is an error (read no further than that), and the
+    lines' bytes are taken from `budget` (whose limit also caps the file's size on disk).
+    """
+    budget = budget or Budget(MAX_BYTES)
+    raw, f = open_source(path, budget.limit)
+    done = 0
+    n = 0
+    try:
+        with raw, f:
+            while True:
+                try:
+                    line = f.readline(LINE_CAP + 1)
+                except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError
+                    raise TraceImportError(f"{path}: line {n + 1}: cannot decompress ({e})") from None
+                if not line:
+                    break
+                n += 1
+                if len(line) > LINE_CAP:
+                    raise TraceImportError(f"{path}: line {n}: longer than {LINE_CAP} bytes: not a routing record")
+                budget.take(len(line), f"{path}: line {n}")
+                if progress is not None and n % 4096 == 0:
+                    pos = raw.tell()
+                    progress(pos - done)
+                    done = pos
+                if line.strip():
+                    yield n, line
+            if progress is not None:
+                progress(raw.tell() - done)
+    except OSError as e:
+        raise TraceImportError(f"{path}: line {n + 1}: cannot read ({e.strerror or e})") from None
+
+
+def decode_line(path: Path, n: int, line: bytes, decoder: msgspec.json.Decoder[T]) -> T:
+    """One JSON line as its typed record; TraceImportError names the file, the line and what was wrong."""
+    try:
+        return decoder.decode(line)
+    except msgspec.ValidationError as e:
+        raise TraceImportError(f"{path}: line {n}: {e}") from None
+    except msgspec.DecodeError as e:
+        raise TraceImportError(f"{path}: line {n}: not a JSON record ({e})") from None
+
+
+def check_route(path: Path, where: str, shape: ModelShape, layer: int, experts: list[int],
+                weights: list[float] | None) -> None:
+    """A record's routing fits the model: a MoE layer, top_k distinct ids in range, as many weights as ids."""
+    why = None
+    if layer not in shape.moe_layers:
+        why = f"layer {layer} is not a MoE layer of the model (0..{shape.num_layers - 1})"
+    elif len(experts) != shape.top_k:
+        why = f"{len(experts)} experts, the model routes each token to top_k={shape.top_k}"
+    elif not all(0 <= e < shape.num_experts for e in experts):
+        why = f"expert ids {experts}: outside 0..{shape.num_experts - 1}"
+    elif len(set(experts)) != len(experts):
+        why = f"expert ids {experts}: an expert chosen twice"
+    elif weights is not None and len(weights) != len(experts):
+        why = f"{len(weights)} weights for {len(experts)} experts"
+    if why is not None:
+        raise TraceImportError(f"{path}: {where}: {why}")
+
+
+def fingerprint(paths: list[Path]) -> str:
+    """The header's fingerprint of an imported log: sha256 of the source files' bytes, in order."""
+    h = hashlib.sha256()
+    for p in paths:
+        with open_regular(p, None) as f:  # read before within their caps; streamed here
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return "import:" + h.hexdigest()
+
+
+def cut(imp: Imported, max_steps: int) -> Imported:
+    """The first `max_steps` steps of the log `imp` makes (its requests in order); the rest counted as skipped."""
+    left, requests, dropped = max_steps, [], 0
+    for r in imp.requests:
+        keep = r.steps[:max(left, 0)]
+        left -= len(keep)
+        dropped += sum(len(lr.experts) for s in r.steps[len(keep):] for lr in s) // imp.shape.top_k
+        requests.append(Request(r.name, keep))
+    skipped = dict(imp.skipped)
+    if dropped:
+        skipped[f"(token, layer) routes after step {max_steps} (max_steps)"] = dropped
+    return msgspec.structs.replace(imp, requests=requests, skipped=skipped)
+
+
+def write_log(out: Path, imp: Imported, *, fmt: str, source: Path) -> ImportSummary:
+    """Write `imp`'s requests one after another as a routing log at `out` (temp name, then renamed)."""
+    shape, requests = imp.shape, imp.requests
+    if not any(r.steps for r in requests):
+        raise TraceImportError(f"{source}: no routing records left to import ({_why(imp.skipped)})")
+    layers = tuple(sorted({lr.layer for r in requests for s in r.steps for lr in s}))
+    header = Header(schema_version=SCHEMA_VERSION, fingerprint=fingerprint(imp.sources), model=shape,
+                    clock_start_t=0.0, wall_start_unix_s=0.0, contents="routes", layers=layers)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = TraceWriter(out, header)
+    step = routes = token_routes = 0
+    try:
+        for i, req in enumerate(requests):
+            if not req.steps:
+                continue
+            w.write(RequestStart(t=0.0, seq=w.records, request=i, first_step=step + 1, name=req.name))
+            for s in req.steps:
+                step += 1
+                for lr in s:
+                    w.write(Route(t=0.0, seq=w.records, step=step, layer=lr.layer, top_k=shape.top_k,
+                                  experts=lr.experts, weights=lr.weights))
+                    routes += 1
+                    token_routes += len(lr.experts) // shape.top_k
+        w.close(0, 0.0)
+    except BaseException:
+        w.abandon()
+        w.partial.unlink(missing_ok=True)
+        raise
+    return ImportSummary(format=fmt, source=str(source), log=str(out), model=shape, layers=layers,
+                         requests=sum(1 for r in requests if r.steps), steps=step, routes=routes,
+                         token_routes=token_routes, skipped=dict(sorted(imp.skipped.items())))
+
+
+def _why(skipped: dict[str, int]) -> str:
+    return ", ".join(f"{n} skipped: {k}" for k, n in sorted(skipped.items())) or "the source is empty"
+
+
+def describe(s: ImportSummary) -> str:
+    """The summary line the CLI prints."""
+    lo, hi = (s.layers[0], s.layers[-1]) if s.layers else (0, 0)
+    layers = f"layer {lo}" if lo == hi else f"{len(s.layers)} layers {lo}..{hi}"
+    line = (f"imported {s.source} ({s.format}): {s.requests} request(s), {s.steps} steps, {s.token_routes} "
+            f"(token, layer) routes of {layers} -> {s.log}")
+    if s.skipped:
+        line += "; skipped " + ", ".join(f"{n} {k}" for k, n in s.skipped.items())
+    return line
