@@ -29,7 +29,7 @@ from qnpipe.config.validate import check_generate_args
 from qnpipe.errors import PipelineError
 from qnpipe.io.reader import ExpertReader
 from qnpipe.live import decoding
-from qnpipe.live.core import Core, build_core, open_core_pipeline
+from qnpipe.live.core import Core, build_core, open_core_pipeline, release_core, warm_up_core
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.prefix import PrefixCache
 from qnpipe.live.spec.engine import speculate
@@ -57,18 +57,6 @@ def _gen_kwargs(prompt: Prompt, max_tokens: int, temperature: float, top_p: floa
     check_generate_args(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
             "stop_at_eos": stop_at_eos}
-
-
-def _release(core: Core) -> None:
-    """Drop the core's model and pool memory on the MLX thread and return MLX's cached buffers."""
-    import mlx.core as mx
-
-    if core.streaming is not None:
-        core.streaming.close()
-        core.streaming = None
-    core.runner = None  # type: ignore[assignment]
-    core.backend = None  # type: ignore[assignment]
-    mx.clear_cache()
 
 
 class _Runtime:
@@ -239,39 +227,6 @@ class AsyncEngine:
                              add_generation_prompt=add_generation_prompt)
 
 
-def _warm_up(core: Core) -> float:
-    """Pay MLX's one-time start-up (kernels built and loaded, first allocations) on a throwaway forward.
-
-    A prompt-shaped and a decode-shaped step on a cache of their own; nothing of the engine's
-    state (caches, pool, heat, event log, stats) sees them. Experts that stream run from slot
-    0 of each layer's slot arrays, whatever it holds: only the time is kept. Returns seconds.
-    """
-    import mlx.core as mx
-
-    from qnpipe.model.experts import switch_glu
-
-    model = core.runner.loaded.model
-    t0 = time.perf_counter()
-    streaming = core.streaming
-    if streaming is not None:
-        slots = streaming.slots
-
-        def any_slot(layer: int, x: mx.array, experts: mx.array) -> mx.array:
-            return switch_glu(slots[layer].experts, x, mx.zeros_like(experts))
-
-        model.attach_experts(any_slot)
-    try:
-        cache = model.make_cache()
-        n = max(1, min(4, model.args.vocab_size))
-        mx.eval(model(mx.arange(n, dtype=mx.uint32)[None], cache))
-        mx.eval(model(mx.zeros((1, 1), dtype=mx.uint32), cache))
-    finally:
-        if streaming is not None:
-            model.attach_experts(core.runner.loaded.experts)
-        mx.clear_cache()
-    return time.perf_counter() - t0
-
-
 @asynccontextmanager
 async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = None, *,
                       reader: ExpertReader | None = None, warm_up: bool = False,
@@ -289,14 +244,14 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
     core = await run_on(thread, build_core, Path(cfg.model.model_dir), cfg, reader)
     load_s = time.perf_counter() - t0
     try:
-        warmup_s = await run_on(thread, _warm_up, core) if warm_up else 0.0
+        warmup_s = await run_on(thread, warm_up_core, core) if warm_up else 0.0
         t1 = time.perf_counter()
         async with open_core_pipeline(core, thread) as pipe:
             load_s += time.perf_counter() - t1
             yield AsyncEngine(_Runtime(core, thread, pipe, load_s=load_s, warmup_s=warmup_s))
     finally:
         with trio.CancelScope(shield=True):
-            await run_on(thread, _release, core)
+            await run_on(thread, release_core, core)
 
 
 class Engine:

@@ -1,9 +1,13 @@
-"""Import rules: no module takes another module's _private names, and the layering of style.md §7.1.
+"""Import rules: no module takes another module's _private names, each package imports only what its layer may,
+and qnpipe's modules import each other without cycles.
 
-Layering: qnpipe/policy/, qnpipe/messages.py, qnpipe/ids.py and the config modules import
-neither trio nor mlx nor qnpipe.io; qnpipe/model/ never imports trio. Both checks read the
-source (every import statement, including those inside functions), so they hold for modules
-that do not exist yet the moment they are added.
+The rules (RULES, per package; each package's __init__ docstring says the same): qnpipe/config/ imports
+nothing of qnpipe but qnpipe.errors and the leaves (LEAVES); qnpipe/policy/ and qnpipe/messages.py no
+trio, MLX, qnpipe.io or qnpipe.actors; qnpipe/trace/ and qnpipe/replay/ no MLX and no model or live code;
+qnpipe/model/ no trio; qnpipe/convert/ no trio, actors or live engine; qnpipe/io/ no actors or live
+engine; and only qnpipe/live/ imports both trio and MLX. The checks read the source (every import
+statement, including those inside functions), so they hold for modules that do not exist yet the
+moment they are added.
 """
 
 from __future__ import annotations
@@ -19,15 +23,24 @@ PACKAGE = ROOT / "qnpipe"
 # The C extension is a private module by name only (the Python fallback stands beside it).
 PRIVATE_OK = {"qnpipe._preadx"}
 
-PURE = ("qnpipe/policy/", "qnpipe/messages.py", "qnpipe/ids.py", "qnpipe/config/loader.py", "qnpipe/config/tree.py",
-        "qnpipe/config/aliases.py", "qnpipe/config/pending.py")
 # qnpipe.io.files (read a small file whole, capped and regular-only) is a leaf below every
 # layer: it imports nothing of qnpipe but errors, so the config modules may read TOML through it.
 LEAVES = {"qnpipe.io.files"}
+MLX = ("mlx", "mlx_lm")
 RULES: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(PURE, ("trio", "mlx", "qnpipe.io")),
+    "qnpipe/policy/": ("trio", *MLX, "qnpipe.io", "qnpipe.actors"),
+    "qnpipe/messages.py": ("trio", *MLX, "qnpipe.io", "qnpipe.actors"),
+    "qnpipe/trace/": (*MLX, "qnpipe.model", "qnpipe.live"),
+    "qnpipe/replay/": (*MLX, "qnpipe.model", "qnpipe.live"),
     "qnpipe/model/": ("trio",),
+    "qnpipe/convert/": ("trio", "qnpipe.actors", "qnpipe.live"),
+    "qnpipe/io/": ("qnpipe.actors", "qnpipe.live"),
 }
+# Packages that import nothing of qnpipe but themselves, these and the leaves.
+ONLY: dict[str, tuple[str, ...]] = {"qnpipe/config/": ("qnpipe.config", "qnpipe.errors")}
+# The one package where trio and MLX meet: everywhere else a module is on one side of the MLX thread.
+BOTH = ("trio", "mlx")
+BOTH_OK = "qnpipe/live/"
 
 
 def _imports(tree: ast.AST) -> list[tuple[int, str, list[str]]]:
@@ -56,16 +69,28 @@ def private_imports(rel: str, text: str) -> list[str]:
 
 
 def layering_violations(rel: str, text: str) -> list[str]:
-    """Each import of `rel` that its layer forbids (RULES)."""
-    banned = [b for prefix, bs in RULES.items() if rel.startswith(prefix) or rel == prefix for b in bs]
+    """Each import of `rel` (a path under the repository) that its package's rules forbid."""
+    banned = [b for prefix, bs in RULES.items() if rel.startswith(prefix) for b in bs]
+    only = [a for prefix, allowed in ONLY.items() if rel.startswith(prefix) for a in allowed]
+    imports = _imports(ast.parse(text))
     hits = []
-    for line, module, _ in _imports(ast.parse(text)):
+    for line, module, _ in imports:
         if module in LEAVES:
             continue
         for b in banned:
             if module == b or module.startswith(b + "."):
                 hits.append(f"{rel}:{line}: imports {module} (forbidden here: {b})")
+        if only and module.startswith("qnpipe") and not any(module == a or module.startswith(a + ".") for a in only):
+            hits.append(f"{rel}:{line}: imports {module} (only {', '.join(only)} and the leaves here)")
     return hits
+
+
+def trio_and_mlx(rel: str, text: str) -> list[str]:
+    """`rel`, when it imports both trio and MLX outside qnpipe/live/."""
+    tops = {m.split(".")[0] for _, m, _ in _imports(ast.parse(text))}
+    if set(BOTH) <= tops and not rel.startswith(BOTH_OK):
+        return [f"{rel}: imports both trio and mlx (only {BOTH_OK} may)"]
+    return []
 
 
 def _sources(*dirs: str) -> dict[str, str]:
@@ -74,7 +99,7 @@ def _sources(*dirs: str) -> dict[str, str]:
 
 
 def test_no_module_imports_another_modules_private_names() -> None:
-    hits = [h for rel, text in _sources("qnpipe", "tools").items() for h in private_imports(rel, text)]
+    hits = [h for rel, text in _sources("qnpipe", "tools", "tests").items() for h in private_imports(rel, text)]
     assert not hits, "give these a public name:\n" + "\n".join(hits)
 
 
@@ -83,6 +108,13 @@ def test_layering() -> None:
     hits = [h for rel, text in sources.items() for h in layering_violations(rel, text)]
     assert not hits, "\n".join(hits)
     assert any(rel.startswith("qnpipe/model/") for rel in sources)  # the rules saw the real tree
+
+
+def test_only_the_live_engine_imports_both_trio_and_mlx() -> None:
+    sources = _sources("qnpipe")
+    hits = [h for rel, text in sources.items() for h in trio_and_mlx(rel, text)]
+    assert not hits, "\n".join(hits)
+    assert any(rel.startswith(BOTH_OK) for rel in sources)
 
 
 def test_leaves_import_nothing_of_qnpipe_but_errors() -> None:
@@ -109,6 +141,33 @@ def test_the_checks_catch_violations() -> None:
     assert layering_violations("qnpipe/actors/pool.py", "import trio\nimport mlx.core\n") == []
 
 
+def test_the_package_rules_catch_violations() -> None:
+    config = "import msgspec\nfrom qnpipe.errors import ConfigError\nfrom qnpipe.io.files import read_capped\n" \
+             "from qnpipe.config.tree import Config\nfrom qnpipe.io.store import ExpertStore\n" \
+             "def f():\n    from qnpipe.policy.pool import PoolPolicy\n"
+    assert layering_violations("qnpipe/config/loader.py", config) == [
+        "qnpipe/config/loader.py:5: imports qnpipe.io.store (only qnpipe.config, qnpipe.errors and the leaves here)",
+        "qnpipe/config/loader.py:7: imports qnpipe.policy.pool (only qnpipe.config, qnpipe.errors and the leaves here)",
+    ]
+    assert layering_violations("qnpipe/policy/pool.py", "from qnpipe.actors.pool import pool\n") == [
+        "qnpipe/policy/pool.py:1: imports qnpipe.actors.pool (forbidden here: qnpipe.actors)"]
+    for pkg in ("trace", "replay"):
+        rel = f"qnpipe/{pkg}/x.py"
+        assert layering_violations(rel, "import trio\nimport mlx.core as mx\nfrom mlx_lm import load\n"
+                                        "from qnpipe.model.stepper import MlxBackend\n") == [
+            f"{rel}:2: imports mlx.core (forbidden here: mlx)", f"{rel}:3: imports mlx_lm (forbidden here: mlx_lm)",
+            f"{rel}:4: imports qnpipe.model.stepper (forbidden here: qnpipe.model)"]
+    assert layering_violations("qnpipe/convert/build.py", "import mlx.core\nimport trio\n") == [
+        "qnpipe/convert/build.py:2: imports trio (forbidden here: trio)"]
+    assert layering_violations("qnpipe/io/store.py", "from qnpipe.live.core import Core\n") == [
+        "qnpipe/io/store.py:1: imports qnpipe.live.core (forbidden here: qnpipe.live)"]
+    both = "import trio\n\ndef f():\n    import mlx.core as mx\n"
+    assert trio_and_mlx("qnpipe/embed.py", both) == ["qnpipe/embed.py: imports both trio and mlx (only qnpipe/live/ may)"]
+    assert trio_and_mlx("qnpipe/actors/pool.py", both) != []
+    assert trio_and_mlx("qnpipe/live/core.py", both) == []
+    assert trio_and_mlx("qnpipe/model/stepper.py", "import mlx.core\nimport numpy\n") == []
+
+
 # What replay, sweeps and the trace tools load: the actors and policies, never the model code
 # (mlx-lm pulls in transformers: ~1.4 s of start-up per process, paid by every sweep worker).
 MODEL_FREE = ("qnpipe.replay", "qnpipe.replay.sweep", "qnpipe.replay.cost_fit", "qnpipe.actors.pipeline", "qnpipe.cli.replay_cmd",
@@ -126,3 +185,92 @@ def test_replay_and_sweeps_load_no_model_code() -> None:
     live = subprocess.run([sys.executable, "-c", code.replace("for m in", "import qnpipe.live.core\nfor m in", 1)],
                           capture_output=True, text=True, timeout=120, check=True)
     assert "qnpipe.live.core" in json.loads(live.stdout.strip().splitlines()[-1])
+
+
+def _module_name(rel: str) -> str:
+    name = rel.removesuffix(".py").replace("/", ".")
+    return name.removesuffix(".__init__")
+
+
+def load_time_imports(text: str, modules: set[str]) -> set[str]:
+    """The qnpipe modules a module's source imports while it loads.
+
+    The statements of the module's body count, with its class bodies and `if`/`try` blocks,
+    `if TYPE_CHECKING:` included: such an import never runs, but it is still an arrow of the
+    design (policy/heat <-> policy/pool was one). Function bodies do not count: they run at
+    call time, once every module has loaded, so they cannot meet a half-initialised one, and
+    they are how a command loads its layer lazily (the layering rules above still read them).
+    `from a import b` is an edge
+    to `a.b` when that is a module, else to `a` (its __init__ has to have bound `b` already).
+    The implicit import of a module's parent package is not an edge: a package __init__ that
+    re-exports its submodules is the normal case, and Python binds a submodule under a
+    package still being initialised.
+    """
+    out: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    out.add(full if full in modules else node.module)
+            elif isinstance(node, ast.If):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
+                    visit(block)
+            elif isinstance(node, ast.ClassDef | ast.With):
+                visit(node.body)
+
+    visit(ast.parse(text).body)
+    return {m for m in out if m in modules}
+
+
+def import_cycles(sources: dict[str, str]) -> list[list[str]]:
+    """Each cycle of load-time imports among `sources` (path -> text), as a list of modules, first repeated last."""
+    names = {_module_name(rel): text for rel, text in sources.items()}
+    graph = {m: sorted(load_time_imports(text, set(names))) for m, text in names.items()}
+    cycles, done, path = [], set(), []
+
+    def walk(m: str) -> None:
+        if m in path:
+            cycles.append([*path[path.index(m):], m])
+            return
+        if m in done:
+            return
+        path.append(m)
+        for n in graph[m]:
+            walk(n)
+        path.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        walk(m)
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    sources = _sources("qnpipe")
+    assert import_cycles(sources) == []
+    assert len(sources) > 100  # the check saw the real tree
+
+
+def test_the_cycle_check_catches_a_cycle() -> None:
+    fake = {
+        "qnpipe/policy/pool.py": "from qnpipe.policy.heat import Heat\n",
+        "qnpipe/policy/heat.py": "import attrs\nfrom qnpipe.policy.pool import PoolPolicy\n",
+        "qnpipe/policy/__init__.py": "from qnpipe.policy.pool import PoolPolicy\n",
+    }
+    assert import_cycles(fake) == [["qnpipe.policy.pool", "qnpipe.policy.heat", "qnpipe.policy.pool"]]
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from qnpipe.policy.pool import PoolPolicy\n"
+    assert import_cycles({**fake, "qnpipe/policy/heat.py": typing_only}) != []
+    # Inside a function the import runs at call time, after every module has loaded.
+    late = "def f():\n    from qnpipe.policy.pool import PoolPolicy\n"
+    assert import_cycles({**fake, "qnpipe/policy/heat.py": late}) == []
+    # A submodule importing a name from its own package's __init__, which imports that submodule.
+    pkg = {"qnpipe/trace/__init__.py": "from qnpipe.trace.stats import trace_stats\n",
+           "qnpipe/trace/stats.py": "from qnpipe.trace import read\n"}
+    assert import_cycles(pkg) == [["qnpipe.trace", "qnpipe.trace.stats", "qnpipe.trace"]]

@@ -58,7 +58,7 @@ class StoreDevice:
         # A slot's scatter list never changes (its scratch parts are only ever written), so build it once.
         self._bufs: dict[tuple[int, int], tuple[WritableBuffer, ...]] = {}
         self._where: dict[int, tuple[str, int, Any]] = {}  # layer -> (path, record_nbytes, LayerFile)
-        self._submitter = _Submitter()
+        self._submitter = Submitter()
 
     def request(self, job: Job) -> ReadRequest:
         where = self._where.get(job.layer)
@@ -91,7 +91,7 @@ class StoreDevice:
         return self._reader.statistics()
 
 
-class _Submitter:
+class Submitter:
     """A few long-lived threads that run blocking batch reads for the trio loop.
 
     Cheaper per batch than `trio.to_thread.run_sync` (measured 36 vs 55 us idle, and the

@@ -233,4 +233,52 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
         store_device.close()
 
 
-__all__ = ["Core", "Streaming", "ThreadedBackend", "build_core", "compare_slots_with_disk", "open_core_pipeline"]
+__all__ = ["Core", "Streaming", "ThreadedBackend", "build_core", "compare_slots_with_disk", "open_core_pipeline",
+           "release_core", "warm_up_core"]
+
+
+# The embedded API's start-up and close, here because they are MLX calls on a Core: the API
+# (qnpipe.embed) stays a trio-only facade over the live engine.
+def release_core(core: Core) -> None:
+    """Drop the core's model and pool memory on the MLX thread and return MLX's cached buffers."""
+    import mlx.core as mx
+
+    if core.streaming is not None:
+        core.streaming.close()
+        core.streaming = None
+    core.runner = None  # type: ignore[assignment]
+    core.backend = None  # type: ignore[assignment]
+    mx.clear_cache()
+
+
+def warm_up_core(core: Core) -> float:
+    """Pay MLX's one-time start-up (kernels built and loaded, first allocations) on a throwaway forward.
+
+    A prompt-shaped and a decode-shaped step on a cache of their own; nothing of the engine's
+    state (caches, pool, heat, event log, stats) sees them. Experts that stream run from slot
+    0 of each layer's slot arrays, whatever it holds: only the time is kept. Returns seconds.
+    """
+    import mlx.core as mx
+
+    from qnpipe.model.experts import switch_glu
+
+    model = core.runner.loaded.model
+    t0 = time.perf_counter()
+    streaming = core.streaming
+    if streaming is not None:
+        slots = streaming.slots
+
+        def any_slot(layer: int, x: mx.array, experts: mx.array) -> mx.array:
+            return switch_glu(slots[layer].experts, x, mx.zeros_like(experts))
+
+        model.attach_experts(any_slot)
+    try:
+        cache = model.make_cache()
+        n = max(1, min(4, model.args.vocab_size))
+        mx.eval(model(mx.arange(n, dtype=mx.uint32)[None], cache))
+        mx.eval(model(mx.zeros((1, 1), dtype=mx.uint32), cache))
+    finally:
+        if streaming is not None:
+            model.attach_experts(core.runner.loaded.experts)
+        mx.clear_cache()
+    return time.perf_counter() - t0

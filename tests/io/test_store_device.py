@@ -6,13 +6,13 @@ import threading
 
 import trio
 
-from qnpipe.io.device import _Submitter
+from qnpipe.io.device import Submitter
 
 
 def test_a_batch_does_not_wait_for_one_already_on_the_device() -> None:
     # The read scheduler puts a demand batch on the device while a prefetch batch is still
     # being read; the demand's reads must start now, not when the prefetches are done.
-    sub = _Submitter()
+    sub = Submitter()
     second_ran = threading.Event()
 
     def first() -> bool:
@@ -34,7 +34,7 @@ def test_a_batch_does_not_wait_for_one_already_on_the_device() -> None:
 
 
 def test_close_joins_every_thread_and_an_error_reaches_the_caller() -> None:
-    sub = _Submitter()
+    sub = Submitter()
 
     def boom() -> None:
         raise OSError(5, "EIO")
@@ -48,7 +48,7 @@ def test_close_joins_every_thread_and_an_error_reaches_the_caller() -> None:
 
     before = threading.active_count()
     assert trio.run(main) == "[Errno 5] EIO"
-    assert threading.active_count() == before + _Submitter.THREADS
+    assert threading.active_count() == before + Submitter.THREADS
     sub.close()
     assert threading.active_count() == before
     assert not any(t.name == "qnpipe-read-submit" and t.is_alive() for t in threading.enumerate())
