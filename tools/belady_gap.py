@@ -5,7 +5,7 @@ pool (`qnpipe.replay`, a routing log: `record_nbytes` given) with `pool.evict_po
 lfu, fifo and lrfu at one capacity per trace, checks every layer's hit rate against Belady's
 and prints a table on stderr and one JSON line on stdout: `traces`, a list of
 `{trace, slots, steps, belady_hit_rate, hit_rate: {policy: rate}, gap: {policy: belady - rate}}`
-(rates over all the trace's expert requests). tests/importers/test_belady_on_real_traces.py checks
+(rates over all the trace's expert requests). tests/trace/importers/test_belady_on_real_traces.py checks
 the same bound on the first steps of each trace; this runs the whole logs (about 3 minutes).
 
 Usage: python tools/belady_gap.py [--slots-mixtral 4] [--slots 16]

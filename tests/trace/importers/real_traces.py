@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent.parent / "data" / "traces"
+DATA = Path(__file__).resolve().parent.parent.parent / "data" / "traces"
 MARIO = DATA / "Mario928__speculative-moe"
 WEIRAN = DATA / "weiran0129__vLLM-MoE-Logger"
 TOTANI = DATA / "TotaniYash__vllm_moe_routelogging_patch" / "moe_routes.jsonl.gz"

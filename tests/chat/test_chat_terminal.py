@@ -1,7 +1,7 @@
 """Issue 13: `qnpipe chat` in a real terminal (pexpect): streamed answers, Ctrl-C mid-answer and chatting on,
 the turn resumed from the previous one's snapshot, /stats, /system, /save, /reset, /load, /quit.
 
-The model is the random tiny one of tests/test_ctrl_c.py (seed 3): "hi" gets an answer of
+The model is the random tiny one of tests/cli/test_ctrl_c.py (seed 3): "hi" gets an answer of
 thousands of tokens (so it is still streaming when Ctrl-C comes), a lone "yes" one that ends
 by EOS after 45 tokens.
 """
@@ -21,7 +21,7 @@ pexpect = pytest.importorskip("pexpect")
 
 pytestmark = pytest.mark.slow
 PROMPT = "you> "
-STOP_S = 1.5  # Ctrl-C -> back at the prompt (tests/test_ctrl_c.py)
+STOP_S = 1.5  # Ctrl-C -> back at the prompt (tests/cli/test_ctrl_c.py)
 BAD = ("Traceback", "terminate called", "Abort", "Segmentation", "core dumped")
 
 

@@ -16,7 +16,7 @@ from qnpipe.model.experts import ResidentExperts
 from qnpipe.model.load import load_model
 from qnpipe.model.mtp import load_mtp
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
+TOOLS = Path(__file__).resolve().parents[3] / "tools"
 
 
 def _numpy_mtp(lm: Any, model_dir: Path) -> Any:

@@ -33,7 +33,7 @@ from qnpipe.config import (
 from qnpipe.config.aliases import LEGACY_NAMES, Kind, LegacyName
 from qnpipe.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPECS = {s.path: s for s in config.field_specs()}
 # Cross-field rules: these switches only make sense with a companion switch on.
 COMPANIONS = {"TREE_TOP2_P1": {"TREE_TOP2": "1"}, "MTP_ADAPTIVE_RESCUE": {"MTP_ADAPTIVE_DEPTH": "1"}}

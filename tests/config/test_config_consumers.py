@@ -14,7 +14,7 @@ from pathlib import Path
 
 from qnpipe import config
 
-PACKAGE = Path(__file__).resolve().parents[1] / "qnpipe"
+PACKAGE = Path(__file__).resolve().parents[2] / "qnpipe"
 CONFIG_MODULES = {"config/loader.py", "config/tree.py", "config/aliases.py", "config/pending.py"}
 
 
