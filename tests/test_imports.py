@@ -170,9 +170,9 @@ def test_the_package_rules_catch_violations() -> None:
 
 # What replay, sweeps and the trace tools load: the actors and policies, never the model code
 # (mlx-lm pulls in transformers: ~1.4 s of start-up per process, paid by every sweep worker).
-MODEL_FREE = ("qnpipe.replay", "qnpipe.replay.sweep", "qnpipe.replay.cost_fit", "qnpipe.actors.pipeline", "qnpipe.cli.replay_cmd",
-              "qnpipe.cli.sweep_cmd", "qnpipe.cli.trace_cmd")
-HEAVY = ("mlx_lm", "transformers", "qnpipe.live.core", "qnpipe.model.stepper", "qnpipe.model.qwen3_next")
+MODEL_FREE = ("qnpipe.replay", "qnpipe.replay.sweep", "qnpipe.replay.cost_fit", "qnpipe.actors.pipeline",
+              "qnpipe.trace", "qnpipe.cli.replay_cmd", "qnpipe.cli.sweep_cmd", "qnpipe.cli.trace_cmd")
+HEAVY = ("mlx", "mlx_lm", "transformers", "qnpipe.live.core", "qnpipe.model.stepper", "qnpipe.model.qwen3_next")
 
 
 def test_replay_and_sweeps_load_no_model_code() -> None:

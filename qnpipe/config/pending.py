@@ -1,8 +1,8 @@
 """Config fields whose feature does not exist yet, each with the feature's name (data only).
 
 ``qnpipe.config.loader`` warns once per process (``NotImplementedConfigWarning``) when one of these
-is set away from its default, so ``Engine(d, mtp=True)`` says that MTP is not there yet
-instead of ignoring it. Whoever wires a field removes its entry here; tests/config/test_config_consumers.py
+is set away from its default, so a setting whose feature is missing says so instead of being
+silently ignored. Whoever wires a field removes its entry here; tests/config/test_config_consumers.py
 fails while a field has neither a consumer in the code nor an entry, or has both.
 """
 
