@@ -100,7 +100,7 @@ def test_chat_session_in_a_terminal(model: Path, tmp_path: Path) -> None:
     assert "[last answer: " in log.getvalue()
     _cmd(child, f"/load {saved}", f"[loaded 4 messages from {saved}]")
     _cmd(child, "/stats", "[4 messages")
-    _cmd(child, "/load /nonexistent/conv.json", "qnpipe chat: error: /nonexistent/conv.json: cannot read")
+    _cmd(child, "/load /nonexistent/conv.json", "qnpipe chat: error: /nonexistent/conv.json: not found")
     _cmd(child, "/bogus", "qnpipe chat: unknown command /bogus")
     child.sendline("/quit")
     child.expect(pexpect.EOF, timeout=10)

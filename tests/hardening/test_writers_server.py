@@ -66,6 +66,7 @@ def _gen(model: Path, trace: object, n: int = 3) -> list[object]:
 def test_trace_into_a_bad_place_fails_before_the_model_loads(tiny_qn4: Path, tmp_path: Path) -> None:
     d = tmp_path / "w"
     (d / "adir").mkdir(parents=True)
+    (d / "null").symlink_to("/dev/null")
     ro = tmp_path / "ro"
     with _tmpfs(ro, "64k", ro=True) as mounted:
         if mounted is None:  # not root: a directory without write permission does the same
@@ -76,7 +77,9 @@ def test_trace_into_a_bad_place_fails_before_the_model_loads(tiny_qn4: Path, tmp
             Case("--trace in /proc", _gen(tiny_qn4, "/proc/run.qtrace"), 2, ("/proc/run.qtrace: cannot write",)),
             Case("--trace in a missing directory", _gen(tiny_qn4, d / "nope" / "run.qtrace"), 2,
                  (f"{d / 'nope' / 'run.qtrace'}: cannot write", "does not exist")),
-            Case("--trace /dev/null", _gen(tiny_qn4, "/dev/null"), 2, ("/dev/null: not a regular file",)),
+            # A link to /dev/null, not /dev/null itself: the code this guards against renamed its
+            # log over the target, and must not be able to replace the machine's /dev/null.
+            Case("--trace a device", _gen(tiny_qn4, d / "null"), 2, (f"{d / 'null'}: not a regular file",)),
             Case("--trace a read-only directory", _gen(tiny_qn4, ro / "run.qtrace"), 2,
                  (f"{ro / 'run.qtrace'}: cannot write",), (ro,)),
             Case("serve, the event log a directory", ["serve", tiny_qn4, "--port", "0", "--set",
