@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from qnpipe.actors.pipeline import open_pipeline
 from qnpipe.config import Config, EvictPolicy, with_overrides
+from qnpipe.errors import CapacityError
 from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.pool import MissKind, PoolPolicy, PrefetchBudgets
 from qnpipe.policy.read_queue import Job
@@ -72,7 +73,8 @@ class Device:
         return None
 
 
-def _run(latency_s: float, steps: int = 12) -> dict[int, dict[MissKind, int]]:
+def _run(latency_s: float, steps: int = 12, used: dict[int, int] | None = None) -> dict[int, dict[MissKind, int]]:
+    """Each layer's miss causes; `used` gets each layer's experts acquired (so an empty cause set means something)."""
     cfg = with_overrides(Config(), {"predict.cross_layer_prefetch": True, "predict.ahead_layers": 1,
                                     "predict.width_experts": K, "pool.side_region_slots": 4,
                                     "pool.evict_policy": "lru"})
@@ -83,15 +85,19 @@ def _run(latency_s: float, steps: int = 12) -> dict[int, dict[MissKind, int]]:
             for _ in range(steps):
                 await p.forward.run(None, None, lambda h: None)
             assert p.policy is not None
+            if used is not None:
+                used.update({layer: c.used for layer, c in p.policy.counters.items()})
             return {layer: dict(c.causes) for layer, c in p.policy.counters.items()}
 
     return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_oracle_predictor_and_instant_device_leave_only_cold_misses() -> None:
-    causes = _run(latency_s=0.0)
+    used: dict[int, int] = {}
+    causes = _run(latency_s=0.0, used=used)
     assert causes[0] == {MissKind.COLD: 2}  # layer 0's two experts, once
     for layer in range(1, LAYERS):
+        assert used[layer] > 0, layer  # the layer ran: no cause at all is a result, not an absence
         assert set(causes[layer]) <= {MissKind.COLD}, (layer, causes[layer])
 
 
@@ -121,7 +127,7 @@ def test_every_miss_has_exactly_one_cause(ops: list[tuple[str, list[int]]], pers
             key = (step, 0, 0)
             try:
                 loads, grant = policy.acquire(key, experts, 0.0)
-            except Exception:  # noqa: BLE001 - a full pool refuses; the books must still balance
+            except CapacityError:  # a full pool refuses; the books must still balance
                 continue
             reads.update({ld.expert: ld.slot for ld in loads})
             for _, e, _s in policy.pop_promotions():
