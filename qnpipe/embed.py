@@ -126,13 +126,8 @@ class _Runtime:
         rs = self.pipe.read_stats
         ps = self.pipe.predictor_stats
         assert rs is not None
-        counters = pol.counters
-        hits = sum(c.hits for c in counters.values())
-        misses = sum(c.misses for c in counters.values())
-        by_cause: dict[str, int] = {}
-        for c in counters.values():
-            for kind, n in c.causes.items():
-                by_cause[str(kind)] = by_cause.get(str(kind), 0) + n
+        pst = pol.statistics()
+        counters, hits, misses, by_cause = pst.layers, pst.hits, pst.misses, pst.causes
         st = self.core.streaming
         layers = tuple(LayerPoolStats(layer=layer, capacity=t.capacity, occupancy=t.occupancy,
                                       hits=counters[layer].hits, misses=counters[layer].misses,
@@ -147,17 +142,16 @@ class _Runtime:
                          split_layer_steps=fs.split_layer_steps, early_grants=fs.early_grants,
                          slot_bytes=sum(s.nbytes for s in st.slots.values()) if st is not None else 0,
                          layers=layers, pinned=sum(len(t.pinned) for t in pol.tables.values()),
-                         side_hits=sum(c.side_hits for c in counters.values()),
-                         prefetch_issued=pol.prefetches_issued, prefetch_done=pol.prefetches_done,
-                         prefetch_used=pol.prefetches_used, prefetch_expired=pol.prefetches_expired,
-                         useful_prefetch_ratio=pol.prefetches_used / pol.prefetches_issued
-                         if pol.prefetches_issued else 0.0,
-                         prefetch_recall=(sum(c.predicted_used for c in counters.values())
-                                          / max(1, sum(c.used for c in counters.values()))),
-                         wasted_bytes=pol.wasted_bytes,
+                         side_hits=pst.side_hits,
+                         prefetch_issued=pst.prefetches_issued, prefetch_done=pst.prefetches_done,
+                         prefetch_used=pst.prefetches_used, prefetch_expired=pst.prefetches_expired,
+                         useful_prefetch_ratio=pst.prefetches_used / pst.prefetches_issued
+                         if pst.prefetches_issued else 0.0,
+                         prefetch_recall=pst.recall,
+                         wasted_bytes=pst.wasted_bytes,
                          hints=ps.hints if ps is not None else 0,
                          hints_dropped_full=ps.hints_dropped_full if ps is not None else 0,
-                         hints_dropped_budget=pol.hints_dropped_budget, candidates_dropped=fs.candidates_dropped,
+                         hints_dropped_budget=pst.hints_dropped_budget, candidates_dropped=fs.candidates_dropped,
                          stall_s_by_layer=dict(fs.stall_by_layer),
                          union_prof=tuple(UnionProf(tokens=n, layer=ly, layer_steps=c, mean_union=s / c, max_union=mx)
                                           for (n, ly), (c, s, mx) in sorted(fs.union_sizes.items())))

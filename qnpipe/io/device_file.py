@@ -12,9 +12,8 @@ from pathlib import Path
 import msgspec
 
 from qnpipe.errors import ConfigError, DeviceProfileError
-from qnpipe.io.atomic import atomic_write
-from qnpipe.io.files import CONFIG_CAP, read_capped
 from qnpipe.io.simssd import PROFILES, DeviceProfile
+from qnpipe.io.versioned import load_versioned, save_versioned
 
 PROFILE_KIND = "qnpipe.device-profile"
 PROFILE_VERSION = 1
@@ -48,25 +47,15 @@ class MeasuredProfile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 def save_profile(path: str | os.PathLike[str], measured: MeasuredProfile) -> None:
     """Replace `path` with `measured` as JSON atomically (temp file in the same directory, fsync, rename)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(p, msgspec.json.format(msgspec.json.encode(measured), indent=2) + b"\n")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_versioned(path, measured)
 
 
 def load_profile(path: str | os.PathLike[str]) -> MeasuredProfile:
     """The profile file at `path`; DeviceProfileError naming the file when absent, corrupt or invalid."""
     p = Path(path)
-    if not p.exists():
-        raise DeviceProfileError(f"{p}: no measured device profile here: run `qnpipe bench io` first "
-                                 "(or set read.device_profile_path)")
-    data = read_capped(p, CONFIG_CAP, error=DeviceProfileError)
-    try:
-        measured = msgspec.json.decode(data, type=MeasuredProfile)
-    except msgspec.DecodeError as e:
-        raise DeviceProfileError(f"{p}: not a device profile ({e}); run `qnpipe bench io` again") from None
-    if measured.kind != PROFILE_KIND or measured.version > PROFILE_VERSION:
-        raise DeviceProfileError(f"{p}: kind {measured.kind!r} version {measured.version}: expected "
-                                 f"{PROFILE_KIND!r} version <= {PROFILE_VERSION}")
+    measured = load_versioned(p, MeasuredProfile, kind=PROFILE_KIND, version=PROFILE_VERSION, error=DeviceProfileError,
+                              what="device profile", remedy="run `qnpipe bench io` first (or set read.device_profile_path)")
     if len(measured.samples) > MAX_SAMPLES:
         raise DeviceProfileError(f"{p}: {len(measured.samples)} samples: a profile holds at most {MAX_SAMPLES} "
                                  "(`qnpipe bench io` writes one per record size and queue depth)")

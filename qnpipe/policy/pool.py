@@ -88,6 +88,39 @@ class LayerCounters:
     prefetch_used: int = 0  # prefetches a step used (once each; late ones included)
 
 
+@attrs.frozen
+class PoolStatistics:
+    """A frozen snapshot of the pool policy's figures (`PoolPolicy.statistics()`), summed over layers.
+
+    The one place the per-layer counters are added up: the engine's stats and the replay
+    report are both made from it. `layers` holds copies, detached from the live counters.
+    """
+
+    layers: dict[int, LayerCounters]
+    hits: int
+    misses: int
+    side_hits: int
+    used: int
+    predicted_used: int
+    prefetch_reads: int
+    prefetch_used: int
+    causes: dict[str, int]  # str(MissKind) -> misses of that cause
+    prefetches_issued: int
+    prefetches_done: int
+    prefetches_used: int
+    prefetches_expired: int
+    hints_dropped_budget: int
+    wasted_bytes: int
+
+    @property
+    def requests(self) -> int:
+        return self.hits + self.misses
+
+    @property
+    def recall(self) -> float:
+        return self.predicted_used / self.used if self.used else 0.0
+
+
 @attrs.define
 class PoolPolicy:
     """Slot tables of every MoE layer and the grants in progress."""
@@ -128,6 +161,22 @@ class PoolPolicy:
     def __attrs_post_init__(self) -> None:
         self.counters = {layer: LayerCounters() for layer in self.tables}
         self.moe_order = self.moe_order or {layer: i for i, layer in enumerate(sorted(self.tables))}
+
+    def statistics(self) -> PoolStatistics:
+        layers = {layer: attrs.evolve(c, causes=dict(c.causes)) for layer, c in self.counters.items()}
+        cs = layers.values()
+        causes: dict[str, int] = {}
+        for c in cs:
+            for kind, n in c.causes.items():
+                causes[str(kind)] = causes.get(str(kind), 0) + n
+        return PoolStatistics(
+            layers=layers, hits=sum(c.hits for c in cs), misses=sum(c.misses for c in cs),
+            side_hits=sum(c.side_hits for c in cs), used=sum(c.used for c in cs),
+            predicted_used=sum(c.predicted_used for c in cs), prefetch_reads=sum(c.prefetch_reads for c in cs),
+            prefetch_used=sum(c.prefetch_used for c in cs), causes=causes, prefetches_issued=self.prefetches_issued,
+            prefetches_done=self.prefetches_done, prefetches_used=self.prefetches_used,
+            prefetches_expired=self.prefetches_expired, hints_dropped_budget=self.hints_dropped_budget,
+            wasted_bytes=self.wasted_bytes)
 
     def _table_of(self, layer: int, slot: int) -> tuple[SlotTable, int]:
         main = self.tables[layer]

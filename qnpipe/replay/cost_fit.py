@@ -44,9 +44,8 @@ import msgspec
 import numpy as np
 
 from qnpipe.errors import ConfigError, TraceSchemaError
-from qnpipe.io.atomic import atomic_write
-from qnpipe.io.files import CONFIG_CAP, read_capped
 from qnpipe.io.simssd import DeviceProfile
+from qnpipe.io.versioned import load_versioned, save_versioned
 from qnpipe.messages import Acquire, Granted, ReadDone
 from qnpipe.policy.parts import plan_parts
 from qnpipe.replay.runner import CostModel
@@ -189,28 +188,17 @@ def _parts_of(route: Route, k: int, caps: dict[int, int], out: dict[tuple[int, i
 
 def save_cost(path: str | os.PathLike[str], fit: CostFit) -> None:
     """Replace `path` with `fit` as JSON atomically (temp file in the same directory, fsync, rename)."""
-    p = Path(path)
-    atomic_write(p, msgspec.json.format(msgspec.json.encode(fit), indent=2) + b"\n")
+    save_versioned(path, fit)
 
 
 def load_cost(path: str | os.PathLike[str]) -> CostFit:
     """The cost file at `path`; ConfigError naming the file when absent, corrupt or not a cost file."""
-    p = Path(path)
-    try:
-        data = read_capped(p, CONFIG_CAP, error=ConfigError)
-    except ConfigError as e:
-        raise ConfigError(f"{e}: a cost file is written by `qnpipe trace fit-cost LOG -o FILE`") from None
-    try:
-        fit = msgspec.json.decode(data, type=CostFit)
-    except msgspec.DecodeError as e:
-        raise ConfigError(f"{p}: not a cost file ({e})") from None
-    if fit.kind != COST_KIND or fit.version > COST_VERSION:
-        raise ConfigError(f"{p}: kind {fit.kind!r} version {fit.version}: expected {COST_KIND!r} "
-                          f"version <= {COST_VERSION}")
+    fit = load_versioned(path, CostFit, kind=COST_KIND, version=COST_VERSION, error=ConfigError, what="cost file",
+                         remedy="a cost file is written by `qnpipe trace fit-cost LOG -o FILE`")
     try:
         fit.cost.check()
     except ConfigError as e:
-        raise ConfigError(f"{p}: {e}") from None
+        raise ConfigError(f"{Path(path)}: {e}") from None
     return fit
 
 

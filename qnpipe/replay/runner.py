@@ -433,16 +433,10 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
             elapsed = trio.current_time() - t0
             busy = dev.busy_s()
             assert p.policy is not None
-            counters = dict(p.policy.counters)
+            pstats = p.policy.statistics()
             stats = p.forward.stats
-            policy = p.policy
+        counters, hits, misses, causes = pstats.layers, pstats.hits, pstats.misses, pstats.causes
         steps = len(log.steps)
-        hits = sum(c.hits for c in counters.values())
-        misses = sum(c.misses for c in counters.values())
-        causes: dict[str, int] = {}
-        for c in counters.values():
-            for k, v in c.causes.items():
-                causes[str(k)] = causes.get(str(k), 0) + v
         layers = []
         for layer in sorted(caps):
             c = counters[layer]
@@ -450,17 +444,16 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
             layers.append(LayerReport(layer=layer, requests=c.hits + c.misses, hits=c.hits,
                                       hit_rate=_ratio(c.hits, c.hits + c.misses), belady_hit_rate=_ratio(bh, req),
                                       side_hits=c.side_hits, prefetch_recall=_ratio(c.predicted_used, c.used)))
-        side = sum(c.side_hits for c in counters.values())
+        side = pstats.side_hits
         prefetch = None
         if predictor != "none":
-            reads = sum(c.prefetch_reads for c in counters.values())
-            useful = sum(c.prefetch_used for c in counters.values())
+            reads, useful = pstats.prefetch_reads, pstats.prefetch_used
             prefetch = PrefetchReport(
-                issued=policy.prefetches_issued, reads=reads, useful=useful, wasted=reads - useful,
+                issued=pstats.prefetches_issued, reads=reads, useful=useful, wasted=reads - useful,
                 useful_bytes=sum(c.prefetch_used * nbytes[ly] for ly, c in counters.items()),
                 wasted_bytes=sum((c.prefetch_reads - c.prefetch_used) * nbytes[ly] for ly, c in counters.items()),
-                expired=policy.prefetches_expired, dropped=policy.hints_dropped_budget,
-                recall=_ratio(sum(c.predicted_used for c in counters.values()), sum(c.used for c in counters.values())),
+                expired=pstats.prefetches_expired, dropped=pstats.hints_dropped_budget,
+                recall=_ratio(pstats.predicted_used, pstats.used),
                 precision=_ratio(useful, reads))
         return ReplayReport(
             log=str(log_path), predictor=predictor, device=profile, cost=cost, capacities=caps, steps=steps, tokens=backend.tokens,

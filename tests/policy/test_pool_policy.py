@@ -182,3 +182,20 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_statistics_sum_the_layers_and_stay_frozen() -> None:
+    policy = PoolPolicy.build({0: 2, 1: 2}, {ly: make_eviction(EvictPolicy.LRU) for ly in (0, 1)}, {0: 8, 1: 8})
+    for step, (layer, experts) in enumerate([(0, [1, 2]), (1, [3]), (0, [1, 4])]):
+        key = (step, layer, 0)
+        loads, grant = policy.acquire(key, experts, float(step))
+        for ld in loads:
+            policy.read_done(layer, ld.expert, ld.slot)
+        policy.release(key)
+    snap = policy.statistics()
+    assert (snap.hits, snap.misses, snap.requests) == (1, 4, 5)  # expert 1 hits the second time
+    assert snap.misses == sum(snap.causes.values()) and snap.layers[0].misses == 3 and snap.layers[1].misses == 1
+    policy.counters[0].misses += 10  # the snapshot is detached from the live counters
+    assert snap.layers[0].misses == 3
+    with pytest.raises(AttributeError):
+        snap.hits = 0  # type: ignore[misc]
