@@ -24,6 +24,7 @@ import trio
 from qnpipe.actors.stamp import Stamper, send_soon
 from qnpipe.errors import PipelineError
 from qnpipe.messages import Acquire, Candidates, ForwardDone, ForwardInbox, Granted, Msg, PoolInbox, Present, Release
+from qnpipe.policy.pace import Pace
 from qnpipe.policy.parts import plan_parts
 from qnpipe.steps import Event, LayerRoute, PartGrant, Queued, StepDone, Tail
 from qnpipe.trace import UnionSize, route_record
@@ -72,8 +73,7 @@ class Forward:
     check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None = None
     to_predictor: trio.MemorySendChannel[Candidates] | None = None
     moe_order: dict[int, int] = attrs.field(factory=dict)  # MoE layer -> its index (deadline estimates)
-    layer_step_s: float = 0.0  # running estimate of one MoE layer's time, for deadlines
-    _last_route_t: float | None = None
+    pace: Pace = attrs.field(init=False)
     failure: list[BaseException] = attrs.field(factory=list)  # set by the engine when an actor died
     stats: ForwardStats = attrs.field(factory=ForwardStats)
     _step: int = 0
@@ -83,11 +83,14 @@ class Forward:
     _open: tuple[int, int, int] | None = None  # acquired, not yet released
     _st: Stamper = attrs.field(factory=Stamper)
 
+    def __attrs_post_init__(self) -> None:
+        self.pace = Pace(self.moe_order)
+
     async def run(self, inputs: Any, cache: Any, tail: Tail) -> Any:
         """Run one step; returns its tail's value. Raises the actor's error if the pipeline died."""
         self._raise_failure()
         self._step += 1
-        self._last_route_t = None
+        self.pace.new_step()
         self.busy = True
         try:
             ev = await self.backend.begin(inputs, cache, tail)
@@ -118,15 +121,11 @@ class Forward:
 
     def _hint(self, route: LayerRoute) -> None:
         now = trio.current_time()
-        if self._last_route_t is not None:
-            dt = now - self._last_route_t
-            self.layer_step_s = dt if not self.layer_step_s else 0.8 * self.layer_step_s + 0.2 * dt
-        self._last_route_t = now
+        self.pace.observe(now)
         if self.to_predictor is None:
             return
-        here = self.moe_order.get(route.layer, 0)
         for target, ids, probs in route.predictions:
-            deadline = now + (self.moe_order.get(target, here + 1) - here) * self.layer_step_s
+            deadline = self.pace.deadline(now, route.layer, target)
             c = Candidates(**self._st.stamp(), step=self._step, layer=route.layer, target=target,
                            width=ids.shape[-1], token_experts=tuple(ids.reshape(-1).tolist()),
                            token_scores=tuple(probs.reshape(-1).tolist()), deadline=deadline)

@@ -33,6 +33,7 @@ from qnpipe.actors.pool import pool
 from qnpipe.actors.predictor import PredictorStats, predictor
 from qnpipe.actors.read_scheduler import ReadSchedulerStats, read_scheduler
 from qnpipe.actors.recorder import Emit, Emitter, open_recording
+from qnpipe.actors.turns import Turnstile
 from qnpipe.config import Config, EvictPolicy
 from qnpipe.errors import CapacityError, ConfigError, StallError
 from qnpipe.io.device import ExpertDevice
@@ -156,7 +157,7 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
                         device: ExpertDevice | None, record_nbytes: dict[int, int] | None = None,
                         check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None = None,
                         autopin: Autopin | None = None, shape: ModelShape | None = None,
-                        wall_start_unix_s: float = 0.0) -> AsyncIterator[Pipeline]:
+                        wall_start_unix_s: float = 0.0, turns: Turnstile | None = None) -> AsyncIterator[Pipeline]:
     """Start the actors (none when `capacities` is None: all resident) and yield the pipeline.
 
     With `trace.event_log_path` (or `trace.route_trace`) set, a recorder per log gets every
@@ -166,6 +167,9 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
     pinned (their reads issued before the first step), and the heat is saved every
     `pool.autopin_save_every_forwards` forwards and when the block is left. The forward's
     capacity of a layer is its capacity minus its pins: a step can always get that many.
+
+    `turns`: replay's turnstile (qnpipe.actors.turns), which runs the actors' turns in the one
+    order qnpipe.policy.turn_order defines; None live.
 
     An actor that fails stops the others; the forward then raises its error (e.g.
     `ReadError`) to whoever is generating. Leaving the block stops every actor.
@@ -177,7 +181,7 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
                               wall_start_unix_s=wall_start_unix_s) as emit:
         async with _open_actors(cfg, backend, num_experts=num_experts, capacities=capacities, device=device,
                                 record_nbytes=record_nbytes, check_bytes=check_bytes, autopin=autopin,
-                                emit=emit) as p:
+                                emit=emit, turns=turns) as p:
             p.recording = emit
             yield p
 
@@ -186,7 +190,8 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
 async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacities: dict[int, int] | None,
                        device: ExpertDevice | None, record_nbytes: dict[int, int] | None,
                        check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None,
-                       autopin: Autopin | None, emit: Emit | None) -> AsyncIterator[Pipeline]:
+                       autopin: Autopin | None, emit: Emit | None,
+                       turns: Turnstile | None) -> AsyncIterator[Pipeline]:
     if capacities is None:
         yield Pipeline(Forward(backend, None, None, {}, num_experts))
         return
@@ -241,13 +246,16 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
             if autopin is not None:
                 await nursery.start(autopin.run_saver)
                 after_forward = autopin.after_forward
+            if turns is not None:
+                await nursery.start(turns.run)
             await nursery.start(supervised, partial(pool, pool_rx, read_tx, grant_tx, policy=policy,
-                                                    preload=preloads, after_forward=after_forward, emit=emit))
+                                                    preload=preloads, after_forward=after_forward, emit=emit,
+                                                    turns=turns))
             if predicting:
                 await nursery.start(supervised, partial(predictor, cand_rx, pool_tx.clone(), predict_cfg=cfg.predict,
-                                                        top=hint_top(cfg.predict), stats=pstats))
+                                                        top=hint_top(cfg.predict), stats=pstats, turns=turns))
             await nursery.start(supervised, partial(read_scheduler, read_rx, pool_tx.clone(), device=device,
-                                                    queue=queue, stats=rstats, emit=emit))
+                                                    queue=queue, stats=rstats, emit=emit, turns=turns))
             try:
                 yield Pipeline(fwd, policy, rstats, device, pstats, autopin)
             finally:

@@ -1,38 +1,26 @@
 """The read scheduler: the one queue over the device.
 
-Owns a `ReadQueue` (qnpipe.policy.read_queue): requests are merged when duplicate,
-ordered by class, and put on the device as the in-flight budget allows, a batch at a
-time; each finished batch goes back to the pool as one `ReadsDone` (the event log gets a
-`ReadDone` per read). A failed read (`ReadError`) ends the actor with that error.
+The trio shell of `ReadCore` (qnpipe.policy.read_core), which owns the `ReadQueue`:
+requests are merged when duplicate, ordered by class, and put on the device as the
+in-flight budget allows, a batch at a time; each finished batch goes back to the pool as
+one `ReadsDone` (the event log gets a `ReadDone` per read). A failed read (`ReadError`)
+ends the actor with that error.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 
-import attrs
 import trio
 
-from qnpipe.actors.stamp import Stamper, drain, send_soon
+from qnpipe.actors.stamp import drain, send_soon
+from qnpipe.actors.turns import Turnstile
 from qnpipe.io.device import ExpertDevice, submit
-from qnpipe.messages import Msg, PoolInbox, Promote, ReadDone, ReadExpired, ReadInbox, ReadsDone
-from qnpipe.policy.read_queue import Job, ReadQueue
-from qnpipe.trace import ReadStarted
-
-
-@attrs.define
-class ReadSchedulerStats:
-    """Counters of the read scheduler (device time sums batch wall times, which may overlap)."""
-
-    requests: int = 0
-    merged: int = 0
-    batches: int = 0
-    reads: int = 0
-    bytes_read: int = 0
-    device_s: float = 0.0
-    peak_in_flight: int = 0
-    promoted: int = 0  # queued prefetches turned into demand reads
-    expired: int = 0  # prefetches not started: their deadline had passed
+from qnpipe.messages import Msg, PoolInbox, ReadInbox, ReadsDone
+from qnpipe.policy.pool_core import Outbox
+from qnpipe.policy.read_core import Batch, ReadCore, ReadSchedulerStats
+from qnpipe.policy.read_queue import ReadQueue
+from qnpipe.policy.turn_order import READS, READS_DONE
 
 
 async def read_scheduler(
@@ -43,63 +31,50 @@ async def read_scheduler(
     queue: ReadQueue,
     stats: ReadSchedulerStats,
     emit: Callable[[Msg], None] | None = None,
+    turns: Turnstile | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve read requests until `inbox` closes and every read in flight has finished."""
-    st = Stamper()
-    issued: dict[tuple[int, int], float] = {}
+    """Serve read requests until `inbox` closes and every read in flight has finished.
 
-    async def run(jobs: Sequence[Job], started: float, reading: Awaitable[list[int]]) -> None:
-        nbytes = await reading
-        stats.batches += 1
-        stats.device_s += trio.current_time() - started
-        for job, n in zip(jobs, nbytes, strict=True):
-            queue.done(job)
-            stats.reads += 1
-            stats.bytes_read += n
-        asked = tuple(issued.pop(job.key) for job in jobs)
-        done = ReadsDone(**st.stamp(), layers=tuple(j.layer for j in jobs), experts=tuple(j.expert for j in jobs),
-                         slots=tuple(j.slot for j in jobs), nbytes=tuple(nbytes), issued_t=asked, started_t=started)
-        if emit is not None:
-            for job, n, t in zip(jobs, nbytes, asked, strict=True):
-                emit(ReadDone(**st.stamp(), layer=job.layer, expert=job.expert, slot=job.slot, nbytes=n,
-                              issued_t=t, started_t=started))
-        await send_soon(to_pool, done)  # the channel's bound is proven (engine.open_pipeline)
-        dispatch()
+    `turns`: replay's turnstile (qnpipe.actors.turns), None live."""
+    core = ReadCore(queue, stats, logging=emit is not None)
 
     async with inbox, to_pool, trio.open_nursery() as nursery:
 
-        def dispatch() -> None:
-            now = trio.current_time()
-            while jobs := queue.take(now):
-                stats.peak_in_flight = max(stats.peak_in_flight, queue.peak_in_flight)
-                if emit is not None:
-                    for job in jobs:
-                        emit(ReadStarted(**st.stamp(), layer=job.layer, expert=job.expert, slot=job.slot))
-                # Submitted in this turn: the I/O starts now, the task only waits for it.
-                nursery.start_soon(run, jobs, now, submit(device, jobs))
-            for job in queue.pop_expired():
-                stats.expired += 1
-                issued.pop(job.key, None)
-                msg = ReadExpired(**st.stamp(), layer=job.layer, expert=job.expert, slot=job.slot)
-                try:  # bounded like ReadDone: one message per outstanding read
-                    to_pool.send_nowait(msg)
+        async def deliver(out: Outbox, batches: Sequence[Batch]) -> None:
+            if emit is not None:
+                for r in out.log:
+                    emit(r)
+            for m in out.pool:
+                if isinstance(m, ReadsDone):
+                    await send_soon(to_pool, m)  # the channel's bound is proven (actors.pipeline)
+                    continue
+                try:  # an expired prefetch: bounded like ReadsDone, one message per outstanding read
+                    to_pool.send_nowait(m)
                 except trio.WouldBlock:
-                    nursery.start_soon(to_pool.send, msg)
+                    nursery.start_soon(to_pool.send, m)
+            for b in batches:
+                # Submitted in this turn: the I/O starts now, the task only waits for it.
+                nursery.start_soon(run, b, submit(device, b.jobs))
+
+        async def run(batch: Batch, reading: Awaitable[list[int]]) -> None:
+            nbytes = await reading
+            if turns is not None:
+                await turns.turn(READS_DONE, batch.number)
+            out = Outbox()
+            more = core.complete(batch, nbytes, trio.current_time(), out)
+            await deliver(out, more)
 
         task_status.started()
         async for first in inbox:
+            if turns is not None:
+                await turns.turn(READS)
             # Take everything already waiting, so one step's misses are one batch on the device.
+            now = trio.current_time()
+            out = Outbox()
             for msg in drain(inbox, first):
-                if isinstance(msg, Promote):
-                    stats.promoted += queue.promote((msg.layer, msg.expert))
-                    continue
-                scores = msg.scores or (0.0,) * len(msg.experts)
-                for expert, slot, score in zip(msg.experts, msg.slots, scores, strict=True):
-                    stats.requests += 1
-                    job = Job(msg.layer, expert, slot, msg.cls, msg.deadline, score)
-                    if queue.push(job):
-                        issued[job.key] = msg.t
-                    else:
-                        stats.merged += 1
-            dispatch()
+                core.handle(msg, now, out)
+            await deliver(out, core.dispatch(now, out))
+
+
+__all__ = ["ReadSchedulerStats", "read_scheduler"]

@@ -56,3 +56,4 @@ def rank(token_experts: Sequence[int], token_scores: Sequence[float], width: int
     scores = {e: total[e] / n for e in total} if agg is PredictAgg.MEAN else best
     ranked = sorted(((e, s) for e, s in scores.items() if s >= min_score), key=lambda es: (-es[1], es[0]))
     return ranked[:top]
+

@@ -24,6 +24,7 @@ import trio
 import trio.testing
 
 from qnpipe.actors.pipeline import layer_capacities, open_pipeline
+from qnpipe.actors.turns import Turnstile
 from qnpipe.config import Config, with_overrides
 from qnpipe.errors import ConfigError, QnpipeError, TraceSchemaError
 from qnpipe.io.device_file import named_profile
@@ -289,19 +290,6 @@ class LogBackend:
         pass
 
 
-class _HoppedDevice:
-    """A device whose reads wait `hop_s` first: the live read path's hand-off to the reader's threads."""
-
-    def __init__(self, dev: Any, hop_s: float) -> None:
-        self._dev = dev
-        self._hop_s = hop_s
-
-    async def read(self, jobs: Any) -> list[int]:
-        await trio.sleep(self._hop_s)
-        return await self._dev.read(jobs)
-
-    def statistics(self) -> None:
-        return None
 def predictions(log: ReplayLog, predictor: str, opts: PredictorOpts, *, width: int,
                 first: int = 0) -> list[list[Predictions]]:
     """What the predictor gets at each MoE layer of each replayed step (`log.steps[first:]`), by `predictor`:
@@ -424,10 +412,9 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
     async def main() -> ReplayReport:
         backend = LogBackend(log, cost, predictions=preds)
         t0 = trio.current_time()
-        async with open_simssd(profile, nbytes) as dev, \
-                open_pipeline(cfg, backend, num_experts=log.shape.num_experts, capacities=caps,
-                              device=_HoppedDevice(dev, cost.read_hop_s) if cost.read_hop_s else dev,
-                              record_nbytes=nbytes, shape=log.shape) as p:
+        async with open_simssd(profile, nbytes, hop_s=cost.read_hop_s) as dev, \
+                open_pipeline(cfg, backend, num_experts=log.shape.num_experts, capacities=caps, device=dev,
+                              record_nbytes=nbytes, shape=log.shape, turns=Turnstile()) as p:
             for _ in log.steps:
                 await p.forward.run(None, None, lambda h: None)
             elapsed = trio.current_time() - t0

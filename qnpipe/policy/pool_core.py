@@ -1,0 +1,173 @@
+"""The pool actor's decisions, sans I/O: one message and the time in, what to send out.
+
+`PoolCore.handle(msg, now, out)` applies one inbox message to the `PoolPolicy` and appends
+to `out` (an `Outbox`) what follows: `Granted` / `Present` for the forward, `ReadExperts` /
+`Promote` for the read scheduler, and, when logging, the event-log records. `end_turn`
+closes a turn (one `Present` per early grant per burst of reads that landed in it). The
+trio actor (qnpipe.actors.pool) and replay's heap driver (qnpipe.replay.fast) both run it.
+
+An early `Acquire` gets `Present` for its experts already in memory (after its misses'
+reads are asked for), then one for the experts of each turn's reads that land while
+others are still on their way; `Granted` (all of them) ends it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from qnpipe.messages import (
+    Acquire,
+    ForwardDone,
+    ForwardInbox,
+    Granted,
+    Msg,
+    PoolInbox,
+    PrefetchHint,
+    Present,
+    Promote,
+    ReadExpert,
+    ReadExperts,
+    ReadExpired,
+    ReadInbox,
+    ReadsDone,
+    Release,
+)
+from qnpipe.policy.pool import Grant, PoolPolicy
+from qnpipe.policy.read_queue import ReadClass
+from qnpipe.policy.slot_table import Load
+from qnpipe.trace.format import Evicted, RecallSample
+
+GrantKey = tuple[int, int, int]
+
+
+@attrs.define(slots=True)
+class Outbox:
+    """What one turn of a core sends: to the forward, to the read scheduler, to the pool, and log records."""
+
+    forward: list[ForwardInbox] = attrs.field(factory=list)
+    reads: list[ReadInbox] = attrs.field(factory=list)
+    pool: list[PoolInbox] = attrs.field(factory=list)
+    log: list[Msg] = attrs.field(factory=list)
+
+
+@attrs.define
+class PoolCore:
+    """The pool's turn logic over `policy`; `logging`: fill `Outbox.log` with the event-log records."""
+
+    policy: PoolPolicy
+    logging: bool = False
+    seq: int = 0
+    early: set[GrantKey] = attrs.field(factory=set)  # pending grants whose step takes Present
+    landed: dict[GrantKey, list[tuple[int, int]]] = attrs.field(factory=dict)  # their reads done in this turn
+
+    def _seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def preload(self, loads: Sequence[tuple[int, Load]], now: float, out: Outbox) -> None:
+        """Ask for the reads of experts placed before anything else (autopin's pins), grouped by layer."""
+        by_layer: dict[int, list[Load]] = {}
+        for layer, ld in loads:
+            by_layer.setdefault(layer, []).append(ld)
+        for layer, lds in by_layer.items():
+            self._read(layer, lds, now, out)
+
+    def handle(self, msg: PoolInbox, now: float, out: Outbox) -> None:
+        """Apply one message at time `now`. Raises RouteError when route verification fails."""
+        policy = self.policy
+        if self.logging and not isinstance(msg, ReadsDone):  # the scheduler logs a ReadDone per read
+            out.log.append(msg)
+        if isinstance(msg, Acquire):
+            key = (msg.step, msg.layer, msg.part)
+            loads, ready = policy.acquire(key, msg.experts, msg.t)
+            if policy.recall_samples:
+                if self.logging:
+                    out.log += [RecallSample(t=now, seq=self._seq(), step=msg.step, layer=ly, used=used,
+                                             predicted=predicted) for ly, used, predicted in policy.recall_samples]
+                policy.recall_samples.clear()
+            self._read(msg.layer, loads, now, out)
+            if ready is not None:
+                self._grant(ready, now, out)
+            elif msg.early:
+                self.early.add(key)
+                if (there := policy.present(key))[0]:
+                    self._present(key, *there, now, out)
+        elif isinstance(msg, ReadsDone):
+            for layer, expert, slot in zip(msg.layers, msg.experts, msg.slots, strict=True):
+                loads, grants = policy.read_done(layer, expert, slot)
+                for key, e, s in policy.pop_landed():
+                    if key in self.early:
+                        self.landed.setdefault(key, []).append((e, s))
+                self._read(layer, loads, now, out)
+                for g in grants:
+                    self._grant(g, now, out)
+        elif isinstance(msg, Release):
+            key = (msg.step, msg.layer, msg.part)
+            self.early.discard(key)
+            self.landed.pop(key, None)
+            policy.release(key, msg.token_experts, msg.token_slots)
+        elif isinstance(msg, ForwardDone):
+            policy.forward_done()
+        elif isinstance(msg, PrefetchHint):
+            loads = policy.prefetch(msg.step, msg.source, msg.layer, list(zip(msg.experts, msg.scores, strict=True)))
+            if loads:
+                self._send(ReadExperts(t=now, seq=self._seq(), layer=msg.layer,
+                                       experts=tuple(ld.expert for ld in loads), slots=tuple(ld.slot for ld in loads),
+                                       cls=ReadClass.PREFETCH, deadline=msg.deadline,
+                                       scores=tuple(msg.scores[msg.experts.index(ld.expert)] for ld in loads)), out)
+        elif isinstance(msg, ReadExpired):
+            if policy.read_expired(msg.layer, msg.expert, msg.slot):
+                self._send(ReadExperts(t=now, seq=self._seq(), layer=msg.layer, experts=(msg.expert,),
+                                       slots=(msg.slot,)), out)
+
+    def end_turn(self, now: float, out: Outbox) -> None:
+        for key in list(self.landed):  # one Present per grant per burst of reads
+            got = self.landed.pop(key)
+            self._present(key, tuple(e for e, _ in got), tuple(s for _, s in got), now, out)
+
+    def _present(self, key: GrantKey, experts: tuple[int, ...], slots: tuple[int, ...], now: float,
+                 out: Outbox) -> None:
+        msg = Present(t=now, seq=self._seq(), step=key[0], layer=key[1], part=key[2], experts=experts, slots=slots)
+        if self.logging:
+            out.log.append(msg)
+        out.forward.append(msg)
+
+    def _grant(self, g: Grant, now: float, out: Outbox) -> None:
+        self.early.discard(g.key)
+        self.landed.pop(g.key, None)  # landed in the same turn as the last read: the grant gives them with the rest
+        msg = Granted(t=now, seq=self._seq(), step=g.key[0], layer=g.key[1], part=g.key[2], experts=g.experts,
+                      slots=tuple(g.slots), generations=tuple(g.generations), hits=g.hits, misses=g.misses,
+                      waited_s=now - g.asked_t)
+        if self.logging:
+            out.log.append(msg)
+        out.forward.append(msg)
+
+    def _read(self, layer: int, loads: list[Load], now: float, out: Outbox) -> None:
+        # All of a step's misses go to the scheduler in one message, so they go out as one batch.
+        if loads:
+            self._send(ReadExperts(t=now, seq=self._seq(), layer=layer, experts=tuple(ld.expert for ld in loads),
+                                   slots=tuple(ld.slot for ld in loads)), out, [ld.evicted for ld in loads])
+        for ly, e, _slot in self.policy.pop_promotions():  # a step now waits on these prefetches
+            self._send(Promote(t=now, seq=self._seq(), layer=ly, expert=e), out)
+
+    def _send(self, req: ReadInbox, out: Outbox, evicted: Sequence[int] = ()) -> None:
+        if self.logging:
+            if isinstance(req, ReadExperts):  # the log keeps a record per read
+                self._log_reads(req, evicted, out)
+            else:
+                out.log.append(req)
+        out.reads.append(req)
+
+    def _log_reads(self, req: ReadExperts, evicted: Sequence[int], out: Outbox) -> None:
+        for i, (e, s) in enumerate(zip(req.experts, req.slots, strict=True)):
+            # The request's time: the scheduler's read.done gives it back as issued_t.
+            r = ReadExpert(t=req.t, seq=self._seq(), layer=req.layer, expert=e, slot=s, cls=req.cls,
+                           deadline=req.deadline, score=req.scores[i] if req.scores else 0.0)
+            if evicted and evicted[i] >= 0:  # right before the read that refills the slot
+                out.log.append(Evicted(t=r.t, seq=r.seq, layer=req.layer, expert=evicted[i], slot=s, for_expert=e))
+            out.log.append(r)
+
+
+__all__ = ["Outbox", "PoolCore"]

@@ -1,0 +1,112 @@
+"""The read scheduler's decisions, sans I/O: requests in, batches to put on the device out.
+
+`ReadCore.handle(msg, now, out)` queues a `ReadExperts` or applies a `Promote`;
+`dispatch(now, out)` returns the batches to start now (as the in-flight budget allows) and
+tells the pool of prefetches that expired; `complete(batch, nbytes, now, out)` books a
+finished batch, sends the pool its `ReadsDone` and dispatches again. The trio actor
+(qnpipe.actors.read_scheduler) and replay's heap driver (qnpipe.replay.fast) both run it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from qnpipe.messages import Promote, ReadDone, ReadExpired, ReadInbox, ReadsDone
+from qnpipe.policy.pool_core import Outbox
+from qnpipe.policy.read_queue import Job, ReadQueue
+from qnpipe.trace.format import ReadStarted
+
+
+@attrs.define
+class ReadSchedulerStats:
+    """Counters of the read scheduler (device time sums batch wall times, which may overlap)."""
+
+    requests: int = 0
+    merged: int = 0
+    batches: int = 0
+    reads: int = 0
+    bytes_read: int = 0
+    device_s: float = 0.0
+    peak_in_flight: int = 0
+    promoted: int = 0  # queued prefetches turned into demand reads
+    expired: int = 0  # prefetches not started: their deadline had passed
+
+
+@attrs.define(slots=True)
+class Batch:
+    """Jobs put on the device together at `started` (trio clock seconds); `number` counts batches from 1."""
+
+    number: int
+    jobs: list[Job]
+    started: float
+
+
+@attrs.define
+class ReadCore:
+    """The read scheduler's turn logic over `queue`; `logging`: fill `Outbox.log` with the event-log records."""
+
+    queue: ReadQueue
+    stats: ReadSchedulerStats = attrs.field(factory=ReadSchedulerStats)
+    logging: bool = False
+    seq: int = 0
+    batches: int = 0
+    issued: dict[tuple[int, int], float] = attrs.field(factory=dict)  # read -> when the pool asked for it
+
+    def _seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def handle(self, msg: ReadInbox, now: float, out: Outbox) -> None:
+        if isinstance(msg, Promote):
+            self.stats.promoted += self.queue.promote((msg.layer, msg.expert))
+            return
+        scores = msg.scores or (0.0,) * len(msg.experts)
+        for expert, slot, score in zip(msg.experts, msg.slots, scores, strict=True):
+            self.stats.requests += 1
+            job = Job(msg.layer, expert, slot, msg.cls, msg.deadline, score)
+            if self.queue.push(job):
+                self.issued[job.key] = msg.t
+            else:
+                self.stats.merged += 1
+
+    def dispatch(self, now: float, out: Outbox) -> list[Batch]:
+        """The batches to put on the device now; expired prefetches go to the pool as `ReadExpired`."""
+        started = []
+        while jobs := self.queue.take(now):
+            self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.queue.peak_in_flight)
+            if self.logging:
+                out.log += [ReadStarted(t=now, seq=self._seq(), layer=j.layer, expert=j.expert, slot=j.slot)
+                            for j in jobs]
+            self.batches += 1
+            started.append(Batch(self.batches, jobs, now))
+        for job in self.queue.pop_expired():
+            self.stats.expired += 1
+            self.issued.pop(job.key, None)
+            out.pool.append(ReadExpired(t=now, seq=self._seq(), layer=job.layer, expert=job.expert, slot=job.slot))
+        return started
+
+    def complete(self, batch: Batch, nbytes: Sequence[int], now: float, out: Outbox) -> list[Batch]:
+        """`batch` left the device at `now` (`nbytes` read per job): tell the pool, then dispatch again."""
+        stats = self.stats
+        stats.batches += 1
+        stats.device_s += now - batch.started
+        for job, n in zip(batch.jobs, nbytes, strict=True):
+            self.queue.done(job)
+            stats.reads += 1
+            stats.bytes_read += n
+        jobs = batch.jobs
+        asked = tuple(self.issued.pop(job.key) for job in jobs)
+        done = ReadsDone(t=now, seq=self._seq(), layers=tuple(j.layer for j in jobs),
+                         experts=tuple(j.expert for j in jobs), slots=tuple(j.slot for j in jobs),
+                         nbytes=tuple(nbytes), issued_t=asked, started_t=batch.started)
+        if self.logging:
+            out.log += [ReadDone(t=now, seq=self._seq(), layer=job.layer, expert=job.expert, slot=job.slot, nbytes=n,
+                                 issued_t=t, started_t=batch.started)
+                        for job, n, t in zip(jobs, nbytes, asked, strict=True)]
+        out.pool.append(done)
+        return self.dispatch(now, out)
+
+
+__all__ = ["Batch", "ReadCore", "ReadSchedulerStats"]
