@@ -34,17 +34,16 @@ from qnpipe.actors.predictor import PredictorStats, predictor
 from qnpipe.actors.read_scheduler import ReadSchedulerStats, read_scheduler
 from qnpipe.actors.recorder import Emit, Emitter, open_recording
 from qnpipe.actors.turns import Turnstile
-from qnpipe.config import Config, EvictPolicy
+from qnpipe.config import Config
 from qnpipe.errors import CapacityError, ConfigError, StallError
 from qnpipe.io.device import ExpertDevice
 from qnpipe.io.files import CONFIG_CAP, read_capped
 from qnpipe.messages import Candidates, ForwardInbox, PoolInbox, ReadInbox
 from qnpipe.model.args import ModelArgs
-from qnpipe.policy.eviction import make_eviction
-from qnpipe.policy.pool import PoolPolicy, PrefetchBudgets
+from qnpipe.policy.build import make_policy, side_slots
+from qnpipe.policy.pool import PoolPolicy
 from qnpipe.policy.predict import hint_top
 from qnpipe.policy.read_queue import ReadQueue
-from qnpipe.policy.slot_table import SlotTable
 from qnpipe.trace import ModelShape
 
 
@@ -86,28 +85,6 @@ class Pipeline:
     predictor_stats: PredictorStats | None = None
     autopin: Autopin | None = None
     recording: Emitter | None = None  # the recorders' emitter when a trace is written (statistics())
-
-
-def side_slots(cfg: Config) -> int:
-    """Side-region slots per layer: `pool.side_region_slots` when prefetch is on, else none (nothing lands there)."""
-    return cfg.pool.side_region_slots if cfg.predict.cross_layer_prefetch else 0
-
-
-def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int, int]) -> PoolPolicy:
-    evictions = {layer: make_eviction(cfg.pool.evict_policy,
-                                      lfu_decay_interval=cfg.pool.lfu_decay_interval_forwards)
-                 for layer in capacities}
-    policy = PoolPolicy.build(capacities, evictions, record_nbytes)
-    policy.predicting = cfg.predict.cross_layer_prefetch
-    if (side := side_slots(cfg)) > 0:
-        # The side region keeps its hot prefetched experts by LFU (side_region_lfu) or is cleared each step.
-        policy.sides = {layer: SlotTable(layer, side, make_eviction(EvictPolicy.LFU)) for layer in capacities}
-        policy.side_persistent = cfg.pool.side_region_lfu
-    policy.budgets = PrefetchBudgets(per_layer=cfg.predict.per_layer_budget_experts or 10**9,
-                                     global_reads=cfg.predict.file_global_budget_experts or 10**9,
-                                     global_unused=cfg.predict.stage_global_budget_experts or 10**9,
-                                     per_hint=cfg.read.prefetch_budget_experts, window_layers=cfg.read.window_layers)
-    return policy
 
 
 async def watchdog(fwd: Forward, limit_s: float, dump: Callable[[], str], *,

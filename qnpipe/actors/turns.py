@@ -10,8 +10,11 @@ run as trio schedules them and never wait on this.
 
 from __future__ import annotations
 
+import math
+
 import trio
 import trio.testing
+from trio._core._run import GLOBAL_RUN_CONTEXT
 
 
 class Turnstile:
@@ -40,4 +43,24 @@ class Turnstile:
                 self._wanted.pop(min(self._wanted)).set()
 
 
-__all__ = ["Turnstile"]
+def exact_clock() -> trio.testing.MockClock:
+    """A MockClock (autojump, threshold 0) whose jumps land on the next deadline exactly.
+
+    MockClock jumps by `next_deadline - now`, and `now + (next_deadline - now)` is not always
+    `next_deadline` in floating point: the times a replay sees would then depend on which
+    other deadlines (the watchdog's) made the clock stop on the way. Here every stop is a
+    deadline's own value, so replay's heap driver, which sets its time to each event's, sees
+    the same floats. (Reads trio's deadline heap: a private API, pinned with trio.)
+    """
+    clock = trio.testing.MockClock(autojump_threshold=0)
+
+    def autojump() -> None:
+        d = GLOBAL_RUN_CONTEXT.runner.deadlines.next_deadline()
+        if clock.current_time() < d < math.inf:
+            clock._virtual_base = d  # rate 0: current_time() is exactly this  # pyright: ignore[reportPrivateUsage]
+
+    clock._autojump = autojump  # pyright: ignore[reportAttributeAccessIssue]
+    return clock
+
+
+__all__ = ["Turnstile", "exact_clock"]

@@ -24,7 +24,7 @@ import trio
 import trio.testing
 
 from qnpipe.actors.pipeline import layer_capacities, open_pipeline
-from qnpipe.actors.turns import Turnstile
+from qnpipe.actors.turns import Turnstile, exact_clock
 from qnpipe.config import Config, with_overrides
 from qnpipe.errors import ConfigError, QnpipeError, TraceSchemaError
 from qnpipe.io.device_file import named_profile
@@ -33,11 +33,15 @@ from qnpipe.io.simssd import DeviceProfile, open_simssd
 from qnpipe.messages import Candidates, ReadDone
 from qnpipe.policy.parts import plan_parts
 from qnpipe.replay.belady import belady_hits
+from qnpipe.replay.fast import FastReplay, RunResult
 from qnpipe.replay.model_free import TransitionTable, oracle_guess, previous_guess
 from qnpipe.steps import Event, LayerRoute, PartDone, PartGrant, StepDone, Tail
 from qnpipe.trace import Header, ModelShape, Route, check_log_paths, read
 
 PREDICTORS = ("none", "previous", "recorded", "transition", "oracle")
+# "fast": the cores on a plain event loop (qnpipe.replay.fast); "actors": the live trio actors on a
+# virtual clock, the reference. The same report, byte for byte (tests/replay/test_drivers.py).
+DRIVERS = ("fast", "actors")
 
 # What a LogBackend hands the forward at one layer-step: (target, ids [N, W], scores [N, W]) per target.
 Predictions = tuple[tuple[int, np.ndarray, np.ndarray], ...]
@@ -359,7 +363,7 @@ def _belady(log: ReplayLog, caps: dict[int, int]) -> dict[int, tuple[int, int]]:
 
 def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile | str = "apple-m5-internal",
            cost: CostModel | None = None, record_nbytes: int | None = None,
-           predictor: str = "none", opts: PredictorOpts | None = None) -> ReplayReport:
+           predictor: str = "none", opts: PredictorOpts | None = None, driver: str = "fast") -> ReplayReport:
     """Replay `log_path` under `cfg`'s pool and read settings on a simulated device (see the module doc).
 
     `predictor`: "none" (demand only) or one of `predictions`' (recorded, previous, transition,
@@ -372,6 +376,8 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
     """
     cost = cost if cost is not None else CostModel()
     opts = opts if opts is not None else PredictorOpts()
+    if driver not in DRIVERS:
+        raise ConfigError(f"driver {driver!r}: unknown, known: {', '.join(DRIVERS)}")
     if predictor not in PREDICTORS:
         raise ConfigError(f"predictor {predictor!r}: unknown, known: {', '.join(PREDICTORS)}")
     if not 0.0 <= opts.train_frac < 1.0:
@@ -408,8 +414,54 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
                           f"(record_nbytes, --set replay.record_nbytes=N)")
     belady = _belady(log, caps)
     profile = device_profile
+    if driver == "fast":
+        res = _run_fast(log, cfg, caps, nbytes, cost, profile, preds)
+    else:
+        res = _run_actors(log, cfg, caps, nbytes, cost, profile, preds)
+    counters, hits, misses, causes = res.pool.layers, res.pool.hits, res.pool.misses, res.pool.causes
+    pstats = res.pool
+    steps = len(log.steps)
+    layers = []
+    for layer in sorted(caps):
+        c = counters[layer]
+        req, bh = belady[layer]
+        layers.append(LayerReport(layer=layer, requests=c.hits + c.misses, hits=c.hits,
+                                  hit_rate=_ratio(c.hits, c.hits + c.misses), belady_hit_rate=_ratio(bh, req),
+                                  side_hits=c.side_hits, prefetch_recall=_ratio(c.predicted_used, c.used)))
+    side = pstats.side_hits
+    prefetch = None
+    if predictor != "none":
+        reads, useful = pstats.prefetch_reads, pstats.prefetch_used
+        prefetch = PrefetchReport(
+            issued=pstats.prefetches_issued, reads=reads, useful=useful, wasted=reads - useful,
+            useful_bytes=sum(c.prefetch_used * nbytes[ly] for ly, c in counters.items()),
+            wasted_bytes=sum((c.prefetch_reads - c.prefetch_used) * nbytes[ly] for ly, c in counters.items()),
+            expired=pstats.prefetches_expired, dropped=pstats.hints_dropped_budget,
+            recall=_ratio(pstats.predicted_used, pstats.used),
+            precision=_ratio(useful, reads))
+    elapsed = res.elapsed_s
+    return ReplayReport(
+        log=str(log_path), predictor=predictor, device=profile, cost=cost, capacities=caps, steps=steps,
+        tokens=res.tokens, virtual_s=elapsed, tok_s=_ratio(steps, elapsed), hit_rate=_ratio(hits, hits + misses),
+        misses_by_cause=dict(sorted(causes.items())), bytes_per_token=res.device_bytes / steps,
+        stall_s_per_token=res.stall_s / steps, device_utilisation=_ratio(res.busy_s, elapsed),
+        reads=res.device_reads, layers=layers, resident_hit_rate=_ratio(hits - side, hits + misses),
+        side_hit_rate=_ratio(side, hits + misses), prefetch=prefetch, predictor_opts=opts, train_steps=first)
 
-    async def main() -> ReplayReport:
+
+def _run_fast(log: ReplayLog, cfg: Config, caps: dict[int, int], nbytes: dict[int, int], cost: CostModel,
+              profile: DeviceProfile, preds: list[list[Predictions]] | None) -> RunResult:
+    if cfg.trace.event_log_path or cfg.trace.route_trace:
+        return _run_actors(log, cfg, caps, nbytes, cost, profile, preds)
+    return FastReplay(log.steps, log.shape.top_k, log.shape.num_experts, cfg, capacities=caps, record_nbytes=nbytes,
+                      per_layer_s=cost.per_layer_s, per_token_s=cost.per_token_s, per_step_s=cost.per_step_s,
+                      read_hop_s=cost.read_hop_s, layer_table=dict(cost.layer_table), profile=profile,
+                      predictions=preds).run()
+
+
+def _run_actors(log: ReplayLog, cfg: Config, caps: dict[int, int], nbytes: dict[int, int], cost: CostModel,
+                profile: DeviceProfile, preds: list[list[Predictions]] | None) -> RunResult:
+    async def main() -> RunResult:
         backend = LogBackend(log, cost, predictions=preds)
         t0 = trio.current_time()
         async with open_simssd(profile, nbytes, hop_s=cost.read_hop_s) as dev, \
@@ -418,40 +470,13 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
             for _ in log.steps:
                 await p.forward.run(None, None, lambda h: None)
             elapsed = trio.current_time() - t0
-            busy = dev.busy_s()
             assert p.policy is not None
-            pstats = p.policy.statistics()
-            stats = p.forward.stats
-        counters, hits, misses, causes = pstats.layers, pstats.hits, pstats.misses, pstats.causes
-        steps = len(log.steps)
-        layers = []
-        for layer in sorted(caps):
-            c = counters[layer]
-            req, bh = belady[layer]
-            layers.append(LayerReport(layer=layer, requests=c.hits + c.misses, hits=c.hits,
-                                      hit_rate=_ratio(c.hits, c.hits + c.misses), belady_hit_rate=_ratio(bh, req),
-                                      side_hits=c.side_hits, prefetch_recall=_ratio(c.predicted_used, c.used)))
-        side = pstats.side_hits
-        prefetch = None
-        if predictor != "none":
-            reads, useful = pstats.prefetch_reads, pstats.prefetch_used
-            prefetch = PrefetchReport(
-                issued=pstats.prefetches_issued, reads=reads, useful=useful, wasted=reads - useful,
-                useful_bytes=sum(c.prefetch_used * nbytes[ly] for ly, c in counters.items()),
-                wasted_bytes=sum((c.prefetch_reads - c.prefetch_used) * nbytes[ly] for ly, c in counters.items()),
-                expired=pstats.prefetches_expired, dropped=pstats.hints_dropped_budget,
-                recall=_ratio(pstats.predicted_used, pstats.used),
-                precision=_ratio(useful, reads))
-        return ReplayReport(
-            log=str(log_path), predictor=predictor, device=profile, cost=cost, capacities=caps, steps=steps, tokens=backend.tokens,
-            virtual_s=elapsed, tok_s=_ratio(steps, elapsed), hit_rate=_ratio(hits, hits + misses),
-            misses_by_cause=dict(sorted(causes.items())), bytes_per_token=dev.stats.bytes_read / steps,
-            stall_s_per_token=stats.stall_s / steps, device_utilisation=_ratio(busy, elapsed),
-            reads=dev.stats.reads, layers=layers, resident_hit_rate=_ratio(hits - side, hits + misses),
-            side_hit_rate=_ratio(side, hits + misses), prefetch=prefetch, predictor_opts=opts, train_steps=first)
+            return RunResult(pool=p.policy.statistics(), stall_s=p.forward.stats.stall_s, elapsed_s=elapsed,
+                             busy_s=dev.busy_s(), device_reads=dev.stats.reads, device_bytes=dev.stats.bytes_read,
+                             tokens=backend.tokens)
 
     try:
-        return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+        return trio.run(main, clock=exact_clock())
     except BaseExceptionGroup as group:  # an actor's error (a StallError) comes wrapped in the nurseries' groups
         own: BaseException | None = group.subgroup(lambda x: isinstance(x, QnpipeError))
         if own is None:
@@ -487,5 +512,5 @@ def to_json(r: ReplayReport) -> bytes:
     return msgspec.json.encode(r)
 
 
-__all__ = ["PREDICTORS", "CostModel", "LayerReport", "LogBackend", "PredictorOpts", "Predictions", "PrefetchReport",
+__all__ = ["DRIVERS", "PREDICTORS", "CostModel", "LayerReport", "LogBackend", "PredictorOpts", "Predictions", "PrefetchReport",
            "ReplayLog", "ReplayReport", "describe", "load_log", "predictions", "replay", "replay_capacities", "to_json"]

@@ -1,0 +1,33 @@
+"""The pool policy a configuration asks for: slot tables, evictions, side region and prefetch budgets."""
+
+from __future__ import annotations
+
+from qnpipe.config import Config, EvictPolicy
+from qnpipe.policy.eviction import make_eviction
+from qnpipe.policy.pool import PoolPolicy, PrefetchBudgets
+from qnpipe.policy.slot_table import SlotTable
+
+
+def side_slots(cfg: Config) -> int:
+    """Side-region slots per layer: `pool.side_region_slots` when prefetch is on, else none (nothing lands there)."""
+    return cfg.pool.side_region_slots if cfg.predict.cross_layer_prefetch else 0
+
+
+def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int, int]) -> PoolPolicy:
+    evictions = {layer: make_eviction(cfg.pool.evict_policy,
+                                      lfu_decay_interval=cfg.pool.lfu_decay_interval_forwards)
+                 for layer in capacities}
+    policy = PoolPolicy.build(capacities, evictions, record_nbytes)
+    policy.predicting = cfg.predict.cross_layer_prefetch
+    if (side := side_slots(cfg)) > 0:
+        # The side region keeps its hot prefetched experts by LFU (side_region_lfu) or is cleared each step.
+        policy.sides = {layer: SlotTable(layer, side, make_eviction(EvictPolicy.LFU)) for layer in capacities}
+        policy.side_persistent = cfg.pool.side_region_lfu
+    policy.budgets = PrefetchBudgets(per_layer=cfg.predict.per_layer_budget_experts or 10**9,
+                                     global_reads=cfg.predict.file_global_budget_experts or 10**9,
+                                     global_unused=cfg.predict.stage_global_budget_experts or 10**9,
+                                     per_hint=cfg.read.prefetch_budget_experts, window_layers=cfg.read.window_layers)
+    return policy
+
+
+__all__ = ["make_policy", "side_slots"]
