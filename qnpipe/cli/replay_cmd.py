@@ -12,6 +12,7 @@ from qnpipe.errors import QnpipeError
 
 # qnpipe.replay.PREDICTORS, spelled out: importing qnpipe.replay here would load MLX for every command.
 PREDICTORS = ("none", "previous", "recorded", "transition", "oracle")
+DRIVERS = ("fast", "actors")  # qnpipe.replay.DRIVERS
 _REPLAY_KEYS = {"cost.per_layer_s", "cost.per_token_s", "cost.per_step_s", "cost.read_hop_s",
                 "device.bandwidth_bytes_per_s", "device.latency_s", "device.per_mb_latency_s", "device.queue_depth",
                 "replay.record_nbytes"}
@@ -45,7 +46,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     nbytes = own["replay"].get("record_nbytes")
     opts = PredictorOpts(train_frac=args.train_frac, train_log=args.train_log or "", recall=args.recall, seed=args.seed)
     report = replay(args.log, cfg, device_profile=device, cost=cost, record_nbytes=nbytes, predictor=args.predict,
-                    opts=opts)
+                    opts=opts, driver=args.driver)
     print(to_json(report).decode() if args.json else describe(report))
     return 0
 
@@ -89,6 +90,9 @@ def register(sub: Any, fmt: Any) -> None:
     r.add_argument("--recall", type=float, default=1.0, metavar="R",
                    help="oracle: each true expert is hinted with probability R (default 1)")
     r.add_argument("--seed", type=int, default=0, help="oracle: seed of its draws (default 0)")
+    r.add_argument("--driver", choices=DRIVERS, default="fast",
+                   help="fast = the pipeline's decision cores on a plain event loop (default); actors = the live "
+                   "trio actors on a virtual clock, the reference: the same report byte for byte, slower")
     r.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_config_flags(r, prefill=False, example="pool.expert_slots=16")
     r.set_defaults(func=cmd_replay)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from qnpipe.replay.belady import belady_hits
 from qnpipe.replay.cost_fit import CostFit, CostFitError, fit_cost, load_cost, save_cost
 from qnpipe.replay.runner import (
+    DRIVERS,
     PREDICTORS,
     CostModel,
     LayerReport,
@@ -36,7 +37,7 @@ from qnpipe.replay.sweep import Axis, Point, PointResult, Settings, SweepResult,
 from qnpipe.replay.synth import SynthSpec, write_synth
 
 __all__ = [
-    "PREDICTORS", "CostModel", "LayerReport", "LogBackend", "PredictorOpts", "Predictions", "PrefetchReport",
+    "DRIVERS", "PREDICTORS", "CostModel", "LayerReport", "LogBackend", "PredictorOpts", "Predictions", "PrefetchReport",
     "ReplayLog", "ReplayReport", "describe", "load_log", "predictions", "replay", "replay_capacities",
     "setting_value", "to_json",
     # sweep's `run`/`to_json` and synth's `synth` stay in their modules (the names clash or shadow them).

@@ -128,9 +128,10 @@ def test_cli_knows_every_predictor_and_starts_without_mlx() -> None:
     import sys
 
     from qnpipe.cli import replay_cmd
-    from qnpipe.replay import PREDICTORS
+    from qnpipe.replay import DRIVERS, PREDICTORS
 
     assert replay_cmd.PREDICTORS == PREDICTORS
+    assert replay_cmd.DRIVERS == DRIVERS
     code = "import sys; from qnpipe.cli import build_parser; build_parser(); print('mlx' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
