@@ -8,7 +8,7 @@ actor driver's report does not depend on the order trio wakes tasks in.
 from __future__ import annotations
 
 import hashlib
-import sys
+import importlib.util
 import tempfile
 from pathlib import Path
 
@@ -129,11 +129,10 @@ def test_an_unknown_driver_is_refused(tmp_path: Path) -> None:
 def test_the_actor_replay_is_one_report_under_20_trio_scheduling_seeds(case: str,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """trio shuffles each batch of runnable tasks by `_r` when deterministic scheduling is on: 20 seeds, 20 orders."""
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import regen_golden
-    finally:
-        sys.path.remove(str(TOOLS))
+    spec = importlib.util.spec_from_file_location("regen_golden_drivers", TOOLS / "regen_golden.py")
+    assert spec is not None and spec.loader is not None
+    regen_golden = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regen_golden)
     monkeypatch.setattr(trio_run, "_ALLOW_DETERMINISTIC_SCHEDULING", True)
     c = regen_golden.CASES[case]
     cfg = config.load(None, overrides={key: str(v) for key, v in c["set"].items()})
