@@ -38,8 +38,9 @@ import trio
 from qnpipe.actors.stamp import drain
 from qnpipe.config import Config
 from qnpipe.errors import OutputError
-from qnpipe.messages import Candidates, Granted, Msg
-from qnpipe.trace import SCHEMA_VERSION, Header, ModelShape, Record, Route, SpecRound, Stalled, TraceWriter, UnionSize
+from qnpipe.messages import Candidates, Msg
+from qnpipe.trace import ModelShape, Record, Route, SpecRound, TraceWriter, UnionSize
+from qnpipe.trace.logs import open_writers, wanted_logs, write_event
 
 Emit = Callable[[Msg], None]
 
@@ -108,13 +109,6 @@ class Emitter:
                 for s in self._sinks]
 
 
-def _write(writer: TraceWriter, ev: Record) -> None:
-    writer.write(ev)
-    if isinstance(ev, Granted) and ev.misses:
-        writer.write(Stalled(t=ev.t, seq=ev.seq, step=ev.step, layer=ev.layer, part=ev.part, misses=ev.misses,
-                             waited_s=ev.waited_s))
-
-
 async def recorder(
     inbox: trio.MemoryReceiveChannel[Record],
     *,
@@ -135,7 +129,7 @@ async def recorder(
         next_flush = trio.current_time() + flush_every_s
         async for first in inbox:
             for ev in drain(inbox, first):
-                _write(writer, ev)
+                write_event(writer, ev)
             if trio.current_time() >= next_flush:
                 writer.flush()
                 next_flush = trio.current_time() + flush_every_s
@@ -149,7 +143,7 @@ async def recorder(
                 try:
                     if not finished:
                         for ev in _rest(inbox):
-                            _write(writer, ev)
+                            write_event(writer, ev)
                     writer.close(sink.dropped, trio.current_time())
                 except OutputError as e:
                     sink.failure = e
@@ -167,15 +161,6 @@ def _rest(inbox: trio.MemoryReceiveChannel[Record]) -> list[Record]:
             return out
 
 
-def _route_filter(layers: tuple[int, ...]) -> Callable[[Msg], bool]:
-    wanted = set(layers)
-
-    def accept(ev: Msg) -> bool:
-        return isinstance(ev, Route) and (not wanted or ev.layer in wanted)
-
-    return accept
-
-
 @asynccontextmanager
 async def open_recording(cfg: Config, *, shape: ModelShape | None, capacities: dict[int, int] | None,
                          channel_size: int, wall_start_unix_s: float = 0.0) -> AsyncIterator[Emitter | None]:
@@ -188,28 +173,16 @@ async def open_recording(cfg: Config, *, shape: ModelShape | None, capacities: d
     with only the `Route` records of `trace.route_trace_layers` (empty = all layers). Leaving
     the block closes the channels, so each recorder writes its footer and renames its file.
     """
-    trace_cfg = cfg.trace
-    wanted: list[tuple[str, str, Callable[[Msg], bool] | None, tuple[int, ...]]] = []
-    if trace_cfg.event_log_path:
-        wanted.append((trace_cfg.event_log_path, "events", None, ()))
-    if trace_cfg.route_trace:
-        wanted.append((trace_cfg.route_trace_path, "routes", _route_filter(trace_cfg.route_trace_layers), trace_cfg.route_trace_layers))
-    if not wanted:
+    specs = wanted_logs(cfg)
+    if not specs:
         yield None
         return
-    fingerprint = cfg.fingerprint()
-    sinks: list[_Sink] = []
-    try:
-        for path, contents, accept, layers in wanted:
-            header = Header(schema_version=SCHEMA_VERSION, fingerprint=fingerprint, model=shape,
-                            clock_start_t=trio.current_time(), wall_start_unix_s=wall_start_unix_s, contents=contents,
-                            layers=layers, capacities=dict(capacities or {}))
-            tx, rx = trio.open_memory_channel[Record](channel_size)
-            sinks.append(_Sink(tx, rx, accept, TraceWriter(path, header)))
-    except BaseException:
-        for s in sinks:
-            s.writer.abandon()
-        raise
+    writers = open_writers(cfg, specs, shape=shape, capacities=capacities, clock_start_t=trio.current_time(),
+                           wall_start_unix_s=wall_start_unix_s)
+    sinks = []
+    for spec, writer in zip(specs, writers, strict=True):
+        tx, rx = trio.open_memory_channel[Record](channel_size)
+        sinks.append(_Sink(tx, rx, spec.accept, writer))
     emitter = Emitter(sinks)
     async with trio.open_nursery() as nursery:
         for s in sinks:

@@ -258,5 +258,16 @@ class FastReplay:
                          busy_s=dev.busy_s(self.now), device_reads=dev.stats.reads, device_bytes=dev.stats.bytes_read,
                          tokens=self.tokens)
 
+    def reads_drained_t(self) -> float:
+        """When the reads still on the device at the end have finished (after `run`; consumes the device).
+
+        The actor driver's pipeline waits for them as it closes (a read in service finishes, as on the
+        real device), so that is when its event log ends (the footer's `clock_end_t`)."""
+        t = self.now
+        while not self.dev.idle():
+            t = self.dev.next_time()
+            self.dev.advance(t)
+        return t
+
 
 __all__ = ["FastReplay", "RunResult"]

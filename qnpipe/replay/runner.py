@@ -37,6 +37,7 @@ from qnpipe.replay.fast import FastReplay, RunResult
 from qnpipe.replay.model_free import TransitionTable, oracle_guess, previous_guess
 from qnpipe.steps import Event, LayerRoute, PartDone, PartGrant, StepDone, Tail
 from qnpipe.trace import Header, ModelShape, Route, check_log_paths, read
+from qnpipe.trace.logs import SyncLogs, wanted_logs
 
 PREDICTORS = ("none", "previous", "recorded", "transition", "oracle")
 # "fast": the cores on a plain event loop (qnpipe.replay.fast); "actors": the live trio actors on a
@@ -451,12 +452,20 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
 
 def _run_fast(log: ReplayLog, cfg: Config, caps: dict[int, int], nbytes: dict[int, int], cost: CostModel,
               profile: DeviceProfile, preds: list[list[Predictions]] | None) -> RunResult:
-    if cfg.trace.event_log_path or cfg.trace.route_trace:
-        return _run_actors(log, cfg, caps, nbytes, cost, profile, preds)
-    return FastReplay(log.steps, log.shape.top_k, log.shape.num_experts, cfg, capacities=caps, record_nbytes=nbytes,
-                      per_layer_s=cost.per_layer_s, per_token_s=cost.per_token_s, per_step_s=cost.per_step_s,
-                      read_hop_s=cost.read_hop_s, layer_table=dict(cost.layer_table), profile=profile,
-                      predictions=preds).run()
+    logs = SyncLogs(cfg, shape=log.shape, capacities=caps) if wanted_logs(cfg) else None
+    try:
+        run = FastReplay(log.steps, log.shape.top_k, log.shape.num_experts, cfg, capacities=caps, record_nbytes=nbytes,
+                         per_layer_s=cost.per_layer_s, per_token_s=cost.per_token_s, per_step_s=cost.per_step_s,
+                         read_hop_s=cost.read_hop_s, layer_table=dict(cost.layer_table), profile=profile,
+                         predictions=preds, emit=logs.emit if logs is not None else None)
+        res = run.run()
+    except BaseException:
+        if logs is not None:
+            logs.abandon()
+        raise
+    if logs is not None:
+        logs.close(run.reads_drained_t())
+    return res
 
 
 def _run_actors(log: ReplayLog, cfg: Config, caps: dict[int, int], nbytes: dict[int, int], cost: CostModel,

@@ -79,10 +79,14 @@ def cases(draw: st.DrawFn) -> dict[str, object]:
     }
 
 
-def run_case(case: dict[str, object], path: Path, driver: str) -> bytes | str:
+def run_case(case: dict[str, object], path: Path, driver: str, event_log: Path | None = None) -> bytes | str:
+    """The report's JSON (or the error); with `event_log`, the report followed by that log's bytes."""
     s = case["set"]
     assert isinstance(s, dict)
-    cfg = config.load(None, overrides={key: str(v).lower() if isinstance(v, bool) else str(v) for key, v in s.items()})
+    over = {key: str(v).lower() if isinstance(v, bool) else str(v) for key, v in s.items()}
+    if event_log is not None:
+        over["trace.event_log_path"] = str(event_log)
+    cfg = config.load(None, overrides=over)
     try:
         r = replay(path, cfg, device_profile=DeviceProfile(**case["device"]),  # type: ignore[arg-type]
                    cost=CostModel(**case["cost"]), record_nbytes=98304,  # type: ignore[arg-type]
@@ -90,17 +94,21 @@ def run_case(case: dict[str, object], path: Path, driver: str) -> bytes | str:
                    driver=driver)
     except QnpipeError as e:
         return f"{type(e).__name__}: {e}"
+    if event_log is not None:
+        log = event_log.read_bytes()
+        event_log.unlink()
+        return to_json(r) + b"\n" + log
     return to_json(r)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
-def test_the_fast_driver_gives_the_actor_drivers_report_byte_for_byte(case: dict[str, object]) -> None:
+def test_the_fast_driver_gives_the_actor_drivers_report_and_event_log_byte_for_byte(case: dict[str, object]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "log.qtrace"
         write_log(path, **case["log"])  # type: ignore[arg-type]
-        fast = run_case(case, path, "fast")
-        actors = run_case(case, path, "actors")
+        fast = run_case(case, path, "fast", Path(tmp) / "events.qtrace")
+        actors = run_case(case, path, "actors", Path(tmp) / "events.qtrace")
     assert fast == actors
 
 
