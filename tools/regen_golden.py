@@ -67,8 +67,8 @@ def write_log(name: str, path: Path) -> None:
     w.close(0, 0.0)
 
 
-def golden_report(case: str, golden: Path = GOLDEN) -> bytes:
-    """The case's replay report as indented JSON (its `log` field: the file name alone)."""
+def golden_report(case: str, golden: Path = GOLDEN, driver: str = "fast") -> bytes:
+    """The case's replay report as indented JSON (its `log` field: the file name alone), by replay's `driver`."""
     from qnpipe import config
     from qnpipe.io.simssd import DeviceProfile
     from qnpipe.replay import CostModel, replay
@@ -77,7 +77,7 @@ def golden_report(case: str, golden: Path = GOLDEN) -> bytes:
     cfg = config.load(None, overrides={k: str(v) for k, v in c["set"].items()})
     device = DeviceProfile(**c["device"]) if "device" in c else "apple-m5-internal"
     r = replay(golden / f"{c['log']}.qtrace", cfg, device_profile=device, cost=CostModel(**c.get("cost", {})),
-               record_nbytes=NBYTES, predictor=c.get("predictor", "none"))
+               record_nbytes=NBYTES, predictor=c.get("predictor", "none"), driver=driver)
     r = msgspec.structs.replace(r, log=f"{c['log']}.qtrace")
     return msgspec.json.format(msgspec.json.encode(r), indent=1) + b"\n"
 

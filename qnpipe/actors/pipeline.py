@@ -179,10 +179,9 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
     pool_tx, pool_rx = trio.open_memory_channel[PoolInbox](total + 4)
     read_tx, read_rx = trio.open_memory_channel[ReadInbox](2 * total)  # a read and at most one promotion each
     grant_tx, grant_rx = trio.open_memory_channel[ForwardInbox](2)  # a Present, then its Granted
-    policy = make_policy(cfg, capacities, record_nbytes)
+    policy = make_policy(cfg, capacities, record_nbytes, autopin.heat if autopin is not None else None)
     preloads = []
     if autopin is not None:
-        policy.heat = autopin.heat
         for layer, experts in autopin.plan(capacities).items():
             preloads += [(layer, ld) for ld in policy.preload(layer, experts)]
     pass_caps = {layer: cap - len(policy.tables[layer].pinned) for layer, cap in capacities.items()}
@@ -196,8 +195,6 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
                   check_bytes=check_bytes, emit=emit, union_prof=cfg.diag.union_prof,
                   # a backend that can start a layer's experts before all are read says for how many pairs
                   early_pairs=getattr(backend, "early_pairs", 0) if cfg.forward.early_grants else 0)
-    if cfg.diag.predict_recall_prof:
-        policy.recall_samples = []
     scopes: list[trio.CancelScope] = []
     try:
         async with trio.open_nursery() as nursery:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from qnpipe.config import Config, EvictPolicy
+from qnpipe.config import Config
 from qnpipe.policy.eviction import make_eviction
-from qnpipe.policy.pool import PoolPolicy, PrefetchBudgets
-from qnpipe.policy.slot_table import SlotTable
+from qnpipe.policy.heat import Heat
+from qnpipe.policy.pool import PoolOptions, PoolPolicy, PrefetchBudgets
 
 
 def side_slots(cfg: Config) -> int:
@@ -13,21 +13,21 @@ def side_slots(cfg: Config) -> int:
     return cfg.pool.side_region_slots if cfg.predict.cross_layer_prefetch else 0
 
 
-def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int, int]) -> PoolPolicy:
+def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int, int],
+                heat: Heat | None = None) -> PoolPolicy:
     evictions = {layer: make_eviction(cfg.pool.evict_policy,
                                       lfu_decay_interval=cfg.pool.lfu_decay_interval_forwards)
                  for layer in capacities}
-    policy = PoolPolicy.build(capacities, evictions, record_nbytes)
-    policy.predicting = cfg.predict.cross_layer_prefetch
-    if (side := side_slots(cfg)) > 0:
-        # The side region keeps its hot prefetched experts by LFU (side_region_lfu) or is cleared each step.
-        policy.sides = {layer: SlotTable(layer, side, make_eviction(EvictPolicy.LFU)) for layer in capacities}
-        policy.side_persistent = cfg.pool.side_region_lfu
-    policy.budgets = PrefetchBudgets(per_layer=cfg.predict.per_layer_budget_experts or 10**9,
-                                     global_reads=cfg.predict.file_global_budget_experts or 10**9,
-                                     global_unused=cfg.predict.stage_global_budget_experts or 10**9,
-                                     per_hint=cfg.read.prefetch_budget_experts, window_layers=cfg.read.window_layers)
-    return policy
+    # The side region keeps its hot prefetched experts by LFU (side_region_lfu) or is cleared each step.
+    options = PoolOptions(
+        predicting=cfg.predict.cross_layer_prefetch, side_slots=side_slots(cfg),
+        side_persistent=cfg.pool.side_region_lfu,
+        budgets=PrefetchBudgets(per_layer=cfg.predict.per_layer_budget_experts or 10**9,
+                                global_reads=cfg.predict.file_global_budget_experts or 10**9,
+                                global_unused=cfg.predict.stage_global_budget_experts or 10**9,
+                                per_hint=cfg.read.prefetch_budget_experts, window_layers=cfg.read.window_layers),
+        recall_prof=cfg.diag.predict_recall_prof)
+    return PoolPolicy.build(capacities, evictions, record_nbytes, options, heat)
 
 
 __all__ = ["make_policy", "side_slots"]

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from qnpipe.errors import CapacityError, RouteError
-from qnpipe.policy.eviction import Eviction
+from qnpipe.policy.eviction import LFU, Eviction
 from qnpipe.policy.heat import Heat
 from qnpipe.policy.slot_table import Load, MissCause, SlotTable
 
@@ -45,7 +45,7 @@ class HintFate(enum.IntEnum):
     EXPIRED = 3
 
 
-@attrs.define(slots=True)
+@attrs.frozen(slots=True)
 class PrefetchBudgets:
     """Caps on speculation (0 or None = no cap where noted)."""
 
@@ -56,6 +56,21 @@ class PrefetchBudgets:
     global_unused: int = 64
     per_hint: int | None = None  # read.prefetch_budget_experts
     window_layers: int = 0  # targets more than this many MoE layers ahead are dropped (0 = no limit)
+
+
+@attrs.frozen
+class PoolOptions:
+    """What a pool does beyond demand caching, fixed when it is built (`PoolPolicy.build`).
+
+    `side_slots` per layer of side region where prefetches land (kept by LFU when
+    `side_persistent`, else cleared at each step's end); `recall_prof` keeps per-acquire recall
+    samples (diag.predict_recall_prof)."""
+
+    predicting: bool = False
+    side_slots: int = 0
+    side_persistent: bool = True
+    budgets: PrefetchBudgets = PrefetchBudgets()
+    recall_prof: bool = False
 
 
 @attrs.define(slots=True)
@@ -186,9 +201,15 @@ class PoolPolicy:
 
     @classmethod
     def build(cls, capacities: Mapping[int, int], evictions: Mapping[int, Eviction],
-              record_nbytes: Mapping[int, int]) -> PoolPolicy:
+              record_nbytes: Mapping[int, int], options: PoolOptions = PoolOptions(),
+              heat: Heat | None = None) -> PoolPolicy:
+        """The policy of these slot tables with `options` (and autopin's `heat`, counted at each acquire)."""
         tables = {layer: SlotTable(layer, cap, evictions[layer]) for layer, cap in capacities.items()}
-        return cls(tables, record_nbytes)
+        sides = ({layer: SlotTable(layer, options.side_slots, LFU()) for layer in capacities}
+                 if options.side_slots > 0 else {})
+        return cls(tables, record_nbytes, sides=sides, side_persistent=options.side_persistent,
+                   predicting=options.predicting, budgets=options.budgets,
+                   recall_samples=[] if options.recall_prof else None, heat=heat)
 
     def preload(self, layer: int, experts: Sequence[int]) -> list[Load]:
         """Put `experts` (distinct) in `layer`'s pool, pinned; returns the reads to issue.

@@ -75,8 +75,6 @@ class FastReplay:
         self.num_experts = num_experts
         self.caps = capacities
         self.policy: PoolPolicy = make_policy(cfg, capacities, record_nbytes)
-        if cfg.diag.predict_recall_prof:
-            self.policy.recall_samples = []
         logging = emit is not None
         self.emit = emit
         self.pool = PoolCore(self.policy, logging=logging)

@@ -16,9 +16,8 @@ from qnpipe.actors.pipeline import open_pipeline
 from qnpipe.config import Config, EvictPolicy, with_overrides
 from qnpipe.errors import CapacityError
 from qnpipe.policy.eviction import make_eviction
-from qnpipe.policy.pool import MissKind, PoolPolicy, PrefetchBudgets
+from qnpipe.policy.pool import MissKind, PoolOptions, PoolPolicy, PrefetchBudgets
 from qnpipe.policy.read_queue import Job
-from qnpipe.policy.slot_table import SlotTable
 from qnpipe.steps import LayerRoute, PartGrant, StepDone
 
 E, K, LAYERS = 32, 2, 6
@@ -114,11 +113,9 @@ def test_slow_device_makes_every_predicted_miss_late() -> None:
        persistent=st.booleans())
 def test_every_miss_has_exactly_one_cause(ops: list[tuple[str, list[int]]], persistent: bool) -> None:
     """Random hints, acquires, read completions and expiries: causes always sum to misses, per layer."""
-    policy = PoolPolicy.build({0: 3}, {0: make_eviction(EvictPolicy.LFU)}, {0: 10})
-    policy.predicting = True
-    policy.sides = {0: SlotTable(0, 3, make_eviction(EvictPolicy.LFU))}
-    policy.side_persistent = persistent
-    policy.budgets = PrefetchBudgets(per_layer=2, global_reads=3, global_unused=3)
+    options = PoolOptions(predicting=True, side_slots=3, side_persistent=persistent,
+                          budgets=PrefetchBudgets(per_layer=2, global_reads=3, global_unused=3))
+    policy = PoolPolicy.build({0: 3}, {0: make_eviction(EvictPolicy.LFU)}, {0: 10}, options)
     reads: dict[int, int] = {}  # expert -> slot, issued and not finished
     step = 0
     for op, experts in ops:

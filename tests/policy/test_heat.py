@@ -29,9 +29,9 @@ from qnpipe.policy.slot_table import FREE, MissCause, SlotState
 MID = "a" * 64
 
 
-def _policy(caps: dict[int, int]) -> PoolPolicy:
+def _policy(caps: dict[int, int], heat: Heat | None = None) -> PoolPolicy:
     return PoolPolicy.build(caps, {layer: make_eviction(EvictPolicy.LFU) for layer in caps},
-                            {layer: 10 for layer in caps})
+                            {layer: 10 for layer in caps}, heat=heat)
 
 
 def test_heat_counts_each_expert_once_per_layer_step() -> None:
@@ -46,8 +46,8 @@ def test_heat_counts_each_expert_once_per_layer_step() -> None:
 
 
 def test_policy_counts_heat_at_acquire_and_a_deferred_acquire_once() -> None:
-    pol = _policy({0: 2})
-    pol.heat = Heat()
+    pol = _policy({0: 2}, Heat())
+    assert pol.heat is not None
     loads, _ = pol.acquire((1, 0, 0), [1, 2], 0.0)
     pol.release((1, 0, 0))  # cancelled: reads of 1 and 2 still in flight
     assert pol.acquire((2, 0, 0), [3], 0.0) == ([], None)  # deferred: the slots are still loading

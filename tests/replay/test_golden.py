@@ -16,11 +16,12 @@ sys.modules["regen_golden"] = regen
 _spec.loader.exec_module(regen)
 
 
+@pytest.mark.parametrize("driver", ["fast", "actors"])
 @pytest.mark.parametrize("case", sorted(regen.CASES))
-def test_replay_report_matches_its_golden_file(case: str) -> None:
+def test_replay_report_matches_its_golden_file(case: str, driver: str) -> None:
     expected = regen.GOLDEN / f"{case}.json"
     assert expected.is_file(), f"{expected} is missing: run python tools/regen_golden.py"
-    got = regen.golden_report(case)
+    got = regen.golden_report(case, driver=driver)
     assert got == expected.read_bytes(), (
         f"the replay report of golden case {case!r} differs from {expected}. If the change is meant to change "
         f"replay results, run `python tools/regen_golden.py` and commit the new files (review their diff)")
