@@ -1,14 +1,18 @@
 """Eviction policies: which resident expert of a layer gives up its slot.
 
 Each policy keeps a score per resident expert and evicts the lowest score among the
-candidates the slot table offers (never held, pinned or loading ones: the table filters).
-Time is the table's access counter, so a policy is deterministic and clock-free.
+evictable ones (never held, pinned or loading: the table says which are blocked). Scores
+are unique (time is the table's access counter, a tie-breaker in every score), so the
+victim does not depend on the order candidates are looked at, and a policy is
+deterministic and clock-free. `pick` finds it without a scan in the common case (an
+ordered dict for LRU and FIFO; set differences and a keyed min in C for LFU); `victim` is the plain minimum over
+given candidates, the reference `pick` is tested against (tests/policy/test_slot_table.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Protocol
 
 import attrs
@@ -35,6 +39,10 @@ class Eviction(Protocol):
         """The candidate to evict (candidates is never empty)."""
         ...
 
+    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int]) -> int | None:
+        """The resident expert to evict, none of `loading`, `held`, `pinned` (None: every one is blocked)."""
+        ...
+
     def forward_done(self) -> None:
         """One forward step of the model finished (LFU decay counts these)."""
         ...
@@ -47,12 +55,13 @@ _TICK_BITS = 48  # ticks count accesses of one layer: 2^48 outlasts any run
 class LRU:
     """Least recently used."""
 
-    last: dict[int, int] = attrs.field(factory=dict)
+    last: dict[int, int] = attrs.field(factory=dict)  # in tick order: an access moves the expert to the end
 
     def inserted(self, expert: int, tick: int) -> None:
         self.last[expert] = tick
 
     def accessed(self, expert: int, tick: int) -> None:
+        del self.last[expert]
         self.last[expert] = tick
 
     def removed(self, expert: int) -> None:
@@ -60,6 +69,12 @@ class LRU:
 
     def victim(self, candidates: Iterable[int]) -> int:
         return min(candidates, key=self.last.__getitem__)
+
+    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int]) -> int | None:
+        for e in self.last:
+            if e not in loading and e not in held and e not in pinned:
+                return e
+        return None
 
     def forward_done(self) -> None:
         pass
@@ -82,6 +97,12 @@ class FIFO:
 
     def victim(self, candidates: Iterable[int]) -> int:
         return min(candidates, key=self.born.__getitem__)
+
+    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int]) -> int | None:
+        for e in self.born:  # in insertion order, which is tick order
+            if e not in loading and e not in held and e not in pinned:
+                return e
+        return None
 
     def forward_done(self) -> None:
         pass
@@ -116,6 +137,12 @@ class LFU:
 
     def victim(self, candidates: Iterable[int]) -> int:
         return min(candidates, key=self.key.__getitem__)
+
+    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int]) -> int | None:
+        # Set differences and a keyed min, all in C: faster at pool sizes than a heap kept in Python.
+        free = self.key.keys() - loading
+        free.difference_update(held, pinned)
+        return min(free, key=self.key.__getitem__) if free else None
 
     def forward_done(self) -> None:
         self.forwards += 1
@@ -152,6 +179,10 @@ class LRFU:
 
     def victim(self, candidates: Iterable[int]) -> int:
         return min(candidates, key=lambda e: (self.key[e], e))
+
+    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int]) -> int | None:
+        free = [e for e in self.resident if e not in loading and e not in held and e not in pinned]
+        return self.victim(free) if free else None
 
     def forward_done(self) -> None:
         pass

@@ -250,7 +250,7 @@ class PoolPolicy:
         table = self.tables[layer]
         # Acquires still deferred at this layer keep their room: one made later must not take it,
         # or they could wait forever once the reads are done.
-        if len(main_part) > (room := table.room_ever(main_part, self.reserved(layer))):
+        if len(main_part) > (room := table.room_ever(main_part, self.reserved(layer) if self.deferred else ())):
             raise CapacityError(
                 f"layer {layer}: a step needs {len(main_part)} distinct experts, {room} of "
                 f"{table.capacity} slots are usable (the rest are pinned, held or kept for waiting acquires)"

@@ -42,6 +42,11 @@ def rank(token_experts: Sequence[int], token_scores: Sequence[float], width: int
     expert id, so the ranking is deterministic.
     """
     n = len(token_experts) // width if width else 0
+    if n == 1 and agg is not PredictAgg.UNION and len(set(token_experts)) == width:
+        # One token, distinct experts: its max and its mean are its own scores (the decode case, one sort).
+        ranked = sorted(((e, s) for e, s in zip(token_experts, token_scores, strict=True) if s >= min_score),
+                        key=lambda es: (-es[1], es[0]))
+        return ranked[:top]
     best: dict[int, float] = {}
     total: dict[int, float] = {}
     for t in range(n):

@@ -103,12 +103,16 @@ class SlotTable:
     def room_ever(self, experts: Iterable[int], reserved: Iterable[int] = ()) -> int:
         """Slots a step needing `experts` could use once reads in flight finish: capacity minus pins,
         holds and `reserved` (experts of acquires still waiting, which will hold them)."""
+        if not self.pinned and not self.held and not reserved:
+            return self.capacity
         need = set(experts)
         return self.capacity - len((self.pinned | self.held.keys() | set(reserved)) - need)
 
     def available_for(self, experts: Iterable[int]) -> int:
         """Slots a step needing `experts` can use: capacity minus pins, holds and reads in flight it does not share."""
         # A read still in flight with no hold (its step was released early) keeps its slot too.
+        if not self.pinned and not self.held and not self._loading:
+            return self.capacity
         blocked = (self.pinned | self.held.keys() | self._loading).difference(experts)
         return self.capacity - len(blocked)
 
@@ -120,7 +124,7 @@ class SlotTable:
         """
         need = set(experts)
         slot_of = self.slot_of
-        missing = sum(e not in slot_of for e in need)
+        missing = len(need.difference(slot_of))
         if missing <= len(self._free):
             return True
         # evictable = READY slots whose expert is not held, pinned or needed
@@ -154,13 +158,7 @@ class SlotTable:
             (hits if self.state[s] is SlotState.READY else waiting).append((e, s))
         for e in experts:
             self.held[e] = self.held.get(e, 0) + 1
-        candidates: list[int] | None = None  # built once per acquire, on the first eviction
-        loads = []
-        for e in missing:
-            if not self._free and candidates is None:
-                candidates = self._evictable()
-            loads.append(self._load(e, candidates))
-        loads = tuple(loads)
+        loads = tuple([self._load(e) for e in missing])
         return AcquirePlan(tuple(hits), loads, tuple(waiting))
 
     def _evictable(self) -> list[int]:
@@ -168,15 +166,15 @@ class SlotTable:
         blocked = self._loading.union(self.held.keys(), self.pinned)
         return [c for c in self.slot_of if c not in blocked]
 
-    def _load(self, expert: int, candidates: list[int] | None) -> Load:
-        evicted = FREE
+    def _load(self, expert: int, evicted: int = FREE) -> Load:
         if self._free:
             slot = self._free.pop()
         else:
-            # acquire() checked room, so a candidate exists; an empty list is a table bug.
-            assert candidates, f"layer {self.layer}: no evictable slot"
-            evicted = self.eviction.victim(candidates)
-            candidates.remove(evicted)
+            if evicted == FREE:
+                # acquire() checked room, so an evictable expert exists; none is a table bug.
+                found = self.eviction.pick(self._loading, self.held, self.pinned)
+                assert found is not None, f"layer {self.layer}: no evictable slot"
+                evicted = found
             slot = self.slot_of.pop(evicted)
             self.eviction.removed(evicted)
             self._ready -= 1  # candidates are READY
@@ -198,12 +196,13 @@ class SlotTable:
         """
         if expert in self.slot_of:
             return None
-        candidates = None
+        evicted = FREE
         if not self._free:
-            candidates = self._evictable()
-            if not candidates:
+            found = self.eviction.pick(self._loading, self.held, self.pinned)
+            if found is None:
                 return None
-        return self._load(expert, candidates)
+            evicted = found
+        return self._load(expert, evicted)
 
     def cancel_load(self, expert: int, slot: int) -> None:
         """A load that will not happen (an expired prefetch): the slot is free again."""

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import attrs
 import pytest
@@ -55,6 +55,15 @@ class Spy:
         assert v in cands, (v, cands)
         self.victims += 1
         return v
+
+    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int]) -> int | None:
+        """The inner policy's pick, which must be the minimum over the table's evictable experts (`victim`)."""
+        t = self.table
+        assert t is not None
+        evictable = [e for e in t.slot_of if e not in loading and e not in held and e not in pinned]
+        got = self.inner.pick(loading, held, pinned)
+        assert got == (self.victim(evictable) if evictable else None), (got, evictable)
+        return got
 
     def forward_done(self) -> None:
         self.inner.forward_done()
@@ -342,5 +351,8 @@ def test_victim_is_always_a_candidate(kind: EvictPolicy, lam: float, decay: int,
             cands = data.draw(st.lists(st.sampled_from(sorted(resident)), min_size=1, unique=True))
             v = pol.victim(iter(cands))
             assert v in cands
+            # pick, with every resident but the candidates blocked, finds the same victim without a scan
+            assert pol.pick(resident - set(cands), (), ()) == v
+            assert pol.pick((), (), ()) == pol.victim(iter(sorted(resident)))
             pol.removed(v)
             resident.discard(v)
