@@ -11,6 +11,7 @@ for (a grant, or its compute's end), so its step loop reads as the actor's does.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Generator
 from typing import Any
@@ -40,7 +41,6 @@ from qnpipe.policy.pool_core import Outbox, PoolCore
 from qnpipe.policy.predict import hint_top
 from qnpipe.policy.read_core import Batch, ReadCore
 from qnpipe.policy.read_queue import ReadQueue
-from qnpipe.policy.turn_order import in_turn_order
 from qnpipe.trace.format import UnionSize, route_record
 
 Predictions = tuple[tuple[int, np.ndarray, np.ndarray], ...]
@@ -99,7 +99,11 @@ class FastReplay:
         self.stall_s = 0.0
         self.tokens = 0
         self.candidates_dropped = 0
+        # The pool's inbox by sender (forward, read scheduler, predictor): within one instant every message
+        # has the same `t`, so taking them in this order is the turn order (qnpipe.policy.turn_order).
         self.pool_inbox: list[PoolInbox] = []
+        self.pool_from_reads: list[PoolInbox] = []
+        self.pool_from_predictor: list[PoolInbox] = []
         self.reads_inbox: list[ReadInbox] = []
         self.cand_inbox: list[Candidates] = []
         self.granted: dict[tuple[int, int, int], Granted] = {}
@@ -180,7 +184,7 @@ class FastReplay:
         for g in out.forward:
             assert isinstance(g, Granted), g  # replay asks for no early grants
             self.granted[(g.step, g.layer, g.part)] = g
-        self.pool_inbox += out.pool
+        self.pool_from_reads += out.pool
         for b in batches:
             self.batches[b.number] = b
             self.dev.submit(b.number, [self.nbytes[j.layer] for j in b.jobs], self.now)
@@ -189,15 +193,16 @@ class FastReplay:
         """Take the next wanted turn; False when none is wanted."""
         now = self.now
         if self.done_batches:
-            number = min(self.done_batches)
-            self.done_batches.remove(number)
+            number = heapq.heappop(self.done_batches)
             b = self.batches.pop(number)
             out = Outbox()
             more = self.reads.complete(b, [self.nbytes[j.layer] for j in b.jobs], now, out)
             self._deliver(out, more)
-        elif self.pool_inbox:
-            msgs = in_turn_order(self.pool_inbox)
+        elif self.pool_inbox or self.pool_from_reads or self.pool_from_predictor:
+            msgs = self.pool_inbox + self.pool_from_reads + self.pool_from_predictor
             self.pool_inbox.clear()
+            self.pool_from_reads.clear()
+            self.pool_from_predictor.clear()
             out = Outbox()
             for m in msgs:
                 self.pool.handle(m, now, out)
@@ -217,10 +222,10 @@ class FastReplay:
                 hint = self.hinter.hint(c, now)
                 if hint is None:
                     continue
-                if len(self.pool_inbox) >= self.pool_cap:
+                if len(self.pool_inbox) + len(self.pool_from_reads) + len(self.pool_from_predictor) >= self.pool_cap:
                     hint = None
                 else:
-                    self.pool_inbox.append(hint)
+                    self.pool_from_predictor.append(hint)
                 self.hinter.sent(hint)
         else:
             return False
@@ -243,7 +248,8 @@ class FastReplay:
                 wake = self.now + arg if kind == _SLEEP else math.inf
                 continue
             if dev.next_time() <= self.now:
-                self.done_batches += dev.advance(self.now)
+                for number in dev.advance(self.now):
+                    heapq.heappush(self.done_batches, number)
                 continue
             if self._turn():
                 continue
