@@ -64,6 +64,17 @@ def test_recorded_candidates_replay_the_live_runs_hints(live: Path, tmp_path: Pa
     assert r.prefetch is not None and r.prefetch.issued > 0
 
 
+def test_recorded_candidates_give_one_report_and_log_from_both_drivers(live: Path, tmp_path: Path) -> None:
+    got = []
+    for driver in ("fast", "actors"):
+        out = tmp_path / "replayed.qtrace"
+        r = replay(live, config.load(None, overrides={**PREFETCH, "trace.event_log_path": str(out)}),
+                   predictor="recorded", driver=driver)
+        got.append((to_json(r), out.read_bytes()))
+        out.unlink()
+    assert got[0] == got[1]
+
+
 def test_recorded_needs_candidates_in_the_log(synthetic: Path) -> None:
     with pytest.raises(ConfigError, match="no predict.candidates records"):
         replay(synthetic, _cfg(), record_nbytes=NBYTES, predictor="recorded")
