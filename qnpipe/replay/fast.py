@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import attrs
@@ -176,7 +176,7 @@ class FastReplay:
 
     # ------------------------------------------------------------------ the actors' turns
 
-    def _deliver(self, out: Outbox, batches: list[Batch] = ()) -> None:  # type: ignore[assignment]
+    def _deliver(self, out: Outbox, batches: Sequence[Batch] = ()) -> None:
         if self.emit is not None:
             for r in out.log:
                 self.emit(r)
