@@ -1,8 +1,8 @@
 """One rank of a test ring: `python rank_main.py MODEL_DIR OUT.npz SCENARIO.json` (MLX_RANK, MLX_HOSTFILE set).
 
 Rank 0 runs each engine setting of the scenario through `open_engine(distributed=True)` and saves
-what it produced; the other ranks serve it. `"loop": true` keeps rank 0 generating until the ring
-fails (the killed-rank test), printing `generating` once it has begun.
+what it produced; the other ranks serve it. `"loop": true` (the last engine only) then keeps rank 0
+generating until the ring fails (the killed-rank test), printing `generating` once it has begun.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ async def main(model_dir: str, out: str, scenario: dict) -> int:
             sampled = await eng.generate(prompt, max_tokens=scenario["tokens"], temperature=0.8, seed=3,
                                          stop_at_eos=False)
             saved[f"{name}.sampled"] = np.array(sampled.tokens)
-            if scenario.get("loop"):
+            if scenario.get("loop") and name == list(scenario["engines"])[-1]:
+                np.savez(out, **saved)
                 print("generating", flush=True)
                 while True:
                     await eng.generate(prompt, max_tokens=64, stop_at_eos=False)

@@ -3,12 +3,15 @@
 A peer that dies closes its sockets and the wait fails at once ("connection to a peer was
 lost"); one that hangs, or a host that never starts, would block MLX for ever. A thread
 watches the one wait in progress and, past its deadline, writes why and ends the process:
-nothing else can free a thread blocked inside MLX.
+nothing else can free a thread blocked inside MLX. `mx.distributed.init` keeps the GIL while it
+connects (measured: a ticking thread stopped for the whole wait), so its deadline is kept by a
+small child process instead (`outside`).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -57,3 +60,21 @@ class Deadman:
                 sys.stderr.flush()
                 self._exit(EXIT_CODE)
                 self._armed = None  # an `exit` that returns (tests)
+
+
+_KILLER = ("import os, signal, sys, time; time.sleep(float(sys.argv[2])); sys.stderr.write(sys.argv[3] + chr(10)); "
+           "sys.stderr.flush(); os.kill(int(sys.argv[1]), signal.SIGKILL)")
+
+
+@contextmanager
+def outside(timeout_s: float, why: str) -> Iterator[None]:
+    """As `Deadman.waiting` for a call that keeps the GIL: a child process ends this one (SIGKILL)."""
+    if timeout_s <= 0:
+        yield
+        return
+    child = subprocess.Popen([sys.executable, "-S", "-c", _KILLER, str(os.getpid()), str(timeout_s), f"qnpipe: {why}"])
+    try:
+        yield
+    finally:
+        child.kill()
+        child.wait()

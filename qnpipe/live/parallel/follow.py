@@ -13,8 +13,8 @@ import mlx.core as mx
 
 from qnpipe.actors.forward import Forward
 from qnpipe.errors import DistributedError
-from qnpipe.live.parallel.ring import Header, Op, Ring, dtype_code
 from qnpipe.live.mlx_thread import MLXThread, run_on
+from qnpipe.live.parallel.ring import Header, Op, Ring, dtype_code
 from qnpipe.model.qwen3_next import Model
 from qnpipe.model.tails import Logits, Sampling, Settle, TailKind
 

@@ -7,9 +7,9 @@ import hashlib
 from pathlib import Path
 
 from qnpipe.config import Config, ConfigError, with_overrides
+from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.ring import Ring
 from qnpipe.live.parallel.split import model_layer_bytes, split_layers
-from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.model.stage import Stage
 
 

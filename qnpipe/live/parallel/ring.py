@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from qnpipe.errors import DistributedError
-from qnpipe.live.parallel.deadman import Deadman
+from qnpipe.live.parallel.deadman import Deadman, outside
 
 HEADER = 8
 
@@ -86,7 +86,7 @@ class Ring:
         with _lock:
             if _ring is None:
                 deadman = Deadman()
-                with deadman.waiting(connect_timeout_s, _never_connected(connect_timeout_s)):
+                with outside(connect_timeout_s, _never_connected(connect_timeout_s)):
                     try:
                         group = mx.distributed.init(strict=True, backend="ring")
                     except RuntimeError as e:
