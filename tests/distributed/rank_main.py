@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import numpy as np
 import trio
@@ -19,7 +20,7 @@ from qnpipe.errors import DistributedError
 async def main(model_dir: str, out: str, scenario: dict) -> int:
     from qnpipe import open_engine
 
-    saved: dict[str, np.ndarray] = {}
+    saved: dict[str, Any] = {}
     for name, overrides in scenario["engines"].items():
         async with open_engine(model_dir, distributed=True, **overrides) as eng:
             if eng.rank:
