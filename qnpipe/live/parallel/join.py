@@ -20,8 +20,8 @@ async def join(cfg: Config, thread: MLXThread) -> tuple[Ring, Stage, Config]:
 
     if cfg.mtp.enabled:
         raise ConfigError("mtp.enabled: MTP speculation does not run distributed yet (distributed.enabled)")
-    d = cfg.distributed
-    ring = await run_on(thread, Ring.connect, d.connect_timeout_s, d.step_timeout_s)
+    distributed_cfg = cfg.distributed
+    ring = await run_on(thread, Ring.connect, distributed_cfg.connect_timeout_s, distributed_cfg.step_timeout_s)
     model_dir = Path(cfg.model.model_dir)
     config = read_config(model_dir)
     args = args_from_dict(config, str(model_dir / "config.json"))
