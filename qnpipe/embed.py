@@ -260,6 +260,7 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
     try:
         warmup_s = await run_on(thread, warm_up_core, core) if warm_up else 0.0
         t1 = time.perf_counter()
+        lost: DistributedError | None = None
         async with open_core_pipeline(core, thread) as pipe:
             load_s += time.perf_counter() - t1
             rank = 0 if ring is None else ring.rank
@@ -269,16 +270,22 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
                 from qnpipe.live.parallel.lead import Lead
 
                 if rank > 0:
-                    await follow(pipe.forward, thread, core.runner.loaded.model, ring)
+                    try:
+                        await follow(pipe.forward, thread, core.runner.loaded.model, ring)
+                    except DistributedError as e:  # raised below, not inside the actors' nursery's group
+                        lost = e
                 else:
                     lead = Lead(ring, core.args.vocab_size)
                     core.backend.ring_tail = lead.tail
-            try:
-                yield AsyncEngine(_Runtime(core, thread, pipe, load_s=load_s, warmup_s=warmup_s, rank=rank))
-            finally:
-                if lead is not None:
-                    with trio.CancelScope(shield=True):
-                        await run_on(thread, lead.close)
+            if lost is None:
+                try:
+                    yield AsyncEngine(_Runtime(core, thread, pipe, load_s=load_s, warmup_s=warmup_s, rank=rank))
+                finally:
+                    if lead is not None:
+                        with trio.CancelScope(shield=True):
+                            await run_on(thread, lead.close)
+        if lost is not None:
+            raise lost
     finally:
         with trio.CancelScope(shield=True):
             await run_on(thread, release_core, core)

@@ -59,12 +59,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if tokens is not None and args.chat:
         raise QnpipeError("--chat needs --prompt TEXT (token ids are sent as they are)")
     cfg = load_config(args)
+    if args.distributed:
+        from qnpipe.config import with_overrides
+
+        cfg = with_overrides(cfg, {"distributed.enabled": True})
     margs = precheck_model(args.model_dir, cfg)
     if tokens is not None:
         check_token_ids(tokens, margs, args.model_dir)
     from qnpipe.embed import Engine
 
     eng = Engine(args.model_dir, cfg, warm_up=True)
+    if eng.rank:  # it served rank 0's steps until rank 0 was done: only rank 0 writes output
+        eng.close()
+        return 0
     with stop_on_signals(args), eng:
         prompt: str | list[int]
         if tokens is not None:
@@ -108,7 +115,8 @@ def register(sub: Any, fmt: Any) -> None:
                        description="Generate a continuation of --prompt (or of --tokens) and print it as it comes,\n"
                        "then the stats on stderr.",
                        epilog="examples:\n  qnpipe generate ./tiny -p 'def fib(n):' -n 32 --json\n"
-                       "  qnpipe generate ./tiny -p 'def fib(n):' --mtp -K 2 --stats   # MTP speculation")
+                       "  qnpipe generate ./tiny -p 'def fib(n):' --mtp -K 2 --stats   # MTP speculation\n"
+                       "  mlx.launch --backend ring -n 2 -- qnpipe generate ./tiny -p 'def fib(n):' --distributed")
     g.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (original HF, mlx-lm, or qnpipe convert layout)")
     g.add_argument("-p", "--prompt", type=text_arg(), help="prompt text")
     g.add_argument("--tokens", metavar="IDS", help="prompt as token ids, e.g. '1,2,3'")
@@ -116,6 +124,9 @@ def register(sub: Any, fmt: Any) -> None:
     g.add_argument("--system", type=text_arg(allow_empty=True), help="system message (with --chat)")
     add_gen_flags(g, 128)
     add_mtp_flags(g)
+    g.add_argument("--distributed", action="store_true",
+                   help="run as one rank of an mx.distributed ring, under `mlx.launch --backend ring` "
+                   "(docs/distributed.md); only rank 0 writes output")
     add_config_flags(g)
     g.set_defaults(func=cmd_generate)
 

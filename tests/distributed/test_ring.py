@@ -96,7 +96,7 @@ def _check_bits(tmp: Path, results: list[tuple[int, str]], one_process: dict[str
 
 def test_two_ranks_give_one_process_bits_streamed_and_resident(tiny_qn4: Path, tmp_path: Path,
                                                                 one_process: dict[str, np.ndarray]) -> None:
-    results = _finish(_start(2, tiny_qn4, tmp_path, SCENARIO), timeout_s=90)
+    results = _finish(_start(2, tiny_qn4, tmp_path, SCENARIO), timeout_s=180)
     for r, (rc, err) in enumerate(results):
         assert rc == 0, f"rank {r} exited {rc}:\n{err[-3000:]}"
     _check_bits(tmp_path, results, one_process)

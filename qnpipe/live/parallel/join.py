@@ -31,22 +31,25 @@ async def join(cfg: Config, thread: MLXThread) -> tuple[Ring, Stage, Config]:
     # The same shape is not enough: config.json's bytes tell another checkpoint of it apart.
     key = model_id(args) + hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
     await run_on(thread, ring.check_same_run, key, __version__, split)
-    return ring, Stage(ring.rank, ring.size, *split[ring.rank]), rank_config(cfg, ring.rank)
+    ring.fit(args.hidden_size)
+    stage = Stage(ring.rank, ring.size, *split[ring.rank])
+    return ring, stage, rank_config(cfg, stage)
 
 
-def rank_config(cfg: Config, rank: int) -> Config:
-    """`cfg` for rank `rank`: files it writes get the rank in their name (ranks may share a disk);
+def rank_config(cfg: Config, stage: Stage) -> Config:
+    """`cfg` for `stage`'s rank: files it writes get the rank in their name (ranks may share a disk),
+    the autopin heat file its layers (a run split otherwise reads the heat of its own layers);
     prefix snapshots are off (each rank would have to keep its own layers' state: not built yet)."""
     over: dict[str, object] = {"prefix.snapshot_head_tokens": 0}
     if cfg.pool.autopin:
-        over["pool.autopin_usage_file"] = _ranked(cfg.autopin_usage_path(), rank)
+        over["pool.autopin_usage_file"] = _named(cfg.autopin_usage_path(), f"layers{stage.lo}-{stage.hi - 1}")
     if cfg.trace.event_log_path:
-        over["trace.event_log_path"] = _ranked(cfg.trace.event_log_path, rank)
+        over["trace.event_log_path"] = _named(cfg.trace.event_log_path, f"rank{stage.rank}")
     if cfg.trace.route_trace:
-        over["trace.route_trace_path"] = _ranked(cfg.trace.route_trace_path, rank)
+        over["trace.route_trace_path"] = _named(cfg.trace.route_trace_path, f"rank{stage.rank}")
     return with_overrides(cfg, over)
 
 
-def _ranked(path: str, rank: int) -> str:
+def _named(path: str, tag: str) -> str:
     p = Path(path)
-    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
+    return str(p.with_name(f"{p.stem}.{tag}{p.suffix}"))

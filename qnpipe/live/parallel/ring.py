@@ -5,6 +5,12 @@ seed, temperature and top-p as float64 bits) and, for a step or a result, one ar
 goes from rank r to r + 1 with the hidden state `[1, L, H]`; the last rank sends the step's
 value (a token, logits, or nothing) to rank 0: in a ring both are neighbours.
 
+Each message is one frame of `frame_bytes` (the header, then the array's bytes when they fit:
+a decode step's hidden state or a token), so a decode step costs one MLX send and recv per hop;
+a larger array (a prefill chunk, logits) follows its header as a message of its own. Every
+MLX ring message has a fixed cost (≈ 1 ms on a loaded 2-core VM: two messages per hop doubled
+the hand-off).
+
 Once a send or a recv fails MLX's ring cannot be used again (later calls block), so the first
 failure is kept and raised by every later call. A rank that loses its previous rank tells the
 next one (`FAIL` naming the lost rank), so rank 0 names the rank that died, not its neighbour.
@@ -15,6 +21,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
 import threading
 from typing import Any
 
@@ -26,6 +33,7 @@ from qnpipe.errors import DistributedError
 from qnpipe.live.parallel.deadman import Deadman, outside
 
 HEADER = 8
+HEADER_BYTES = HEADER * 8
 
 
 class Op(enum.IntEnum):
@@ -78,6 +86,12 @@ class Ring:
         self.deadman = deadman
         self.step_timeout_s = step_timeout_s
         self.broken: DistributedError | None = None
+        # Every rank must use the same: set from the model (`fit`) before the first step.
+        self.frame_bytes = HEADER_BYTES + 64
+
+    def fit(self, hidden_size: int) -> None:
+        """Frames that hold one row of a float32 hidden state of `hidden_size` after the header."""
+        self.frame_bytes = HEADER_BYTES + 4 * hidden_size
 
     @classmethod
     def connect(cls, connect_timeout_s: float, step_timeout_s: float) -> Ring:
@@ -115,11 +129,16 @@ class Ring:
     def send(self, header: Header, payload: mx.array | None, to: int) -> None:
         """`header` then `payload` to rank `to` (each evaluated: the socket order is theirs)."""
         self._check()
+        head = mx.view(header.encode(), mx.uint8)
+        inline = payload is not None and HEADER_BYTES + payload.nbytes <= self.frame_bytes
+        parts = [head, mx.view(payload, mx.uint8).reshape(-1)] if inline and payload is not None else [head]
+        pad = self.frame_bytes - sum(p.size for p in parts)
+        frame = mx.concatenate([*parts, mx.zeros((pad,), dtype=mx.uint8)]) if pad else mx.concatenate(parts)
         try:
             with self.deadman.waiting(self.step_timeout_s, f"rank {self.rank}: sending to rank {to} took over "
                                       f"{self.step_timeout_s} s (distributed.step_timeout_s); stopping"):
-                mx.eval(mx.distributed.send(header.encode(), to, group=self.group))
-                if payload is not None:
+                mx.eval(mx.distributed.send(frame, to, group=self.group))
+                if payload is not None and not inline:
                     mx.eval(mx.distributed.send(payload, to, group=self.group))
         except RuntimeError as e:
             raise self._fail(to, "sending to", e) from None
@@ -135,16 +154,21 @@ class Ring:
         try:
             with self.deadman.waiting(timeout, f"rank {self.rank}: no answer from rank {frm} in {timeout} s "
                                       f"(distributed.step_timeout_s): rank {frm} or one before it hangs; stopping"):
-                raw = mx.distributed.recv((HEADER,), mx.int64, frm, group=self.group)
-                mx.eval(raw)
-                header = Header.decode(np.array(raw))
+                frame = mx.distributed.recv((self.frame_bytes,), mx.uint8, frm, group=self.group)
+                mx.eval(frame)
+                header = Header.decode(np.array(frame[:HEADER_BYTES]).view(np.int64))
                 if header.op is Op.FAIL:
                     self.broken = DistributedError(f"rank {self.rank}: rank {header.rows} was lost "
                                                    f"(reported by rank {frm})")
                     return header, None
                 payload = None
                 if header.dtype >= 0:
-                    payload = mx.distributed.recv(shape_of(header), DTYPES[header.dtype], frm, group=self.group)
+                    shape, dtype = tuple(shape_of(header)), DTYPES[header.dtype]
+                    nbytes = math.prod(shape) * dtype.size
+                    if HEADER_BYTES + nbytes <= self.frame_bytes:
+                        payload = mx.view(frame[HEADER_BYTES:HEADER_BYTES + nbytes], dtype).reshape(shape)
+                    else:
+                        payload = mx.distributed.recv(shape, dtype, frm, group=self.group)
                     mx.eval(payload)
         except RuntimeError as e:
             raise self._fail(frm, "receiving from", e) from None
