@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -119,7 +120,9 @@ def three_ranks_then_one_killed(tiny_qn4: Path, tmp_path_factory: pytest.TempPat
     procs = _start(3, tiny_qn4, tmp, {**SCENARIO, "loop": True})
     try:
         assert procs[0].stdout is not None
-        first = procs[0].stdout.readline()  # blocks until rank 0 generates (or exits: then "")
+        # Until rank 0 generates (or exits: then ""), bounded: a hung ring must fail the test, not hang it.
+        ready, _, _ = select.select([procs[0].stdout], [], [], 180)
+        first = procs[0].stdout.readline() if ready else ""
         if first.strip() != "generating":
             return KilledRun(tmp, first, 0.0, _finish(procs, timeout_s=10))
         procs[1].send_signal(signal.SIGKILL)
