@@ -10,6 +10,7 @@ from typing import Any
 from qnpipe.cli.common import (
     DEMO_MODEL_DIR,
     add_config_flags,
+    add_distributed_flag,
     add_gen_flags,
     add_mtp_flags,
     check_token_ids,
@@ -59,10 +60,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if tokens is not None and args.chat:
         raise QnpipeError("--chat needs --prompt TEXT (token ids are sent as they are)")
     cfg = load_config(args)
-    if args.distributed:
-        from qnpipe.config import with_overrides
-
-        cfg = with_overrides(cfg, {"distributed.enabled": True})
     margs = precheck_model(args.model_dir, cfg)
     if tokens is not None:
         check_token_ids(tokens, margs, args.model_dir)
@@ -92,6 +89,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from qnpipe.embed import Engine
 
     eng = Engine(args.model_dir, cfg, warm_up=True)
+    if eng.rank:  # it served rank 0's steps until rank 0's chat ended
+        eng.close()
+        return 0
     with stop_on_signals(args), eng:
         return ChatSession(eng, args).run()
 
@@ -124,9 +124,7 @@ def register(sub: Any, fmt: Any) -> None:
     g.add_argument("--system", type=text_arg(allow_empty=True), help="system message (with --chat)")
     add_gen_flags(g, 128)
     add_mtp_flags(g)
-    g.add_argument("--distributed", action="store_true",
-                   help="run as one rank of an mx.distributed ring, under `mlx.launch --backend ring` "
-                   "(docs/distributed.md); only rank 0 writes output")
+    add_distributed_flag(g)
     add_config_flags(g)
     g.set_defaults(func=cmd_generate)
 
@@ -145,5 +143,6 @@ def register(sub: Any, fmt: Any) -> None:
     c.add_argument("--system", type=text_arg(allow_empty=True), help="system message")
     c.add_argument("-v", "--verbose", action="store_true", help="print stats after each answer")
     add_gen_flags(c, 512, json=False)
+    add_distributed_flag(c)
     add_config_flags(c)
     c.set_defaults(func=cmd_chat)
