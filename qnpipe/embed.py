@@ -275,7 +275,7 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
                     except DistributedError as e:  # raised below, not inside the actors' nursery's group
                         lost = e
                 else:
-                    lead = Lead(ring, core.args.vocab_size)
+                    lead = Lead(ring, core.args.vocab_size, pipe.forward)
                     core.backend.ring_tail = lead.tail
             if lost is None:
                 try:

@@ -31,9 +31,12 @@ def result_shape(kind: int, rows: int, vocab: int) -> tuple[int, ...]:
 
 
 class Lead:
-    def __init__(self, ring: Ring, vocab_size: int) -> None:
+    def __init__(self, ring: Ring, vocab_size: int, forward: Any = None) -> None:
         self.ring = ring
         self.vocab = vocab_size
+        # The forward actor (qnpipe.actors.forward.Forward) whose stall watchdog must not count the
+        # other ranks' work as this step's stall: the ring's own deadline covers that wait.
+        self.forward = forward
         # The sequence the last step was of: a step on another cache starts a new one on every rank.
         self._cache: list[Any] | None = None
 
@@ -53,6 +56,8 @@ class Lead:
         def around(h: mx.array) -> Any:
             header = Header(Op.STEP, rows=h.shape[1], kind=int(kind), fresh=fresh, dtype=dtype_code(h), seed=seed,
                             temperature=temperature, top_p=top_p)
+            if self.forward is not None:
+                self.forward.busy = False  # an attribute store: safe from this thread; run() resets it
             ring.send(header, h, ring.next)
             if kind == TailKind.SETTLE:
                 mx.eval([c.state for c in cache if c is not None])
