@@ -37,6 +37,10 @@ class Lead:
         # The forward actor (qnpipe.actors.forward.Forward) whose stall watchdog must not count the
         # other ranks' work as this step's stall: the ring's own deadline covers that wait.
         self.forward = forward
+        # Settle steps (prefill chunks but the last) do not wait for their answer: the next chunk
+        # runs here while later ranks run this one. Their answers are read, in order, before the
+        # next answer that carries a value.
+        self._unread = 0
         # The sequence the last step was of: a step on another cache starts a new one on every rank.
         self._cache: list[Any] | None = None
 
@@ -61,25 +65,38 @@ class Lead:
             ring.send(header, h, ring.next)
             if kind == TailKind.SETTLE:
                 mx.eval([c.state for c in cache if c is not None])
-            back, value = ring.recv(ring.prev, lambda hd: result_shape(hd.kind, hd.rows, self.vocab))
-            if back.op is Op.FAIL:
-                assert ring.broken is not None
-                raise ring.broken
-            if back.op is not Op.RESULT:
-                raise DistributedError(f"rank 0: rank {ring.prev} answered a step with {back.op.name}")
-            if kind == TailKind.SETTLE:
+                self._unread += 1
                 return None
-            assert value is not None
+            self._read_settled()
+            back, value = self._answer()
+            assert value is not None and back.kind == kind, back
             if kind == TailKind.SAMPLE:
                 return value.reshape(())
             return np.array(value)
 
         return around
 
+    def _answer(self) -> tuple[Header, mx.array | None]:
+        ring = self.ring
+        back, value = ring.recv(ring.prev, lambda hd: result_shape(hd.kind, hd.rows, self.vocab))
+        if back.op is Op.FAIL:
+            assert ring.broken is not None
+            raise ring.broken
+        if back.op is not Op.RESULT:
+            raise DistributedError(f"rank 0: rank {ring.prev} answered a step with {back.op.name}")
+        return back, value
+
+    def _read_settled(self) -> None:
+        while self._unread:
+            back, _ = self._answer()
+            assert back.kind == TailKind.SETTLE, back
+            self._unread -= 1
+
     def close(self) -> None:
         """Stop the other ranks (they leave their loops) and wait until the last one has."""
         if self.ring.broken is not None:
             return
+        self._read_settled()
         self.ring.send(Header(Op.STOP), None, self.ring.next)
         back, _ = self.ring.recv(self.ring.prev, lambda hd: (0,))
         if back.op is not Op.STOP:
