@@ -26,7 +26,7 @@ import trio
 from qnpipe.actors.pipeline import Pipeline
 from qnpipe.config import Config
 from qnpipe.config.validate import check_generate_args
-from qnpipe.errors import PipelineError
+from qnpipe.errors import DistributedError, PipelineError
 from qnpipe.io.reader import ExpertReader
 from qnpipe.live import decoding
 from qnpipe.live.core import Core, build_core, open_core_pipeline, release_core, warm_up_core
@@ -63,7 +63,8 @@ class _Runtime:
     """One engine's trio side: its pipeline, one request at a time, and the totals."""
 
     def __init__(self, core: Core, thread: MLXThread, pipe: Pipeline, *, load_s: float = 0.0,
-                 warmup_s: float = 0.0) -> None:
+                 warmup_s: float = 0.0, rank: int = 0) -> None:
+        self.rank = rank
         self.core = core
         self.thread = thread
         self.pipe = pipe
@@ -76,6 +77,8 @@ class _Runtime:
         self.prefix = PrefixCache(core.cfg.prefix, lambda: engine_fingerprint(core), lookahead=core.mtp is not None)
 
     def ids(self, prompt: Prompt) -> list[int]:
+        if self.rank:
+            raise DistributedError(f"rank {self.rank} ran rank 0's steps and has stopped: only rank 0 generates")
         runner = self.core.runner
         ids = runner.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         runner.check_tokens(ids)
@@ -171,6 +174,11 @@ class AsyncEngine:
         return self._rt.core.runner.tokenizer
 
     @property
+    def rank(self) -> int:
+        """This process's rank with `distributed` (0 otherwise): only rank 0 generates."""
+        return self._rt.rank
+
+    @property
     def args(self) -> Any:
         """The model's ModelArgs (sizes, layer kinds)."""
         return self._rt.core.args
@@ -223,7 +231,7 @@ class AsyncEngine:
 
 @asynccontextmanager
 async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = None, *,
-                      reader: ExpertReader | None = None, warm_up: bool = False,
+                      reader: ExpertReader | None = None, warm_up: bool = False, distributed: bool | None = None,
                       **overrides: Any) -> AsyncIterator[AsyncEngine]:
     """`async with open_engine(model_dir, cfg) as eng:` — the engine, its actors stopped on exit.
 
@@ -231,18 +239,53 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
     replaces the SSD reader of a streamed model (an `ExpertReader`; the engine closes it).
     `warm_up` runs a throwaway forward first, so the first prompt's prefill time is not MLX's
     one-time start-up; `stats()` has the seconds of both (`load_s`, `warmup_s`).
+
+    `distributed` (default `distributed.enabled`): this process is one rank of an
+    `mx.distributed` ring started by `mlx.launch` (docs/distributed.md), running its share of
+    the layers. On rank 0 the engine is used as usual; on the other ranks entering the block
+    serves rank 0's steps until rank 0 closes its engine, then yields an engine with
+    `eng.rank` > 0 that does not generate. A lost rank is a DistributedError naming it.
     """
     cfg = _resolve(model_dir, cfg, overrides)
     thread = MLXThread.shared()
     t0 = time.perf_counter()
-    core = await run_on(thread, build_core, Path(cfg.model.model_dir), cfg, reader)
+    ring = stage = None
+    if cfg.distributed.enabled if distributed is None else distributed:
+        from qnpipe.live.parallel.join import join
+
+        ring, stage, cfg = await join(cfg, thread)
+        warm_up = False  # warm_up_core runs the whole model: a rank has only its layers
+    core = await run_on(thread, build_core, Path(cfg.model.model_dir), cfg, reader, stage)
     load_s = time.perf_counter() - t0
     try:
         warmup_s = await run_on(thread, warm_up_core, core) if warm_up else 0.0
         t1 = time.perf_counter()
+        lost: DistributedError | None = None
         async with open_core_pipeline(core, thread) as pipe:
             load_s += time.perf_counter() - t1
-            yield AsyncEngine(_Runtime(core, thread, pipe, load_s=load_s, warmup_s=warmup_s))
+            rank = 0 if ring is None else ring.rank
+            lead = None
+            if ring is not None and ring.size > 1:
+                from qnpipe.live.parallel.follow import follow
+                from qnpipe.live.parallel.lead import Lead
+
+                if rank > 0:
+                    try:
+                        await follow(pipe.forward, thread, core.runner.loaded.model, ring)
+                    except DistributedError as e:  # raised below, not inside the actors' nursery's group
+                        lost = e
+                else:
+                    lead = Lead(ring, core.args.vocab_size, pipe.forward)
+                    core.backend.ring_tail = lead.tail
+            if lost is None:
+                try:
+                    yield AsyncEngine(_Runtime(core, thread, pipe, load_s=load_s, warmup_s=warmup_s, rank=rank))
+                finally:
+                    if lead is not None:
+                        with trio.CancelScope(shield=True):
+                            await run_on(thread, lead.close)
+        if lost is not None:
+            raise lost
     finally:
         with trio.CancelScope(shield=True):
             await run_on(thread, release_core, core)
@@ -258,12 +301,14 @@ class Engine:
     caller's thread; with prefetch on (`predict.cross_layer_prefetch`) in a trio loop on a
     thread of its own, so read completions are taken while the model computes. `loop_thread`
     is the thread that loop runs on (for measuring it, as tools/bench_stream.py does).
-    `warm_up`: as `open_engine`'s.
+    `warm_up`, `distributed`: as `open_engine`'s.
     """
 
     def __init__(self, model_dir: str | Path | None = None, cfg: Config | None = None, *,
-                 reader: ExpertReader | None = None, warm_up: bool = False, **overrides: Any):
+                 reader: ExpertReader | None = None, warm_up: bool = False, distributed: bool | None = None,
+                 **overrides: Any):
         self.cfg = _resolve(model_dir, cfg, overrides)
+        self._distributed = distributed
         self._reader = reader
         self._warm_up = warm_up
         self.model_dir = Path(self.cfg.model.model_dir)
@@ -296,7 +341,8 @@ class Engine:
 
     async def _main(self, started: concurrent.futures.Future[None]) -> None:
         try:
-            async with open_engine(cfg=self.cfg, reader=self._reader, warm_up=self._warm_up) as eng, \
+            async with open_engine(cfg=self.cfg, reader=self._reader, warm_up=self._warm_up,
+                                   distributed=self._distributed) as eng, \
                     trio.open_nursery() as nursery:
                 self._aeng, self._nursery = eng, nursery
                 self._token = trio.lowlevel.current_trio_token()
@@ -370,6 +416,11 @@ class Engine:
     @property
     def tokenizer(self) -> Any:
         return self._eng.tokenizer
+
+    @property
+    def rank(self) -> int:
+        """As `AsyncEngine.rank`: with `distributed`, a rank > 0 returns from the constructor once rank 0 closed."""
+        return self._eng.rank
 
     @property
     def args(self) -> Any:

@@ -89,3 +89,7 @@ class TraceImportError(QnpipeError):
 
 class InputFileError(QnpipeError):
     """An input file is missing, not a regular file (a FIFO, a device, a directory), too large or unreadable; names the file."""
+
+
+class DistributedError(QnpipeError, RuntimeError):
+    """Pipeline parallel: another rank was lost, hangs, or runs another model or version (names the rank)."""

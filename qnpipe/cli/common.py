@@ -91,10 +91,18 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def add_distributed_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--distributed", action="store_true",
+                   help="run as one rank of an mx.distributed ring, under `mlx.launch --backend ring` "
+                   "(docs/distributed.md); only rank 0 reads input and writes output")
+
+
 def load_config(args: argparse.Namespace) -> Any:
     from qnpipe import config
 
     overrides = config_overrides(args)
+    if getattr(args, "distributed", False):
+        overrides = {**overrides, "distributed.enabled": True}
     positional = getattr(args, "model_dir", None) or getattr(args, "model", None)
     if positional is not None:
         for key in ("model.model_dir", "model_dir"):

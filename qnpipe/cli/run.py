@@ -10,6 +10,7 @@ from typing import Any
 from qnpipe.cli.common import (
     DEMO_MODEL_DIR,
     add_config_flags,
+    add_distributed_flag,
     add_gen_flags,
     add_mtp_flags,
     check_token_ids,
@@ -65,6 +66,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from qnpipe.embed import Engine
 
     eng = Engine(args.model_dir, cfg, warm_up=True)
+    if eng.rank:  # it served rank 0's steps until rank 0 was done: only rank 0 writes output
+        eng.close()
+        return 0
     with stop_on_signals(args), eng:
         prompt: str | list[int]
         if tokens is not None:
@@ -85,6 +89,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from qnpipe.embed import Engine
 
     eng = Engine(args.model_dir, cfg, warm_up=True)
+    if eng.rank:  # it served rank 0's steps until rank 0's chat ended
+        eng.close()
+        return 0
     with stop_on_signals(args), eng:
         return ChatSession(eng, args).run()
 
@@ -108,7 +115,8 @@ def register(sub: Any, fmt: Any) -> None:
                        description="Generate a continuation of --prompt (or of --tokens) and print it as it comes,\n"
                        "then the stats on stderr.",
                        epilog="examples:\n  qnpipe generate ./tiny -p 'def fib(n):' -n 32 --json\n"
-                       "  qnpipe generate ./tiny -p 'def fib(n):' --mtp -K 2 --stats   # MTP speculation")
+                       "  qnpipe generate ./tiny -p 'def fib(n):' --mtp -K 2 --stats   # MTP speculation\n"
+                       "  mlx.launch --backend ring -n 2 -- qnpipe generate ./tiny -p 'def fib(n):' --distributed")
     g.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (original HF, mlx-lm, or qnpipe convert layout)")
     g.add_argument("-p", "--prompt", type=text_arg(), help="prompt text")
     g.add_argument("--tokens", metavar="IDS", help="prompt as token ids, e.g. '1,2,3'")
@@ -116,6 +124,7 @@ def register(sub: Any, fmt: Any) -> None:
     g.add_argument("--system", type=text_arg(allow_empty=True), help="system message (with --chat)")
     add_gen_flags(g, 128)
     add_mtp_flags(g)
+    add_distributed_flag(g)
     add_config_flags(g)
     g.set_defaults(func=cmd_generate)
 
@@ -134,5 +143,6 @@ def register(sub: Any, fmt: Any) -> None:
     c.add_argument("--system", type=text_arg(allow_empty=True), help="system message")
     c.add_argument("-v", "--verbose", action="store_true", help="print stats after each answer")
     add_gen_flags(c, 512, json=False)
+    add_distributed_flag(c)
     add_config_flags(c)
     c.set_defaults(func=cmd_chat)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qnpipe.cli.common import add_config_flags, checked, int_arg, load_config, precheck_model
+from qnpipe.cli.common import add_config_flags, add_distributed_flag, checked, int_arg, load_config, precheck_model
 from qnpipe.errors import QnpipeError
 from qnpipe.io.files import KiB, read_text_capped
 
@@ -119,5 +119,6 @@ def register(sub: Any, fmt: Any) -> None:
     g.add_argument("--body-timeout", type=checked(_seconds), default=30.0, metavar="S",
                    help="a request body must arrive whole within S seconds (default 30); slower gets 408")
     g.add_argument("--model-name", metavar="NAME", help="the model id /v1/models shows (default: MODEL_DIR's name)")
+    add_distributed_flag(p)
     add_config_flags(p)
     p.set_defaults(func=cmd_serve)

@@ -284,6 +284,22 @@ class TraceCfg(_Section, frozen=True):
         msgspec.structs.force_setattr(self, "route_trace_layers", tuple(sorted(set(self.route_trace_layers))))
 
 
+# --------------------------------------------------------------------------- distributed (issue 28)
+# Kept apart from the sections above so that concurrent additions to them merge cleanly.
+
+
+class DistributedCfg(_Section, frozen=True):
+    """Pipeline parallel over `mx.distributed` (docs/distributed.md): each rank runs a range of layers."""
+
+    enabled: Annotated[bool, _doc("run as one rank of an mx.distributed group (started by mlx.launch)")] = False
+    # A rank named in the hostfile that never starts would leave the others in MLX's connect forever.
+    connect_timeout_s: Annotated[NonNegFloat, _doc("give up when the ring is not connected after N s (0 = never)")] = 60.0
+    # MLX's ring recv cannot be interrupted: a peer that hangs without closing its socket is only
+    # noticed by a deadline, and then the process exits (docs/distributed.md, "Failures").
+    step_timeout_s: Annotated[NonNegFloat, _doc("exit when a step's answer from another rank takes over N s "
+                                                "(0 = never)")] = 600.0
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """qnpipe's whole configuration. Build it with ``config.load``; derive variants with ``config.with_overrides``."""
 
@@ -299,6 +315,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     kv: Annotated[KvCfg, _doc("KV quantization")] = msgspec.field(default_factory=KvCfg)
     diag: Annotated[DiagCfg, _doc("diagnostics")] = msgspec.field(default_factory=DiagCfg)
     trace: Annotated[TraceCfg, _doc("trace output")] = msgspec.field(default_factory=TraceCfg)
+    distributed: Annotated[DistributedCfg, _doc("pipeline parallel over mx.distributed")] = msgspec.field(
+        default_factory=DistributedCfg)
 
     def fingerprint(self) -> str:
         """The sha256 hex digest of this config's canonical JSON (sorted keys).

@@ -32,6 +32,7 @@ from qnpipe.model.args import ModelArgs, model_id
 from qnpipe.model.checkpoint import Layout
 from qnpipe.model.runner import Runner
 from qnpipe.model.slots import LayerSlots, make_layer_slots
+from qnpipe.model.stage import Stage
 from qnpipe.model.stepper import MlxBackend
 from qnpipe.policy.predict import predict_targets
 from qnpipe.steps import Event, PartGrant, PredictPlan, Tail
@@ -64,17 +65,19 @@ class Core:
     streaming: Streaming | None
     backend: MlxBackend
     mtp: Any = None  # the MTP head (qnpipe.model.mtp.MtpHead) when `mtp.enabled` and the model has one
+    stage: Stage | None = None  # pipeline parallel: this rank's layers (qnpipe.model.stage)
 
     @property
     def args(self) -> ModelArgs:
         return self.runner.loaded.args
 
 
-def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None) -> Core:
+def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None, stage: Stage | None = None) -> Core:
     """Load the model and, when its experts stream, the pool's memory and reader. MLX thread only.
 
     `reader` replaces the SSD reader made from `cfg.read` (fault injection, slow devices);
-    the engine closes it with the store.
+    the engine closes it with the store. `stage` (pipeline parallel): only its layers, their
+    weights, slots and pool.
     """
     from qnpipe.io.ssd import SsdReader
     from qnpipe.model.args import read_config
@@ -85,7 +88,7 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
     stream = not cfg.pool.eager_load and is_qnpipe_dir(model_dir, read_config(model_dir))
     runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
                     expert_dir=cfg.model.expert_dir or None, resident_experts=not stream,
-                    verify=cfg.read.verify_crc32, topk_override=cfg.forward.moe_topk_override)
+                    verify=cfg.read.verify_crc32, topk_override=cfg.forward.moe_topk_override, stage=stage)
     if (k := cfg.forward.moe_topk_override) is not None:
         _override_topk(runner, k)
     if cfg.kv.quantize:
@@ -98,11 +101,13 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
         if asked and not cfg.pool.eager_load and runner.loaded.layout is not Layout.QNPIPE:
             warnings.warn(f"{model_dir} has no expert store: every expert is resident "
                           f"(`qnpipe convert` makes a directory whose experts stream)", stacklevel=2)
-        return Core(cfg, runner, None, MlxBackend(runner.loaded.model, None), mtp)
+        return Core(cfg, runner, None, MlxBackend(runner.loaded.model, None), mtp, stage)
     args = runner.loaded.args
     store = ExpertStore.open(cfg.model.expert_dir or model_dir)
     try:
         caps = layer_capacities(cfg, args)
+        if stage is not None:
+            caps = {layer: cap for layer, cap in caps.items() if stage.holds(layer)}
         side = side_slots(cfg)
         # One stacked array per layer holds the resident slots and, after them, the side region.
         slots = {layer: make_layer_slots(store.layer_file(layer), cap + side) for layer, cap in caps.items()}
@@ -120,11 +125,13 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None)
     streaming = Streaming(store, reader, slots, caps, mtp_layer)
     plan = None
     if cfg.predict.cross_layer_prefetch:
-        plan = PredictPlan(predict_targets(args.moe_layers, cfg.predict), cfg.predict.width_experts,
+        # A rank predicts for its own layers only: it has no other layer's gate.
+        local = tuple(layer for layer in args.moe_layers if stage is None or stage.holds(layer))
+        plan = PredictPlan(predict_targets(local, cfg.predict), cfg.predict.width_experts,
                            cfg.predict.use_moe_input)
     traced = bool(cfg.trace.event_log_path or cfg.trace.route_trace)
     backend = MlxBackend(runner.loaded.model, {layer: s.experts for layer, s in slots.items()}, plan, traced)
-    return Core(cfg, runner, streaming, backend, mtp)
+    return Core(cfg, runner, streaming, backend, mtp, stage)
 
 
 def _load_mtp(cfg: Config, runner: Runner, model_dir: Path, resident: bool) -> tuple[Any, Path]:
@@ -215,7 +222,8 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
         nbytes[st.mtp.layer] = st.mtp.file.record_nbytes
     autopin = Autopin.open(core.cfg, model_id(core.args), core.args.num_experts_per_tok,
                            num_experts=core.args.num_experts,
-                           layers=(*core.args.moe_layers, core.args.num_hidden_layers))  # + the MTP layer
+                           layers=(*core.args.moe_layers, core.args.num_hidden_layers)  # + the MTP layer
+                           if core.stage is None else tuple(st.capacities))
 
     async def check_bytes(layer: int, experts: tuple[int, ...], slots: tuple[int, ...]) -> None:
         if st.mtp is not None and layer == st.mtp.layer:

@@ -14,7 +14,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import trio
-from mlx_lm.sample_utils import make_sampler
 
 from qnpipe.actors.forward import Forward
 from qnpipe.live.mlx_thread import MLXThread, run_on
@@ -22,6 +21,7 @@ from qnpipe.live.prefix import PrefixCache
 from qnpipe.live.prefix import resume as resume_prefix
 from qnpipe.model.decode import chunks
 from qnpipe.model.qwen3_next import Model
+from qnpipe.model.tails import Logits, Sampling, Settle
 from qnpipe.stats import FinishReason, GenerateResult, GenerateStats
 
 TextCallback = Callable[[str], None]
@@ -31,10 +31,7 @@ async def logits(fwd: Forward, thread: MLXThread, model: Model, tokens: Sequence
     """Logits `(L, V)` float32 of a fresh sequence, prefilled `chunk` tokens at a time (0 = all)."""
     cache = await run_on(thread, model.make_cache)
     ids = await run_on(thread, _ids, tokens)
-
-    def tail(h: mx.array) -> np.ndarray:
-        return np.array(model.head(h)[0].astype(mx.float32))
-
+    tail = Logits(model, last_only=False)
     out = [await fwd.run(_span(ids, lo, hi), cache, tail) for lo, hi in chunks(len(tokens), chunk)]
     return np.concatenate(out, axis=0) if len(out) > 1 else out[0]
 
@@ -48,13 +45,7 @@ async def next_logits(fwd: Forward, thread: MLXThread, model: Model, tokens: Seq
     if plan is not None:
         await resume_prefix(thread, plan, cache)
     spans = plan.spans if plan is not None else chunks(len(tokens), chunk)
-
-    def tail(h: mx.array) -> np.ndarray:
-        return np.array(model.head(h[:, -1, :])[0].astype(mx.float32))
-
-    def settle(h: mx.array) -> None:
-        mx.eval(h, [c.state for c in cache])
-
+    tail, settle = Logits(model, last_only=True), Settle(cache)
     out: Any = None
     for i, (lo, hi) in enumerate(spans):
         out = await fwd.run(_span(ids, lo, hi), cache, tail if i == len(spans) - 1 else settle)
@@ -76,34 +67,13 @@ def _next_input(y: mx.array) -> Callable[[], mx.array]:
     return lambda: y.reshape(1, 1)
 
 
-class _Sampling:
-    """The sampler and the tails that use it (MLX thread)."""
-
-    def __init__(self, model: Model, cache: list[Any], temperature: float, top_p: float, seed: int | None):
-        if seed is not None:
-            mx.random.seed(seed)
-        self.model = model
-        self.cache = cache
-        self.sampler = make_sampler(temp=temperature, top_p=top_p if 0.0 < top_p < 1.0 else 0.0)
-
-    def sample(self, h: mx.array) -> mx.array:
-        """The next token from the last position of `h`, queued, not waited for."""
-        logits = self.model.head(h[:, -1, :])[0]
-        y = self.sampler(logits - mx.logsumexp(logits, keepdims=True))
-        mx.async_eval(y)
-        return y
-
-    def settle(self, h: mx.array) -> None:
-        mx.eval(h, [c.state for c in self.cache])
-
-
 def _item(y: mx.array) -> int:
     return int(y.item())  # pyright: ignore[reportArgumentType]  # a token id: an integer scalar
 
 
-def _start(model: Model, temperature: float, top_p: float, seed: int | None) -> _Sampling:
+def _start(model: Model, temperature: float, top_p: float, seed: int | None) -> Sampling:
     mx.reset_peak_memory()
-    return _Sampling(model, model.make_cache(), temperature, top_p, seed)
+    return Sampling(model, model.make_cache(), temperature, top_p, seed)
 
 
 class Output:

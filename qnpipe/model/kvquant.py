@@ -74,7 +74,10 @@ def model_bytes_per_token(model: Any, kv_cfg: KvCfg | None) -> int:
     """`bytes_per_token` of a loaded Model (its activations' dtype: the final norm's)."""
     args = model.args
     n_fa = sum(not args.is_linear(i) for i in range(args.num_hidden_layers))
-    return bytes_per_token(n_fa, args.num_key_value_heads, args.head_dim, model.model.norm.weight.dtype.size, kv_cfg)
+    norm = model.model.norm
+    if "weight" not in norm:  # a rank without the final norm (pipeline parallel): its layers' dtype is the same
+        norm = next(layer.input_layernorm for layer in model.model.layers if "input_layernorm" in layer)
+    return bytes_per_token(n_fa, args.num_key_value_heads, args.head_dim, norm.weight.dtype.size, kv_cfg)
 
 
 class RotatedQuantizedKVCache:

@@ -28,6 +28,7 @@ from qnpipe.model.checkpoint import (
 )
 from qnpipe.model.experts import PROJS, LayerExperts, ProjWeights, ResidentExperts
 from qnpipe.model.qwen3_next import Model
+from qnpipe.model.stage import Stage, prune
 
 
 @attrs.define
@@ -121,7 +122,7 @@ def open_store(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None) ->
 
 
 def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None, *,
-                   verify: bool = False) -> ResidentExperts:
+                   verify: bool = False, stage: Stage | None = None) -> ResidentExperts:
     """Every expert of a store (a model dir or its experts dir), stacked `[E, ...]` per projection (slot == expert id).
 
     The index must agree with the model (`store_check.check_against_model`, the check
@@ -131,6 +132,8 @@ def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None
     with open_store(args, store_dir, qcfg) as store:
         layers: dict[int, LayerExperts] = {}
         for layer in args.moe_layers:
+            if stage is not None and not stage.holds(layer):
+                continue
             lf = store.layer_file(layer)
             arrays = store.read_layer(layer, verify=verify)
             dtypes = {t.name: t.dtype for t in lf.tensors}
@@ -222,7 +225,8 @@ def check_cpu_dtype(model_dir: Path, infos: dict[str, TensorInfo], qnpipe_dir: b
 
 
 def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None, verify: bool = False,
-               topk_override: int | None = None, resident_experts: bool = True) -> LoadedModel:
+               topk_override: int | None = None, resident_experts: bool = True,
+               stage: Stage | None = None) -> LoadedModel:
     """Load `model_dir` (original HF, mlx-lm, or qnpipe layout) with every expert resident.
 
     `resident_experts` False (qnpipe layout only) loads everything but the routed experts,
@@ -233,6 +237,8 @@ def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None, v
     model id must match `model_dir`'s config. `verify` (config `read.verify_crc32`) checks
     every expert record's crc32 as a qnpipe store is read; off, the disk is trusted.
     `topk_override` (config `forward.moe_topk_override`) is only range-checked here.
+    `stage` (pipeline parallel) loads only that rank's layers, embedding and head
+    (qnpipe.model.stage): the other tensors are never read.
 
     Raises CheckpointError naming the file and tensor for a wrong model_type, missing or
     unexpected tensors, shape mismatches and truncated or corrupt safetensors files;
@@ -263,7 +269,7 @@ def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None, v
         mtp = load_tensors(read_header(mtp_file)) if os.path.lexists(mtp_file) else {}
         store_dir = Path(expert_dir) if expert_dir else model_dir
         if resident_experts:
-            experts = _store_experts(args, store_dir, qcfg, verify=verify)
+            experts = _store_experts(args, store_dir, qcfg, verify=verify, stage=stage)
         else:
             open_store(args, store_dir, qcfg).close()
             experts = ResidentExperts({})
@@ -277,7 +283,13 @@ def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None, v
             if args.tie_word_embeddings:
                 weights.pop("lm_head.weight", None)
         experts = _expert_weights(args, weights, qcfg, infos)
+        if stage is not None:
+            experts = ResidentExperts({k: v for k, v in experts.layers.items() if stage.holds(k)})
     model = Model(args)
+    if stage is not None:
+        # mx.load is lazy: the tensors dropped here are never read from disk.
+        weights = {k: v for k, v in weights.items() if stage.keeps(k, args.tie_word_embeddings)}
+        prune(model, stage)
     if qcfg is not None:
         _quantize_skeleton(model, qcfg, weights)
     _check_and_load(model, weights, infos, model_dir)

@@ -21,6 +21,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from qnpipe.model.args import ModelArgs
 from qnpipe.model.experts import ExpertSource
 from qnpipe.model.kvquant import RotatedQuantizedKVCache
+from qnpipe.model.stage import Remote
 from qnpipe.model.step_cache import StepCache
 
 
@@ -287,7 +288,9 @@ class Model(nn.Module):
 
     def make_cache(self) -> list[Any]:
         kv = self.kv_factory or KVCache
-        return [ArraysCache(size=2) if layer.is_linear else kv() for layer in self.layers]
+        # A layer another rank runs (pipeline parallel) has no cache here.
+        return [None if isinstance(layer, Remote) else ArraysCache(size=2) if layer.is_linear else kv()
+                for layer in self.layers]
 
     def attach_experts(self, source: ExpertSource) -> None:
         """Route every MoE block's expert calls to `source`."""

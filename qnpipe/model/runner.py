@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from qnpipe.model.load import LoadedModel, load_model
+from qnpipe.model.stage import Stage
 
 
 class Runner:
@@ -19,10 +20,10 @@ class Runner:
 
     def __init__(self, model_dir: str | Path, *, prefill_chunk: int, tokenizer: bool = True,
                  expert_dir: str | Path | None = None, resident_experts: bool = True, verify: bool = False,
-                 topk_override: int | None = None):
+                 topk_override: int | None = None, stage: Stage | None = None):
         self.model_dir = Path(model_dir)
         self.loaded: LoadedModel = load_model(model_dir, expert_dir=expert_dir, resident_experts=resident_experts,
-                                              verify=verify, topk_override=topk_override)
+                                              verify=verify, topk_override=topk_override, stage=stage)
         self.prefill_chunk = prefill_chunk
         self.tokenizer: Any = None
         if tokenizer and _has_tokenizer(self.model_dir):

@@ -32,6 +32,7 @@ import numpy as np
 
 from qnpipe.model.experts import LayerExperts, switch_glu
 from qnpipe.model.qwen3_next import Model, SparseMoeBlock
+from qnpipe.model.stage import Remote
 from qnpipe.steps import Event, LayerRoute, PartDone, PartGrant, PredictPlan, Queued, StepDone, Tail
 
 
@@ -43,11 +44,17 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
     `weights`: also hand the router's gate weights to the host (the event log records them).
 
     `slots` None: the experts attached to the model run in place (all resident, no yields).
+
+    Pipeline parallel (qnpipe.model.stage): a rank after the first gets the previous rank's
+    hidden state `[B, L, H]` as `inputs`, runs its own layers only, and a rank before the last
+    returns its last layer's output (its final norm passes it through).
     """
     m = model.model
-    h = m.embed_tokens(inputs)
+    h = inputs if inputs.ndim == 3 else m.embed_tokens(inputs)
     fa_mask, ssm_mask = m.masks(h, cache)
     for i, (layer, c) in enumerate(zip(m.layers, cache, strict=True)):
+        if isinstance(layer, Remote):
+            continue
         h = layer.mix(h, ssm_mask if layer.is_linear else fa_mask, c)
         moe = layer.mlp
         if slots is None or not isinstance(moe, SparseMoeBlock):
@@ -200,6 +207,9 @@ class MlxBackend:
         self.weights = weights
         self._gen: Generator[LayerRoute | PartDone | Queued, PartGrant, Any] | None = None
         self._tail: Tail | None = None
+        # Pipeline parallel on rank 0 (qnpipe.live.parallel.lead): turns a step's tail into a pass
+        # around the ring, (tail, cache) -> the tail rank 0 runs.
+        self.ring_tail: Callable[[Tail, list[Any]], Tail] | None = None
 
     def begin(self, inputs: Callable[[], mx.array], cache: list[Any], tail: Tail) -> Event:
         """Start a step on `inputs() [B, L]` (uint32, built here) and run it to its first yield."""
@@ -210,7 +220,7 @@ class MlxBackend:
             self._gen = mtp_steps(self.model, self.slots, x, self.weights)
         else:
             self._gen = forward_steps(self.model, self.slots, x, cache, self.plan, self.weights)
-        self._tail = tail
+        self._tail = tail if self.ring_tail is None else self.ring_tail(tail, cache)
         return self._advance(None)
 
     def resume(self, grant: PartGrant) -> Event:

@@ -151,20 +151,31 @@ def run_server(model_dir: str | Path, cfg: Config, opts: ServerOptions,
     """Open the engine on `model_dir` and serve it until SIGINT or SIGTERM (blocking).
 
     The port is bound first: a port in use is a QnpipeError before the model loads.
+    With `distributed.enabled` only rank 0 binds and serves; the other ranks serve its steps
+    until it stops (docs/distributed.md).
     """
     check_options(opts)
-    sockets = bind(opts)
+    follower = False
+    if cfg.distributed.enabled:
+        from qnpipe.config.launch import launch_rank
+
+        follower = bool(launch_rank()[0])
+    sockets = None if follower else bind(opts)
 
     async def main() -> None:
         from qnpipe.embed import open_engine
 
-        async with open_engine(model_dir, cfg) as eng, trio.open_nursery() as nursery:
-            binds = await nursery.start(partial(serve_engine, eng, model_dir, opts, sockets=sockets))
-            if on_ready is not None:
-                on_ready(binds)
+        async with open_engine(model_dir, cfg) as eng:
+            if eng.rank:
+                return
+            assert sockets is not None
+            async with trio.open_nursery() as nursery:
+                binds = await nursery.start(partial(serve_engine, eng, model_dir, opts, sockets=sockets))
+                if on_ready is not None:
+                    on_ready(binds)
 
     try:
         trio.run(main)
     finally:
-        for sock in sockets.insecure_sockets:
+        for sock in sockets.insecure_sockets if sockets is not None else ():
             sock.close()

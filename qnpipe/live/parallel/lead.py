@@ -1,0 +1,103 @@
+"""Rank 0's side of a step: its layers' output goes around the ring, the step's value comes back.
+
+`Lead.tail` replaces a step's tail (qnpipe.model.tails) in `MlxBackend.begin`: the decoding loops
+(qnpipe.live.decoding) run unchanged, each step one pass around the ring, its tail run by the
+last rank (`follow`). MLX thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from qnpipe.errors import DistributedError
+from qnpipe.live.parallel.ring import Header, Op, Ring, dtype_code
+from qnpipe.model.tails import TailKind
+
+
+def result_shape(kind: int, rows: int, vocab: int) -> tuple[int, ...]:
+    """The shape of the value the last rank sends back for a step of `rows` rows."""
+    match kind:
+        case TailKind.LOGITS:
+            return (rows, vocab)
+        case TailKind.LAST_LOGITS:
+            return (vocab,)
+        case TailKind.SAMPLE:
+            return (1,)
+    raise AssertionError(f"a {TailKind(kind).name} step has no value")
+
+
+class Lead:
+    def __init__(self, ring: Ring, vocab_size: int, forward: Any = None) -> None:
+        self.ring = ring
+        self.vocab = vocab_size
+        # The forward actor (qnpipe.actors.forward.Forward) whose stall watchdog must not count the
+        # other ranks' work as this step's stall: the ring's own deadline covers that wait.
+        self.forward = forward
+        # Settle steps (prefill chunks but the last) do not wait for their answer: the next chunk
+        # runs here while later ranks run this one. Their answers are read, in order, before the
+        # next answer that carries a value.
+        self._unread = 0
+        # The sequence the last step was of: a step on another cache starts a new one on every rank.
+        self._cache: list[Any] | None = None
+
+    def tail(self, tail: Callable[[mx.array], Any], cache: list[Any]) -> Callable[[mx.array], Any]:
+        kind = getattr(tail, "kind", None)
+        if kind is None:
+            raise DistributedError(f"this step's end ({tail!r}) does not run distributed yet "
+                                   f"(MTP speculation and prefix snapshots are off with distributed.enabled)")
+        fresh = cache is not self._cache
+        self._cache = cache
+        sampling = getattr(tail, "sampling", None)
+        seed = -1 if sampling is None or sampling.seed is None else int(sampling.seed)
+        temperature = 0.0 if sampling is None else float(sampling.temperature)
+        top_p = 1.0 if sampling is None else float(sampling.top_p)
+        ring = self.ring
+
+        def around(h: mx.array) -> Any:
+            header = Header(Op.STEP, rows=h.shape[1], kind=int(kind), fresh=fresh, dtype=dtype_code(h), seed=seed,
+                            temperature=temperature, top_p=top_p)
+            if self.forward is not None:
+                self.forward.busy = False  # an attribute store: safe from this thread; run() resets it
+            ring.send(header, h, ring.next)
+            if kind == TailKind.SETTLE:
+                mx.eval([c.state for c in cache if c is not None])
+                self._unread += 1
+                return None
+            self._read_settled()
+            back, value = self._answer()
+            assert value is not None and back.kind == kind, back
+            if kind == TailKind.SAMPLE:
+                return value.reshape(())
+            return np.array(value)
+
+        return around
+
+    def _answer(self) -> tuple[Header, mx.array | None]:
+        ring = self.ring
+        back, value = ring.recv(ring.prev, lambda hd: result_shape(hd.kind, hd.rows, self.vocab))
+        if back.op is Op.FAIL:
+            assert ring.broken is not None
+            raise ring.broken
+        if back.op is not Op.RESULT:
+            raise DistributedError(f"rank 0: rank {ring.prev} answered a step with {back.op.name}")
+        return back, value
+
+    def _read_settled(self) -> None:
+        while self._unread:
+            back, _ = self._answer()
+            assert back.kind == TailKind.SETTLE, back
+            self._unread -= 1
+
+    def close(self) -> None:
+        """Stop the other ranks (they leave their loops) and wait until the last one has."""
+        if self.ring.broken is not None:
+            return
+        self._read_settled()
+        self.ring.send(Header(Op.STOP), None, self.ring.next)
+        back, _ = self.ring.recv(self.ring.prev, lambda hd: (0,))
+        if back.op is not Op.STOP:
+            raise DistributedError(f"rank 0: rank {self.ring.prev} answered the stop with {back.op.name}")

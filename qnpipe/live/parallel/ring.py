@@ -1,0 +1,227 @@
+"""The ranks' messages over `mx.distributed` (MLX thread only).
+
+Every message is a header (`HEADER` int64: op, rows or rank, tail kind, fresh, payload dtype,
+seed, temperature and top-p as float64 bits) and, for a step or a result, one array. A step
+goes from rank r to r + 1 with the hidden state `[1, L, H]`; the last rank sends the step's
+value (a token, logits, or nothing) to rank 0: in a ring both are neighbours.
+
+Each message is one frame of `frame_bytes` (the header, then the array's bytes when they fit:
+a decode step's hidden state or a token), so a decode step costs one MLX send and recv per hop;
+a larger array (a prefill chunk, logits) follows its header as a message of its own. Every
+MLX ring message has a fixed cost (≈ 1 ms on a loaded 2-core VM: two messages per hop doubled
+the hand-off).
+
+Once a send or a recv fails MLX's ring cannot be used again (later calls block), so the first
+failure is kept and raised by every later call. A rank that loses its previous rank tells the
+next one (`FAIL` naming the lost rank), so rank 0 names the rank that died, not its neighbour.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+import threading
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from qnpipe.errors import DistributedError
+from qnpipe.live.parallel.deadman import Deadman, outside
+
+HEADER = 8
+HEADER_BYTES = HEADER * 8
+
+
+class Op(enum.IntEnum):
+    STEP = 1
+    STOP = 2
+    FAIL = 3
+    RESULT = 4
+
+
+DTYPES: tuple[mx.Dtype, ...] = (mx.float32, mx.bfloat16, mx.float16, mx.uint32, mx.int32)
+
+
+@attrs.frozen
+class Header:
+    op: Op
+    rows: int = 0  # the step's rows; for FAIL, the rank that was lost
+    kind: int = 0  # qnpipe.model.tails.TailKind
+    fresh: bool = False  # the first step of a new sequence: a new cache
+    dtype: int = -1  # index in DTYPES of the array that follows, -1 = none
+    seed: int = -1
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def encode(self) -> mx.array:
+        floats = np.array([self.temperature, self.top_p], dtype=np.float64).view(np.int64)
+        return mx.array(np.array([int(self.op), self.rows, self.kind, int(self.fresh), self.dtype, self.seed,
+                                  *floats.tolist()], dtype=np.int64))
+
+    @classmethod
+    def decode(cls, a: np.ndarray) -> Header:
+        t, p = a[6:8].astype(np.int64).view(np.float64).tolist()
+        return cls(Op(int(a[0])), int(a[1]), int(a[2]), bool(a[3]), int(a[4]), int(a[5]), t, p)
+
+
+def dtype_code(a: mx.array) -> int:
+    return DTYPES.index(a.dtype)
+
+
+_lock = threading.Lock()
+_ring: Ring | None = None
+
+
+class Ring:
+    """This process's rank in the group; one per process, shared by its engines."""
+
+    def __init__(self, group: Any, deadman: Deadman, step_timeout_s: float) -> None:
+        self.group = group
+        self.rank: int = group.rank()
+        self.size: int = group.size()
+        self.deadman = deadman
+        self.step_timeout_s = step_timeout_s
+        self.broken: DistributedError | None = None
+        # Every rank must use the same: set from the model (`fit`) before the first step.
+        self.frame_bytes = HEADER_BYTES + 64
+
+    def fit(self, hidden_size: int) -> None:
+        """Frames that hold one row of a float32 hidden state of `hidden_size` after the header."""
+        self.frame_bytes = HEADER_BYTES + 4 * hidden_size
+
+    @classmethod
+    def connect(cls, connect_timeout_s: float, step_timeout_s: float) -> Ring:
+        """Join the group `mlx.launch` set up (MLX reads MLX_RANK / MLX_HOSTFILE), once per process."""
+        global _ring
+        with _lock:
+            if _ring is None:
+                deadman = Deadman()
+                with outside(connect_timeout_s, _never_connected(connect_timeout_s)):
+                    try:
+                        group = mx.distributed.init(strict=True, backend="ring")
+                    except RuntimeError as e:
+                        raise DistributedError(f"cannot join the mx.distributed ring ({e}); start every rank "
+                                               f"with mlx.launch --backend ring (docs/distributed.md)") from None
+                _ring = cls(group, deadman, step_timeout_s)
+            _ring.step_timeout_s = step_timeout_s
+            return _ring
+
+    @property
+    def prev(self) -> int:
+        return (self.rank - 1) % self.size
+
+    @property
+    def next(self) -> int:
+        return (self.rank + 1) % self.size
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise self.broken
+
+    def _fail(self, peer: int, what: str, e: Exception) -> DistributedError:
+        self.broken = DistributedError(f"rank {self.rank}: {what} rank {peer} failed: rank {peer} was lost ({e})")
+        return self.broken
+
+    def send(self, header: Header, payload: mx.array | None, to: int) -> None:
+        """`header` then `payload` to rank `to` (each evaluated: the socket order is theirs)."""
+        self._check()
+        head = mx.view(header.encode(), mx.uint8)
+        inline = payload is not None and HEADER_BYTES + payload.nbytes <= self.frame_bytes
+        parts = [head, mx.view(payload, mx.uint8).reshape(-1)] if inline and payload is not None else [head]
+        pad = self.frame_bytes - sum(p.size for p in parts)
+        frame = mx.concatenate([*parts, mx.zeros((pad,), dtype=mx.uint8)]) if pad else mx.concatenate(parts)
+        try:
+            with self.deadman.waiting(self.step_timeout_s, f"rank {self.rank}: sending to rank {to} took over "
+                                      f"{self.step_timeout_s} s (distributed.step_timeout_s); stopping"):
+                mx.eval(mx.distributed.send(frame, to, group=self.group))
+                if payload is not None and not inline:
+                    mx.eval(mx.distributed.send(payload, to, group=self.group))
+        except RuntimeError as e:
+            raise self._fail(to, "sending to", e) from None
+
+    def recv(self, frm: int, shape_of: Any, idle: bool = False) -> tuple[Header, mx.array | None]:
+        """A header from rank `frm` and its array, whose shape is `shape_of(header)`.
+
+        `idle`: waiting for the next request may take any time (no deadline); a step's answer has one.
+        A `FAIL` header raises DistributedError naming the rank that was lost.
+        """
+        self._check()
+        timeout = 0.0 if idle else self.step_timeout_s
+        try:
+            with self.deadman.waiting(timeout, f"rank {self.rank}: no answer from rank {frm} in {timeout} s "
+                                      f"(distributed.step_timeout_s): rank {frm} or one before it hangs; stopping"):
+                frame = mx.distributed.recv((self.frame_bytes,), mx.uint8, frm, group=self.group)
+                mx.eval(frame)
+                header = Header.decode(np.array(frame[:HEADER_BYTES]).view(np.int64))
+                if header.op is Op.FAIL:
+                    self.broken = DistributedError(f"rank {self.rank}: rank {header.rows} was lost "
+                                                   f"(reported by rank {frm})")
+                    return header, None
+                payload = None
+                if header.dtype >= 0:
+                    shape, dtype = tuple(shape_of(header)), DTYPES[header.dtype]
+                    nbytes = math.prod(shape) * dtype.size
+                    if HEADER_BYTES + nbytes <= self.frame_bytes:
+                        payload = mx.view(frame[HEADER_BYTES:HEADER_BYTES + nbytes], dtype).reshape(shape)
+                    else:
+                        payload = mx.distributed.recv(shape, dtype, frm, group=self.group)
+                    mx.eval(payload)
+        except RuntimeError as e:
+            raise self._fail(frm, "receiving from", e) from None
+        return header, payload
+
+    def tell_lost(self, lost: int, to: int) -> None:
+        """Best effort: tell rank `to` that rank `lost` is gone (its own link may be down too)."""
+        err, self.broken = self.broken, None
+        try:
+            self.send(Header(Op.FAIL, rows=lost), None, to)
+        except DistributedError:
+            pass
+        self.broken = err
+
+    def check_same_run(self, model_key: str, version: str, split: list[tuple[int, int]]) -> None:
+        """DistributedError naming each rank whose model, qnpipe version or layer split differs from rank 0's."""
+        self._check()
+        parts = [model_key, version, json.dumps(split)]
+        mine = np.array([int.from_bytes(hashlib.blake2b(p.encode(), digest_size=4).digest(), "little") >> 1
+                         for p in parts], dtype=np.int32)
+        try:
+            with self.deadman.waiting(self.step_timeout_s, f"rank {self.rank}: the ranks' start-up check "
+                                      f"took over {self.step_timeout_s} s; stopping"):
+                every = mx.distributed.all_gather(mx.array(mine), group=self.group)
+                mx.eval(every)
+        except RuntimeError as e:
+            self.broken = DistributedError(f"rank {self.rank}: the ranks' start-up check failed ({e})")
+            raise self.broken from None
+        table = np.array(every).reshape(self.size, len(parts))
+        bad = []
+        for r in range(1, self.size):
+            for name, a, b in zip(("model", "qnpipe version", "layer split"), table[0], table[r], strict=True):
+                if a != b:
+                    bad.append(f"rank {r} runs another {name} than rank 0")
+        if bad:
+            raise DistributedError(f"rank {self.rank}: " + "; ".join(bad) +
+                                   " (every rank needs the same model files and qnpipe version)")
+
+
+def _never_connected(timeout_s: float) -> str:
+    from qnpipe.config.launch import launch_rank
+
+    rank, hostfile = launch_rank()
+    peers = "its neighbours in the ring"
+    if rank is not None and hostfile:
+        try:
+            with open(hostfile) as f:
+                n = len(json.load(f))
+            if n > 1:
+                peers = " and ".join(sorted({f"rank {(rank - 1) % n}", f"rank {(rank + 1) % n}"}))
+        except (OSError, ValueError, TypeError):
+            pass
+    who = f"rank {rank}" if rank is not None else "this rank"
+    return (f"{who}: the mx.distributed ring did not connect within {timeout_s} s "
+            f"(distributed.connect_timeout_s): {peers} (MLX_HOSTFILE {hostfile or 'unset'}) never answered; "
+            f"is qnpipe started on every host of the hostfile?")

@@ -1,0 +1,80 @@
+"""The ends of a step (its `Tail`: final hidden states -> the step's value), MLX thread only.
+
+They are classes, not closures, so that pipeline parallel (qnpipe.live.parallel) can say which one
+a step ends with and run it on the rank that holds the LM head (`TailKind`).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import make_sampler
+
+from qnpipe.model.qwen3_next import Model
+
+
+class TailKind(enum.IntEnum):
+    SETTLE = 0
+    LOGITS = 1
+    LAST_LOGITS = 2
+    SAMPLE = 3
+
+
+class Settle:
+    """Evaluate the step and the cache (a prefill chunk that is not the last): bounds the graph."""
+
+    kind = TailKind.SETTLE
+
+    def __init__(self, cache: list[Any]) -> None:
+        self.cache = cache
+
+    def __call__(self, h: mx.array) -> None:
+        mx.eval(h, [c.state for c in self.cache if c is not None])
+
+
+class Logits:
+    """Logits float32 of every row `(L, V)`, or of the last row only `(V,)`."""
+
+    def __init__(self, model: Model, last_only: bool) -> None:
+        self.model = model
+        self.last_only = last_only
+        self.kind = TailKind.LAST_LOGITS if last_only else TailKind.LOGITS
+
+    def __call__(self, h: mx.array) -> np.ndarray:
+        return np.array(self.model.head(h[:, -1, :] if self.last_only else h)[0].astype(mx.float32))
+
+
+class Sampling:
+    """The sampler of one generation (seeded here, as it starts) and its settle tail."""
+
+    def __init__(self, model: Model, cache: list[Any], temperature: float, top_p: float, seed: int | None):
+        if seed is not None:
+            mx.random.seed(seed)
+        self.model = model
+        self.cache = cache
+        self.temperature, self.top_p, self.seed = temperature, top_p, seed
+        self.sampler = make_sampler(temp=temperature, top_p=top_p if 0.0 < top_p < 1.0 else 0.0)
+        self.sample = Sample(self)
+        self.settle = Settle(cache)
+
+    def next_token(self, h: mx.array) -> mx.array:
+        """The next token from the last position of `h`, queued, not waited for."""
+        logits = self.model.head(h[:, -1, :])[0]
+        y = self.sampler(logits - mx.logsumexp(logits, keepdims=True))
+        mx.async_eval(y)
+        return y
+
+
+class Sample:
+    """The tail of a step whose last row's token is sampled: `Sampling.next_token`."""
+
+    kind = TailKind.SAMPLE
+
+    def __init__(self, sampling: Sampling) -> None:
+        self.sampling = sampling
+
+    def __call__(self, h: mx.array) -> mx.array:
+        return self.sampling.next_token(h)

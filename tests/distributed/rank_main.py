@@ -1,0 +1,51 @@
+"""One rank of a test ring: `python rank_main.py MODEL_DIR OUT.npz SCENARIO.json` (MLX_RANK, MLX_HOSTFILE set).
+
+Rank 0 runs each engine setting of the scenario through `open_engine(distributed=True)` and saves
+what it produced; the other ranks serve it. `"loop": true` (the last engine only) then keeps rank 0
+generating until the ring fails (the killed-rank test), printing `generating` once it has begun.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import numpy as np
+import trio
+
+from qnpipe.errors import DistributedError
+
+
+async def main(model_dir: str, out: str, scenario: dict) -> int:
+    from qnpipe import open_engine
+
+    saved: dict[str, Any] = {}
+    for name, overrides in scenario["engines"].items():
+        async with open_engine(model_dir, distributed=True, **overrides) as eng:
+            if eng.rank:
+                continue
+            prompt = scenario["prompt"]
+            saved[f"{name}.logits"] = await eng.logits(prompt)
+            saved[f"{name}.next"] = await eng.next_logits(prompt)
+            greedy = await eng.generate(prompt, max_tokens=scenario["tokens"], stop_at_eos=False)
+            saved[f"{name}.greedy"] = np.array(greedy.tokens)
+            sampled = await eng.generate(prompt, max_tokens=scenario["tokens"], temperature=0.8, seed=3,
+                                         stop_at_eos=False)
+            saved[f"{name}.sampled"] = np.array(sampled.tokens)
+            if scenario.get("loop") and name == list(scenario["engines"])[-1]:
+                np.savez(out, **saved)
+                print("generating", flush=True)
+                while True:
+                    await eng.generate(prompt, max_tokens=64, stop_at_eos=False)
+    if saved:
+        np.savez(out, **saved)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(trio.run(main, sys.argv[1], sys.argv[2], json.loads(open(sys.argv[3]).read())))
+    except* DistributedError as group:
+        print(f"DistributedError: {group.exceptions[0]}", file=sys.stderr, flush=True)
+        sys.exit(3)

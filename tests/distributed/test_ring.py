@@ -1,0 +1,157 @@
+"""Pipeline parallel over mx.distributed's ring backend on localhost: the test starts the ranks itself
+(MLX_RANK, MLX_HOSTFILE on free ports, as mlx.launch would) and bounds every wait."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+import trio
+
+RANK_MAIN = Path(__file__).with_name("rank_main.py")
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+# A pool of top-k slots per layer (the tiny model's top-k is 4) and prefill in chunks: every path streams.
+# The last one streams: the killed-rank test kills a rank while it generates with it.
+ENGINES = {"resident": {"eager_load": True, "prefill_chunk_tokens": 0},
+           "stream": {"expert_slots": 4, "prefill_chunk_tokens": 5}}
+SCENARIO = {"prompt": PROMPT, "tokens": 6, "engines": ENGINES}
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _start(ranks: int, model_dir: Path, tmp: Path, scenario: dict, *, only: list[int] | None = None,
+           env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
+    hostfile = tmp / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(ranks)]))
+    (tmp / "scenario.json").write_text(json.dumps(scenario))
+    procs = []
+    for r in only if only is not None else range(ranks):
+        e = {k: v for k, v in os.environ.items() if not k.startswith(("QNPIPE_", "MLX_"))}
+        e.update(MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile), **(env or {}))
+        procs.append(subprocess.Popen([sys.executable, str(RANK_MAIN), str(model_dir), str(tmp / f"out{r}.npz"),
+                                       str(tmp / "scenario.json")], env=e, cwd=tmp, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[tuple[int, str]]:
+    deadline = time.monotonic() + timeout_s
+    out = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            out.append((p.returncode, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_qn4: Path) -> dict[str, np.ndarray]:
+    """What one process makes of SCENARIO."""
+    from qnpipe import open_engine
+
+    async def run() -> dict[str, np.ndarray]:
+        saved = {}
+        for name, over in ENGINES.items():
+            async with open_engine(tiny_qn4, **over) as eng:
+                saved[f"{name}.logits"] = await eng.logits(PROMPT)
+                saved[f"{name}.next"] = await eng.next_logits(PROMPT)
+                res = await eng.generate(PROMPT, max_tokens=6, stop_at_eos=False)
+                saved[f"{name}.greedy"] = np.array(res.tokens)
+                res = await eng.generate(PROMPT, max_tokens=6, temperature=0.8, seed=3, stop_at_eos=False)
+                saved[f"{name}.sampled"] = np.array(res.tokens)
+        return saved
+
+    return trio.run(run)
+
+
+def _check_bits(tmp: Path, results: list[tuple[int, str]], one_process: dict[str, np.ndarray]) -> None:
+    got = np.load(tmp / "out0.npz")
+    assert sorted(got.files) == sorted(one_process)
+    for key, want in one_process.items():
+        assert got[key].dtype == want.dtype and np.array_equal(got[key], want), key
+    assert not (tmp / "out1.npz").exists(), "only rank 0 writes"
+
+
+def test_two_ranks_give_one_process_bits_streamed_and_resident(tiny_qn4: Path, tmp_path: Path,
+                                                                one_process: dict[str, np.ndarray]) -> None:
+    results = _finish(_start(2, tiny_qn4, tmp_path, SCENARIO), timeout_s=180)
+    for r, (rc, err) in enumerate(results):
+        assert rc == 0, f"rank {r} exited {rc}:\n{err[-3000:]}"
+    _check_bits(tmp_path, results, one_process)
+
+
+@attrs.frozen
+class KilledRun:
+    tmp: Path
+    first: str  # rank 0's first line: "generating" once its results are saved
+    stop_s: float  # from the kill until ranks 0 and 2 had exited
+    after: list[tuple[int, str]]  # (exit code, stderr) of ranks 0 and 2
+
+
+@pytest.fixture(scope="module")
+def three_ranks_then_one_killed(tiny_qn4: Path, tmp_path_factory: pytest.TempPathFactory) -> KilledRun:
+    """Three ranks run SCENARIO (rank 0 saves it), then rank 0 generates on until rank 1 is killed.
+
+    One set of processes for both tests below: each rank's start-up (imports) costs seconds."""
+    tmp = tmp_path_factory.mktemp("three")
+    procs = _start(3, tiny_qn4, tmp, {**SCENARIO, "loop": True})
+    try:
+        assert procs[0].stdout is not None
+        # Until rank 0 generates (or exits: then ""), bounded: a hung ring must fail the test, not hang it.
+        ready, _, _ = select.select([procs[0].stdout], [], [], 180)
+        first = procs[0].stdout.readline() if ready else ""
+        if first.strip() != "generating":
+            return KilledRun(tmp, first, 0.0, _finish(procs, timeout_s=10))
+        procs[1].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        after = _finish([procs[0], procs[2]], timeout_s=10)
+        return KilledRun(tmp, first, time.monotonic() - t0, after)
+    finally:
+        _finish(procs, timeout_s=1)
+
+
+def test_three_ranks_give_one_process_bits_streamed_and_resident(
+        three_ranks_then_one_killed: KilledRun, one_process: dict[str, np.ndarray]) -> None:
+    run = three_ranks_then_one_killed
+    assert run.first.strip() == "generating", run.after
+    _check_bits(run.tmp, run.after, one_process)
+
+
+def test_a_killed_rank_stops_the_others_naming_it(three_ranks_then_one_killed: KilledRun) -> None:
+    run = three_ranks_then_one_killed
+    assert run.first.strip() == "generating", run.after
+    assert run.stop_s < 10
+    (rc0, err0), (rc2, err2) = run.after
+    assert rc0 != 0 and "rank 1 was lost" in err0, err0[-3000:]
+    assert rc2 != 0 and "rank 1 was lost" in err2, err2[-3000:]
+
+
+def test_a_rank_that_never_starts_is_named_within_the_connect_timeout(tiny_qn4: Path, tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    [(rc, err)] = _finish(_start(2, tiny_qn4, tmp_path, SCENARIO, only=[0],
+                                 env={"QNPIPE_DISTRIBUTED__CONNECT_TIMEOUT_S": "1.5"}), timeout_s=30)
+    assert rc != 0 and "rank 1" in err and "did not connect within 1.5 s" in err, err[-3000:]
+    assert time.monotonic() - t0 < 30
