@@ -31,9 +31,9 @@ class Hinter:
 
     def hint(self, c: Candidates, now: float) -> PrefetchHint | None:
         self.stats.candidates += 1
-        cfg = self.predict_cfg
-        ranked = rank(c.token_experts, c.token_scores, c.width, agg=cfg.aggregate, union_k=cfg.union_k,
-                      top=self.top, min_score=cfg.min_score)
+        predict_cfg = self.predict_cfg
+        ranked = rank(c.token_experts, c.token_scores, c.width, agg=predict_cfg.aggregate,
+                      union_k=predict_cfg.union_k, top=self.top, min_score=predict_cfg.min_score)
         if not ranked:
             return None
         self.seq += 1

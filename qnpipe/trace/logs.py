@@ -39,12 +39,13 @@ def route_filter(layers: tuple[int, ...]) -> Accept:
 
 
 def wanted_logs(cfg: Config) -> list[LogSpec]:
-    t = cfg.trace
+    trace_cfg = cfg.trace
     out = []
-    if t.event_log_path:
-        out.append(LogSpec(t.event_log_path, "events", None, ()))
-    if t.route_trace:
-        out.append(LogSpec(t.route_trace_path, "routes", route_filter(t.route_trace_layers), t.route_trace_layers))
+    if trace_cfg.event_log_path:
+        out.append(LogSpec(trace_cfg.event_log_path, "events", None, ()))
+    if trace_cfg.route_trace:
+        layers = trace_cfg.route_trace_layers
+        out.append(LogSpec(trace_cfg.route_trace_path, "routes", route_filter(layers), layers))
     return out
 
 
