@@ -284,6 +284,16 @@ class TraceCfg(_Section, frozen=True):
         msgspec.structs.force_setattr(self, "route_trace_layers", tuple(sorted(set(self.route_trace_layers))))
 
 
+class ComputeCfg(_Section, frozen=True):
+    """Where MLX computes on the CPU."""
+
+    # The bundled reference BLAS of mlx[cpu] on Linux is ~40x slower on prefill-sized matmuls
+    # (docs/measurements.md); chosen once per process, before MLX is imported (qnpipe/compute/blas.py).
+    cpu_blas: Annotated[str, _doc(
+        "BLAS of MLX's CPU matmuls on Linux: auto (the scipy-openblas32 wheel's OpenBLAS), bundled (MLX's "
+        "reference BLAS), or a BLAS library path")] = "auto"
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """qnpipe's whole configuration. Build it with ``config.load``; derive variants with ``config.with_overrides``."""
 
@@ -299,6 +309,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     kv: Annotated[KvCfg, _doc("KV quantization")] = msgspec.field(default_factory=KvCfg)
     diag: Annotated[DiagCfg, _doc("diagnostics")] = msgspec.field(default_factory=DiagCfg)
     trace: Annotated[TraceCfg, _doc("trace output")] = msgspec.field(default_factory=TraceCfg)
+    compute: Annotated[ComputeCfg, _doc("CPU compute")] = msgspec.field(default_factory=ComputeCfg)
 
     def fingerprint(self) -> str:
         """The sha256 hex digest of this config's canonical JSON (sorted keys).

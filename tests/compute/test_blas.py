@@ -1,0 +1,78 @@
+"""compute.cpu_blas: which library MLX's cblas_sgemm calls bind to, seen by the dynamic linker itself.
+
+The choice is per process and must precede `import mlx`, so each setting runs in a fresh
+interpreter that takes it from the environment (through qnpipe's config, as `qnpipe.Engine`
+does) and multiplies once; LD_DEBUG=bindings makes ld.so print which file each of libmlx's
+symbol lookups bound to. No timing is involved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qnpipe.compute import blas
+from qnpipe.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="compute.cpu_blas applies on Linux")
+
+# `qnpipe.Engine` is the library entry point that applies compute.cpu_blas before MLX loads.
+SCRIPT = """
+import json, qnpipe
+qnpipe.Engine
+import mlx.core as mx
+from qnpipe.compute import blas
+mx.eval(mx.ones((3, 5)) @ mx.ones((5, 2)))
+print(json.dumps({"info": blas.in_use().kind, "via": blas.in_use().via, "resolver": blas.resolver_of()}))
+"""
+
+
+def _run(setting: str) -> tuple[dict[str, str], str]:
+    env = {**os.environ, "QNPIPE_COMPUTE__CPU_BLAS": setting, "LD_DEBUG": "bindings"}
+    p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    binds = re.findall(r"binding file (\S*libmlx\.so) \[\d+\] to (\S+) \[\d+\]: normal symbol `cblas_sgemm'", p.stderr)
+    assert len(binds) == 1, f"expected one binding of libmlx's cblas_sgemm, got {binds}"
+    return json.loads(p.stdout.strip().splitlines()[-1]), binds[0][1]
+
+
+def test_auto_puts_openblas_in_front_of_mlx_bundled_blas() -> None:
+    out, bound_to = _run("auto")
+    assert out["info"] == "openblas"
+    assert Path(bound_to).name.startswith("_cblas_shim"), bound_to
+    assert os.path.realpath(bound_to) == out["resolver"] == os.path.realpath(out["via"])
+
+
+def test_bundled_leaves_mlx_on_its_own_blas() -> None:
+    out, bound_to = _run("bundled")
+    assert out["info"] == "bundled"
+    assert re.match(r"libblas\b.*\.so", Path(bound_to).name), bound_to
+    assert out["resolver"] == ""
+
+
+def test_a_path_that_is_not_a_blas_is_refused_naming_it(tmp_path: Path) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("not a library")
+    with pytest.raises(ConfigError, match=re.escape(repr(str(text))) + ".*cannot load it as a shared library"):
+        blas.select(str(text))
+    # A real shared library without the CBLAS routines (libc).
+    libc = blas.resolver_of("printf")
+    with pytest.raises(ConfigError, match=re.escape(repr(libc)) + ": not a BLAS library"):
+        blas.select(libc)
+    missing = tmp_path / "libopenblas.so"
+    with pytest.raises(ConfigError, match=re.escape(repr(str(missing))) + ": no such file"):
+        blas.select(str(missing))
+
+
+def test_the_stats_line_names_the_blas() -> None:
+    fast = blas.BlasInfo(setting="auto", kind="openblas", library="/x/libscipy_openblas.so", via="/q/_cblas_shim.so",
+                         version="OpenBLAS 0.3.34", threads=2)
+    assert fast.describe() == "cpu blas: OpenBLAS 0.3.34, 2 threads, via _cblas_shim.so"
+    slow = blas.BlasInfo(setting="auto", kind="bundled", note="no optimized BLAS found (pip install scipy-openblas32)")
+    assert slow.describe() == "cpu blas: bundled reference BLAS (no optimized BLAS found (pip install scipy-openblas32))"
