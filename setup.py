@@ -56,6 +56,6 @@ if sys.platform.startswith("linux"):
     # A plain shared library loaded with ctypes (qnpipe/compute/blas.py), never imported: no Python
     # API, and no link to a BLAS (its targets are bound at run time).
     ext_modules.append(Extension("qnpipe._cblas_shim", sources=["cextensions/cblas_shim.c"],
-                                 extra_compile_args=["-O2", "-Wall"]))
+                                 extra_compile_args=["-O3", "-Wall", "-Wno-psabi", "-ffp-contract=off"]))
 
 setup(ext_modules=ext_modules, cmdclass={"build_ext": OptionalBuildExt})

@@ -26,7 +26,7 @@ def __getattr__(name: str) -> Any:
         # file) must be in place first. A config passed to the engine later cannot change it.
         from qnpipe.compute import blas
 
-        blas.select(config.load().compute.cpu_blas)
+        blas.apply(config.load().compute)
         from qnpipe import embed
 
         return getattr(embed, name)

@@ -11,7 +11,7 @@ from qnpipe.compute import blas
 
 # Before any test imports MLX: the suite runs on the BLAS of compute.cpu_blas (auto by default, so
 # CI runs the exactness tests under OpenBLAS; QNPIPE_COMPUTE__CPU_BLAS=bundled runs them on MLX's own).
-blas.select(config.load().compute.cpu_blas)
+blas.apply(config.load().compute)
 
 
 @pytest.fixture(scope="session")

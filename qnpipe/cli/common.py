@@ -105,7 +105,7 @@ def load_config(args: argparse.Namespace) -> Any:
     # Every command that computes loads its config here, before it imports MLX.
     from qnpipe.compute import blas
 
-    blas.select(cfg.compute.cpu_blas)
+    blas.apply(cfg.compute)
     return cfg
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import msgspec
 
+from qnpipe.config.tree import ComputeCfg
 from qnpipe.errors import ConfigError
 
 AUTO = "auto"
@@ -52,17 +53,26 @@ class BlasInfo(msgspec.Struct, frozen=True, kw_only=True):
     version: str = ""  # e.g. OpenBLAS's config string
     threads: int = 0  # BLAS threads (0 = not set by qnpipe)
     note: str = ""  # why the bundled BLAS is in use, when that was not asked for
+    # Whether a row's result is independent of the matmul's row count: the reference BLAS is;
+    # an optimized one only with compute.batch_invariant (the shim's fixed-order kernel).
+    batch_invariant: bool = True
 
     def describe(self) -> str:
         """One line for ``--stats``."""
         if self.kind == BUNDLED:
             return f"cpu blas: bundled reference BLAS{f' ({self.note})' if self.note else ''}"
-        return f"cpu blas: {self.version or self.library}, {self.threads} threads, via {Path(self.via).name}"
+        mode = "batch-invariant kernel" if self.batch_invariant else "not batch-invariant"
+        return f"cpu blas: {self.version or self.library}, {self.threads} threads, via {Path(self.via).name}, {mode}"
 
 
 _lock = threading.Lock()
 _chosen: BlasInfo | None = None
 _keep: list[ctypes.CDLL] = []  # loaded libraries stay referenced for the life of the process
+_shim: list[ctypes.CDLL] = []  # the shim, once loaded
+
+
+def _shim_loaded() -> ctypes.CDLL | None:
+    return _shim[0] if _shim else None
 
 
 def in_use() -> BlasInfo:
@@ -70,6 +80,19 @@ def in_use() -> BlasInfo:
     if _chosen is not None:
         return _chosen
     return BlasInfo(setting="", kind=BUNDLED, note="compute.cpu_blas not applied in this process")
+
+
+def apply(compute: ComputeCfg) -> BlasInfo:
+    """Apply the ``compute`` section: ``select(cpu_blas)``, then the batch-invariant mode (process-wide)."""
+    global _chosen
+    info = select(compute.cpu_blas)
+    with _lock:
+        shim = _shim_loaded()
+        if info.kind == BUNDLED or shim is None:
+            return info
+        shim.qnpipe_cblas_set_exact(int(compute.batch_invariant))
+        _chosen = msgspec.structs.replace(info, batch_invariant=compute.batch_invariant)
+        return _chosen
 
 
 def select(setting: str) -> BlasInfo:
@@ -162,26 +185,31 @@ def _check_path(path: str) -> None:
 def _load(setting: str, path: str) -> BlasInfo:
     lib = _open(path)
     prefix = _prefix_of(lib, path)
-    if prefix == "":
-        # A plain CBLAS (a system OpenBLAS): in the global scope it is found before libmlx's own.
-        lib = _open(path, os.RTLD_NOW | os.RTLD_GLOBAL)
-        via = path
-    else:
-        shim_path = _shim_path()
-        if shim_path is None:
+    shim_path = _shim_path()
+    if shim_path is None:
+        if prefix:
             raise ConfigError(f"compute.cpu_blas={setting!r}: {path} has {prefix}-prefixed symbols, which need "
                               "qnpipe's C shim qnpipe._cblas_shim, and it was not built (no C compiler at install)")
+        # A plain CBLAS (a system OpenBLAS) in the global scope is found before libmlx's own.
+        lib = _open(path, os.RTLD_NOW | os.RTLD_GLOBAL)
+        via = path
+        exact = False
+    else:
+        # Through the shim even for a plain CBLAS: the batch-invariant kernel lives there.
         shim = _open(shim_path, os.RTLD_NOW | os.RTLD_GLOBAL)
         targets = [ctypes.cast(getattr(lib, prefix + r), ctypes.c_void_p) for r in _ROUTINES]
         shim.qnpipe_cblas_bind.argtypes = [ctypes.c_void_p] * 3
         if shim.qnpipe_cblas_bind(*targets) != 0:
             raise ConfigError(f"compute.cpu_blas={setting!r}: binding the shim to {path} failed")
+        shim.qnpipe_cblas_set_exact.argtypes = [ctypes.c_int]
         _keep.append(shim)
+        _shim.append(shim)
         via = shim_path
+        exact = bool(shim.qnpipe_cblas_exact())
     _keep.append(lib)
     threads = _set_threads(lib, prefix)
     return BlasInfo(setting=setting, kind="openblas", library=path, via=via, version=_config_string(lib, prefix),
-                    threads=threads)
+                    threads=threads, batch_invariant=exact)
 
 
 def _set_threads(lib: ctypes.CDLL, prefix: str) -> int:

@@ -292,6 +292,11 @@ class ComputeCfg(_Section, frozen=True):
     cpu_blas: Annotated[str, _doc(
         "BLAS of MLX's CPU matmuls on Linux: auto (the scipy-openblas32 wheel's OpenBLAS), bundled (MLX's "
         "reference BLAS), or a BLAS library path")] = "auto"
+    # An optimized BLAS gives a row other bits in a matmul of another row count, so decode, MTP
+    # verify, prefill chunks and parts would disagree; measured cost in docs/measurements.md.
+    batch_invariant: Annotated[bool, _doc(
+        "with an optimized cpu_blas, compute matmuls with a kernel whose rows do not depend on the row "
+        "count (exact decode = verify = chunked prefill), process-wide")] = True
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -76,3 +76,51 @@ def test_the_stats_line_names_the_blas() -> None:
     assert fast.describe() == "cpu blas: OpenBLAS 0.3.34, 2 threads, via _cblas_shim.so"
     slow = blas.BlasInfo(setting="auto", kind="bundled", note="no optimized BLAS found (pip install scipy-openblas32)")
     assert slow.describe() == "cpu blas: bundled reference BLAS (no optimized BLAS found (pip install scipy-openblas32))"
+
+
+def _row_bits_vary(m: int = 40) -> list[str]:
+    """The (rows, cols) of calls whose first rows differ from the same rows computed in a bigger call."""
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    out = []
+    for k, n, trans in ((64, 128, True), (256, 37, True), (32, 300, False), (8, 33, False)):
+        a = mx.array(rng.standard_normal((m, k), dtype=np.float32))
+        w = rng.standard_normal((n, k) if trans else (k, n), dtype=np.float32)
+        b = mx.array(w).T if trans else mx.array(w)  # trans: x @ W.T, as a linear layer
+        full = np.array(a @ b)
+        for rows in range(1, m):
+            if not np.array_equal(np.array(a[:rows] @ b), full[:rows]):
+                out.append(f"{rows} of {m} rows, k={k} n={n}")
+                break
+        for cols in range(1, n):
+            if not np.array_equal(np.array(a[:3] @ b[:, :cols]), full[:3, :cols]):
+                out.append(f"{cols} of {n} columns, k={k}")
+                break
+    return out
+
+
+def test_batch_invariant_mode_gives_a_row_the_same_bits_in_every_call() -> None:
+    from qnpipe import config
+    from qnpipe.config import ComputeCfg
+
+    if blas.in_use().kind == blas.BUNDLED:
+        pytest.skip("the bundled reference BLAS is batch-invariant by itself: nothing to switch")
+    setting = blas.in_use().setting
+    try:
+        assert blas.apply(ComputeCfg(cpu_blas=setting, batch_invariant=False)).batch_invariant is False
+        assert _row_bits_vary(), "OpenBLAS was expected to vary with the row count (else this test proves nothing)"
+        assert blas.apply(ComputeCfg(cpu_blas=setting, batch_invariant=True)).batch_invariant is True
+        assert _row_bits_vary() == []
+        # And it still multiplies: the fixed-order kernel against float64 numpy.
+        import mlx.core as mx
+        import numpy as np
+
+        rng = np.random.default_rng(1)
+        a, w = rng.standard_normal((9, 300), dtype=np.float32), rng.standard_normal((300, 70), dtype=np.float32)
+        want = a.astype(np.float64) @ w.astype(np.float64)
+        for b in (mx.array(w), mx.array(np.ascontiguousarray(w.T)).T):
+            assert np.allclose(np.array(mx.array(a) @ b), want, rtol=1e-4, atol=1e-4)
+    finally:
+        blas.apply(config.load().compute)
