@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from qnpipe.compute import blas
@@ -73,7 +74,9 @@ def test_a_path_that_is_not_a_blas_is_refused_naming_it(tmp_path: Path) -> None:
 def test_the_stats_line_names_the_blas() -> None:
     fast = blas.BlasInfo(setting="auto", kind="openblas", library="/x/libscipy_openblas.so", via="/q/_cblas_shim.so",
                          version="OpenBLAS 0.3.34", threads=2)
-    assert fast.describe() == "cpu blas: OpenBLAS 0.3.34, 2 threads, via _cblas_shim.so"
+    assert fast.describe() == "cpu blas: OpenBLAS 0.3.34, 2 threads, via _cblas_shim.so, batch-invariant kernel"
+    variant = msgspec.structs.replace(fast, batch_invariant=False)
+    assert variant.describe() == "cpu blas: OpenBLAS 0.3.34, 2 threads, via _cblas_shim.so, not batch-invariant"
     slow = blas.BlasInfo(setting="auto", kind="bundled", note="no optimized BLAS found (pip install scipy-openblas32)")
     assert slow.describe() == "cpu blas: bundled reference BLAS (no optimized BLAS found (pip install scipy-openblas32))"
 
