@@ -84,6 +84,23 @@ enum { BR = 2, BC = 4 };  /* the loop below is written out for these */
 KERNEL static void dot_rows(int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb,
                             float beta, float *c, int ldc) {
     int kv = k - k % LANES;
+    if (m == 1) {  /* one row (decode): the same sums as a row of a block, without a copy of the row */
+        for (int j0 = 0; j0 < n; j0 += BC) {
+            const float *bp[BC];
+            for (int q = 0; q < BC; q++) bp[q] = b + (size_t)(j0 + q < n ? j0 + q : n - 1) * ldb;
+            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int p = 0; p < kv; p += LANES) {
+                v8 x0 = *(const v8u *)(a + p);
+                a0 += x0 * *(const v8u *)(bp[0] + p); a1 += x0 * *(const v8u *)(bp[1] + p);
+                a2 += x0 * *(const v8u *)(bp[2] + p); a3 += x0 * *(const v8u *)(bp[3] + p);
+            }
+            v8 acc[BC] = {a0, a1, a2, a3};
+            if (kv < k)
+                for (int q = 0; q < BC; q++) acc[q] += load8(a + kv, k - kv) * load8(bp[q] + kv, k - kv);
+            for (int q = 0; q < BC && j0 + q < n; q++) store(c + j0 + q, sum8(acc[q]), alpha, beta);
+        }
+        return;
+    }
     for (int j0 = 0; j0 < n; j0 += BC) {
         const float *bp[BC];
         for (int q = 0; q < BC; q++) bp[q] = b + (size_t)(j0 + q < n ? j0 + q : n - 1) * ldb;

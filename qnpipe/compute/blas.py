@@ -38,9 +38,9 @@ AUTO = "auto"
 BUNDLED = "bundled"
 _ROUTINES = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")  # what libmlx.so imports (nm -D --undefined-only)
 _PREFIX = "scipy_"
-# Measured on the 2-core test machine (docs/measurements.md, "CPU BLAS threads"): 2 threads
-# beat 1 on prefill-sized matmuls and tie on decode; more threads than cores only contend.
-_MAX_THREADS = 2
+# Measured on the 2-core shared development machine (tools/bench_blas.py, docs/measurements.md
+# "CPU BLAS"): with its cores busy, 2 OpenBLAS threads were 1.7x to 7x slower than 1.
+_MAX_THREADS = 1
 
 
 class BlasInfo(msgspec.Struct, frozen=True, kw_only=True):
