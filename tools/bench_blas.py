@@ -34,7 +34,7 @@ def main() -> int:
         return 1
     import mlx.core as mx
 
-    set_threads = getattr(ctypes.CDLL(info.library), "scipy_openblas_set_num_threads")
+    set_threads = ctypes.CDLL(info.library).scipy_openblas_set_num_threads
     set_threads.argtypes = [ctypes.c_int]
     w = mx.random.normal((1024, 1024))
     settings = {"openblas_1_thread": (1, False), "openblas_2_threads": (2, False), "exact_kernel": (1, True)}
