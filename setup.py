@@ -31,10 +31,10 @@ class OptionalBuildExt(build_ext):
             self._warn(exc, ext.name)
 
     @staticmethod
-    def _warn(exc: BaseException, name: str = "qnpipe._preadx") -> None:
+    def _warn(exc: BaseException, name: str = "(all)") -> None:
         print(
             f"WARNING: optional C extension {name} was not built ({type(exc).__name__}: {exc}); "
-            f"qnpipe will use {FALLBACKS.get(name, 'its fallback')}.",
+            f"qnpipe will use {FALLBACKS.get(name, 'its fallbacks')}.",
             file=sys.stderr,
         )
 

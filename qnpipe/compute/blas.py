@@ -121,18 +121,19 @@ def _choose(setting: str) -> BlasInfo:
         return BlasInfo(setting=setting, kind=BUNDLED)
     if not sys.platform.startswith("linux"):
         return BlasInfo(setting=setting, kind=BUNDLED, note=f"compute.cpu_blas applies on Linux only ({sys.platform})")
-    if "mlx.core" in sys.modules:
-        return BlasInfo(setting=setting, kind=BUNDLED,
-                        note="MLX was imported before qnpipe could load a BLAS in front of it")
+    path = setting
     if setting == AUTO:
-        path = _wheel_openblas()
-        if path is None:
+        found = _wheel_openblas()
+        if found is None:
             return BlasInfo(setting=setting, kind=BUNDLED, note="no optimized BLAS found (pip install scipy-openblas32)")
         if _shim_path() is None:
             return BlasInfo(setting=setting, kind=BUNDLED,
                             note="qnpipe's C shim qnpipe._cblas_shim was not built (no C compiler at install)")
-        return _load(setting, path)
-    return _load(setting, setting)
+        path = found
+    if "mlx.core" in sys.modules:
+        return BlasInfo(setting=setting, kind=BUNDLED,
+                        note="MLX was imported before qnpipe could load a BLAS in front of it")
+    return _load(setting, path)
 
 
 def _wheel_openblas() -> str | None:

@@ -127,3 +127,15 @@ def test_batch_invariant_mode_gives_a_row_the_same_bits_in_every_call() -> None:
             assert np.allclose(np.array(mx.array(a) @ b), want, rtol=1e-4, atol=1e-4)
     finally:
         blas.apply(config.load().compute)
+
+
+def test_auto_without_the_wheel_or_the_shim_says_why_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What an install without scipy-openblas32, or without a C compiler, reports instead of loading.
+    monkeypatch.setattr(blas, "_shim_path", lambda: None)
+    info = blas._choose("auto")
+    assert info.kind == blas.BUNDLED
+    assert info.describe() == ("cpu blas: bundled reference BLAS (qnpipe's C shim qnpipe._cblas_shim was not built "
+                               "(no C compiler at install))")
+    monkeypatch.setattr(blas, "_wheel_openblas", lambda: None)
+    assert "pip install scipy-openblas32" in blas._choose("auto").describe()
+    assert blas._choose("bundled").describe() == "cpu blas: bundled reference BLAS"
