@@ -26,7 +26,8 @@ def __getattr__(name: str) -> Any:
         # file) must be in place first. A config passed to the engine later cannot change it.
         from qnpipe.compute import blas
 
-        blas.apply(config.load().compute)
+        if not blas.applied():
+            blas.apply(config.load().compute)
         from qnpipe import embed
 
         return getattr(embed, name)

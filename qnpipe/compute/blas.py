@@ -60,7 +60,7 @@ class BlasInfo(msgspec.Struct, frozen=True, kw_only=True):
     def describe(self) -> str:
         """One line for ``--stats``."""
         if self.kind == BUNDLED:
-            return f"cpu blas: bundled reference BLAS{f' ({self.note})' if self.note else ''}"
+            return f"cpu blas: MLX's bundled BLAS{f' ({self.note})' if self.note else ''}"
         mode = "batch-invariant kernel" if self.batch_invariant else "not batch-invariant"
         return f"cpu blas: {self.version or self.library}, {self.threads} threads, via {Path(self.via).name}, {mode}"
 
@@ -73,6 +73,11 @@ _shim: list[ctypes.CDLL] = []  # the shim, once loaded
 
 def _shim_loaded() -> ctypes.CDLL | None:
     return _shim[0] if _shim else None
+
+
+def applied() -> bool:
+    """Whether this process has chosen its BLAS (``select`` or ``apply`` ran)."""
+    return _chosen is not None
 
 
 def in_use() -> BlasInfo:

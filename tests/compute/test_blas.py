@@ -78,7 +78,7 @@ def test_the_stats_line_names_the_blas() -> None:
     variant = msgspec.structs.replace(fast, batch_invariant=False)
     assert variant.describe() == "cpu blas: OpenBLAS 0.3.34, 2 threads, via _cblas_shim.so, not batch-invariant"
     slow = blas.BlasInfo(setting="auto", kind="bundled", note="no optimized BLAS found (pip install scipy-openblas32)")
-    assert slow.describe() == "cpu blas: bundled reference BLAS (no optimized BLAS found (pip install scipy-openblas32))"
+    assert slow.describe() == "cpu blas: MLX's bundled BLAS (no optimized BLAS found (pip install scipy-openblas32))"
 
 
 def _row_bits_vary(m: int = 40) -> list[str]:
@@ -134,8 +134,8 @@ def test_auto_without_the_wheel_or_the_shim_says_why_in_one_line(monkeypatch: py
     monkeypatch.setattr(blas, "_shim_path", lambda: None)
     info = blas._choose("auto")
     assert info.kind == blas.BUNDLED
-    assert info.describe() == ("cpu blas: bundled reference BLAS (qnpipe's C shim qnpipe._cblas_shim was not built "
+    assert info.describe() == ("cpu blas: MLX's bundled BLAS (qnpipe's C shim qnpipe._cblas_shim was not built "
                                "(no C compiler at install))")
     monkeypatch.setattr(blas, "_wheel_openblas", lambda: None)
     assert "pip install scipy-openblas32" in blas._choose("auto").describe()
-    assert blas._choose("bundled").describe() == "cpu blas: bundled reference BLAS"
+    assert blas._choose("bundled").describe() == "cpu blas: MLX's bundled BLAS"
