@@ -287,13 +287,13 @@ class TraceCfg(_Section, frozen=True):
 class ComputeCfg(_Section, frozen=True):
     """Where MLX computes on the CPU."""
 
-    # The bundled reference BLAS of mlx[cpu] on Linux is ~40x slower on prefill-sized matmuls
+    # The bundled reference BLAS of mlx[cpu] on Linux is 24x slower than OpenBLAS (1 thread) on a 256-row matmul
     # (docs/measurements.md); chosen once per process, before MLX is imported (qnpipe/compute/blas.py).
     cpu_blas: Annotated[str, _doc(
         "BLAS of MLX's CPU matmuls on Linux: auto (the scipy-openblas32 wheel's OpenBLAS), bundled (MLX's "
         "reference BLAS), or a BLAS library path")] = "auto"
     # An optimized BLAS gives a row other bits in a matmul of another row count, so decode, MTP
-    # verify, prefill chunks and parts would disagree; measured cost in docs/measurements.md.
+    # verify, prefill chunks and parts would disagree; the kernel measured no slower in decode (docs/measurements.md).
     batch_invariant: Annotated[bool, _doc(
         "with an optimized cpu_blas, compute matmuls with a kernel whose rows do not depend on the row "
         "count (exact decode = verify = chunked prefill), process-wide")] = True
