@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { ROW_MAJOR = 101, NO_TRANS = 111, LANES = 8, ROWS = 4 };
+enum { ROW_MAJOR = 101, NO_TRANS = 111, LANES = 8 };
 
 typedef float v8 __attribute__((vector_size(LANES * sizeof(float))));
 typedef float v8u __attribute__((vector_size(LANES * sizeof(float)), aligned(4), may_alias));  /* unaligned load */
