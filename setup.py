@@ -1,8 +1,10 @@
-"""Build hook for the optional C reader `qnpipe._preadx` (cextensions/preadx.c).
+"""Build hook for the optional C parts: the reader `qnpipe._preadx` (cextensions/preadx.c) and,
+on Linux, the CBLAS shim `qnpipe._cblas_shim` (cextensions/cblas_shim.c).
 
-Everything else about the package lives in pyproject.toml. The extension is optional:
-when no compiler (or no Python headers) is available the build prints a warning and
-the install goes on; qnpipe/io/ssd.py then uses its pure-Python reader.
+Everything else about the package lives in pyproject.toml. Both are optional: when no
+compiler (or no Python headers) is available the build prints a warning and the install
+goes on; qnpipe/io/ssd.py then uses its pure-Python reader, and compute.cpu_blas=auto
+falls back to MLX's bundled BLAS (one line in --stats says so).
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ class OptionalBuildExt(build_ext):
             self._warn(exc, ext.name)
 
     @staticmethod
-    def _warn(exc: BaseException, name: str = "qnpipe._preadx") -> None:
+    def _warn(exc: BaseException, name: str = "(all)") -> None:
         print(
             f"WARNING: optional C extension {name} was not built ({type(exc).__name__}: {exc}); "
-            "qnpipe will use its pure-Python reader.",
+            f"qnpipe will use {FALLBACKS.get(name, 'its fallbacks')}.",
             file=sys.stderr,
         )
 
+
+FALLBACKS = {"qnpipe._preadx": "its pure-Python reader", "qnpipe._cblas_shim": "MLX's bundled BLAS"}
 
 ext_modules = []
 if sys.platform != "win32":
@@ -47,5 +51,11 @@ if sys.platform != "win32":
             extra_link_args=["-pthread"] if sys.platform.startswith("linux") else [],
         )
     )
+
+if sys.platform.startswith("linux"):
+    # A plain shared library loaded with ctypes (qnpipe/compute/blas.py), never imported: no Python
+    # API, and no link to a BLAS (its targets are bound at run time).
+    ext_modules.append(Extension("qnpipe._cblas_shim", sources=["cextensions/cblas_shim.c"],
+                                 extra_compile_args=["-O3", "-Wall", "-Wno-psabi", "-ffp-contract=off"]))
 
 setup(ext_modules=ext_modules, cmdclass={"build_ext": OptionalBuildExt})

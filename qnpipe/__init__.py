@@ -1,6 +1,7 @@
 """qnpipe: run mixture-of-experts language models that do not fit in memory.
 
-Importing qnpipe has no side effects; `Engine` and `open_engine` load MLX lazily.
+Importing qnpipe has no side effects; `Engine` and `open_engine` load MLX lazily, after
+putting the BLAS of `compute.cpu_blas` in front of MLX's (qnpipe.compute.blas).
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in ("Engine", "open_engine"):
+        # The engine imports MLX: its CPU BLAS (compute.cpu_blas, from the environment or config
+        # file) must be in place first. A config passed to the engine later cannot change it.
+        from qnpipe.compute import blas
+
+        if not blas.applied():
+            blas.apply(config.load().compute)
         from qnpipe import embed
 
         return getattr(embed, name)

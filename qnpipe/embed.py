@@ -24,6 +24,7 @@ import numpy as np
 import trio
 
 from qnpipe.actors.pipeline import Pipeline
+from qnpipe.compute import blas
 from qnpipe.config import Config
 from qnpipe.config.validate import check_generate_args
 from qnpipe.errors import DistributedError, PipelineError
@@ -70,7 +71,8 @@ class _Runtime:
         self.pipe = pipe
         self.lock = trio.Lock()
         resident = core.runner.loaded.experts.nbytes
-        self.totals = EngineStats(load_s=load_s, warmup_s=warmup_s, resident_expert_bytes=resident,
+        self.totals = EngineStats(cpu_blas=blas.in_use(), load_s=load_s, warmup_s=warmup_s,
+                                  resident_expert_bytes=resident,
                                   expert_source="resident" if core.streaming is None else "pool",
                                   kv_bytes_per_token=model_bytes_per_token(
                                       core.runner.loaded.model, core.cfg.kv if core.cfg.kv.quantize else None))

@@ -6,6 +6,7 @@ import enum
 
 import msgspec
 
+from qnpipe.compute.blas import BlasInfo
 from qnpipe.live.spec.stats import SpecStats
 
 
@@ -151,6 +152,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     mtp: SpecStats | None = None  # summed over the requests that speculated
     load_s: float = 0.0
     warmup_s: float = 0.0
+    cpu_blas: BlasInfo | None = None  # the BLAS of MLX's CPU matmuls (compute.cpu_blas)
 
     def add(self, g: GenerateStats) -> EngineStats:
         decode_s = self.decode_s + g.decode_s

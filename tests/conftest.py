@@ -6,6 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from qnpipe import config
+from qnpipe.compute import blas
+
+# Before any test imports MLX: the suite runs on the BLAS of compute.cpu_blas (auto by default, so
+# CI runs the exactness tests under OpenBLAS; QNPIPE_COMPUTE__CPU_BLAS=bundled runs them on MLX's own).
+blas.apply(config.load().compute)
+
 
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -35,6 +35,12 @@ greedy's, every round), the same keys with `_streamed`, `tok_s` / `speedup` /
 `accept_len` per variant (`..._streamed` too), and `rollback_tok_s` {states, rerun}.
 tok/s is `GenerateStats.decode_tok_s` (tokens after the first / time after the first).
 
+The BLAS is chosen once per process (compute.cpu_blas), so the whole set runs twice, back to
+back, in a child process each: the fast BLAS (auto: OpenBLAS behind qnpipe's batch-invariant
+kernel) gives the keys above, MLX's bundled reference BLAS `speedup_best_bundled`,
+`tok_s_plain_bundled`, `identical_bundled`, `identical_streamed_bundled`; `blas` and
+`blas_bundled` name them (`--blas` runs one of them only).
+
   python tools/bench_mtp.py --rounds 5
 """
 
@@ -43,7 +49,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -209,8 +217,34 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--work", type=Path, default=Path("/tmp/qnpipe-bench-mtp"))
+    ap.add_argument("--blas", choices=("auto", "bundled"), help="run on this compute.cpu_blas only, in this process")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
+    if a.blas is None:
+        out = _on("auto", a)
+        bundled = _on("bundled", a)
+        keys = ("speedup_best", "tok_s_plain", "tok_s_mtp_best", "best_variant", "identical", "identical_streamed",
+                "speedup_best_streamed", "blas")
+        print(json.dumps({**out, **{f"{k}_bundled": bundled[k] for k in keys}}))
+        return
+    print(json.dumps(_measure(a)))
+
+
+def _on(blas: str, a: argparse.Namespace) -> dict[str, Any]:
+    """This benchmark in a child process whose compute.cpu_blas is `blas` (its stderr passes through)."""
+    log(f"running on compute.cpu_blas={blas}")
+    cmd = [sys.executable, __file__, "--blas", blas, "--rounds", str(a.rounds), "--tokens", str(a.tokens),
+           "--work", str(a.work)]
+    p = subprocess.run(cmd, env={**os.environ, "QNPIPE_COMPUTE__CPU_BLAS": blas}, stdout=subprocess.PIPE, text=True,
+                       check=True)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _measure(a: argparse.Namespace) -> dict[str, Any]:
+    from qnpipe import config
+    from qnpipe.compute import blas
+
+    info = blas.apply(config.load().compute)  # before MLX is imported
     resident, same_r = _run_set(MODEL, {}, a.rounds, a.tokens, "all resident")
     top_k = json.loads((MODEL / "config.json").read_text())["num_experts_per_tok"]
     streamed, same_s = _run_set(_streamed_dir(a.work), {"pool.expert_slots": top_k + 2,
@@ -222,8 +256,8 @@ def main() -> None:
            **_summary(streamed["times"], streamed["accept"], "_streamed"), "identical_streamed": same_s,
            **_bounds(rb, res["accept_len"], res["speedup_best"]),
            "rollback_tok_s": {k: round(rb[k], 2) for k in ("states", "rerun", "plain")},
-           "rounds": a.rounds, "tokens": a.tokens}
-    print(json.dumps(out))
+           "rounds": a.rounds, "tokens": a.tokens, "blas": info.describe()}
+    return out
 
 
 if __name__ == "__main__":

@@ -109,7 +109,12 @@ def load_config(args: argparse.Namespace) -> Any:
             if key in overrides and overrides[key] != str(positional):
                 warn(args, f"the model directory {positional} given on the command line wins over "
                             f"--set {key}={overrides[key]}")
-    return config.load(args.config, overrides=overrides)
+    cfg = config.load(args.config, overrides=overrides)
+    # Every command that computes loads its config here, before it imports MLX.
+    from qnpipe.compute import blas
+
+    blas.apply(cfg.compute)
+    return cfg
 
 
 def checked(check: Any) -> Any:
@@ -314,6 +319,8 @@ def run_generate(eng: Any, prompt: str | list[int], args: argparse.Namespace) ->
 
 
 def print_engine_stats(st: Any) -> None:
+    if st.cpu_blas is not None:
+        print(f"[{st.cpu_blas.describe()}]", file=sys.stderr)
     p = st.pool
     if p is None:
         print(f"[experts: {st.expert_source}, {st.resident_expert_bytes / 2**20:.1f} MiB in memory]", file=sys.stderr)

@@ -16,6 +16,7 @@ from qnpipe.config.loader import (
     NOT_YET_IMPLEMENTED,
     OVERRIDE_ALIASES,
     ChatCfg,
+    ComputeCfg,
     Config,
     DiagCfg,
     EvictPolicy,
@@ -50,7 +51,7 @@ from qnpipe.config.loader import (
 from qnpipe.errors import ConfigError
 
 __all__ = [
-    "ChatCfg", "Config", "ConfigError", "describe_allowed", "DiagCfg", "EvictPolicy", "field_specs",
+    "ChatCfg", "ComputeCfg", "Config", "ConfigError", "describe_allowed", "DiagCfg", "EvictPolicy", "field_specs",
     "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
     "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning",
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",

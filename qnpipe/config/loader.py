@@ -29,6 +29,7 @@ from qnpipe.config.layersets import format_layer_set, parse_layer_set
 from qnpipe.config.pending import NOT_YET_IMPLEMENTED
 from qnpipe.config.tree import (
     ChatCfg,
+    ComputeCfg,
     Config,
     DiagCfg,
     EvictPolicy,
@@ -52,7 +53,7 @@ from qnpipe.errors import ConfigError
 from qnpipe.io.files import CONFIG_CAP, read_capped
 
 __all__ = [
-    "ChatCfg", "Config", "describe_allowed", "DiagCfg", "EvictPolicy", "field_specs",
+    "ChatCfg", "ComputeCfg", "Config", "describe_allowed", "DiagCfg", "EvictPolicy", "field_specs",
     "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
     "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning",
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",

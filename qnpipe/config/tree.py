@@ -284,6 +284,21 @@ class TraceCfg(_Section, frozen=True):
         msgspec.structs.force_setattr(self, "route_trace_layers", tuple(sorted(set(self.route_trace_layers))))
 
 
+class ComputeCfg(_Section, frozen=True):
+    """Where MLX computes on the CPU."""
+
+    # The bundled reference BLAS of mlx[cpu] on Linux is 24x slower than OpenBLAS (1 thread) on a 256-row matmul
+    # (docs/measurements.md); chosen once per process, before MLX is imported (qnpipe/compute/blas.py).
+    cpu_blas: Annotated[str, _doc(
+        "BLAS of MLX's CPU matmuls on Linux: auto (the scipy-openblas32 wheel's OpenBLAS), bundled (MLX's "
+        "reference BLAS), or a BLAS library path")] = "auto"
+    # An optimized BLAS gives a row other bits in a matmul of another row count, so decode, MTP
+    # verify, prefill chunks and parts would disagree; the kernel measured no slower in decode (docs/measurements.md).
+    batch_invariant: Annotated[bool, _doc(
+        "with an optimized cpu_blas, compute matmuls with a kernel whose rows do not depend on the row "
+        "count (exact decode = verify = chunked prefill), process-wide")] = True
+
+
 # --------------------------------------------------------------------------- distributed (issue 28)
 # Kept apart from the sections above so that concurrent additions to them merge cleanly.
 
@@ -315,6 +330,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     kv: Annotated[KvCfg, _doc("KV quantization")] = msgspec.field(default_factory=KvCfg)
     diag: Annotated[DiagCfg, _doc("diagnostics")] = msgspec.field(default_factory=DiagCfg)
     trace: Annotated[TraceCfg, _doc("trace output")] = msgspec.field(default_factory=TraceCfg)
+    compute: Annotated[ComputeCfg, _doc("CPU compute")] = msgspec.field(default_factory=ComputeCfg)
     distributed: Annotated[DistributedCfg, _doc("pipeline parallel over mx.distributed")] = msgspec.field(
         default_factory=DistributedCfg)
 

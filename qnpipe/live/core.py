@@ -79,12 +79,15 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None,
     the engine closes it with the store. `stage` (pipeline parallel): only its layers, their
     weights, slots and pool.
     """
+    from qnpipe.compute import blas
     from qnpipe.io.ssd import SsdReader
     from qnpipe.model.args import read_config
     from qnpipe.model.checkpoint import is_qnpipe_dir
     from qnpipe.model.memory import apply_memory_limits
 
     apply_memory_limits(cfg.memory)
+    # Before the model computes anything: the batch-invariant mode is process-wide.
+    blas.apply(cfg.compute)
     stream = not cfg.pool.eager_load and is_qnpipe_dir(model_dir, read_config(model_dir))
     runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
                     expert_dir=cfg.model.expert_dir or None, resident_experts=not stream,

@@ -1,0 +1,1 @@
+"""Process-wide compute setup that must happen before MLX is imported: `blas` (compute.cpu_blas)."""
