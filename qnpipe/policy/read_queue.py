@@ -38,10 +38,10 @@ class Job:
     cls: ReadClass = ReadClass.DEMAND
     deadline: float = math.inf
     score: float = 0.0
+    key: tuple[int, int] = attrs.field(init=False, eq=False, repr=False)  # (layer, expert): what merges
 
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.layer, self.expert)
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.layer, self.expert))  # frozen: set once, read per queue operation
 
 
 @attrs.define(slots=True)

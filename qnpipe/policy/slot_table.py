@@ -128,9 +128,12 @@ class SlotTable:
         if missing <= len(self._free):
             return True
         # evictable = READY slots whose expert is not held, pinned or needed
-        state = self.state
-        kept = sum(1 for e in self.pinned | self.held.keys() | need
-                   if (s := slot_of.get(e)) is not None and state[s] is SlotState.READY)
+        kept_of = self.pinned | self.held.keys() | need
+        if not self._loading:  # every slot taken is READY
+            kept = len([e for e in kept_of if e in slot_of])
+        else:
+            state = self.state
+            kept = sum(1 for e in kept_of if (s := slot_of.get(e)) is not None and state[s] is SlotState.READY)
         return missing <= len(self._free) + self._ready - kept
 
     # ----------------------------------------------------------------- decisions

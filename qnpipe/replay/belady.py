@@ -10,6 +10,7 @@ can hit more often with the same capacity; `brute_force_hits` checks that on tin
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 _NEVER = 1 << 62
@@ -29,19 +30,28 @@ def belady_hits(requests: Sequence[Sequence[int]], capacity: int) -> int:
         for e in reqs[i]:
             nxt[e] = i
     cache: dict[int, int] = {}  # expert -> its next use
+    # (-next use, -id) of every resident's current next use, and stale ones (an evicted expert, or
+    # a next use that has passed): the heap's top that is still current is the farthest-next-use
+    # resident, ties to the higher id.
+    heap: list[tuple[int, int]] = []
     hits = 0
     for i, r in enumerate(reqs):
         missing = [e for e in r if e not in cache]
         hits += len(r) - len(missing)
         over = len(cache) + len(missing) - capacity
-        if over > 0:
-            # farthest next use first, ties to the higher id: (next use, id) tuples compared in C
-            ranked = [(u, e) for e, u in cache.items() if e not in r]
-            victims = [max(ranked)] if over == 1 else sorted(ranked, reverse=True)[:over]
-            for _, e in victims:
-                del cache[e]
+        while over > 0:
+            nu, ne = heapq.heappop(heap)
+            e = -ne
+            # The request's own residents have next use i, the nearest: never the farthest while
+            # another is resident; skipped all the same, and pushed again below.
+            if cache.get(e) != -nu or e in r:
+                continue
+            del cache[e]
+            over -= 1
+        uses = next_use[i]
         for e in r:
-            cache[e] = next_use[i][e]
+            u = cache[e] = uses[e]
+            heapq.heappush(heap, (-u, -e))
     return hits
 
 
