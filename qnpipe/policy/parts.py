@@ -8,6 +8,8 @@ experts. Never an alias, never a dropped expert.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from qnpipe.errors import CapacityError
@@ -20,17 +22,22 @@ def plan_parts(ids: np.ndarray, capacity: int, *, layer: int = -1) -> list[Part]
 
     `ids [N, k]` are the router's expert ids per token. One part when the whole union fits.
     """
-    n, k = ids.shape
+    return plan_parts_flat(ids.reshape(-1).tolist(), ids.shape[1], capacity, layer=layer)
+
+
+def plan_parts_flat(experts: Sequence[int], k: int, capacity: int, *, layer: int = -1) -> list[Part]:
+    """`plan_parts` of the ids given flat, token-major (`k` per token): what replay's logs hold."""
+    n = len(experts) // k
     if k > capacity:
         raise CapacityError(f"layer {layer}: a token routes to {k} experts, the layer has {capacity} usable slots")
-    union = sorted(set(ids.reshape(-1).tolist()))  # plain ints: far cheaper than np.unique at a step's size
+    union = sorted(set(experts))  # plain ints: far cheaper than np.unique at a step's size
     if len(union) <= capacity:
         return [(0, n, tuple(union))]
     parts: list[Part] = []
     lo = 0
     cur: set[int] = set()
     for t in range(n):
-        row = {int(e) for e in ids[t]}
+        row = set(experts[t * k:(t + 1) * k])
         if len(cur | row) > capacity:
             parts.append((lo, t, tuple(sorted(cur))))
             lo, cur = t, set()

@@ -35,7 +35,7 @@ from qnpipe.messages import (
 from qnpipe.policy.build import make_policy
 from qnpipe.policy.hinter import Hinter
 from qnpipe.policy.pace import Pace
-from qnpipe.policy.parts import plan_parts
+from qnpipe.policy.parts import plan_parts_flat
 from qnpipe.policy.pool import PoolPolicy, PoolStatistics
 from qnpipe.policy.pool_core import Outbox, PoolCore
 from qnpipe.policy.predict import hint_top
@@ -122,6 +122,7 @@ class FastReplay:
     def forward(self) -> Generator[tuple[int, Any], Any, None]:
         """The forward's step loop over the log (qnpipe.actors.forward.Forward with replay's LogBackend)."""
         k, emit, pool_inbox = self.k, self.emit, self.pool_inbox
+        need_ids = emit is not None or self.route_verify  # the route record and route verification take arrays
         for i_step, step in enumerate(self.steps):
             fstep = i_step + 1
             self.pace.new_step()
@@ -131,15 +132,16 @@ class FastReplay:
             for i, (layer, experts) in enumerate(step):
                 now = self.now
                 self.pace.observe(now)
-                ids = np.asarray(experts, dtype=np.int64).reshape(-1, k)
                 if self.preds is not None:
                     self._candidates(fstep, layer, self.preds[i_step][i])
+                ids = np.asarray(experts, dtype=np.int64).reshape(-1, k) if need_ids else None
                 if emit is not None:
+                    assert ids is not None
                     emit(route_record({"t": now, "seq": self._stamp()}, fstep, layer, ids, None))
-                parts = plan_parts(ids, self.caps[layer], layer=layer)
+                parts = plan_parts_flat(experts, k, self.caps[layer], layer=layer)
                 if self.union_prof:
                     assert emit is not None
-                    emit(UnionSize(t=now, seq=self._stamp(), step=fstep, layer=layer, tokens=len(ids),
+                    emit(UnionSize(t=now, seq=self._stamp(), step=fstep, layer=layer, tokens=len(experts) // k,
                                    union=len({e for _, _, ex in parts for e in ex})))
                 lut = np.full(self.num_experts, -1, dtype=np.int64) if self.route_verify else None
                 for p, (lo, hi, part_experts) in enumerate(parts):
@@ -151,6 +153,7 @@ class FastReplay:
                         self.stall_s += self.now - t0
                     yield _SLEEP, self._layer_s(hi - lo, layer)
                     if lut is not None:
+                        assert ids is not None
                         lut[list(g.experts)] = g.slots
                         tok = ids[lo:hi]
                         pool_inbox.append(Release(t=self.now, seq=self._stamp(), step=fstep, layer=layer, part=p,

@@ -31,7 +31,7 @@ from qnpipe.io.device_file import named_profile
 from qnpipe.io.files import CONFIG_CAP, read_text_capped
 from qnpipe.io.simssd import DeviceProfile, open_simssd
 from qnpipe.messages import Candidates, ReadDone
-from qnpipe.policy.parts import plan_parts
+from qnpipe.policy.parts import plan_parts_flat
 from qnpipe.replay.belady import belady_hits
 from qnpipe.replay.fast import FastReplay, RunResult
 from qnpipe.replay.model_free import TransitionTable, oracle_guess, previous_guess
@@ -357,8 +357,7 @@ def _belady(log: ReplayLog, caps: dict[int, int]) -> dict[int, tuple[int, int]]:
     seqs: dict[int, list[tuple[int, ...]]] = {layer: [] for layer in caps}
     for step in log.steps:
         for layer, experts in step:
-            ids = np.asarray(experts, dtype=np.int64).reshape(-1, log.shape.top_k)
-            seqs[layer] += [tuple(ex) for _, _, ex in plan_parts(ids, caps[layer], layer=layer)]
+            seqs[layer] += [ex for _, _, ex in plan_parts_flat(experts, log.shape.top_k, caps[layer], layer=layer)]
     return {layer: (sum(map(len, s)), belady_hits(s, caps[layer])) for layer, s in seqs.items()}
 
 
