@@ -19,22 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+from qnpipe.live.parallel.localhost import write_local_hostfile
 
 
 def _overrides(pairs: list[str]) -> dict[str, object]:
@@ -97,8 +88,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def run_ranks(model: Path, ranks: int, tmp: Path, extra: list[str], tokens: int, handoffs: int) -> list[dict]:
-    hostfile = tmp / f"hosts{ranks}.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(ranks)]))
+    hostfile = write_local_hostfile(tmp / f"hosts{ranks}.json", ranks)
     procs = []
     for r in range(ranks):
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}

@@ -7,7 +7,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ import numpy as np
 import pytest
 import trio
 
+from qnpipe.live.parallel.localhost import write_local_hostfile
+
 RANK_MAIN = Path(__file__).with_name("rank_main.py")
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
 # A pool of top-k slots per layer (the tiny model's top-k is 4) and prefill in chunks: every path streams.
@@ -27,20 +28,9 @@ ENGINES = {"resident": {"eager_load": True, "prefill_chunk_tokens": 0},
 SCENARIO = {"prompt": PROMPT, "tokens": 6, "engines": ENGINES}
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _start(ranks: int, model_dir: Path, tmp: Path, scenario: dict, *, only: list[int] | None = None,
            env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
-    hostfile = tmp / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(ranks)]))
+    hostfile = write_local_hostfile(tmp / "hosts.json", ranks)
     (tmp / "scenario.json").write_text(json.dumps(scenario))
     procs = []
     for r in only if only is not None else range(ranks):
