@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
 from typing import Any, cast
 
@@ -361,6 +363,27 @@ def _belady(log: ReplayLog, caps: dict[int, int]) -> dict[int, tuple[int, int]]:
     return {layer: (sum(map(len, s)), belady_hits(s, caps[layer])) for layer, s in seqs.items()}
 
 
+# A sweep replays one log at many settings in one worker process: its routes and each predictor's
+# guesses are read and computed once there. Keyed by the file's identity, so a rewritten log is read again.
+_LOADED: dict[tuple[str, int, int, int], tuple[ReplayLog, dict[tuple[Any, ...], list[list[Predictions]]]]] = {}
+
+
+def _cached_log(path: str | Path) -> tuple[ReplayLog, dict[tuple[Any, ...], list[list[Predictions]]]]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return load_log(path), {}  # load_log says what is wrong with it
+    if not stat.S_ISREG(st.st_mode):
+        return load_log(path), {}
+    key = (str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    hit = _LOADED.get(key)
+    if hit is None:
+        loaded = (load_log(path), {})
+        _LOADED.clear()  # one log at a time
+        hit = _LOADED[key] = loaded
+    return hit
+
+
 def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile | str = "apple-m5-internal",
            cost: CostModel | None = None, record_nbytes: int | None = None,
            predictor: str = "none", opts: PredictorOpts | None = None, driver: str = "fast") -> ReplayReport:
@@ -395,13 +418,18 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
     cost.check()
     if record_nbytes is not None:
         check_record_nbytes(record_nbytes)
-    log = load_log(log_path)
+    log, guessed = _cached_log(log_path)
     first = int(len(log.steps) * opts.train_frac)
     if first >= len(log.steps):
         raise ConfigError(f"train_frac={opts.train_frac}: leaves none of the log's {len(log.steps)} steps to replay")
     preds = None
     if predictor != "none":
-        preds = predictions(log, predictor, opts, width=cfg.predict.width_experts, first=first)
+        key = (predictor, opts, cfg.predict.width_experts, first)
+        preds = guessed.get(key) if not opts.train_log else None
+        if preds is None:
+            preds = predictions(log, predictor, opts, width=cfg.predict.width_experts, first=first)
+            if not opts.train_log:  # another log's contents are not in the key
+                guessed[key] = preds
     log = msgspec.structs.replace(log, steps=log.steps[first:], candidates={})
     caps = replay_capacities(cfg, log.shape)
     if record_nbytes is not None:

@@ -156,3 +156,14 @@ def test_the_actor_replay_is_one_report_under_20_trio_scheduling_seeds(case: str
                   cost=CostModel(**c.get("cost", {})), record_nbytes=regen_golden.NBYTES,
                   predictor=c.get("predictor", "none"), driver="fast")
     assert digests == {hashlib.sha256(to_json(fast)).hexdigest()}
+
+
+def test_a_log_rewritten_at_the_same_path_is_read_again(tmp_path: Path) -> None:
+    """Replay keeps the last log's routes and guesses for the next replay of it (a sweep's points)."""
+    path = tmp_path / "log.qtrace"
+    cfg = config.load(None, overrides={"pool.expert_slots": "3"})
+    reports = []
+    for seed in (1, 2, 1):
+        write_log(path, seed=seed, layers=2, experts=8, k=2, steps=6, max_tokens=2)
+        reports.append(to_json(replay(path, cfg, record_nbytes=1000, predictor="previous")))
+    assert reports[0] != reports[1] and reports[0] == reports[2]
