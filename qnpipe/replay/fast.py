@@ -108,7 +108,7 @@ class FastReplay:
         self.cand_inbox: list[Candidates] = []
         self.granted: dict[tuple[int, int, int], Granted] = {}
         self.done_batches: list[int] = []
-        self.batches: dict[int, Batch] = {}
+        self.batches: dict[int, tuple[Batch, list[int]]] = {}  # on the device: the batch and its reads' sizes
 
     def _stamp(self) -> int:
         self.seq += 1
@@ -189,17 +189,18 @@ class FastReplay:
             self.granted[(g.step, g.layer, g.part)] = g
         self.pool_from_reads += out.pool
         for b in batches:
-            self.batches[b.number] = b
-            self.dev.submit(b.number, [self.nbytes[j.layer] for j in b.jobs], self.now)
+            sizes = [self.nbytes[j.layer] for j in b.jobs]
+            self.batches[b.number] = (b, sizes)
+            self.dev.submit(b.number, sizes, self.now)
 
     def _turn(self) -> bool:
         """Take the next wanted turn; False when none is wanted."""
         now = self.now
         if self.done_batches:
             number = heapq.heappop(self.done_batches)
-            b = self.batches.pop(number)
+            b, sizes = self.batches.pop(number)
             out = Outbox()
-            more = self.reads.complete(b, [self.nbytes[j.layer] for j in b.jobs], now, out)
+            more = self.reads.complete(b, sizes, now, out)
             self._deliver(out, more)
         elif self.pool_inbox or self.pool_from_reads or self.pool_from_predictor:
             msgs = self.pool_inbox + self.pool_from_reads + self.pool_from_predictor
