@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -18,13 +19,17 @@ import pytest
 import trio
 
 from qnpipe.live.parallel.localhost import write_local_hostfile
+from qnpipe.replay.runner import load_log
+from qnpipe.trace.merge import merge
 
 RANK_MAIN = Path(__file__).with_name("rank_main.py")
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
 # A pool of top-k slots per layer (the tiny model's top-k is 4) and prefill in chunks: every path streams.
 # The last one streams: the killed-rank test kills a rank while it generates with it.
+# The streamed engine records its routes (in the working directory: each rank names its own file).
 ENGINES = {"resident": {"eager_load": True, "prefill_chunk_tokens": 0},
-           "stream": {"expert_slots": 4, "prefill_chunk_tokens": 5}}
+           "stream": {"expert_slots": 4, "prefill_chunk_tokens": 5,
+                      "trace.route_trace": True, "trace.route_trace_path": "routes.qtrace"}}
 SCENARIO = {"prompt": PROMPT, "tokens": 6, "engines": ENGINES}
 
 
@@ -58,7 +63,13 @@ def _finish(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[tuple[
 
 
 @pytest.fixture(scope="module")
-def one_process(tiny_qn4: Path) -> dict[str, np.ndarray]:
+def one_process_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where one process runs SCENARIO (its routing log is written there)."""
+    return tmp_path_factory.mktemp("one")
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_qn4: Path, one_process_dir: Path) -> dict[str, np.ndarray]:
     """What one process makes of SCENARIO."""
     from qnpipe import open_engine
 
@@ -74,7 +85,8 @@ def one_process(tiny_qn4: Path) -> dict[str, np.ndarray]:
                 saved[f"{name}.sampled"] = np.array(res.tokens)
         return saved
 
-    return trio.run(run)
+    with contextlib.chdir(one_process_dir):
+        return trio.run(run)
 
 
 def _check_bits(tmp: Path, results: list[tuple[int, str]], one_process: dict[str, np.ndarray]) -> None:
@@ -85,12 +97,15 @@ def _check_bits(tmp: Path, results: list[tuple[int, str]], one_process: dict[str
     assert not (tmp / "out1.npz").exists(), "only rank 0 writes"
 
 
-def test_two_ranks_give_one_process_bits_streamed_and_resident(tiny_qn4: Path, tmp_path: Path,
+def test_two_ranks_give_one_process_bits_streamed_and_resident(tiny_qn4: Path, tmp_path: Path, one_process_dir: Path,
                                                                 one_process: dict[str, np.ndarray]) -> None:
     results = _finish(_start(2, tiny_qn4, tmp_path, SCENARIO), timeout_s=180)
     for r, (rc, err) in enumerate(results):
         assert rc == 0, f"rank {r} exited {rc}:\n{err[-3000:]}"
     _check_bits(tmp_path, results, one_process)
+    # the ranks' routing logs, merged, are the one process's
+    merge([tmp_path / "routes.rank0.qtrace", tmp_path / "routes.rank1.qtrace"], tmp_path / "routes.qtrace")
+    assert load_log(tmp_path / "routes.qtrace").steps == load_log(one_process_dir / "routes.qtrace").steps
 
 
 @attrs.frozen
