@@ -83,11 +83,15 @@ def register(sub: Any, fmt: Any) -> None:
                        "Memory stays near one chunk of experts; the output appears only when complete.\n"
                        "Layout: docs/store-format.md.",
                        epilog="examples:\n"
+                       "  qnpipe convert Qwen/Qwen3-Next-80B-A3B-Instruct --out ./qn80b-4bit --bits 4\n"
                        "  qnpipe convert ./Qwen3-Next-80B-A3B-Instruct --out ./qn80b-4bit --bits 4\n"
                        "  qnpipe convert ./Qwen3-Next-80B-A3B-Instruct-4bit --out ./qn80b-4bit \\\n"
                        "      --mtp-from ./Qwen3-Next-80B-A3B-Instruct\n"
                        "  qnpipe convert ./tiny --out ./tiny-qn --json")
-    v.add_argument("src", metavar="SRC", help="checkpoint directory (original HF or mlx-lm layout)")
+    v.add_argument("src", metavar="SRC",
+                   help="checkpoint directory (original HF or mlx-lm layout), or a Hugging Face repository id "
+                   "OWNER/NAME[@REVISION]: only the files convert reads are fetched into the hub cache (resumed "
+                   "if cut short; HF_HUB_OFFLINE=1 uses the cache alone)")
     v.add_argument("--out", required=True, metavar="DIR", help="model directory to create")
     v.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8],
                    help="quantize an unquantized source as `mlx_lm.convert -q` does (router and "
@@ -100,7 +104,8 @@ def register(sub: Any, fmt: Any) -> None:
     v.add_argument("--mtp-bits", type=int, choices=[0, 2, 3, 4, 5, 6, 8], metavar="N",
                    help="quantize the MTP head to N bits, 0 = keep float (default: mtp.bits, MTP_BITS, 4)")
     v.add_argument("--mtp-from", metavar="HF_DIR",
-                   help="take mtp.* from this original checkpoint (an mlx-lm source has no MTP)")
+                   help="take mtp.* from this original checkpoint, a directory or a repository id (an mlx-lm "
+                   "source has no MTP)")
     v.add_argument("--force", action="store_true",
                    help="replace DIR if it exists and qnpipe wrote it (never another directory)")
     v.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")

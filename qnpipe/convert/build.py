@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from qnpipe.convert import hub
 from qnpipe.convert.plan import (
     BITS,
     DTYPES,
@@ -182,6 +183,9 @@ def convert(
 ) -> ConvertReport:
     """Convert checkpoint `src` (original HF or mlx-lm layout) into the qnpipe model directory `out`.
 
+    `src` (and `mtp_from`) is a directory or a Hugging Face repository id (`owner/name[@revision]`),
+    fetched into the hub cache first (qnpipe.convert.hub).
+
     `bits`/`group_size` quantize an unquantized source exactly as `mlx_lm.convert -q` does
     (router and shared-expert gate at 8 bits / 64); `dtype` casts float tensors (default: the
     config's torch_dtype for HF sources, as mlx-lm does; unchanged for mlx-lm sources).
@@ -197,9 +201,7 @@ def convert(
     """
     t0 = time.perf_counter()
     log = log or (lambda msg: None)
-    src_p = Path(src).resolve()
     out_p = output_path(out)
-    mtp_p = Path(mtp_from).resolve() if mtp_from is not None else None
     if bits is not None and bits not in BITS:
         raise ConfigError(f"--bits must be one of {', '.join(map(str, BITS))}, got {bits}")
     if mtp_bits and mtp_bits not in BITS:
@@ -210,6 +212,10 @@ def convert(
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if out_p.name and out_p.parent.is_dir():  # first: a replace cut short may have left the only copy of `out` aside
         clean_stale(out_p.parent, out_p.name, log)
+    if any(p is not None and hub.hub_id(p) is not None for p in (src, mtp_from)):
+        check_replaceable(out_p, force, "--out")  # before a download from the Hub, not after
+    src_p = hub.fetch(src, progress=progress).resolve()
+    mtp_p = hub.fetch(mtp_from, what="--mtp-from", progress=progress).resolve() if mtp_from is not None else None
     _check_paths(src_p, out_p, mtp_p, force)
     existing = check_output_location(out_p, "--out")
 
