@@ -4,10 +4,10 @@ For a field, each combination of the other fields' values is one series. Numeric
 a numeric axis, joined in order; other values (policy names, layer sets) are categories: one
 tick each in grid order, the series' points side by side within it, never joined (a line
 between two policies would suggest values between them). Every series has its own marker
-(hollow, so points that coincide stay visible) and line style. A hit-rate plot also shows
-Belady's hit rate at the same points (the offline optimum at the resident slots). Axis labels
-come from `LABELS` (what the field is, and its unit), never the raw key; the legend sits
-outside the axes.
+(hollow, and on a numeric axis of another size, so points that coincide stay visible) and
+line style. A hit-rate plot also shows Belady's hit rate at the same points (the demand-only
+optimum at the resident slots). Axis labels come from `LABELS` (what the field is, and its
+unit), never the raw key; the legend sits outside the axes.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ LABELS: dict[str, tuple[str, str, float]] = {
     BELADY: ("Belady hit rate", "fraction of expert requests", 1.0),
     "misses": ("misses", "expert reads on demand", 1.0),
     "stall_s_per_token": ("stall", "ms per step", 1e3),
-    "bytes_per_token": ("read", "MiB per step", 2.0**-20),
+    "bytes_per_token": ("bytes read", "MiB per step", 2.0**-20),
     "device_utilisation": ("device busy", "fraction of virtual time", 1.0),
     "virtual_s": ("virtual time", "s", 1.0),
     "reads": ("device reads", "reads", 1.0),
@@ -126,8 +126,8 @@ def figure(result: SweepResult, metric: str, field: str) -> Any:
     width = 0.7  # of a category's tick, shared by its series
     for i, (name, pts) in enumerate(lines.items()):
         style = {"color": colours[i], "marker": MARKERS[i % len(MARKERS)], "markerfacecolor": "none",
-                 # sizes differ so that coinciding points nest instead of hiding each other
-                 "markersize": 6 + 2 * ((len(lines) - 1 - i) % 3), "label": name or metric}
+                 # on a numeric axis sizes differ, so that coinciding points nest instead of hiding each other
+                 "markersize": 6 + 2 * ((len(lines) - 1 - i) % 3) if numeric else 7, "label": name or metric}
         if numeric:
             pts = sorted(pts, key=lambda p: p[0])
             ax.plot([x * xf for x, _ in pts], [y * yf for _, y in pts], linestyle=STYLES[i % len(STYLES)], **style)
