@@ -114,8 +114,22 @@ def test_parquet_without_pyarrow_fails_before_the_replay_saying_how_to_install(
 
     monkeypatch.setattr(importlib, "import_module", no_pyarrow)
     ran: list[int] = []
-    monkeypatch.setattr("qnpipe.replay.replay", lambda *a, **k: ran.append(1))
+    for where in ("qnpipe.replay.replay", "qnpipe.replay.sweep.replay"):  # replay's and sweep's own
+        monkeypatch.setattr(where, lambda *a, **k: ran.append(1))
     for cmd in (["replay", str(log)], ["sweep", str(log), "--grid", "pool.expert_slots=4,8", "--executor", "serial"]):
         assert main([*cmd, "--set", f"replay.record_nbytes={NBYTES}", "--parquet", str(tmp_path / "x.parquet")]) == 2
         assert "pip install 'qnpipe[parquet]'" in capsys.readouterr().err
     assert not ran and not (tmp_path / "x.parquet").exists()
+
+
+def test_an_unwritable_csv_fails_before_the_replay_naming_it(log: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    ran: list[int] = []
+    for where in ("qnpipe.replay.replay", "qnpipe.replay.sweep.replay"):  # replay's and sweep's own
+        monkeypatch.setattr(where, lambda *a, **k: ran.append(1))
+    bad = tmp_path / "no-such-dir" / "r.csv"
+    for cmd in (["replay", str(log)], ["sweep", str(log), "--grid", "pool.expert_slots=4,8", "--executor", "serial"]):
+        assert main([*cmd, "--set", f"replay.record_nbytes={NBYTES}", "--csv", str(bad)]) == 2
+        assert str(bad) in capsys.readouterr().err
+    assert not ran
