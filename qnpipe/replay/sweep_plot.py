@@ -21,7 +21,8 @@ from qnpipe.io.figure import check_format, save
 from qnpipe.replay.sweep import SweepResult, fmt_value
 
 MAX_LEGEND = 24  # more series than this: no legend (the title says how many)
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "h")
+# 9 markers against matplotlib's 10 colours: no colour and marker pair repeats before 90 series
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", "h")
 STYLES = ("-", "--", "-.", ":")
 BELADY = "belady_hit_rate"
 HIT_RATES = ("hit_rate", "resident_hit_rate", "side_hit_rate", BELADY)
