@@ -134,3 +134,16 @@ def test_a_plot_that_is_no_hit_rate_has_no_belady_and_converts_units(result: swe
     lru = [p.metrics["stall_s_per_token"] * 1e3 for p in result.points if p.values["pool.evict_policy"] == "lru"]
     assert list(first.get_ydata()) == pytest.approx(lru)
     assert LABELS["stall_s_per_token"][2] == 1e3
+
+
+def test_no_two_series_share_colour_and_marker() -> None:
+    from matplotlib.colors import to_hex
+
+    points = [sweep.PointResult(index=i, values={"pool.expert_slots": s, "replay.predictor": pr},
+                                metrics={"tok_s": float(i), "belady_hit_rate": 0.5}, report=None)
+              for i, (s, pr) in enumerate((s, pr) for s in range(2, 26, 2) for pr in ("none", "oracle"))]
+    result = sweep.SweepResult(log="x.qtrace", fields=["replay.predictor", "pool.expert_slots"], points=points)
+    for field in result.fields:
+        lines = figure(result, "tok_s", field).axes[0].get_lines()
+        pairs = {(to_hex(line.get_color()), line.get_marker()) for line in lines}
+        assert len(lines) in (12, 2) and len(pairs) == len(lines)
