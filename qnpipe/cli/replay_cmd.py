@@ -37,6 +37,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         else:
             rest.append(item)
     args.sets = rest
+    check_exports(args)  # before the replay, not after it
     cfg = config.load(args.config, overrides=config_overrides(args))
     fitted = msgspec.to_builtins(load_cost(args.cost).cost) if args.cost else {}
     # The values were typed above, so these convert; replay checks each against its bounds, naming it.
@@ -47,8 +48,43 @@ def cmd_replay(args: argparse.Namespace) -> int:
     opts = PredictorOpts(train_frac=args.train_frac, train_log=args.train_log or "", recall=args.recall, seed=args.seed)
     report = replay(args.log, cfg, device_profile=device, cost=cost, record_nbytes=nbytes, predictor=args.predict,
                     opts=opts, driver=args.driver)
+    if args.csv or args.parquet:
+        from qnpipe.config import override_path
+        from qnpipe.replay.export import config_columns
+
+        write_exports(args, report.rows(config_columns(cfg, [override_path(k) for k in config_overrides(args)])))
     print(to_json(report).decode() if args.json else describe(report))
     return 0
+
+
+def check_exports(args: argparse.Namespace) -> None:
+    """--csv and --parquet writable, and pyarrow there for --parquet: checked before any replay runs."""
+    from qnpipe.trace import check_output_path
+
+    if args.csv:
+        check_output_path(args.csv, "CSV (--csv)")
+    if args.parquet:
+        from qnpipe.replay.export import pyarrow
+
+        pyarrow()
+        check_output_path(args.parquet, "Parquet file (--parquet)")
+
+
+def write_exports(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    from qnpipe.replay.export import write_csv, write_parquet
+
+    if args.csv:
+        write_csv(rows, args.csv)
+    if args.parquet:
+        write_parquet(rows, args.parquet)
+
+
+def add_export_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--csv", metavar="FILE",
+                   help="also write the results as a tidy CSV: one row per point x layer x metric, the settings as "
+                        "columns, layer 'all' for the whole run (docs/replay.md, Tidy tables)")
+    p.add_argument("--parquet", metavar="FILE",
+                   help="the same rows as a Parquet file (needs pyarrow: pip install 'qnpipe[parquet]')")
 
 
 def register(sub: Any, fmt: Any) -> None:
@@ -72,7 +108,8 @@ def register(sub: Any, fmt: Any) -> None:
                        "  qnpipe replay run.qtrace --cost run.cost.json --device measured\n"
                        "  qnpipe replay run.qtrace --predict recorded --set pool.side_region_slots=8\n"
                        "  qnpipe replay synth.qtrace --predict transition --train-frac 0.2 --set replay.record_nbytes=1700000\n"
-                       "  qnpipe replay synth.qtrace --predict oracle --recall 0.8 --seed 1 --set replay.record_nbytes=1700000")
+                       "  qnpipe replay synth.qtrace --predict oracle --recall 0.8 --seed 1 --set replay.record_nbytes=1700000\n"
+                       "  qnpipe replay run.qtrace --set pool.expert_slots=16 --csv run.csv")
     r.add_argument("log", metavar="LOG", help="event log (qnpipe generate --trace), docs/trace-format.md")
     r.add_argument("--device", default="apple-m5-internal", metavar="NAME",
                    help="device profile the device.* settings start from: apple-m5-internal (default) or measured "
@@ -94,5 +131,6 @@ def register(sub: Any, fmt: Any) -> None:
                    help="fast = the pipeline's decision cores on a plain event loop (default); actors = the live "
                    "trio actors on a virtual clock, the reference: the same report byte for byte, slower")
     r.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_export_flags(r)
     add_config_flags(r, prefill=False, example="pool.expert_slots=16")
     r.set_defaults(func=cmd_replay)

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from qnpipe.cli.common import add_config_flags
+from qnpipe.cli.replay_cmd import add_export_flags, check_exports, write_exports
 from qnpipe.errors import QnpipeError
+from qnpipe.io.figure import PLOT_FORMATS
 
 
 def _base(args: argparse.Namespace) -> tuple[Any, Any, dict[str, str]]:
@@ -145,6 +147,7 @@ def _sweep(args: argparse.Namespace) -> int:
         check_output_path(args.output, "sweep JSON (-o)")
     if args.plot_dir and Path(args.plot_dir).exists() and not Path(args.plot_dir).is_dir():
         raise QnpipeError(f"--plot-dir {args.plot_dir}: exists and is not a directory")
+    check_exports(args)
     cfg, base, fixed = _base(args)
     points = plan(args.log, parse_grid(args.grid), cfg, base=base, fixed=fixed)
     bar = _Bar(enabled=sys.stderr.isatty() and not args.no_progress)
@@ -158,7 +161,14 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.plot_dir:
         from qnpipe.replay.sweep_plot import plot
 
-        plot(result, metric, args.plot_dir)
+        plot(result, metric, args.plot_dir, fmt=args.plot_format)
+    if args.csv or args.parquet:
+        from qnpipe.replay.export import config_columns
+        from qnpipe.replay.sweep import replay_keys, resolve_key
+
+        own = set(replay_keys())
+        keys = [k for k in (resolve_key(item.partition("=")[0]) for item in args.sets) if k not in own]
+        write_exports(args, result.rows(config_columns(cfg, keys)))
     if args.json:
         print(to_json(result).decode())
     else:
@@ -191,7 +201,7 @@ def register(sub: Any, fmt: Any) -> None:
                        epilog="examples:\n"
                        "  qnpipe sweep run.qtrace --grid pool.expert_slots=4,8,16 --grid pool.evict_policy=lru,lfu\n"
                        "  qnpipe sweep run.qtrace --grid expert_slots=8,16 replay.predictor=none,previous \\\n"
-                       "      --metric hit_rate --plot-dir plots/ -o sweep.json\n"
+                       "      --metric hit_rate --plot-dir plots/ --plot-format pdf -o sweep.json --csv sweep.csv\n"
                        "  qnpipe sweep routes.qtrace --set replay.record_nbytes=1048576 \\\n"
                        "      --grid device.queue_depth=1,2,4,8 --executor dask --scheduler tcp://10.0.0.5:8786")
     s.add_argument("log", metavar="LOG", nargs="?",
@@ -202,7 +212,10 @@ def register(sub: Any, fmt: Any) -> None:
                    help="the metric the plots show and the table emphasises: tok_s (default), hit_rate, "
                    "belady_hit_rate, misses, stall_s_per_token, bytes_per_token, device_utilisation, ...")
     s.add_argument("-o", "--output", metavar="FILE", help="write the whole sweep as JSON to FILE (atomically)")
-    s.add_argument("--plot-dir", metavar="DIR", help="write a PNG of the metric against each swept field to DIR")
+    s.add_argument("--plot-dir", metavar="DIR", help="write a plot of the metric against each swept field to DIR")
+    s.add_argument("--plot-format", choices=PLOT_FORMATS, default="png",
+                   help="the plots' file format (default %(default)s; pdf and svg are vector graphics)")
+    add_export_flags(s)
     s.add_argument("--jobs", type=int, metavar="N", help="worker processes (default: the machine's cores)")
     s.add_argument("--executor", choices=["processes", "dask", "serial"], default="processes",
                    help="processes (default): local worker processes; dask: a dask.distributed cluster "

@@ -5,8 +5,9 @@ records into aligned buffers (the C extension `qnpipe._preadx` when built), `dev
 reader behind the read scheduler, `simssd` is the simulated SSD replay and the tests run
 against, `device_file`/`measure` the measured device profiles; `files` (capped whole-file
 reads, a leaf the config may import), `atomic`/`outdir` (files and directories that appear
-whole) and `heat_file`. It may import qnpipe.config, qnpipe.errors and the pure qnpipe.policy,
-never the model, the actors or the live engine.
+whole), `figure` (plots as PNG, PDF or SVG, through `atomic`) and `heat_file`. It may import
+qnpipe.config, qnpipe.errors and the pure qnpipe.policy, never the model, the actors or the
+live engine.
 """
 
 from __future__ import annotations

@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 
-def _read_umask() -> int:
-    # /proc reads it without changing it; os.umask can only read by setting, which races with
-    # threads creating files, so it is done once, here, at import.
+def _proc_umask() -> int | None:
+    """The process's umask from /proc (Linux), which reads it without changing it; None elsewhere."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:
@@ -29,12 +28,27 @@ def _read_umask() -> int:
                     return int(line.split()[1], 8)
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _read_umask() -> int:
+    # os.umask can only read by setting, which races with threads creating files: where /proc
+    # cannot tell, it is done once, here, at import.
+    got = _proc_umask()
+    if got is not None:
+        return got
     old = os.umask(0o022)
     os.umask(old)
     return old
 
 
 UMASK = _read_umask()
+
+
+def current_umask() -> int:
+    """The umask now (a notebook or a caller may have set another since import), else UMASK."""
+    got = _proc_umask()
+    return UMASK if got is None else got
 
 
 def _named(e: OSError, path: Path) -> OSError:
@@ -56,7 +70,7 @@ def atomic_file(path: str | os.PathLike[str], *, fsync_dir: bool = False) -> Ite
     try:
         mode = stat.S_IMODE(os.stat(p).st_mode)
     except OSError:
-        mode = 0o666 & ~UMASK
+        mode = 0o666 & ~current_umask()
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     except OSError as e:

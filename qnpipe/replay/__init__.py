@@ -3,8 +3,9 @@
     report = qnpipe.replay.replay(log, cfg)
 
 `runner` is the replay itself (deterministic: a `LogBackend` stands in for the model and
-`qnpipe.io.simssd` for the SSD); `sweep` runs it over a grid of settings, `sweep_plot` draws
-the results, `cost_fit` fits the compute cost model to a recorded log, `synth` writes synthetic
+`qnpipe.io.simssd` for the SSD; `caveats` words its warnings); `sweep` runs it over a grid of
+settings, `sweep_plot` draws the results, `export` turns reports and sweeps into tidy rows
+(CSV, Parquet), `cost_fit` fits the compute cost model to a recorded log, `synth` writes synthetic
 logs, and `model_free`/`belady` are the predictors and the offline bound only replay and the
 tools use. Nothing here imports MLX or model code (tests/test_imports.py): a sweep worker
 starts in a fraction of a second.

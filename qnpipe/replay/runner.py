@@ -34,6 +34,7 @@ from qnpipe.io.files import CONFIG_CAP, read_text_capped
 from qnpipe.io.simssd import DeviceProfile, open_simssd
 from qnpipe.messages import Candidates, ReadDone
 from qnpipe.policy.parts import plan_parts_flat
+from qnpipe.replay import caveats
 from qnpipe.replay.belady import belady_hits
 from qnpipe.replay.fast import FastReplay, RunResult
 from qnpipe.replay.model_free import TransitionTable, oracle_guess, previous_guess
@@ -177,6 +178,16 @@ class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
     prefetch: PrefetchReport | None = None  # None without a predictor
     predictor_opts: PredictorOpts = PredictorOpts()
     train_steps: int = 0  # the log's first steps used for training only, not replayed
+    absent_layers: list[int] = []  # MoE layers the replayed steps never route through: not in `layers`
+    warnings: list[str] = []  # numbers above that could mislead, said in words (qnpipe.replay.caveats)
+
+    def rows(self, settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """The report as tidy rows, one per layer x metric (`layer` "all": the whole run), for a
+        DataFrame or a CSV; `settings` (e.g. the config overrides) become columns too
+        (qnpipe.replay.export.report_rows)."""
+        from qnpipe.replay.export import report_rows
+
+        return report_rows(self, settings)
 
 
 class ReplayLog(msgspec.Struct, frozen=True, kw_only=True):
@@ -449,8 +460,9 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
     counters, hits, misses, causes = res.pool.layers, res.pool.hits, res.pool.misses, res.pool.causes
     pstats = res.pool
     steps = len(log.steps)
+    routed = {layer for step in log.steps for layer, _ in step}
     layers = []
-    for layer in sorted(caps):
+    for layer in sorted(caps.keys() & routed):
         c = counters[layer]
         req, bh = belady[layer]
         layers.append(LayerReport(layer=layer, requests=c.hits + c.misses, hits=c.hits,
@@ -468,13 +480,15 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
             recall=_ratio(pstats.predicted_used, pstats.used),
             precision=_ratio(useful, reads))
     elapsed = res.elapsed_s
+    absent = caveats.absent_layers(log.shape, routed)
     return ReplayReport(
         log=str(log_path), predictor=predictor, device=profile, cost=cost, capacities=caps, steps=steps,
         tokens=res.tokens, virtual_s=elapsed, tok_s=_ratio(steps, elapsed), hit_rate=_ratio(hits, hits + misses),
         misses_by_cause=dict(sorted(causes.items())), bytes_per_token=res.device_bytes / steps,
         stall_s_per_token=res.stall_s / steps, device_utilisation=_ratio(res.busy_s, elapsed),
         reads=res.device_reads, layers=layers, resident_hit_rate=_ratio(hits - side, hits + misses),
-        side_hit_rate=_ratio(side, hits + misses), prefetch=prefetch, predictor_opts=opts, train_steps=first)
+        side_hit_rate=_ratio(side, hits + misses), prefetch=prefetch, predictor_opts=opts, train_steps=first,
+        absent_layers=absent, warnings=caveats.warnings(cfg, log.shape, absent, predictor))
 
 
 def _run_fast(log: ReplayLog, cfg: Config, caps: dict[int, int], nbytes: dict[int, int], cost: CostModel,
@@ -526,20 +540,35 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
 
 
+def belady_total(r: ReplayReport) -> float:
+    """Belady's hit rate over all layers: the per-layer optima weighted by requests."""
+    requests = sum(x.requests for x in r.layers)
+    return _ratio(sum(x.belady_hit_rate * x.requests for x in r.layers), requests)
+
+
 def describe(r: ReplayReport) -> str:
-    """The report as a table for a terminal."""
+    """The report as a table for a terminal: warnings first, the hit rate split into resident and
+    prefetched-in-time hits (a prefetch hit is memory a demand-only run did not have)."""
+    prefetched = r.prefetch is not None
+    split = (f" = resident {r.resident_hit_rate:.3f} + prefetched in time {r.side_hit_rate:.3f}"
+             if prefetched else "")
     lines = [f"replay of {r.log}: {r.steps} steps ({r.tokens} tokens) in {r.virtual_s:.4f} virtual s",
-             f"  {r.tok_s:.2f} steps/s, hit rate {r.hit_rate:.3f} (resident {r.resident_hit_rate:.3f}, "
-             f"side {r.side_hit_rate:.3f}), misses {r.misses_by_cause or '{}'}",
+             *(f"  WARNING: {w}" for w in r.warnings),
+             f"  hit rate {r.hit_rate:.3f}{split} (Belady {belady_total(r):.3f} at the resident slots)",
+             f"  {r.tok_s:.2f} steps/s, misses {r.misses_by_cause or '{}'}",
              f"  {r.bytes_per_token / 2**20:.3f} MiB read and {r.stall_s_per_token * 1e3:.3f} ms stalled per step, "
              f"device busy {r.device_utilisation:.1%} ({r.reads} reads)",
              *([f"  prefetch ({r.predictor}): recall {r.prefetch.recall:.3f}, {r.prefetch.reads} reads: "
                 f"{r.prefetch.useful} useful ({r.prefetch.useful_bytes / 2**20:.1f} MiB), {r.prefetch.wasted} wasted "
                 f"({r.prefetch.wasted_bytes / 2**20:.1f} MiB); {r.prefetch.expired} expired, "
                 f"{r.prefetch.dropped} dropped"] if r.prefetch is not None else []),
-             f"  {'layer':>5} {'slots':>5} {'requests':>8} {'hits':>6} {'hit rate':>8} {'belady':>7}"]
-    lines += [f"  {x.layer:>5} {r.capacities[x.layer]:>5} {x.requests:>8} {x.hits:>6} {x.hit_rate:>8.3f} "
-              f"{x.belady_hit_rate:>7.3f}" for x in r.layers]
+             f"  {'layer':>5} {'slots':>5} {'requests':>8} {'hits':>6}"
+             + (f" {'resident':>8} {'in time':>7}" if prefetched else "") + f" {'hit rate':>8} {'belady':>7}"]
+    lines += [f"  {x.layer:>5} {r.capacities[x.layer]:>5} {x.requests:>8} {x.hits:>6}"
+              + (f" {x.hits - x.side_hits:>8} {x.side_hits:>7}" if prefetched else "")
+              + f" {x.hit_rate:>8.3f} {x.belady_hit_rate:>7.3f}" for x in r.layers]
+    if r.absent_layers:
+        lines.append(f"  (not shown: layers {caveats.spans(r.absent_layers)}, no route in the log)")
     return "\n".join(lines)
 
 
@@ -549,4 +578,4 @@ def to_json(r: ReplayReport) -> bytes:
 
 
 __all__ = ["DRIVERS", "PREDICTORS", "CostModel", "LayerReport", "LogBackend", "PredictorOpts", "Predictions", "PrefetchReport",
-           "ReplayLog", "ReplayReport", "describe", "load_log", "predictions", "replay", "replay_capacities", "to_json"]
+           "ReplayLog", "ReplayReport", "belady_total", "describe", "load_log", "predictions", "replay", "replay_capacities", "to_json"]

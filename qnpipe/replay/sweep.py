@@ -266,6 +266,12 @@ class SweepResult(msgspec.Struct, frozen=True, kw_only=True):
         """The indices of the points that failed."""
         return [p.index for p in self.points if p.error is not None]
 
+    def rows(self, settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Every replayed point's tidy rows, the swept values as columns (qnpipe.replay.export.sweep_rows)."""
+        from qnpipe.replay.export import sweep_rows
+
+        return sweep_rows(self, settings)
+
 
 def metric_names() -> tuple[str, ...]:
     """The metrics a sweep can plot: the report's numeric fields, `misses` and `belady_hit_rate`."""

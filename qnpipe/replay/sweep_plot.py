@@ -1,19 +1,76 @@
-"""PNG plots of a sweep: one metric against each swept field (matplotlib, Agg backend, no pyplot state).
+"""Plots of a sweep: one metric against each swept field (matplotlib, Agg backend, no pyplot state).
 
-For a field, each combination of the other fields' values is one line; numeric values go on
-a numeric axis in order, other values (names, layer sets) one tick each in grid order.
+For a field, each combination of the other fields' values is one series. Numeric values go on
+a numeric axis, joined in order; other values (policy names, layer sets) are categories: one
+tick each in grid order, the series' points side by side within it, never joined (a line
+between two policies would suggest values between them). Every series has its own marker
+(hollow, and on a numeric axis of another size, so points that coincide stay visible) and
+line style. A hit-rate plot also shows Belady's hit rate at the same points (the demand-only
+optimum at the resident slots). Axis labels come from `LABELS` (what the field is, and its
+unit), never the raw key; the legend sits outside the axes.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 from typing import Any
 
-from qnpipe.io.atomic import atomic_file
+from qnpipe.io.figure import check_format, save
 from qnpipe.replay.sweep import SweepResult, fmt_value
 
-MAX_LEGEND = 12  # more lines than this: no legend (it would cover the plot)
+MAX_LEGEND = 24  # more series than this: no legend (the title says how many)
+# 9 markers against matplotlib's 10 colours: no colour and marker pair repeats before 90 series
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", "h")
+STYLES = ("-", "--", "-.", ":")
+BELADY = "belady_hit_rate"
+HIT_RATES = ("hit_rate", "resident_hit_rate", "side_hit_rate", BELADY)
+
+# field or metric -> (what it is, unit, factor from the stored value to the unit)
+LABELS: dict[str, tuple[str, str, float]] = {
+    "tok_s": ("throughput", "steps / virtual s", 1.0),
+    "hit_rate": ("hit rate", "fraction of expert requests", 1.0),
+    "resident_hit_rate": ("resident hit rate", "fraction of expert requests", 1.0),
+    "side_hit_rate": ("prefetched-in-time hit rate", "fraction of expert requests", 1.0),
+    BELADY: ("Belady hit rate", "fraction of expert requests", 1.0),
+    "misses": ("misses", "expert reads on demand", 1.0),
+    "stall_s_per_token": ("stall", "ms per step", 1e3),
+    "bytes_per_token": ("bytes read", "MiB per step", 2.0**-20),
+    "device_utilisation": ("device busy", "fraction of virtual time", 1.0),
+    "virtual_s": ("virtual time", "s", 1.0),
+    "reads": ("device reads", "reads", 1.0),
+    "steps": ("steps", "forwards", 1.0),
+    "tokens": ("tokens", "tokens", 1.0),
+    "train_steps": ("training steps", "steps", 1.0),
+    "pool.expert_slots": ("resident expert slots", "per layer", 1.0),
+    "pool.evict_policy": ("eviction policy", "", 1.0),
+    "pool.side_region_slots": ("side-region (prefetch) slots", "per layer", 1.0),
+    "read.workers": ("reader threads", "", 1.0),
+    "predict.width_experts": ("prediction width", "experts per predicted layer", 1.0),
+    "replay.predictor": ("predictor", "", 1.0),
+    "replay.record_nbytes": ("expert record size", "MiB", 2.0**-20),
+    "cost.per_layer_s": ("compute per MoE layer", "ms", 1e3),
+    "cost.per_token_s": ("compute per token", "ms", 1e3),
+    "cost.per_step_s": ("compute per step", "ms", 1e3),
+    "cost.read_hop_s": ("read hop", "ms", 1e3),
+    "device.bandwidth_bytes_per_s": ("device bandwidth", "GB/s", 1e-9),
+    "device.latency_s": ("device latency", "µs", 1e6),
+    "device.per_mb_latency_s": ("device latency per MB", "µs", 1e6),
+    "device.queue_depth": ("device queue depth", "reads", 1.0),
+}
+
+
+def label(name: str) -> tuple[str, float]:
+    """(axis label with its unit, factor to the unit) of a field or metric: `LABELS`, else a config
+    field's own description (docs/config.md), else the name with its underscores as spaces."""
+    if name in LABELS:
+        what, unit, factor = LABELS[name]
+        return (f"{what} ({unit})" if unit else what), factor
+    from qnpipe.config import field_specs
+
+    doc = next((s.doc for s in field_specs() if s.path == name), "")
+    return (doc or name.rpartition(".")[2].replace("_", " ")), 1.0
 
 
 def _numeric(values: list[Any]) -> bool:
@@ -30,50 +87,101 @@ def series(result: SweepResult, field: str, metric: str) -> tuple[list[Any], dic
         x = p.values[field]
         if x not in xs:
             xs.append(x)
-        label = ", ".join(f"{k}={fmt_value(v)}" for k, v in p.values.items() if k != field)
-        lines.setdefault(label, []).append((x, p.metrics[metric]))
+        lines.setdefault(_series_label(p.values, field), []).append((x, p.metrics[metric]))
     return xs, lines
 
 
-def file_name(metric: str, field: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{metric}-vs-{field}") + ".png"
+def _series_label(values: dict[str, Any], field: str) -> str:
+    return ", ".join(f"{label(k)[0].partition(' (')[0]} = {fmt_value(v)}" for k, v in values.items() if k != field)
 
 
-def plot(result: SweepResult, metric: str, out_dir: str | Path) -> list[Path]:
-    """Write `<metric>-vs-<field>.png` in `out_dir` (created) for every swept field; the paths written."""
+def file_name(metric: str, field: str, fmt: str = "png") -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{metric}-vs-{field}") + f".{fmt}"
+
+
+def plot(result: SweepResult, metric: str, out_dir: str | Path, *, fmt: str = "png") -> list[Path]:
+    """Write `<metric>-vs-<field>.<fmt>` in `out_dir` (created) for every swept field; the paths written."""
+    check_format(fmt)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return [save(figure(result, metric, field), out / file_name(metric, field, fmt), fmt) for field in result.fields]
+
+
+def figure(result: SweepResult, metric: str, field: str) -> Any:
+    """The figure of `metric` against `field` (see the module doc)."""
+    import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for field in result.fields:
-        xs, lines = series(result, field, metric)
-        fig = Figure(figsize=(6.4, 4.2), layout="constrained")
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        numeric = _numeric(xs)
-        pos = {x if numeric else fmt_value(x): (x if numeric else i) for i, x in enumerate(xs)}
-        for label, pts in lines.items():
-            if numeric:
-                pts = sorted(pts, key=lambda p: p[0])
-            ax.plot([pos[x if numeric else fmt_value(x)] for x, _ in pts], [y for _, y in pts], marker="o",
-                    label=label or None)
-        if not numeric:
-            ax.set_xticks(list(range(len(xs))), [fmt_value(x) for x in xs])
-        elif len(xs) <= MAX_LEGEND:
-            ax.set_xticks(sorted(xs), [fmt_value(x) for x in sorted(xs)])
-        ax.set_xlabel(field)
-        ax.set_ylabel(metric)
-        ax.set_title(f"{metric} against {field}  ({Path(result.log).name}, {len(result.points)} points)", fontsize=9)
-        ax.grid(True, alpha=0.3)
-        if 1 < len(lines) <= MAX_LEGEND:
-            ax.legend(fontsize=7)
-        path = out / file_name(metric, field)
-        with atomic_file(path) as f:
-            fig.savefig(f, format="png", dpi=110)
-        written.append(path)
-    return written
+    xs, lines = series(result, field, metric)
+    belady = series(result, field, BELADY)[1] if metric in HIT_RATES and metric != BELADY else {}
+    ylabel, yf = label(metric)
+    xlabel, xf = label(field)
+    numeric = _numeric(xs)
+    legend = 1 < len(lines) <= MAX_LEGEND or bool(belady)
+    fig = Figure(figsize=(7.6 if legend else 6.4, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    cycle = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    colours = list(itertools.islice(itertools.cycle(cycle), len(lines)))
+    width = 0.7  # of a category's tick, shared by its series
+    for i, (name, pts) in enumerate(lines.items()):
+        style = {"color": colours[i], "marker": MARKERS[i % len(MARKERS)], "markerfacecolor": "none",
+                 # on a numeric axis sizes differ, so that coinciding points nest instead of hiding each other
+                 "markersize": 6 + 2 * ((len(lines) - 1 - i) % 3) if numeric else 7, "label": name or metric}
+        if numeric:
+            pts = sorted(pts, key=lambda p: p[0])
+            ax.plot([x * xf for x, _ in pts], [y * yf for _, y in pts], linestyle=STYLES[i % len(STYLES)], **style)
+        else:
+            dx = (i - (len(lines) - 1) / 2) * width / max(1, len(lines))
+            ax.plot([xs.index(x) + dx for x, _ in pts], [y * yf for _, y in pts], linestyle="none", **style)
+    _draw_belady(ax, belady, xs, numeric, xf, yf, colours, width)
+    if not numeric:
+        ax.set_xticks(list(range(len(xs))), [fmt_value(x) for x in xs])
+        ax.set_xlim(-0.6, len(xs) - 0.4)
+    elif len(xs) <= MAX_LEGEND:
+        ax.set_xticks([x * xf for x in sorted(xs)], [fmt_value(x * xf if xf != 1.0 else x) for x in sorted(xs)])
+    if metric in HIT_RATES:
+        ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    many = f", {len(lines)} series" if len(lines) > MAX_LEGEND else ""
+    ax.set_title(f"{ylabel.partition(' (')[0]} against {xlabel.partition(' (')[0]}  "
+                 f"({Path(result.log).name}, {len(result.points)} points{many})", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    if legend:
+        fig.legend(loc="outside right upper", fontsize=7, frameon=False)
+    return fig
 
 
-__all__ = ["MAX_LEGEND", "file_name", "plot", "series"]
+def _draw_belady(ax: Any, belady: dict[str, list[tuple[Any, float]]], xs: list[Any], numeric: bool, xf: float,
+                 yf: float, colours: list[str], width: float) -> None:
+    """Belady's hit rate: one black dashed line when every series has the same (it depends on the slots, not
+    the policy), else each series' own in its colour; on a categorical axis a bar across each point."""
+    if not belady:
+        return
+    one = len({tuple(y for _, y in pts) for pts in belady.values()}) == 1
+    dash = (0, (4, 2))
+    for i, pts in enumerate(belady.values()):
+        colour = "black" if one else colours[i]
+        name = "Belady (demand-only optimum)" if i == 0 else None
+        if numeric:
+            pts = sorted(pts, key=lambda p: p[0])
+            ax.plot([x * xf for x, _ in pts], [y * yf for _, y in pts], color=colour, linestyle=dash,
+                    linewidth=1.2, alpha=0.8, label=name if one else None, zorder=1)
+        else:
+            slot = width / max(1, len(belady))
+            at = [xs.index(x) + (i - (len(belady) - 1) / 2) * slot for x, _ in pts]
+            lo, hi = (([c - width / 2 for c in at], [c + width / 2 for c in at]) if one
+                      else ([c - slot / 2 for c in at], [c + slot / 2 for c in at]))
+            # solid: a dash pattern on a bar this short looks shifted off its point
+            ax.hlines([y * yf for _, y in pts], lo, hi, colors=colour, linewidth=1.6, zorder=1,
+                      label=name if one else None)
+        if one:
+            break
+    if not one:  # one legend entry for all the series' Belady lines
+        ax.plot([], [], color="grey", linestyle=dash if numeric else "-", linewidth=1.2,
+                label="Belady (demand-only optimum),\nin each series' colour")
+
+
+__all__ = ["LABELS", "MARKERS", "MAX_LEGEND", "STYLES", "figure", "file_name", "label", "plot", "series"]

@@ -1,4 +1,4 @@
-"""Draw a `qnpipe.trace.timeline.Timeline` as a PNG (matplotlib, Agg backend, no pyplot state).
+"""Draw a `qnpipe.trace.timeline.Timeline` as a PNG, PDF or SVG (matplotlib, Agg backend, no pyplot state).
 
 Top: one row per MoE layer, its compute (granted to released) and its stalls (waiting for
 reads). Bottom: one row per device lane, each read from the moment its batch went to the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qnpipe.io.atomic import atomic_file
+from qnpipe.io.figure import save
 from qnpipe.trace.timeline import Timeline
 
 COLOURS = {"compute": "#4c72b0", "stall": "#c44e52", "demand": "#8c8c8c", "in time": "#55a868", "late": "#dd8452",
@@ -19,8 +19,8 @@ COLOURS = {"compute": "#4c72b0", "stall": "#c44e52", "demand": "#8c8c8c", "in ti
 LABEL_READS = 80  # up to this many reads in the window, each bar is labelled with its layer and expert
 
 
-def draw(tl: Timeline, out: str | Path, *, title: str = "") -> Path:
-    """Write the PNG `out` (through a temporary name) and return its path."""
+def draw(tl: Timeline, out: str | Path, *, title: str = "", fmt: str = "png") -> Path:
+    """Write the plot to `out` as `fmt` (png, pdf, svg; through a temporary name) and return its path."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -77,10 +77,7 @@ def draw(tl: Timeline, out: str | Path, *, title: str = "") -> Path:
                 Line2D([], [], marker="|", color="black", linestyle="none", markersize=9, label="needed")]
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=7, frameon=False)
     fig.suptitle(title or f"steps {tl.first}..{tl.last}", fontsize=9)
-    path = Path(out)
-    with atomic_file(path) as f:
-        fig.savefig(f, format="png", dpi=110)
-    return path
+    return save(fig, out, fmt, dpi=110)
 
 
 __all__ = ["COLOURS", "LABEL_READS", "draw"]

@@ -51,6 +51,19 @@ def test_a_new_file_gets_the_umask_mode_and_a_replaced_file_keeps_its_mode(tmp_p
     assert stat.S_IMODE(p.stat().st_mode) == 0o640
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_a_new_file_follows_the_umask_of_the_moment_it_is_written(tmp_path: Path, umask: int) -> None:
+    import os
+    import stat
+
+    old = os.umask(umask)  # set after qnpipe.io.atomic was imported, as a notebook or a caller may
+    try:
+        atomic_write(tmp_path / "out.csv", b"a,b\n")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "out.csv").stat().st_mode) == 0o666 & ~umask
+
+
 def test_errors_name_the_file_never_the_temporary_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
     import os

@@ -204,8 +204,8 @@ def test_series_give_one_line_per_value_of_the_other_fields(by_processes: sweep.
 
     xs, lines = series(by_processes, "pool.expert_slots", "hit_rate")
     assert xs == [4, 8]
-    assert list(lines) == ["pool.evict_policy=lru", "pool.evict_policy=lfu"]
-    assert [y for _, y in lines["pool.evict_policy=lfu"]] == [by_processes.points[i].metrics["hit_rate"]
+    assert list(lines) == ["eviction policy = lru", "eviction policy = lfu"]  # labelled by LABELS, not the key
+    assert [y for _, y in lines["eviction policy = lfu"]] == [by_processes.points[i].metrics["hit_rate"]
                                                               for i in (1, 3)]
 
 
