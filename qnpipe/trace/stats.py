@@ -321,7 +321,10 @@ def _reuse_table(t: TotalStats) -> list[str]:
              "and layer: --json reuse_counts):",
              f"    {'distance':>9} {'reuses':>9} {'share':>6} {'<= cum':>6}"]
     done = 0
-    for name, n in t.reuse_hist.items():
+    top = len(t.reuse_counts) - 1
+    for lo in [0, 1, *(1 << i for i in range(1, top.bit_length()))] if top else [0]:
+        name = bucket(lo)
+        n = t.reuse_hist.get(name, 0)  # empty buckets shown too: a gap in the distances is part of the picture
         done += n
         lines.append(f"    {name:>9} {n:>9} {n / warm:>6.3f} {done / warm:>6.3f}")
     return lines

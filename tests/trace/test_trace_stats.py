@@ -81,7 +81,7 @@ def test_stats_of_a_hand_made_log_match_the_hand_computed_values(tmp_path: Path)
     assert t.top10_share == 0.4 and t.gini == pytest.approx(0.15)  # the layers' mean
     out = describe(s)
     assert "    all      10  0.400" in out and "4 first uses" not in out and "(10 reuses, 8 first uses" in out
-    assert "            0         4  0.400  0.400" in out and "          2-3         6  0.600  1.000" in out
+    assert "            0         4  0.400  0.400\n            1         0  0.000  0.400\n          2-3         6  0.600  1.000" in out
 
 
 def test_without_request_records_the_log_is_one_request(tmp_path: Path) -> None:
