@@ -65,9 +65,9 @@ def sources(fmt: str, src: str | Path | Sequence[str | Path]) -> list[Path]:
                 raise TraceImportError(f"{x}: no file matches")
             out += found
         elif p.is_dir() and fmt in SUFFIXES:
-            found = sorted((q for q in p.iterdir() if q.name.endswith(SUFFIXES[fmt])), key=_natural)
+            found = sorted((q for q in p.iterdir() if q.name.endswith(SUFFIXES[fmt]) and not q.is_dir()), key=_natural)
             if not found:
-                raise TraceImportError(f"{p}: a folder without {' or '.join(SUFFIXES[fmt])} files")
+                raise TraceImportError(f"{p}: a directory without {' or '.join(SUFFIXES[fmt])} files")
             out += found
         elif not p.exists():
             raise TraceImportError(f"{p}: no such file or directory")

@@ -13,7 +13,9 @@ top_k). Rows may come in any order: steps are ordered by their value and renumbe
 and a step may lack some layers. The model's shape is inferred: the layers seen are its MoE
 layers, `num_experts` is the largest expert id + 1 unless given (`experts=`, `--experts N`:
 then every id must be below it), `hidden_size` 0 (unknown). The file is one request.
-Values may be quoted; a `.csv.gz` is read gunzipped.
+Values may be quoted; a `.csv.gz` is read gunzipped. Each (step, layer) group also takes
+ROUTE_BYTES from the import's byte budget (`--max-bytes`): a row is a few bytes, its route in
+memory ~150, and the budget bounds the import's memory.
 
 Several files (`import_csv_files`) are one table split in files, e.g. one per layer: their rows
 are matched by their step values (a layer may lack a step another has), and no layer may be in
@@ -31,11 +33,22 @@ import numpy as np
 
 from qnpipe.errors import TraceImportError
 from qnpipe.trace.format import MAX_EXPERTS, MAX_LAYERS, ModelShape
-from qnpipe.trace.importers.common import Budget, Imported, LayerRoute, Options, Progress, Request, jsonl_lines
+from qnpipe.trace.importers.common import (
+    MAX_BYTES,
+    Budget,
+    Imported,
+    LayerRoute,
+    Options,
+    Progress,
+    Request,
+    jsonl_lines,
+)
 
 COLUMNS = ("step", "layer", "expert", "score")
 # A step value's bounds: it orders rows only, but a sane range keeps the numpy keys in int64.
 MAX_STEP = 1 << 40
+# What one (step, layer)'s route costs in memory (its LayerRoute, tuples, list slot), taken from the import's budget.
+ROUTE_BYTES = 160
 
 
 def _fields(line: bytes) -> list[str]:
@@ -51,6 +64,7 @@ def import_csv_files(srcs: list[Path], progress: Progress | None = None, budget:
                      opts: Options | None = None) -> Imported:
     """The files' rows as one table (their steps matched by value); a layer in two files is an error naming both."""
     opts = opts or Options()
+    budget = budget or Budget(MAX_BYTES)
     if opts.batched:
         raise TraceImportError(f"{srcs[0]}: --batched does not apply to csv: its steps are already the log's steps "
                                f"(one token per (step, layer))")
@@ -70,7 +84,7 @@ def import_csv_files(srcs: list[Path], progress: Progress | None = None, budget:
     whole = _Rows(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("step", "layer", "expert", "line")),
                   score=np.concatenate(scores) if scores else None)
     fileno = np.repeat(np.arange(len(parts)), [len(p.step) for p in parts])
-    return _group(srcs, fileno, whole, opts.experts)
+    return _group(srcs, fileno, whole, opts.experts, budget)
 
 
 class _Rows(NamedTuple):
@@ -146,7 +160,7 @@ def _is_int(s: str) -> bool:
     return True
 
 
-def _group(srcs: list[Path], fileno: np.ndarray, rows: _Rows, experts: int | None) -> Imported:
+def _group(srcs: list[Path], fileno: np.ndarray, rows: _Rows, experts: int | None, budget: Budget) -> Imported:
     step, layer, expert, row, score = rows
     order = np.lexsort((row, layer, step))  # by (step, layer), each group's rows in file order (one file per layer)
     step, layer, expert, row, fileno = step[order], layer[order], expert[order], row[order], fileno[order]
@@ -170,6 +184,8 @@ def _group(srcs: list[Path], fileno: np.ndarray, rows: _Rows, experts: int | Non
         again, where = int(row.reshape(-1, k)[g][i]), srcs[fileno.reshape(-1, k)[g][i]]
         raise TraceImportError(f"{where}: line {again}: (step {step[starts[g]]}, layer {layer[starts[g]]}): expert "
                                f"ids {grid[g].tolist()}: an expert chosen twice")
+    # a row of a few bytes becomes a route of ~150: charged, so that the budget still bounds the memory
+    budget.take(len(starts) * ROUTE_BYTES, f"{srcs[0]}: the routes of {len(starts)} (step, layer) groups")
     moe = tuple(int(x) for x in np.unique(layer))
     shape = ModelShape(num_layers=moe[-1] + 1, moe_layers=moe, num_experts=experts or int(expert.max()) + 1, top_k=k,
                        hidden_size=0)

@@ -78,7 +78,7 @@ def test_files_of_different_runs_or_the_same_layer_are_refused_naming_the_file(t
     with pytest.raises(TraceImportError, match=r"nothing\*.jsonl: no file matches"):
         import_log("vllm-jsonl", str(tmp_path / "nothing*.jsonl"), tmp_path / "out.qtrace")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(TraceImportError, match=r"empty: a folder without .jsonl or .jsonl.gz files"):
+    with pytest.raises(TraceImportError, match=r"empty: a directory without .jsonl or .jsonl.gz files"):
         import_log("vllm-jsonl", tmp_path / "empty", tmp_path / "out.qtrace")
     with pytest.raises(TraceImportError, match=r"a file given twice"):
         import_log("vllm-jsonl", [a, tmp_path / "." / "a.jsonl"], tmp_path / "out.qtrace")
@@ -93,3 +93,13 @@ def test_cli_merges_several_sources(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["trace", "import", "vllm-jsonl", str(WEIRAN / "moe_layer0.jsonl.gz"),
                  str(WEIRAN / "moe_layer0.jsonl.gz"), "-o", str(out)]) == 2
     assert "a file given twice" in capsys.readouterr().err
+
+
+def test_a_fifo_among_a_folders_files_is_refused_not_read(tmp_path: Path) -> None:
+    import os
+
+    _vllm_file(tmp_path / "a.jsonl", 0, [3, 3])
+    os.mkfifo(tmp_path / "b.jsonl")
+    (tmp_path / "c.jsonl").mkdir()  # a folder with the suffix is not a source
+    with pytest.raises(TraceImportError, match=r"b.jsonl: not a regular file \(a FIFO\)"):
+        import_log("vllm-jsonl", tmp_path, tmp_path / "out.qtrace")
