@@ -70,3 +70,10 @@ def test_batched_is_refused_where_the_source_does_not_say_what_ran_together(tmp_
     (tmp_path / "r.csv").write_text("step,layer,expert\n1,0,1\n")
     with pytest.raises(TraceImportError, match=r"r.csv: --batched does not apply to csv"):
         import_log("csv", tmp_path / "r.csv", tmp_path / "x.qtrace", batched=True)
+
+
+def test_the_five_vllm_runs_have_the_same_passes_batched_and_merge(tmp_path: Path) -> None:
+    # five runs of the same prompts and seed at temperature 0: every pass the same size at every logged layer
+    s = import_log("vllm-jsonl", WEIRAN, tmp_path / "b.qtrace", batched=True)
+    assert (s.requests, s.steps, s.layers, s.token_routes) == (1, 129, (0, 8, 12, 18, 23), 5 * 4357)
+    assert s.skipped == {vllm_jsonl.DUMMY: 5 * (8192 + 256)}
