@@ -22,6 +22,8 @@ def register(sub: Any, fmt: Any) -> None:
                        "logs, describe a log, write synthetic ones, draw a timeline, fit a cost model.",
                        epilog="examples:\n"
                        "  qnpipe trace import vllm-jsonl moe_layer0.jsonl -o qwen15-l0.qtrace\n"
+                       "  qnpipe trace import vllm-jsonl 'Logs/moe_layer*.jsonl' -o qwen15.qtrace --batched\n"
+                       "  qnpipe trace import csv routes.csv -o mine.qtrace\n"
                        "  qnpipe trace stats run.qtrace --json\n"
                        "  qnpipe trace synth -o synth.qtrace --layers 48 --experts 512 --top-k 10 --seed 1\n"
                        "  qnpipe trace plot run.qtrace -o timeline.png --steps 10:14\n"

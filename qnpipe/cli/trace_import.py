@@ -1,4 +1,4 @@
-"""`qnpipe trace import FORMAT SRC -o LOG`: another tool's routing log as a qnpipe routing log."""
+"""`qnpipe trace import FORMAT SRC... -o LOG`: another tool's routing log as a qnpipe routing log."""
 
 from __future__ import annotations
 
@@ -18,14 +18,16 @@ def cmd_import(args: argparse.Namespace) -> int:
     import msgspec
 
     from qnpipe.io.outdir import ByteProgress
-    from qnpipe.trace.importers import describe, import_log
+    from qnpipe.trace.importers import describe, import_log, sources
 
-    src = Path(args.src)
-    total = _size(src)
-    bar = ByteProgress(sys.stderr.isatty() and not args.quiet and total > 8 << 20, total, f"importing {src.name}")
+    paths = sources(args.format, args.src)
+    total = sum(_size(p) for p in paths)
+    name = paths[0].name if len(paths) == 1 else f"{len(paths)} files"
+    bar = ByteProgress(sys.stderr.isatty() and not args.quiet and total > 8 << 20, total, f"importing {name}")
     try:
-        summary = import_log(args.format, src, args.out, progress=bar.advance, max_steps=args.max_steps,
-                             max_bytes=args.max_bytes)
+        summary = import_log(args.format, args.src if len(args.src) > 1 else args.src[0], args.out,
+                             progress=bar.advance, max_steps=args.max_steps, max_bytes=args.max_bytes,
+                             experts=args.experts, batched=args.batched)
     finally:
         bar.stop()
     print(msgspec.json.encode(summary).decode() if args.json else describe(summary))
@@ -43,23 +45,47 @@ def register(tsub: Any, fmt: Any) -> None:
                         "  mixtral-jsonl  Mario928/speculative-moe JSON lines of Mixtral-8x7B (token_idx or token_pos)\n"
                         "  vllm-jsonl     vLLM MoE-logger JSON lines (meta line, then route rows per forward batch)\n"
                         "  flame-pt       FLAME-MoE .pt captures (a file or a folder of them), read without torch\n"
+                        "  csv            any tool: a header line `step,layer,expert[,score]`, then one row per\n"
+                        "                 chosen expert; the rows of one (step, layer) are one token's top-k (k the\n"
+                        "                 same everywhere); the experts counted from the ids unless --experts N\n"
+                        "Several SRC (files, a folder of the format's files, a quoted glob) are the per-layer files of\n"
+                        "one run (the vLLM logger writes one file per layer): merged into one log, each step holding\n"
+                        "every file's layer. They must have the same requests and steps, the same tokens per step,\n"
+                        "and different layers; a mismatch is an error naming the file.\n"
                         "Several requests in one source become consecutive requests of the log, each opened by a\n"
                         "trace.request record. What cannot be attributed (profiling passes, batched prefill rows,\n"
                         "tokens the source's logger dropped) is left out and counted in the summary line.\n"
+                        "--batched keeps a batch together instead: each forward pass of the source is one step of\n"
+                        "all the tokens it routed (vllm-jsonl: every pass but profiling; flame-pt: the sequences\n"
+                        "in lockstep), as the engine ran them, and replay serves it as multi-token steps.\n"
                         "Sources ending in .gz are read gunzipped. A progress bar shows on big files.\n"
                         "At most --max-bytes of source are read (decompressed, all files together; the import\n"
                         "holds a few times that in memory); a JSON line is at most 1 MiB.",
                         epilog="examples:\n"
                         "  qnpipe trace import mixtral-jsonl routing_raw.jsonl -o mixtral.qtrace\n"
                         "  qnpipe trace import vllm-jsonl moe_layer0.jsonl -o qwen-l0.qtrace --max-steps 500\n"
+                        "  qnpipe trace import vllm-jsonl Logs/ -o qwen-5layers.qtrace       # moe_layer{0,8,..}.jsonl\n"
+                        "  qnpipe trace import vllm-jsonl 'Logs/moe_layer*.jsonl' -o qwen-5layers.qtrace\n"
+                        "  qnpipe trace import vllm-jsonl moe_layer0.jsonl -o qwen-batch.qtrace --batched\n"
                         "  qnpipe trace import flame-pt Sample_routing_traces/Encoder_Batch_0-32 -o flame.qtrace\n"
+                        "  qnpipe trace import csv routes.csv -o mine.qtrace --experts 64\n"
+                        "      routes.csv:  step,layer,expert,score\n"
+                        "                   1,0,5,0.61\n"
+                        "                   1,0,2,0.39     (step 1, layer 0: a top-2 of experts 5 and 2)\n"
                         "  qnpipe replay mixtral.qtrace --set pool.expert_slots=4 --set replay.record_nbytes=1048576")
     p.add_argument("format", metavar="FORMAT", choices=sorted(FORMATS), help=f"one of: {', '.join(FORMATS)}")
-    p.add_argument("src", metavar="SRC", help="the source file (or, for flame-pt, a folder of .pt files)")
+    p.add_argument("src", metavar="SRC", nargs="+",
+                   help="the source file, or several (files, folders, a quoted glob: per-layer files of one run; "
+                   "for flame-pt, a folder of .pt files)")
     p.add_argument("-o", "--out", metavar="LOG", required=True, help="the routing log to write")
     p.add_argument("--max-steps", type=int, metavar="N", help="keep the first N steps only (requests in order)")
     p.add_argument("--max-bytes", type=int, default=MAX_BYTES, metavar="N",
                    help="read at most N bytes of source, decompressed (default %(default)s: 1 GiB)")
+    p.add_argument("--experts", type=int, metavar="N",
+                   help="csv: the model's experts per layer (default: the largest expert id + 1)")
+    p.add_argument("--batched", action="store_true",
+                   help="one step per forward pass of all its tokens, the batch not split into requests "
+                   "(vllm-jsonl, flame-pt)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_import)

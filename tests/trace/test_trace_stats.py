@@ -10,11 +10,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qnpipe import trace
 from qnpipe.cli import main
 from qnpipe.errors import TraceSchemaError
-from qnpipe.trace.stats import bucket, popularity, reuse_histogram, stack_distances, trace_stats
+from qnpipe.trace.stats import (
+    bin_counts,
+    bucket,
+    describe,
+    median_of_counts,
+    popularity,
+    reuse_histogram,
+    stack_distances,
+    trace_stats,
+)
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "traces"
 SHAPE = trace.ModelShape(num_layers=2, moe_layers=(0, 1), num_experts=4, top_k=2, hidden_size=8)
@@ -50,6 +61,7 @@ def test_stats_of_a_hand_made_log_match_the_hand_computed_values(tmp_path: Path)
     assert (a.unused, a.union_mean, a.union_max, a.tokens_per_step) == (0, 2.25, 3, 1.25)
     # stack distances: {0,1} {2,3} cold; step 3: 0 after {2,3} -> 2, 2 -> 0; step 4: 0 -> 0, 1 -> 3 (2,3,0), 3 -> 2
     assert a.reuse_cold == 4 and a.reuse_hist == {"0": 2, "2-3": 3} and a.reuse_median == 2.0
+    assert a.reuse_counts == [2, 0, 2, 1]  # exact: distances 0, 0, 2, 2, 3
     # previous token, within a request: [0,1]->[2,3] 0; [2,0]->[0,1] 1; [0,1]->[0,3] 1: 2 of 3 pairs x 2
     assert a.prev_token_hit == pytest.approx(2 / 6)
     assert b.top10_share == 0.4 and b.gini == pytest.approx(0.15)
@@ -58,6 +70,18 @@ def test_stats_of_a_hand_made_log_match_the_hand_computed_values(tmp_path: Path)
     # [0,1]->[1,2] ({1,2}: 2), [0,3]->[1,0] ({0,1}: 2); popularity (all tied, lower ids) {0,1}: 1 + 1 + 2
     assert (x.layer, x.next_layer, x.train_tokens, x.test_tokens) == (0, 1, 2, 3)
     assert x.hit_at_k == pytest.approx(5 / 6) and x.popular_hit_at_k == pytest.approx(4 / 6)
+    # layer 1: {1,2} {0,3} cold; step 3: 3 -> 0, 1 -> 2 (0,3); step 4: 1 -> 0, 2 -> 3 (0,3,1), 0 -> 2 (3,1)
+    assert b.reuse_counts == [2, 0, 2, 1] and b.reuse_cold == 4
+    t = s.total
+    assert (t.layers, t.layer_steps, t.tokens, t.unused, t.union_mean, t.union_max) == (2, 8, 10, 0, 2.25, 3)
+    assert t.reuse_counts == [4, 0, 4, 2] and t.reuse_cold == 8 and t.reuse_hist == {"0": 4, "2-3": 6}
+    assert t.reuse_median == 2.0  # 0 0 0 0 2 | 2 2 2 3 3
+    # previous token: layer 0 2 of 6 (above); layer 1 [1,2]->[0,3] 0, [3,1]->[1,2] 1, [1,2]->[1,0] 1: 2 of 6
+    assert t.prev_token_hit == pytest.approx(4 / 12)
+    assert t.top10_share == 0.4 and t.gini == pytest.approx(0.15)  # the layers' mean
+    out = describe(s)
+    assert "    all      10  0.400" in out and "4 first uses" not in out and "(10 reuses, 8 first uses" in out
+    assert "            0         4  0.400  0.400\n            1         0  0.000  0.400\n          2-3         6  0.600  1.000" in out
 
 
 def test_without_request_records_the_log_is_one_request(tmp_path: Path) -> None:
@@ -76,6 +100,30 @@ def test_the_building_blocks() -> None:
     assert stack_distances(sets, 3).tolist() == [-1, -1, -1, 2, 2, 0]
     assert reuse_histogram(np.array([-1, 0, 0, 1, 2, 3, 4, 9, 100])) == {"0": 2, "1": 1, "2-3": 2, "4-7": 1, "8-15": 1,
                                                                          "64-127": 1}
+
+
+def _distances_by_definition(sets: list[list[int]]) -> list[int]:
+    """The distinct other experts used in the steps strictly between an expert's previous use and this one."""
+    out = []
+    for j, s in enumerate(sets):
+        for e in s:
+            prev = max((p for p in range(j) if e in sets[p]), default=-1)
+            out.append(-1 if prev < 0 else len({f for q in range(prev + 1, j) for f in sets[q]}))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12).flatmap(lambda n: st.lists(st.sets(st.integers(0, n - 1), min_size=1, max_size=n),
+                                                     min_size=1, max_size=30).map(lambda s: (n, s))))
+def test_stack_distances_are_the_definition(case: tuple[int, list[set[int]]]) -> None:
+    n, sets = case
+    lists = [sorted(s) for s in sets]
+    got = stack_distances([np.asarray(s, dtype=np.int64) for s in lists], n)
+    assert got.tolist() == _distances_by_definition(lists)
+    warm = got[got >= 0]
+    exact = np.bincount(warm).tolist()
+    assert median_of_counts(exact) == (float(np.median(warm)) if len(warm) else -1.0)
+    assert bin_counts(exact) == reuse_histogram(got)
 
 
 def test_a_log_without_routes_or_with_a_bad_route_fails_naming_it(tmp_path: Path) -> None:
@@ -109,6 +157,12 @@ def test_cli_stats_of_an_imported_real_trace(tmp_path: Path, capsys: pytest.Capt
     assert main(["trace", "stats", str(log)]) == 0
     out = capsys.readouterr().out
     assert "1 request(s), 84 steps" in out and "cross-layer hit@2" in out
+    assert "\n    all    6777 " in out and "reuse distance, all layers" in out
+    assert s["total"]["tokens"] == 6777 and s["total"]["layers"] == 32
+    assert s["total"]["reuse_counts"] == np.sum([np.pad(x["reuse_counts"], (0, 8 - len(x["reuse_counts"])))
+                                                 for x in s["layers"]], axis=0).tolist()
+    assert sum(s["total"]["reuse_counts"]) + s["total"]["reuse_cold"] == sum(
+        round(x["union_mean"] * x["layer_steps"]) for x in s["layers"])  # every use is cold or a reuse
     with pytest.raises(SystemExit) as e:
         main(["trace", "stats", "--help"])
     out = capsys.readouterr().out

@@ -65,6 +65,14 @@ def open_regular(path: Path, cap: int | None) -> IO[bytes]:
     return os.fdopen(fd, "rb")
 
 
+class Options(msgspec.Struct, frozen=True, kw_only=True):
+    """What an import may be asked beyond its source: `experts` (csv: the expert count, else inferred), `batched`."""
+
+    experts: int | None = None
+    # each forward pass of the source one step of all the tokens it routed, the batch's requests not split apart
+    batched: bool = False
+
+
 class LayerRoute(msgspec.Struct, frozen=True):
     """One layer's routing in one step: token i chose `experts[i*k:(i+1)*k]` with `weights` (same layout)."""
 
@@ -102,6 +110,8 @@ class ImportSummary(msgspec.Struct, frozen=True, kw_only=True):
     routes: int  # trace.route records
     token_routes: int  # (token, layer) pairs
     skipped: dict[str, int]
+    files: list[str] = []  # the source files read, in order (several: per-layer files merged)
+    batched: bool = False
 
 
 # The models whose logs the importers know: the routing shape of each (`hidden_size` for completeness).
@@ -206,7 +216,75 @@ def cut(imp: Imported, max_steps: int) -> Imported:
     return msgspec.structs.replace(imp, requests=requests, skipped=skipped)
 
 
-def write_log(out: Path, imp: Imported, *, fmt: str, source: Path) -> ImportSummary:
+def merge(parts: list[Imported]) -> Imported:
+    """Per-layer imports of one run as one: step s of request r holds every part's layers of it, in layer order.
+
+    The parts must have the same requests, each with the same steps, and a step's routes the
+    same token count wherever two parts both have one; no layer may be in two parts; their
+    model shapes must be equal. TraceImportError names the file.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    name0 = first.sources[0]
+    owner: dict[int, Path] = {}
+    for p in parts:
+        where = p.sources[0]
+        if p.shape != first.shape:
+            raise TraceImportError(f"{where}: model shape {p.shape} differs from {name0.name}'s {first.shape}")
+        for layer in sorted({lr.layer for r in p.requests for st in r.steps for lr in st}):
+            if layer in owner:
+                raise TraceImportError(f"{where}: layer {layer} is also in {owner[layer]}: the files of one run must "
+                                       f"hold different layers")
+            owner[layer] = where
+        if len(p.requests) != len(first.requests):
+            raise TraceImportError(f"{where}: {len(p.requests)} request(s), {name0.name} has {len(first.requests)}: "
+                                   f"not the same run")
+        for i, (a, b) in enumerate(zip(first.requests, p.requests, strict=True)):
+            if len(a.steps) != len(b.steps):
+                raise TraceImportError(f"{where}: request {i} ({b.name}) has {len(b.steps)} steps, {name0.name}'s has "
+                                       f"{len(a.steps)}: not the same run")
+    k = first.shape.top_k
+    requests = []
+    for i, req in enumerate(first.requests):
+        steps = []
+        for j in range(len(req.steps)):
+            routes = [(lr, p.sources[0]) for p in parts for lr in p.requests[i].steps[j]]
+            tokens = {len(lr.experts) // k for lr, _ in routes}
+            if len(tokens) > 1:
+                lr, where = next((lr, w) for lr, w in routes if len(lr.experts) // k != len(routes[0][0].experts) // k)
+                raise TraceImportError(f"{where}: request {i} ({req.name}) step {j + 1}: layer {lr.layer} routes "
+                                       f"{len(lr.experts) // k} tokens, layer {routes[0][0].layer} of "
+                                       f"{routes[0][1].name} {len(routes[0][0].experts) // k}: not the same run")
+            steps.append(sorted((lr for lr, _ in routes), key=lambda lr: lr.layer))
+        requests.append(Request(req.name, steps))
+    skipped: dict[str, int] = {}
+    for p in parts:
+        for why, n in p.skipped.items():
+            skipped[why] = skipped.get(why, 0) + n
+    return Imported(shape=first.shape, requests=requests, skipped=skipped, sources=[s for p in parts for s in p.sources])
+
+
+def lockstep(requests: list[Request], name: str) -> Request:
+    """Requests decoding together as one batch: step i routes, at each layer, every request's tokens of its step i.
+
+    A request that has no step i any more has finished: the batch narrows. Token order in a
+    step's route is the requests' order.
+    """
+    steps = []
+    for i in range(max((len(r.steps) for r in requests), default=0)):
+        by_layer: dict[int, list[LayerRoute]] = {}
+        for r in requests:
+            if i < len(r.steps):
+                for lr in r.steps[i]:
+                    by_layer.setdefault(lr.layer, []).append(lr)
+        steps.append([LayerRoute(layer, tuple(e for lr in lrs for e in lr.experts),
+                                 tuple(w for lr in lrs for w in lr.weights) if all(lr.weights for lr in lrs) else ())
+                      for layer, lrs in sorted(by_layer.items())])
+    return Request(name, steps)
+
+
+def write_log(out: Path, imp: Imported, *, fmt: str, source: Path, batched: bool = False) -> ImportSummary:
     """Write `imp`'s requests one after another as a routing log at `out` (temp name, then renamed)."""
     shape, requests = imp.shape, imp.requests
     if not any(r.steps for r in requests):
@@ -236,7 +314,8 @@ def write_log(out: Path, imp: Imported, *, fmt: str, source: Path) -> ImportSumm
         raise
     return ImportSummary(format=fmt, source=str(source), log=str(out), model=shape, layers=layers,
                          requests=sum(1 for r in requests if r.steps), steps=step, routes=routes,
-                         token_routes=token_routes, skipped=dict(sorted(imp.skipped.items())))
+                         token_routes=token_routes, skipped=dict(sorted(imp.skipped.items())),
+                         files=[str(p) for p in imp.sources], batched=batched)
 
 
 def _why(skipped: dict[str, int]) -> str:
@@ -247,7 +326,9 @@ def describe(s: ImportSummary) -> str:
     """The summary line the CLI prints."""
     lo, hi = (s.layers[0], s.layers[-1]) if s.layers else (0, 0)
     layers = f"layer {lo}" if lo == hi else f"{len(s.layers)} layers {lo}..{hi}"
-    line = (f"imported {s.source} ({s.format}): {s.requests} request(s), {s.steps} steps, {s.token_routes} "
+    src = s.source if len(s.files) < 2 else f"{len(s.files)} files ({s.source})"
+    mode = ", batched" if s.batched else ""
+    line = (f"imported {src} ({s.format}{mode}): {s.requests} request(s), {s.steps} steps, {s.token_routes} "
             f"(token, layer) routes of {layers} -> {s.log}")
     if s.skipped:
         line += "; skipped " + ", ".join(f"{n} {k}" for k, n in s.skipped.items())

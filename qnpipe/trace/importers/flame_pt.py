@@ -12,6 +12,9 @@ token ids), `scores` (float32 [N, k], the chosen experts' softmax probabilities)
 
 SRC is one file or a directory searched for `*.pt`; its files must share one layout, and every
 step must have every layer (layers are kept as the source numbers them).
+
+Batched (`Options.batched`): the sequences decode together, one step per position routing
+every sequence's token of that position (S tokens a step), as one request.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 from qnpipe.errors import TraceImportError
 from qnpipe.trace.format import ModelShape
 from qnpipe.trace.importers import torch_zip
-from qnpipe.trace.importers.common import MAX_BYTES, Budget, Imported, LayerRoute, Progress, Request
+from qnpipe.trace.importers.common import MAX_BYTES, Budget, Imported, LayerRoute, Options, Progress, Request, lockstep
 
 # FLAME-MoE-290M-1.3B (cmu-flame; CMU-FLAME/FLAME-MoE-Traces README, its release launcher): 9 layers of hidden
 # size 1024, layer 1 dense and 2..9 MoE (Megatron numbers them from 1, as the captures do), 64 routed experts
@@ -94,7 +97,8 @@ def _check(c: _Capture, shape: ModelShape) -> None:
         raise TraceImportError(f"{c.path}: {why}")
 
 
-def import_flame_pt(src: Path, progress: Progress | None = None, budget: Budget | None = None) -> Imported:
+def import_flame_pt(src: Path, progress: Progress | None = None, budget: Budget | None = None,
+                    opts: Options | None = None) -> Imported:
     budget = budget or Budget(MAX_BYTES)
     files = sorted(src.rglob("*.pt")) if src.is_dir() else [src]
     if not files:
@@ -122,6 +126,8 @@ def import_flame_pt(src: Path, progress: Progress | None = None, budget: Budget 
     if not encoder and not decoder:
         raise TraceImportError(f"{caps[0].path}: neither sequence_length nor token_position: unknown layout")
     requests = _sequences(encoder) if encoder else _positions(decoder)
+    if opts is not None and opts.batched:
+        requests = [lockstep(requests, f"{len(requests)} sequences")]
     return Imported(shape=shape, requests=requests, skipped={}, sources=files)
 
 

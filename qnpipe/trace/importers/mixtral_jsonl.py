@@ -29,6 +29,7 @@ from qnpipe.trace.importers.common import (
     Budget,
     Imported,
     LayerRoute,
+    Options,
     Progress,
     Request,
     check_route,
@@ -55,8 +56,11 @@ class MixtralRecord(msgspec.Struct, frozen=True):
 _DECODER = msgspec.json.Decoder(MixtralRecord)
 
 
-def import_mixtral_jsonl(src: Path, progress: Progress | None = None,
-                         budget: Budget | None = None) -> Imported:
+def import_mixtral_jsonl(src: Path, progress: Progress | None = None, budget: Budget | None = None,
+                         opts: Options | None = None) -> Imported:
+    if opts is not None and opts.batched:
+        raise TraceImportError(f"{src}: --batched does not apply to mixtral-jsonl: the source does not record which "
+                               f"requests ran together (routing_raw.jsonl is one request, its prefill one step)")
     shape = MIXTRAL_8X7B
     layout: str | None = None
     per_layer: dict[tuple[str, int | str], dict[int, list[LayerRoute]]] = {}  # token_idx layout

@@ -14,6 +14,10 @@ token per pass), so those passes become the B requests, one after another in the
 larger passes before them (the batched prefill, warm-up) cannot be split among the requests
 (unless B = 1) and the smaller ones after (requests finished, rows re-packed) cannot be
 attributed: both are dropped and counted in the summary's `skipped`.
+
+Batched (`Options.batched`, `--batched`): every pass but the profiling ones is one step of all
+its rows, in row order, the run one request: the batch as the engine ran it (prefill, warm-up
+and the narrower passes at the end included), not its requests one after another.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from qnpipe.trace.importers.common import (
     Budget,
     Imported,
     LayerRoute,
+    Options,
     Progress,
     Request,
     check_route,
@@ -59,8 +64,8 @@ _DECODER = msgspec.json.Decoder(VllmMeta | VllmRoute)
 Pass = list[tuple[int, list[tuple[tuple[int, ...], tuple[float, ...]]]]]  # [(layer, rows of (ids, weights))]
 
 
-def import_vllm_jsonl(src: Path, progress: Progress | None = None,
-                      budget: Budget | None = None) -> Imported:
+def import_vllm_jsonl(src: Path, progress: Progress | None = None, budget: Budget | None = None,
+                      opts: Options | None = None) -> Imported:
     lines = jsonl_lines(src, progress, budget)
     first = next(lines, None)
     if first is None:
@@ -103,7 +108,7 @@ def import_vllm_jsonl(src: Path, progress: Progress | None = None,
     if passes and len(passes[-1][-1][1]) != len(passes[-1][0][1]):
         raise TraceImportError(f"{src}: the last pass of layer {passes[-1][-1][0]} has {len(passes[-1][-1][1])} "
                                f"rows, layer {passes[-1][0][0]}'s {len(passes[-1][0][1])}: truncated?")
-    requests, skipped = _requests(passes)
+    requests, skipped = _requests(passes, batched=bool(opts and opts.batched))
     return Imported(shape=shape, requests=requests, skipped={k: v for k, v in skipped.items() if v}, sources=[src])
 
 
@@ -115,7 +120,7 @@ def _is_dummy(p: Pass) -> bool:
     return _rows(p) > 1 and all(len({frozenset(ids) for ids, _ in rows}) == 1 for _, rows in p)
 
 
-def _requests(passes: list[Pass]) -> tuple[list[Request], dict[str, int]]:
+def _requests(passes: list[Pass], *, batched: bool = False) -> tuple[list[Request], dict[str, int]]:
     skipped: dict[str, int] = dict.fromkeys((DUMMY, BEFORE, AFTER), 0)
     runs: list[list[Pass]] = [[]]
     for p in passes:
@@ -126,6 +131,9 @@ def _requests(passes: list[Pass]) -> tuple[list[Request], dict[str, int]]:
         else:
             runs[-1].append(p)
     requests: list[Request] = []
+    if batched:
+        return [Request(f"run {r}", [[_join(layer, rows) for layer, rows in p] for p in run])
+                for r, run in enumerate(x for x in runs if x)], skipped
     for r, run in enumerate(x for x in runs if x):
         sizes = Counter(_rows(p) for p in run)
         width = max(sizes, key=lambda s: (sizes[s], s))

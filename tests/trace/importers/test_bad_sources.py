@@ -145,7 +145,7 @@ def test_cli_import_prints_the_summary_and_fails_cleanly(tmp_path: Path, capsys:
                  "--max-steps", "0"]) == 2
     assert "max_steps=0: want at least 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["trace", "import", "csv", "x", "-o", str(out)])
+        main(["trace", "import", "parquet", "x", "-o", str(out)])  # not a format
     with pytest.raises(SystemExit) as e:
         main(["trace", "import", "--help"])
     assert e.value.code == 0 and "examples:" in capsys.readouterr().out
