@@ -62,6 +62,7 @@ def cases(draw: st.DrawFn) -> dict[str, object]:
                 "read.workers": draw(st.integers(1, 4)), "read.batch_miss_read": draw(st.booleans()),
                 "read.bg_budget_experts": draw(st.sampled_from([0, 1, 3])),
                 "pool.side_region_slots": side, "pool.side_region_lfu": draw(st.booleans()),
+                "pool.prefetch_into": draw(st.sampled_from(["side", "main"])),
                 "predict.per_layer_budget_experts": draw(st.integers(0, 4)),
                 "predict.file_global_budget_experts": draw(st.sampled_from([0, 2, 8])),
                 "read.window_layers": draw(st.sampled_from([0, 1])),
