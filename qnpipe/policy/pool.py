@@ -303,7 +303,7 @@ class PoolPolicy:
         late: set[int] = set()
         loads = list(plan.loads)
         if self.into_main:
-            loads, late = self._main_plan(layer, plan, slot_of, promoted)
+            loads, late = self._main_plan(layer, plan, slot_of, gen_of, promoted)
         m = self.slot_maps.get(layer)
         if in_side:
             assert side is not None
@@ -365,12 +365,30 @@ class PoolPolicy:
         side.fill(s, v, gen_r)
         self.slot_maps[layer].swap(r, s)
 
-    def _main_plan(self, layer: int, plan: AcquirePlan, slot_of: dict[int, int],
+    def _main_plan(self, layer: int, plan: AcquirePlan, slot_of: dict[int, int], gen_of: dict[int, int],
                    promoted: list[int]) -> tuple[list[Load], set[int]]:
-        """prefetch_into=main's part of an acquire: slots made physical, the hits a prefetch made (counted as
-        side hits), prefetches the step now waits for (late: read as demand) and the prefetches a demand
-        load evicted unused. Returns the loads (physical slots) and the late experts."""
+        """prefetch_into=main's part of an acquire: what each demand load evicts moves to the side region
+        (as a prefetch's victim does), slots made physical, the hits a prefetch made (counted as side
+        hits) and the prefetches the step now waits for (late: read as demand). Returns the loads
+        (physical slots) and the late experts."""
         m = self.slot_maps.get(layer)
+        main = self.tables[layer]
+        loads: list[Load] = []
+        for ld in plan.loads:
+            evicted = ld.evicted
+            if m is not None and evicted >= 0 and (s := self.sides[layer].spare()) is not None:
+                # The load goes to side slot s's physical slot (its expert, if any, leaves memory) and the
+                # evicted expert stays in its own, now a side slot: the two slots trade regions.
+                side = self.sides[layer]
+                gen_r, gen_s = main.generation[ld.slot] - 1, side.generation[s]  # `_load` bumped r's
+                dropped = side.vacate(s)
+                m.swap(ld.slot, s)
+                side.fill(s, evicted, gen_r)
+                main.generation[ld.slot] = gen_of[ld.expert] = gen_s + 1
+                evicted = dropped
+            if evicted >= 0:
+                self._wasted(layer, evicted)
+            loads.append(ld if m is None else Load(ld.expert, m.main[ld.slot], evicted, ld.cause))
         if m is not None:
             for e, s in slot_of.items():
                 slot_of[e] = m.main[s]
@@ -379,11 +397,6 @@ class PoolPolicy:
         late = {e for e, _ in plan.waiting if (layer, e) in self.prefetching}
         for e in sorted(late):
             self.promotions.append((layer, e, slot_of[e]))
-        for ld in plan.loads:
-            if ld.evicted >= 0:
-                self._wasted(layer, ld.evicted)
-        loads = list(plan.loads) if m is None else [Load(ld.expert, m.main[ld.slot], ld.evicted, ld.cause)
-                                                     for ld in plan.loads]
         return loads, late
 
     def _place(self, layer: int, expert: int) -> Load | None:
