@@ -149,7 +149,7 @@ def _sweep(args: argparse.Namespace) -> int:
         raise QnpipeError(f"--plot-dir {args.plot_dir}: exists and is not a directory")
     check_exports(args)
     cfg, base, fixed = _base(args)
-    points = plan(args.log, parse_grid(args.grid), cfg, base=base, fixed=fixed)
+    points = plan(args.log, parse_grid(args.grid), cfg, base=base, fixed=fixed, equal_memory=args.equal_memory)
     bar = _Bar(enabled=sys.stderr.isatty() and not args.no_progress)
     try:
         result = run(args.log, points, executor=args.executor, jobs=args.jobs, scheduler=args.scheduler,
@@ -202,6 +202,8 @@ def register(sub: Any, fmt: Any) -> None:
                        "  qnpipe sweep run.qtrace --grid pool.expert_slots=4,8,16 --grid pool.evict_policy=lru,lfu\n"
                        "  qnpipe sweep run.qtrace --grid expert_slots=8,16 replay.predictor=none,previous \\\n"
                        "      --metric hit_rate --plot-dir plots/ --plot-format pdf -o sweep.json --csv sweep.csv\n"
+                       "  qnpipe sweep run.qtrace --equal-memory --set expert_slots=4 --set side_region_slots=3 \\\n"
+                       "      --grid replay.predictor=none,previous,oracle pool.prefetch_into=side,main --metric hit_rate\n"
                        "  qnpipe sweep routes.qtrace --set replay.record_nbytes=1048576 \\\n"
                        "      --grid device.queue_depth=1,2,4,8 --executor dask --scheduler tcp://10.0.0.5:8786")
     s.add_argument("log", metavar="LOG", nargs="?",
@@ -226,6 +228,10 @@ def register(sub: Any, fmt: Any) -> None:
     s.add_argument("--predict", default="none", metavar="NAME",
                    help="the replay's predictor at every point unless swept as replay.predictor "
                    "(none = demand only, default; previous: see qnpipe replay --help)")
+    s.add_argument("--equal-memory", action="store_true",
+                   help="give each demand-only point (predictor none) the side region's slots as resident slots "
+                   "(pool.expert_slots + pool.side_region_slots), the memory its prefetch points have; the "
+                   "table's slots_per_layer and memory_bytes columns show it")
     s.add_argument("--json", action="store_true", help="print the whole sweep as JSON instead of the table")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_config_flags(s, prefill=False, example="pool.evict_policy=lru")

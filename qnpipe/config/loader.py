@@ -44,6 +44,7 @@ from qnpipe.config.tree import (
     PoolCfg,
     PredictAgg,
     PredictCfg,
+    PrefetchInto,
     PrefixCfg,
     ReadBackend,
     ReadCfg,
@@ -57,7 +58,7 @@ __all__ = [
     "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
     "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning",
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",
-    "parse_layer_set", "PoolCfg", "PredictAgg", "PredictCfg", "PrefixCfg", "ReadCfg",
+    "parse_layer_set", "PoolCfg", "PredictAgg", "PredictCfg", "PrefetchInto", "PrefixCfg", "ReadCfg",
     "ReadBackend", "ReplacedSwitchWarning", "LEGACY_NAMES", "TraceCfg", "with_overrides",
     "override_path",
 ]

@@ -51,6 +51,13 @@ class ReadBackend(enum.StrEnum):
     PYTHON = "python"
 
 
+class PrefetchInto(enum.StrEnum):
+    """Where a prefetched expert lands (docs/pool.md, "Prefetch placement")."""
+
+    SIDE = "side"  # the side region, apart from the resident slots
+    MAIN = "main"  # the resident region, as its eviction policy decides
+
+
 class PredictAgg(enum.StrEnum):
     """How the predictor combines the tokens of one verify step."""
 
@@ -137,6 +144,9 @@ class PoolCfg(_Section, frozen=True):
         "read side-region experts in place, no copy into the resident region (always; false warns)")] = True
     # Measured hit 0.709 (cleared each step) vs 0.81 (persistent) at 32+32 slots.
     side_region_lfu: Annotated[bool, _doc("side region keeps hot experts across steps (persistent LFU)")] = True
+    prefetch_into: Annotated[PrefetchInto, _doc(
+        "where prefetches land: side (the side region) or main (the resident region, its eviction policy "
+        "choosing the victim; the side region then keeps what prefetches displaced)")] = PrefetchInto.SIDE
 
 
 class ReadCfg(_Section, frozen=True):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from qnpipe.config import Config
+from qnpipe.config import Config, PrefetchInto
+from qnpipe.errors import ConfigError
 from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.heat import Heat
 from qnpipe.policy.pool import PoolOptions, PoolPolicy, PrefetchBudgets
@@ -13,14 +14,25 @@ def side_slots(cfg: Config) -> int:
     return cfg.pool.side_region_slots if cfg.predict.cross_layer_prefetch else 0
 
 
+def check_placement(cfg: Config) -> None:
+    """ConfigError when prefetch is on with nowhere to land: no side slot and pool.prefetch_into=side."""
+    if (cfg.predict.cross_layer_prefetch and cfg.pool.side_region_slots == 0
+            and cfg.pool.prefetch_into is PrefetchInto.SIDE):
+        raise ConfigError("predict.cross_layer_prefetch=true with pool.side_region_slots=0 and "
+                          "pool.prefetch_into=side: prefetches would have nowhere to land; give the side region "
+                          "slots or set pool.prefetch_into=main")
+
+
 def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int, int],
                 heat: Heat | None = None) -> PoolPolicy:
     evictions = {layer: make_eviction(cfg.pool.evict_policy,
                                       lfu_decay_interval=cfg.pool.lfu_decay_interval_forwards)
                  for layer in capacities}
+    check_placement(cfg)
     # The side region keeps its hot prefetched experts by LFU (side_region_lfu) or is cleared each step.
     options = PoolOptions(
         predicting=cfg.predict.cross_layer_prefetch, side_slots=side_slots(cfg),
+        into_main=cfg.predict.cross_layer_prefetch and cfg.pool.prefetch_into is PrefetchInto.MAIN,
         side_persistent=cfg.pool.side_region_lfu,
         budgets=PrefetchBudgets(per_layer=cfg.predict.per_layer_budget_experts or 10**9,
                                 global_reads=cfg.predict.file_global_budget_experts or 10**9,
@@ -30,4 +42,4 @@ def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int
     return PoolPolicy.build(capacities, evictions, record_nbytes, options, heat)
 
 
-__all__ = ["make_policy", "side_slots"]
+__all__ = ["check_placement", "make_policy", "side_slots"]

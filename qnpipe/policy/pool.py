@@ -16,7 +16,7 @@ import attrs
 from qnpipe.errors import CapacityError, RouteError
 from qnpipe.policy.eviction import LFU, Eviction
 from qnpipe.policy.heat import Heat
-from qnpipe.policy.slot_table import Load, MissCause, SlotTable
+from qnpipe.policy.slot_table import FREE, AcquirePlan, Load, MissCause, SlotState, SlotTable
 
 GrantKey = tuple[int, int, int]  # (step, layer, part)
 
@@ -63,14 +63,39 @@ class PoolOptions:
     """What a pool does beyond demand caching, fixed when it is built (`PoolPolicy.build`).
 
     `side_slots` per layer of side region where prefetches land (kept by LFU when
-    `side_persistent`, else cleared at each step's end); `recall_prof` keeps per-acquire recall
-    samples (diag.predict_recall_prof)."""
+    `side_persistent`, else cleared at each step's end); with `into_main` prefetches land in the
+    resident region instead and the side region keeps what they displaced (docs/pool.md,
+    "Prefetch placement"); `recall_prof` keeps per-acquire recall samples (diag.predict_recall_prof)."""
 
     predicting: bool = False
     side_slots: int = 0
+    into_main: bool = False
     side_persistent: bool = True
     budgets: PrefetchBudgets = PrefetchBudgets()
     recall_prof: bool = False
+
+
+@attrs.define(slots=True)
+class SlotMap:
+    """One layer's slots as one stacked array (the resident slots, then the side region's) and which
+    region each serves now: with prefetch_into=main an expert moves between regions by relabelling
+    its slot, never by a copy. `main[r]` / `side[s]`: the physical slot of each table's slot;
+    `at[p]`: (in the side region, the table's slot) of physical slot `p`."""
+
+    main: list[int]
+    side: list[int]
+    at: list[tuple[bool, int]]
+
+    @classmethod
+    def identity(cls, capacity: int, side: int) -> SlotMap:
+        return cls(list(range(capacity)), list(range(capacity, capacity + side)),
+                   [(False, r) for r in range(capacity)] + [(True, s) for s in range(side)])
+
+    def swap(self, r: int, s: int) -> None:
+        """Resident slot `r` and side slot `s` trade their physical slots."""
+        self.main[r], self.side[s] = self.side[s], self.main[r]
+        self.at[self.main[r]] = (False, r)
+        self.at[self.side[s]] = (True, s)
 
 
 @attrs.define(slots=True)
@@ -171,6 +196,9 @@ class PoolPolicy:
     hints_dropped_budget: int = 0
     wasted_bytes: int = 0
     recall_samples: list[tuple[int, int, int]] | None = None  # diag.predict_recall_prof: (layer, used, predicted)
+    into_main: bool = False  # pool.prefetch_into=main: prefetches land in the resident region
+    slot_maps: dict[int, SlotMap] = attrs.field(factory=dict)  # layers whose regions trade slots (into_main)
+    prefetching: set[tuple[int, int]] = attrs.field(factory=set)  # into_main: prefetch reads not done yet
     heat: Heat | None = None  # autopin: routing heat, counted at each demand acquire (qnpipe.policy.heat)
 
     def __attrs_post_init__(self) -> None:
@@ -195,6 +223,9 @@ class PoolPolicy:
 
     def _table_of(self, layer: int, slot: int) -> tuple[SlotTable, int]:
         main = self.tables[layer]
+        if (m := self.slot_maps.get(layer)) is not None:
+            in_side, local = m.at[slot]
+            return (self.sides[layer] if in_side else main), local
         if slot >= main.capacity:
             return self.sides[layer], slot - main.capacity
         return main, slot
@@ -207,9 +238,12 @@ class PoolPolicy:
         tables = {layer: SlotTable(layer, cap, evictions[layer]) for layer, cap in capacities.items()}
         sides = ({layer: SlotTable(layer, options.side_slots, LFU()) for layer in capacities}
                  if options.side_slots > 0 else {})
+        maps = ({layer: SlotMap.identity(cap, options.side_slots) for layer, cap in capacities.items()}
+                if options.into_main and sides else {})
         return cls(tables, record_nbytes, sides=sides, side_persistent=options.side_persistent,
                    predicting=options.predicting, budgets=options.budgets,
-                   recall_samples=[] if options.recall_prof else None, heat=heat)
+                   recall_samples=[] if options.recall_prof else None, heat=heat, into_main=options.into_main,
+                   slot_maps=maps)
 
     def preload(self, layer: int, experts: Sequence[int]) -> list[Load]:
         """Put `experts` (distinct) in `layer`'s pool, pinned; returns the reads to issue.
@@ -242,6 +276,9 @@ class PoolPolicy:
             self.heat.count(key[0], key[1], experts)
         layer = key[1]
         side = self.sides.get(layer)
+        promoted: list[int] = []
+        if self.into_main and side is not None and side.slot_of:
+            promoted = self._promote(layer, experts)
         if side is not None and any(e in side.slot_of for e in experts):
             in_side = [e for e in experts if e in side.slot_of]
             main_part = [e for e in experts if e not in side.slot_of]
@@ -263,17 +300,22 @@ class PoolPolicy:
         gen_of = {e: table.generation[s] for e, s in slot_of.items()}
         hits = len(plan.hits)
         missing = {e for e, _ in plan.waiting} | {ld.expert for ld in plan.loads}
+        late: set[int] = set()
+        loads = list(plan.loads)
+        if self.into_main:
+            loads, late = self._main_plan(layer, plan, slot_of, gen_of, promoted)
+        m = self.slot_maps.get(layer)
         if in_side:
             assert side is not None
             splan = side.acquire(in_side)  # all present: hits or loading, never a load
             for e, s in (*splan.hits, *splan.waiting):
-                slot_of[e] = table.capacity + s
+                slot_of[e] = table.capacity + s if m is None else m.side[s]
                 gen_of[e] = side.generation[s]
             hits += len(splan.hits)
             self.counters[layer].side_hits += len(splan.hits)
-            for e, s in splan.waiting:  # a prefetch still on its way: the step now waits for it
+            for e, _ in splan.waiting:  # a prefetch still on its way: the step now waits for it
                 missing.add(e)
-                self.promotions.append((layer, e, table.capacity + s))
+                self.promotions.append((layer, e, slot_of[e]))
         slots = [slot_of[e] for e in experts]
         c = self.counters[layer]
         c.hits += hits
@@ -284,16 +326,102 @@ class PoolPolicy:
             else:
                 c.capacity += 1
             c.evictions += ld.evicted >= 0
-        self._attribute(layer, experts, missing, side)
+        self._attribute(layer, experts, missing, side, late)
         grant = Grant(key, tuple(experts), slots, [gen_of[e] for e in experts], missing, hits, len(missing),
                       now, frozenset(in_side))
         for e in grant.missing:
             self.waiters.setdefault((key[1], e), []).append(key)
         if grant.missing:
             self.pending[key] = grant
-            return list(plan.loads), None
+            return loads, None
         self.held[key] = grant
-        return list(plan.loads), grant
+        return loads, grant
+
+    # ----------------------------------------------------------------- prefetch_into=main
+
+    def _promote(self, layer: int, experts: Sequence[int]) -> list[int]:
+        """Move the ready side-region experts of this acquire into the resident region, each by trading
+        its slot with a free resident slot or the eviction policy's victim (which moves to the side
+        region, still in memory); those with no resident slot to take stay where they are."""
+        main, side = self.tables[layer], self.sides[layer]
+        out: list[int] = []
+        for e in experts:
+            s = side.slot_of.get(e)
+            if s is None or side.state[s] is not SlotState.READY or e in side.held or e in side.pinned:
+                continue
+            r = main.spare(experts)
+            if r is None:
+                break
+            self._relabel(layer, r, s)
+            out.append(e)
+        return out
+
+    def _relabel(self, layer: int, r: int, s: int) -> None:
+        """Resident slot `r` and side slot `s` trade their experts by trading physical slots: no bytes move."""
+        main, side = self.tables[layer], self.sides[layer]
+        gen_r, gen_s = main.generation[r], side.generation[s]
+        v, x = main.vacate(r), side.vacate(s)
+        main.fill(r, x, gen_s)
+        side.fill(s, v, gen_r)
+        self.slot_maps[layer].swap(r, s)
+
+    def _main_plan(self, layer: int, plan: AcquirePlan, slot_of: dict[int, int], gen_of: dict[int, int],
+                   promoted: list[int]) -> tuple[list[Load], set[int]]:
+        """prefetch_into=main's part of an acquire: what each demand load evicts moves to the side region
+        (as a prefetch's victim does), slots made physical, the hits a prefetch made (counted as side
+        hits) and the prefetches the step now waits for (late: read as demand). Returns the loads
+        (physical slots) and the late experts."""
+        m = self.slot_maps.get(layer)
+        main = self.tables[layer]
+        loads: list[Load] = []
+        for ld in plan.loads:
+            evicted = ld.evicted
+            if m is not None and evicted >= 0 and (s := self.sides[layer].spare()) is not None:
+                # The load goes to side slot s's physical slot (its expert, if any, leaves memory) and the
+                # evicted expert stays in its own, now a side slot: the two slots trade regions.
+                side = self.sides[layer]
+                gen_r, gen_s = main.generation[ld.slot] - 1, side.generation[s]  # `_load` bumped r's
+                dropped = side.vacate(s)
+                m.swap(ld.slot, s)
+                side.fill(s, evicted, gen_r)
+                main.generation[ld.slot] = gen_of[ld.expert] = gen_s + 1
+                evicted = dropped
+            if evicted >= 0:
+                self._wasted(layer, evicted)
+            loads.append(ld if m is None else Load(ld.expert, m.main[ld.slot], evicted, ld.cause))
+        if m is not None:
+            for e, s in slot_of.items():
+                slot_of[e] = m.main[s]
+        prefetched = {e for e, _ in plan.hits if (layer, e) in self.unused}
+        self.counters[layer].side_hits += len(prefetched.union(promoted))
+        late = {e for e, _ in plan.waiting if (layer, e) in self.prefetching}
+        for e in sorted(late):
+            self.promotions.append((layer, e, slot_of[e]))
+        return loads, late
+
+    def _place(self, layer: int, expert: int) -> Load | None:
+        """prefetch_into=main: a slot for a prefetch of `expert` (a Load with its physical slot), or None.
+
+        A free resident slot, else the resident eviction policy's victim, which moves to the side
+        region by relabelling when the side region has a slot to give (free, or its LFU victim, which
+        leaves memory), else leaves memory. With no resident slot to give, the side region takes the
+        prefetch as with prefetch_into=side."""
+        main, side = self.tables[layer], self.sides.get(layer)
+        m = self.slot_maps.get(layer)
+        if side is None or m is None:
+            return main.prefetch(expert)
+        r = main.spare()
+        if r is None:
+            ld = side.prefetch(expert)
+            return None if ld is None else Load(expert, m.side[ld.slot], ld.evicted, ld.cause)
+        dropped = FREE
+        if main.expert_of[r] != FREE and (s := side.spare()) is not None:
+            dropped = side.vacate(s)  # the side region's victim leaves memory (or the slot was free)
+            side.fill(s, FREE, side.generation[s])
+            self._relabel(layer, r, s)
+        ld = main.prefetch(expert)
+        assert ld is not None, f"layer {layer}: slot {r} was spare"
+        return Load(expert, m.main[ld.slot], dropped if dropped != FREE else ld.evicted, ld.cause)
 
     def present(self, key: GrantKey) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(experts, slots) of grant `key` already in memory while the rest is read; () when the
@@ -304,7 +432,8 @@ class PoolPolicy:
         pairs = [(e, s) for e, s in zip(g.experts, g.slots, strict=True) if e not in g.missing]
         return tuple(e for e, _ in pairs), tuple(s for _, s in pairs)
 
-    def _attribute(self, layer: int, experts: Sequence[int], missing: set[int], side: SlotTable | None) -> None:
+    def _attribute(self, layer: int, experts: Sequence[int], missing: set[int], side: SlotTable | None,
+                   late: set[int]) -> None:
         """Give every miss of this acquire exactly one cause; count recall and used prefetches."""
         c = self.counters[layer]
         seen = self.used_before.setdefault(layer, set())
@@ -323,7 +452,7 @@ class PoolPolicy:
             if e not in missing:
                 continue
             fate = fates.get(e)
-            if side is not None and e in side.slot_of:  # its prefetch is still on the way: used, late
+            if (side is not None and e in side.slot_of) or e in late:  # its prefetch is on the way: used, late
                 kind = MissKind.LATE
                 self.prefetches_used += 1
                 c.prefetch_used += 1
@@ -362,7 +491,7 @@ class PoolPolicy:
         side = self.sides.get(layer)
         main = self.tables[layer]
         self.hinted.setdefault(layer, set()).update(e for e, _ in ranked)
-        if side is None:
+        if side is None and not self.into_main:
             return []
         fates = self.fates.setdefault(layer, {})
         b = self.budgets
@@ -370,14 +499,20 @@ class PoolPolicy:
         loads: list[Load] = []
         key = (step, layer)
         for e, _ in ranked:
-            if e in main.slot_of or e in side.slot_of:
+            if e in main.slot_of or (side is not None and e in side.slot_of):
                 continue
             over = ((b.window_layers and ahead > b.window_layers)
                     or self.issued_per_step.get(key, 0) >= b.per_layer
                     or self.prefetch_reads_out >= b.global_reads
                     or len(self.step_unused) >= b.global_unused
                     or (b.per_hint is not None and len(loads) >= b.per_hint))
-            ld = None if over else side.prefetch(e)
+            if over:
+                ld = None
+            elif self.into_main:
+                ld = self._place(layer, e)
+            else:
+                assert side is not None
+                ld = side.prefetch(e)
             if ld is None:
                 fates[e] = HintFate.DROPPED
                 self.hints_dropped_budget += 1
@@ -389,7 +524,11 @@ class PoolPolicy:
             self.issued_per_step[key] = self.issued_per_step.get(key, 0) + 1
             self.prefetch_reads_out += 1
             self.prefetches_issued += 1
-            loads.append(Load(e, main.capacity + ld.slot, ld.evicted, ld.cause))
+            if self.into_main:
+                self.prefetching.add((layer, e))
+                loads.append(ld)
+            else:
+                loads.append(Load(e, main.capacity + ld.slot, ld.evicted, ld.cause))
         return loads
 
     def _wasted(self, layer: int, expert: int) -> None:
@@ -407,6 +546,7 @@ class PoolPolicy:
             return True
         table, local = self._table_of(layer, slot)
         table.cancel_load(expert, local)
+        self.prefetching.discard((layer, expert))
         self.step_unused.discard((layer, expert))
         self.fates.setdefault(layer, {})[expert] = HintFate.EXPIRED
         return False
@@ -418,7 +558,13 @@ class PoolPolicy:
     def read_done(self, layer: int, expert: int, slot: int) -> tuple[list[Load], list[Grant]]:
         """The read of (`layer`, `expert`) into `slot` finished: the reads and grants that follows."""
         done = self._read_done(layer, expert, slot)
+        loads, more = self.retry_deferred(layer)
+        return loads, done + more
+
+    def retry_deferred(self, layer: int) -> tuple[list[Load], list[Grant]]:
+        """Take up the acquires deferred at `layer` that a slot now lets through: their reads and complete grants."""
         loads: list[Load] = []
+        done: list[Grant] = []
         for key, (experts, asked) in list(self.deferred.items()):
             if key[1] == layer and self.tables[layer].can_acquire_now(experts):
                 del self.deferred[key]
@@ -433,7 +579,8 @@ class PoolPolicy:
         table.loaded(expert, local)
         self.reads += 1
         self.bytes_read += self.record_nbytes[layer]
-        if table is not self.tables[layer]:
+        if ((layer, expert) in self.prefetching) if self.into_main else table is not self.tables[layer]:
+            self.prefetching.discard((layer, expert))
             self.prefetch_reads_out -= 1
             self.prefetches_done += 1
             self.counters[layer].prefetch_reads += 1
@@ -465,7 +612,9 @@ class PoolPolicy:
         if g is None:
             raise AssertionError(f"release of unknown grant {key}")
         table = self.tables[key[1]]
-        if token_experts:
+        if token_experts and key[1] in self.slot_maps:
+            self._verify_mapped(key, g, token_experts, token_slots)
+        elif token_experts:
             gens = dict(zip(g.slots, g.generations, strict=True))
             cap = table.capacity
             pairs = list(zip(token_experts, token_slots, strict=True))
@@ -483,6 +632,27 @@ class PoolPolicy:
         table.release([e for e in g.experts if e not in g.side])
         if g.side:
             self.sides[key[1]].release(g.side)
+
+    def _verify_mapped(self, key: GrantKey, g: Grant, token_experts: Sequence[int],
+                       token_slots: Sequence[int]) -> None:
+        """Route verification when the regions trade slots: each physical slot checked in the table it is in now."""
+        layer = key[1]
+        gens = dict(zip(g.slots, g.generations, strict=True))
+        n = len(self.slot_maps[layer].at)
+        by: dict[int, tuple[SlotTable, list[int], list[int], dict[int, int]]] = {}
+        for e, p in zip(token_experts, token_slots, strict=True):
+            if not 0 <= p < n:
+                raise RouteError(f"route verification failed at step {key[0]}: layer {layer}: a token routed to "
+                                 f"expert {e} read slot {p}, which does not exist")
+            t, local = self._table_of(layer, p)
+            _, es, ss, gs = by.setdefault(id(t), (t, [], [], {}))
+            es.append(e)
+            ss.append(local)
+            if p in gens:
+                gs[local] = gens[p]
+        for t, es, ss, gs in by.values():
+            if (err := t.verify(es, ss, gs)) is not None:
+                raise RouteError(f"route verification failed at step {key[0]}: {err}")
 
     def forward_done(self) -> None:
         if self.heat is not None:

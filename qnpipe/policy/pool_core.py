@@ -121,6 +121,11 @@ class PoolCore:
             if policy.read_expired(msg.layer, msg.expert, msg.slot):
                 self._send(ReadExperts(t=now, seq=self._seq(), layer=msg.layer, experts=(msg.expert,),
                                        slots=(msg.slot,)), out)
+            elif policy.into_main:  # its resident slot is free again: an acquire waiting for room may go on
+                loads, grants = policy.retry_deferred(msg.layer)
+                self._read(msg.layer, loads, now, out)
+                for g in grants:
+                    self._grant(g, now, out)
 
     def end_turn(self, now: float, out: Outbox) -> None:
         for key in list(self.landed):  # one Present per grant per burst of reads

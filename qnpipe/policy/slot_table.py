@@ -15,7 +15,7 @@ tests/policy/test_slot_table.py):
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import attrs
 
@@ -192,6 +192,15 @@ class SlotTable:
         self.eviction.inserted(expert, self.tick)
         return Load(expert, slot, evicted, cause)
 
+    def spare(self, keep: Iterable[int] = ()) -> int | None:
+        """A slot to give up without waiting: a free one (the one `_load` takes next), else the slot of the
+        eviction policy's victim among the ready experts neither held, pinned nor in `keep`; None if neither."""
+        if self._free:
+            return self._free[-1]
+        held: Collection[int] = self.held.keys() | set(keep) if keep else self.held
+        found = self.eviction.pick(self._loading, held, self.pinned)
+        return None if found is None else self.slot_of[found]
+
     def prefetch(self, expert: int) -> Load | None:
         """Start loading `expert` without holding it (a prefetch), or None: present, or no slot to give.
 
@@ -229,6 +238,38 @@ class SlotTable:
         self._loading.discard(expert)
         self.state[slot] = SlotState.FREE
         self._free.append(slot)
+
+    def vacate(self, slot: int) -> int:
+        """Take the ready, unheld, unpinned expert out of `slot` (FREE when it is free), leaving the slot free.
+
+        Half of a relabelling (qnpipe.policy.pool): the expert's bytes stay where they are and the
+        slot goes to another table; `fill` is the other half."""
+        e = self.expert_of[slot]
+        if e == FREE:
+            self._free.remove(slot)
+            return FREE
+        if self.state[slot] is not SlotState.READY or e in self.held or e in self.pinned:
+            raise AssertionError(f"layer {self.layer}: slot {slot} (expert {e}) is not ready and unused")
+        del self.slot_of[e]
+        self.eviction.removed(e)
+        self._ready -= 1
+        self.expert_of[slot] = FREE
+        self.state[slot] = SlotState.FREE
+        return e
+
+    def fill(self, slot: int, expert: int, generation: int) -> None:
+        """Put `expert`, ready (its bytes already in the slot), in the slot `vacate` left; FREE leaves it free."""
+        self.generation[slot] = generation
+        if expert == FREE:
+            self._free.append(slot)
+            return
+        self.seen.add(expert)
+        self.slot_of[expert] = slot
+        self.expert_of[slot] = expert
+        self.state[slot] = SlotState.READY
+        self._ready += 1
+        self.tick += 1
+        self.eviction.inserted(expert, self.tick)
 
     def loaded(self, expert: int, slot: int) -> None:
         """The read of `expert` into `slot` completed."""

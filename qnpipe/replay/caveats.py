@@ -72,7 +72,7 @@ def warnings(cfg: Config, shape: ModelShape, absent: list[int], predictor: str) 
                 out.append(f"{key}={v} is below the model's top-k ({k}): prefetch covers at most {v} of the {k} "
                            "experts a token needs, whatever the predictor's recall")
         side = cfg.pool.side_region_slots
-        if side < k:
+        if side < k and cfg.pool.prefetch_into == "side":  # `main` lands prefetches in the resident slots
             out.append(f"pool.side_region_slots={side} is below the model's top-k ({k}): at most {side} prefetched "
                        "experts per layer can wait for their step, the rest of each hint is dropped")
         if predictor == "transition" and cfg.predict.width_experts < k:

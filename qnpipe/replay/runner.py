@@ -33,6 +33,7 @@ from qnpipe.io.device_file import named_profile
 from qnpipe.io.files import CONFIG_CAP, read_text_capped
 from qnpipe.io.simssd import DeviceProfile, open_simssd
 from qnpipe.messages import Candidates, ReadDone
+from qnpipe.policy.build import check_placement, side_slots
 from qnpipe.policy.parts import plan_parts_flat
 from qnpipe.replay import caveats
 from qnpipe.replay.belady import belady_hits
@@ -180,6 +181,13 @@ class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
     train_steps: int = 0  # the log's first steps used for training only, not replayed
     absent_layers: list[int] = []  # MoE layers the replayed steps never route through: not in `layers`
     warnings: list[str] = []  # numbers above that could mislead, said in words (qnpipe.replay.caveats)
+    # The memory the run had: `capacities` are the resident slots; each layer also has `side_slots`
+    # side-region slots (prefetch on only), in the same stacked array.
+    prefetch_into: str = "side"  # pool.prefetch_into: where prefetches landed
+    side_slots: int = 0  # side-region slots per layer
+    slots: dict[int, int] = {}  # resident + side slots per layer
+    record_nbytes: dict[int, int] = {}  # bytes of one expert record per layer
+    memory_bytes: int = 0  # sum over layers of slots x record bytes
 
     def rows(self, settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """The report as tidy rows, one per layer x metric (`layer` "all": the whole run), for a
@@ -422,6 +430,7 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
         raise ConfigError(f"seed={opts.seed}: must be >= 0")
     if predictor != "none":
         cfg = with_overrides(cfg, {"predict.cross_layer_prefetch": True})
+    check_placement(cfg)
     check_log_paths(cfg)  # a log that cannot be written fails now, not when the recorder opens it
     if isinstance(device_profile, str):
         device_profile = named_profile(device_profile, cfg.read.device_profile_path)
@@ -481,6 +490,8 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
             precision=_ratio(useful, reads))
     elapsed = res.elapsed_s
     absent = caveats.absent_layers(log.shape, routed)
+    side_n = side_slots(cfg)
+    slots = {layer: cap + side_n for layer, cap in caps.items()}
     return ReplayReport(
         log=str(log_path), predictor=predictor, device=profile, cost=cost, capacities=caps, steps=steps,
         tokens=res.tokens, virtual_s=elapsed, tok_s=_ratio(steps, elapsed), hit_rate=_ratio(hits, hits + misses),
@@ -488,7 +499,9 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
         stall_s_per_token=res.stall_s / steps, device_utilisation=_ratio(res.busy_s, elapsed),
         reads=res.device_reads, layers=layers, resident_hit_rate=_ratio(hits - side, hits + misses),
         side_hit_rate=_ratio(side, hits + misses), prefetch=prefetch, predictor_opts=opts, train_steps=first,
-        absent_layers=absent, warnings=caveats.warnings(cfg, log.shape, absent, predictor))
+        absent_layers=absent, warnings=caveats.warnings(cfg, log.shape, absent, predictor),
+        prefetch_into=str(cfg.pool.prefetch_into), side_slots=side_n, slots=slots, record_nbytes=dict(sorted(nbytes.items())),
+        memory_bytes=sum(n * nbytes[layer] for layer, n in slots.items()))
 
 
 def _run_fast(log: ReplayLog, cfg: Config, caps: dict[int, int], nbytes: dict[int, int], cost: CostModel,
@@ -556,6 +569,7 @@ def describe(r: ReplayReport) -> str:
              *(f"  WARNING: {w}" for w in r.warnings),
              f"  hit rate {r.hit_rate:.3f}{split} (Belady {belady_total(r):.3f} at the resident slots)",
              f"  {r.tok_s:.2f} steps/s, misses {r.misses_by_cause or '{}'}",
+             _memory_line(r),
              f"  {r.bytes_per_token / 2**20:.3f} MiB read and {r.stall_s_per_token * 1e3:.3f} ms stalled per step, "
              f"device busy {r.device_utilisation:.1%} ({r.reads} reads)",
              *([f"  prefetch ({r.predictor}): recall {r.prefetch.recall:.3f}, {r.prefetch.reads} reads: "
@@ -564,12 +578,29 @@ def describe(r: ReplayReport) -> str:
                 f"{r.prefetch.dropped} dropped"] if r.prefetch is not None else []),
              f"  {'layer':>5} {'slots':>5} {'requests':>8} {'hits':>6}"
              + (f" {'resident':>8} {'in time':>7}" if prefetched else "") + f" {'hit rate':>8} {'belady':>7}"]
-    lines += [f"  {x.layer:>5} {r.capacities[x.layer]:>5} {x.requests:>8} {x.hits:>6}"
+    lines += [f"  {x.layer:>5} {_slots(r, x.layer):>5} {x.requests:>8} {x.hits:>6}"
               + (f" {x.hits - x.side_hits:>8} {x.side_hits:>7}" if prefetched else "")
               + f" {x.hit_rate:>8.3f} {x.belady_hit_rate:>7.3f}" for x in r.layers]
     if r.absent_layers:
         lines.append(f"  (not shown: layers {caveats.spans(r.absent_layers)}, no route in the log)")
     return "\n".join(lines)
+
+
+def _slots(r: ReplayReport, layer: int) -> str:
+    return f"{r.capacities[layer]}+{r.side_slots}" if r.side_slots else str(r.capacities[layer])
+
+
+def _span(values: Any) -> str:
+    lo, hi = min(values, default=0), max(values, default=0)
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
+def _memory_line(r: ReplayReport) -> str:
+    """Slots per layer (resident + side) and the memory they take: what a comparison must hold equal."""
+    per_expert = _span(r.record_nbytes.values()) if r.record_nbytes else "?"
+    return (f"  slots per layer: {_span(r.capacities.values())} resident + {r.side_slots} side = "
+            f"{_span(r.slots.values())} (prefetch into {r.prefetch_into}); {per_expert} B per expert, "
+            f"{r.memory_bytes / 2**20:.1f} MiB in all")
 
 
 def to_json(r: ReplayReport) -> bytes:

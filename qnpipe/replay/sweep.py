@@ -33,6 +33,7 @@ from qnpipe.config import Config, override_path, with_overrides
 from qnpipe.errors import ConfigError, QnpipeError
 from qnpipe.io.atomic import atomic_write
 from qnpipe.io.simssd import PROFILES, DeviceProfile
+from qnpipe.policy.build import check_placement
 from qnpipe.replay.runner import (
     PREDICTORS,
     CostModel,
@@ -52,8 +53,8 @@ MAX_POINTS = 100_000
 # The replay's own settings besides the cost and device fields (those follow their structs).
 REPLAY_KEYS = ("replay.record_nbytes", "replay.predictor")
 # Columns of the table, when the report has them (any numeric metric can be chosen as well).
-TABLE_METRICS = ("tok_s", "hit_rate", "belady_hit_rate", "misses", "stall_s_per_token", "bytes_per_token",
-                 "device_utilisation")
+TABLE_METRICS = ("slots_per_layer", "memory_bytes", "tok_s", "hit_rate", "belady_hit_rate", "misses",
+                 "stall_s_per_token", "bytes_per_token", "device_utilisation")
 
 
 def replay_keys() -> tuple[str, ...]:
@@ -181,11 +182,13 @@ def count_points(axes: Sequence[Axis]) -> int:
 
 
 def plan(log: str | Path, axes: Sequence[Axis], cfg: Config, *, base: Settings | None = None,
-         fixed: Mapping[str, Any] | None = None) -> list[Point]:
+         fixed: Mapping[str, Any] | None = None, equal_memory: bool = False) -> list[Point]:
     """Every point of the grid (the cartesian product, last axis fastest), each checked as its replay
     would check it: values, config rules, device, predictor, capacities against the log's model and
     the record size. `fixed`: replay settings (`cost.*`, `device.*`, `replay.*`) of every point, over
-    `base`. ConfigError names the point and the setting; nothing has run yet."""
+    `base`. `equal_memory`: a demand-only point (predictor none, prefetch off) gets the side region's
+    slots as resident ones (`pool.expert_slots` + `pool.side_region_slots`), so it has the memory a
+    prefetch point of the same settings has. ConfigError names the point and the setting; nothing has run yet."""
     base = base if base is not None else Settings(device=PROFILES["apple-m5-internal"], cost=CostModel())
     count_points(axes)
     shape = load_log(log)
@@ -195,13 +198,17 @@ def plan(log: str | Path, axes: Sequence[Axis], cfg: Config, *, base: Settings |
         given = dict(zip((a.field for a in axes), combo, strict=True))
         where = "grid point " + ", ".join(f"{k}={v}" for k, v in given.items())
         conf, own = split_settings({**(fixed or {}), **given})
+        s = _settings(own, base, where)
         try:
             pcfg = with_overrides(cfg, conf) if conf else cfg
+            if equal_memory:
+                pcfg = _equal_memory(pcfg, s.predictor)
+            if s.predictor != "none":
+                check_placement(with_overrides(pcfg, {"predict.cross_layer_prefetch": True}))
             caps = replay_capacities(pcfg, shape.shape)
             check_log_paths(pcfg)
         except QnpipeError as e:
             raise ConfigError(f"{where}: {e}") from None
-        s = _settings(own, base, where)
         if s.record_nbytes is None and not set(caps) <= set(shape.record_nbytes):
             raise ConfigError(f"{where}: the log {log} has no read.done record of layers "
                               f"{sorted(set(caps) - set(shape.record_nbytes))}: give the record size "
@@ -215,6 +222,16 @@ def plan(log: str | Path, axes: Sequence[Axis], cfg: Config, *, base: Settings |
         points.append(Point(index=index, values={a.field: _typed(a.field, pcfg, s) for a in axes}, cfg=pcfg,
                             device=s.device, cost=s.cost, record_nbytes=s.record_nbytes, predictor=s.predictor))
     return points
+
+
+def _equal_memory(cfg: Config, predictor: str) -> Config:
+    """`cfg` with a demand-only run's side slots made resident (the memory of the same settings with prefetch)."""
+    if predictor != "none" or cfg.predict.cross_layer_prefetch:
+        return cfg
+    if cfg.pool.capacity_profile_path:
+        raise ConfigError("--equal-memory adds pool.side_region_slots to pool.expert_slots: it cannot with "
+                          f"pool.capacity_profile_path={cfg.pool.capacity_profile_path} (per-layer capacities)")
+    return with_overrides(cfg, {"pool.expert_slots": cfg.pool.expert_slots + cfg.pool.side_region_slots})
 
 
 def run_point(log: str, point: Point) -> ReplayReport:
@@ -274,12 +291,13 @@ class SweepResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def metric_names() -> tuple[str, ...]:
-    """The metrics a sweep can plot: the report's numeric fields, `misses` and `belady_hit_rate`."""
+    """The metrics a sweep can plot: the report's numeric fields, `misses`, `belady_hit_rate` and
+    `slots_per_layer` (resident + side, averaged over layers)."""
     info = msgspec.inspect.type_info(ReplayReport)
     assert isinstance(info, msgspec.inspect.StructType)
     numeric = [f.name for f in info.fields
                if isinstance(f.type, msgspec.inspect.IntType | msgspec.inspect.FloatType)]
-    return tuple(dict.fromkeys([*numeric, "misses", "belady_hit_rate"]))
+    return tuple(dict.fromkeys([*numeric, "misses", "belady_hit_rate", "slots_per_layer"]))
 
 
 def metrics(r: ReplayReport) -> dict[str, float]:
@@ -287,6 +305,7 @@ def metrics(r: ReplayReport) -> dict[str, float]:
     when the report does not give it (the per-layer optima weighted by requests)."""
     out = {name: float(getattr(r, name)) for name in metric_names() if hasattr(r, name)}
     out["misses"] = float(sum(r.misses_by_cause.values()))
+    out["slots_per_layer"] = sum(r.slots.values()) / len(r.slots) if r.slots else 0.0
     if "belady_hit_rate" not in out:
         requests = sum(x.requests for x in r.layers)
         out["belady_hit_rate"] = sum(x.belady_hit_rate * x.requests for x in r.layers) / requests if requests else 0.0
@@ -472,6 +491,8 @@ def fmt_value(v: Any) -> str:
 def fmt_metric(name: str, v: float) -> str:
     if not math.isfinite(v):
         return str(v)
+    if name == "memory_bytes":
+        return f"{v / 2**20:.1f} MiB"
     if name == "bytes_per_token":
         return f"{v / 2**20:.3f} MiB"
     if name.endswith("_s_per_token") or name == "virtual_s":

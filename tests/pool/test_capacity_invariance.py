@@ -122,3 +122,30 @@ def test_capacity_profile_sets_each_layer(streamed_models: dict[str, Path], tmp_
     assert st.pool is not None
     caps = {layer.layer: layer.capacity for layer in st.pool.layers}
     assert caps == {0: 4, 1: 9, 2: 6, 3: 6, 4: 6, 5: 6, 6: 6, 7: 64}  # clamped to the 64 experts
+
+
+@pytest.mark.parametrize("name", ["3L-e16k2-fp32", "5L-e32k6-fp32", "trained-4bit"])
+def test_streamed_with_prefetch_equals_all_resident_in_both_placements(streamed_models: dict[str, Path],
+                                                                       name: str) -> None:
+    """Prefetch on, into the side region and into the resident one (pool.prefetch_into), at every capacity."""
+    d = streamed_models[name]
+    with qnpipe.Engine(d, eager_load=True) as ref:
+        E, k, V = ref.args.num_experts, ref.args.num_experts_per_tok, ref.args.vocab_size
+        prompt = _prompt(V)
+        want_logits = ref.logits(prompt)
+        want_tokens = ref.generate(prompt, max_tokens=16, stop_at_eos=False).tokens
+    caps = sorted({k, min(k + 1, E), max(k, E // 2)})
+    reads = itertools.cycle(READ_SETTINGS)
+    for cap, into in itertools.product(caps, ["side", "main"]):
+        over = {"expert_slots": cap, "diag.route_verify": True, "pool.autopin": False,
+                "predict.cross_layer_prefetch": True, "pool.prefetch_into": into, "pool.side_region_slots": 2,
+                "predict.per_layer_budget_experts": 8, **next(reads)}
+        with qnpipe.Engine(d, **over) as eng:
+            got = eng.logits(prompt)
+            tokens = eng.generate(prompt, max_tokens=16, stop_at_eos=False).tokens
+            st = eng.stats().pool
+        where = f"{name} capacity {cap} {over}"
+        assert np.array_equal(got, want_logits), where
+        assert tokens == want_tokens, where
+        assert st is not None and st.prefetch_issued > 0, where
+        assert sum(st.misses_by_cause.values()) == st.misses, where

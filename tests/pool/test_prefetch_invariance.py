@@ -1,7 +1,8 @@
 """Capacity invariance with prediction and prefetch: every setting gives the all-resident logits, bit for bit.
 
 Prediction on and off, every aggregate, side region persistent and cleared per step,
-tiny and huge budgets, with route verification on; misses always have exactly one cause.
+tiny and huge budgets, prefetches into the side region and into the resident one
+(pool.prefetch_into), with route verification on; misses always have exactly one cause.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ SETTINGS: list[dict[str, Any]] = [
      "predict.file_global_budget_experts": 1000, "predict.stage_global_budget_experts": 1000,
      "predict.width_experts": 64, "predict.ahead_layers": 4, "pool.side_region_slots": 32, "read.window_layers": 0},
 ]
+# Both placements (pool.prefetch_into): each prefetch setting again with prefetches in the resident region
+# (relabelled slots between the regions), and main with no side region at all.
+SETTINGS += [{**s, "pool.prefetch_into": "main"} for s in SETTINGS if s.get("predict.cross_layer_prefetch")]
+SETTINGS.append({"predict.cross_layer_prefetch": True, "pool.prefetch_into": "main", "pool.side_region_slots": 0})
 
 
 @pytest.mark.parametrize("name", ["default-fp32", "default-4bit", "trained-4bit"])

@@ -62,6 +62,7 @@ def cases(draw: st.DrawFn) -> dict[str, object]:
                 "read.workers": draw(st.integers(1, 4)), "read.batch_miss_read": draw(st.booleans()),
                 "read.bg_budget_experts": draw(st.sampled_from([0, 1, 3])),
                 "pool.side_region_slots": side, "pool.side_region_lfu": draw(st.booleans()),
+                "pool.prefetch_into": draw(st.sampled_from(["side", "main"])),
                 "predict.per_layer_budget_experts": draw(st.integers(0, 4)),
                 "predict.file_global_budget_experts": draw(st.sampled_from([0, 2, 8])),
                 "read.window_layers": draw(st.sampled_from([0, 1])),
@@ -112,10 +113,13 @@ def test_the_fast_driver_gives_the_actor_drivers_report_and_event_log_byte_for_b
     assert fast == actors
 
 
-def test_a_multi_part_prefetching_case_agrees_and_is_not_trivial(tmp_path: Path) -> None:
-    """One case the random search must not miss: steps split into parts, prefetch, a side region, a slow device."""
+@pytest.mark.parametrize("into", ["side", "main"])
+def test_a_multi_part_prefetching_case_agrees_and_is_not_trivial(tmp_path: Path, into: str) -> None:
+    """One case the random search must not miss: steps split into parts, prefetch, a side region, a slow device,
+    prefetches into either region (pool.prefetch_into)."""
     case = {"log": {"seed": 5, "layers": 3, "experts": 12, "k": 3, "steps": 8, "max_tokens": 4},
-            "set": {"pool.expert_slots": 4, "pool.side_region_slots": 2, "read.workers": 2},
+            "set": {"pool.expert_slots": 4, "pool.side_region_slots": 2, "read.workers": 2,
+                    "pool.prefetch_into": into, "diag.route_verify": True},
             "device": {"bandwidth_bytes_per_s": 2e8, "latency_s": 4e-4, "per_mb_latency_s": 0.0, "queue_depth": 2},
             "cost": {"per_layer_s": 1e-4, "read_hop_s": 7e-5}, "predictor": "oracle", "opts": {"recall": 0.8}}
     write_log(tmp_path / "log.qtrace", **case["log"])  # type: ignore[arg-type]
@@ -124,6 +128,7 @@ def test_a_multi_part_prefetching_case_agrees_and_is_not_trivial(tmp_path: Path)
     assert fast == run_case(case, tmp_path / "log.qtrace", "actors")
     r = msgspec.json.decode(fast, type=ReplayReport)
     assert r.prefetch is not None and r.prefetch.issued > 0 and r.prefetch.useful > 0 and 0 < r.hit_rate < 1
+    assert r.side_hit_rate > 0 and r.prefetch_into == into
     assert r.stall_s_per_token > 0 and r.misses_by_cause
 
 
