@@ -175,7 +175,7 @@ class SlotTable:
         else:
             if evicted == FREE:
                 # acquire() checked room, so an evictable expert exists; none is a table bug.
-                found = self.eviction.pick(self._loading, self.held, self.pinned)
+                found = self.eviction.pick(self._loading, self.held, self.pinned, expert)
                 assert found is not None, f"layer {self.layer}: no evictable slot"
                 evicted = found
             slot = self.slot_of.pop(evicted)
@@ -201,7 +201,7 @@ class SlotTable:
             return None
         evicted = FREE
         if not self._free:
-            found = self.eviction.pick(self._loading, self.held, self.pinned)
+            found = self.eviction.pick(self._loading, self.held, self.pinned, expert)
             if found is None:
                 return None
             evicted = found
