@@ -168,6 +168,10 @@ POLICIES: dict[str, Callable[[int], Eviction]] = {  # capacity -> a fresh policy
     "lrfu-0.01": lambda cap: make_eviction(EvictPolicy.LRFU, cap, lrfu_lambda=0.01),
     "lrfu-0.05": lambda cap: make_eviction(EvictPolicy.LRFU, cap, lrfu_lambda=0.05),
     "lrfu-0.2": lambda cap: make_eviction(EvictPolicy.LRFU, cap, lrfu_lambda=0.2),
+    "clock": lambda cap: make_eviction(EvictPolicy.CLOCK, cap),
+    "sieve": lambda cap: make_eviction(EvictPolicy.SIEVE, cap),
+    "arc": lambda cap: make_eviction(EvictPolicy.ARC, cap),
+    "s3fifo": lambda cap: make_eviction(EvictPolicy.S3FIFO, cap),
 }
 
 
