@@ -25,7 +25,6 @@ import attrs
 from qnpipe.config import EvictPolicy
 from qnpipe.policy.eviction_arc import ARC
 from qnpipe.policy.eviction_hand import Clock, Sieve
-from qnpipe.policy.eviction_plugin import make_plugin
 from qnpipe.policy.eviction_s3fifo import S3FIFO
 
 
@@ -230,4 +229,6 @@ def make_eviction(kind: str, capacity: int, *, lfu_decay_interval: int = 0, lrfu
         case EvictPolicy.S3FIFO:
             return S3FIFO(capacity)
         case _:
+            from qnpipe.policy.eviction_plugin import make_plugin  # it imports Eviction from here
+
             return make_plugin(kind, capacity)

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from qnpipe.config import EvictPolicy, check_evict_policy
 from qnpipe.errors import ConfigError
-
-if TYPE_CHECKING:  # eviction.py imports this module
-    from qnpipe.policy.eviction import Eviction
+from qnpipe.policy.eviction import Eviction
 
 # Each method of the Eviction protocol and the arguments the slot table passes it (self aside).
 PROTOCOL_ARGS: dict[str, tuple[object, ...]] = {
@@ -65,7 +63,7 @@ def make_plugin(spec: str, capacity: int) -> Eviction:
     except Exception as exc:
         raise ConfigError(f"pool.evict_policy={spec!r}: {cls.__name__}(capacity={capacity}) failed: "
                           f"{type(exc).__name__}: {exc}") from exc
-    return cast("Eviction", policy)
+    return cast(Eviction, policy)
 
 
 __all__ = ["PROTOCOL_ARGS", "load_class", "make_plugin"]
