@@ -160,14 +160,18 @@ LOADERS: dict[str, Callable[[Path], Trace]] = {
 
 # --------------------------------------------------------------------------- replay
 
-POLICIES: dict[str, Callable[[], Eviction]] = {
-    "lru": lambda: make_eviction(EvictPolicy.LRU),
-    "fifo": lambda: make_eviction(EvictPolicy.FIFO),
-    "lfu": lambda: make_eviction(EvictPolicy.LFU),
-    "lfu-decay64": lambda: make_eviction(EvictPolicy.LFU, lfu_decay_interval=64),
-    "lrfu-0.01": lambda: make_eviction(EvictPolicy.LRFU, lrfu_lambda=0.01),
-    "lrfu-0.05": lambda: make_eviction(EvictPolicy.LRFU, lrfu_lambda=0.05),
-    "lrfu-0.2": lambda: make_eviction(EvictPolicy.LRFU, lrfu_lambda=0.2),
+POLICIES: dict[str, Callable[[int], Eviction]] = {  # capacity -> a fresh policy
+    "lru": lambda cap: make_eviction(EvictPolicy.LRU, cap),
+    "fifo": lambda cap: make_eviction(EvictPolicy.FIFO, cap),
+    "lfu": lambda cap: make_eviction(EvictPolicy.LFU, cap),
+    "lfu-decay64": lambda cap: make_eviction(EvictPolicy.LFU, cap, lfu_decay_interval=64),
+    "lrfu-0.01": lambda cap: make_eviction(EvictPolicy.LRFU, cap, lrfu_lambda=0.01),
+    "lrfu-0.05": lambda cap: make_eviction(EvictPolicy.LRFU, cap, lrfu_lambda=0.05),
+    "lrfu-0.2": lambda cap: make_eviction(EvictPolicy.LRFU, cap, lrfu_lambda=0.2),
+    "clock": lambda cap: make_eviction(EvictPolicy.CLOCK, cap),
+    "sieve": lambda cap: make_eviction(EvictPolicy.SIEVE, cap),
+    "arc": lambda cap: make_eviction(EvictPolicy.ARC, cap),
+    "s3fifo": lambda cap: make_eviction(EvictPolicy.S3FIFO, cap),
 }
 
 
@@ -222,7 +226,7 @@ def study(traces: Sequence[Trace]) -> list[dict[str, Any]]:
         for cap in capacities(tr):
             opt = sum(belady(s, cap) for s in tr.by_layer.values()) / requests
             for name, make in POLICIES.items():
-                hits = sum(replay(s, cap, make()) for s in tr.by_layer.values())
+                hits = sum(replay(s, cap, make(cap)) for s in tr.by_layer.values())
                 rows.append({"trace": tr.name, "layers": tr.layers, "experts": tr.n_experts, "top_k": tr.k,
                              "steps": n_steps, "capacity": cap, "policy": name,
                              "hit_rate": round(hits / requests, 4), "belady_hit_rate": round(opt, 4)})

@@ -39,6 +39,7 @@ from qnpipe.config.loader import (
     ReadCfg,
     ReplacedSwitchWarning,
     TraceCfg,
+    check_evict_policy,
     describe_allowed,
     field_specs,
     format_layer_set,
@@ -53,7 +54,7 @@ from qnpipe.errors import ConfigError
 
 __all__ = [
     "ChatCfg", "ComputeCfg", "Config", "ConfigError", "describe_allowed", "DiagCfg", "EvictPolicy", "field_specs",
-    "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
+    "check_evict_policy", "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
     "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning",
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",
     "parse_layer_set", "PoolCfg", "PredictAgg", "PredictCfg", "PrefetchInto", "PrefixCfg", "ReadCfg",

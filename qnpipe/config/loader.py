@@ -49,13 +49,14 @@ from qnpipe.config.tree import (
     ReadBackend,
     ReadCfg,
     TraceCfg,
+    check_evict_policy,
 )
 from qnpipe.errors import ConfigError
 from qnpipe.io.files import CONFIG_CAP, read_capped
 
 __all__ = [
     "ChatCfg", "ComputeCfg", "Config", "describe_allowed", "DiagCfg", "EvictPolicy", "field_specs",
-    "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
+    "check_evict_policy", "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
     "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning",
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",
     "parse_layer_set", "PoolCfg", "PredictAgg", "PredictCfg", "PrefetchInto", "PrefixCfg", "ReadCfg",
@@ -87,6 +88,7 @@ class FieldSpec(NamedTuple):
     type: msgspec.inspect.Type
     default: object
     doc: str
+    allowed: str  # what the field accepts, in words (describe_allowed, or the field's own Meta(extra={"allowed"}))
 
     @property
     def env_name(self) -> str:
@@ -101,45 +103,6 @@ def _unwrap(t: msgspec.inspect.Type) -> tuple[msgspec.inspect.Type, str]:
         doc = (t.extra_json_schema or {}).get("description", doc)
         t = t.type
     return t, doc
-
-
-def _build_fields() -> dict[str, FieldSpec]:
-    out: dict[str, FieldSpec] = {}
-    root = msgspec.inspect.type_info(Config)
-    assert isinstance(root, msgspec.inspect.StructType)
-    for sf in root.fields:
-        section_t, _ = _unwrap(sf.type)
-        assert isinstance(section_t, msgspec.inspect.StructType)
-        for f in section_t.fields:
-            t, doc = _unwrap(f.type)
-            default = f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()
-            out[f"{sf.name}.{f.name}"] = FieldSpec(f"{sf.name}.{f.name}", t, default, doc)
-    return out
-
-
-_FIELDS: dict[str, FieldSpec] = _build_fields()
-_SECTIONS: frozenset[str] = frozenset(p.split(".")[0] for p in _FIELDS)
-# Field name -> dotted paths; a name with one path works as a flat override key.
-_FLAT: dict[str, list[str]] = {}
-for _path in _FIELDS:
-    _FLAT.setdefault(_path.split(".")[1], []).append(_path)
-del _path
-
-# Convenience override names (Engine(model_dir, mtp=True)); flat field names that are
-# unique across the tree work without an entry here.
-OVERRIDE_ALIASES: Mapping[str, str] = {
-    "mtp": "mtp.enabled",
-    "model": "model.model_dir",
-    "kv_quant": "kv.quantize",
-    "prefill_chunk": "forward.prefill_chunk_tokens",
-    "cache_limit_gb": "memory.mlx_cache_limit_gb",
-    "wired_limit_gb": "memory.mlx_wired_limit_gb",
-}
-
-
-def field_specs() -> tuple[FieldSpec, ...]:
-    """Every leaf field of ``Config`` in declaration order (used to generate docs/config.md)."""
-    return tuple(_FIELDS.values())
 
 
 def describe_allowed(t: msgspec.inspect.Type) -> str:
@@ -166,6 +129,48 @@ def describe_allowed(t: msgspec.inspect.Type) -> str:
             return "a layer set such as 0-3,5,8 (empty = all layers)"
         return "a comma-separated list (empty = none)"
     return type(t).__name__
+
+
+def _build_fields() -> dict[str, FieldSpec]:
+    out: dict[str, FieldSpec] = {}
+    root = msgspec.inspect.type_info(Config)
+    assert isinstance(root, msgspec.inspect.StructType)
+    for sf in root.fields:
+        section_t, _ = _unwrap(sf.type)
+        assert isinstance(section_t, msgspec.inspect.StructType)
+        for f in section_t.fields:
+            t, doc = _unwrap(f.type)
+            default = f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()
+            # A field whose type does not say it all (pool.evict_policy, a str) says it in its Meta.
+            allowed = f.type.extra.get("allowed") if isinstance(f.type, msgspec.inspect.Metadata) and f.type.extra else None
+            out[f"{sf.name}.{f.name}"] = FieldSpec(f"{sf.name}.{f.name}", t, default, doc,
+                                                   str(allowed) if allowed else describe_allowed(t))
+    return out
+
+
+_FIELDS: dict[str, FieldSpec] = _build_fields()
+_SECTIONS: frozenset[str] = frozenset(p.split(".")[0] for p in _FIELDS)
+# Field name -> dotted paths; a name with one path works as a flat override key.
+_FLAT: dict[str, list[str]] = {}
+for _path in _FIELDS:
+    _FLAT.setdefault(_path.split(".")[1], []).append(_path)
+del _path
+
+# Convenience override names (Engine(model_dir, mtp=True)); flat field names that are
+# unique across the tree work without an entry here.
+OVERRIDE_ALIASES: Mapping[str, str] = {
+    "mtp": "mtp.enabled",
+    "model": "model.model_dir",
+    "kv_quant": "kv.quantize",
+    "prefill_chunk": "forward.prefill_chunk_tokens",
+    "cache_limit_gb": "memory.mlx_cache_limit_gb",
+    "wired_limit_gb": "memory.mlx_wired_limit_gb",
+}
+
+
+def field_specs() -> tuple[FieldSpec, ...]:
+    """Every leaf field of ``Config`` in declaration order (used to generate docs/config.md)."""
+    return tuple(_FIELDS.values())
 
 
 # --------------------------------------------------------------------------- loading
@@ -407,7 +412,7 @@ def _check_bound(path: str, value: object, source: str, given: object) -> None:
     bound = COUNT_BOUNDS.get(path)
     if bound is not None and type(value) is int and value > bound:
         raise ConfigError(f"bad value for {path} (from {source}={given!r}): {value} is more than {bound}; "
-                          f"allowed: {describe_allowed(_FIELDS[path].type)}, at most {bound}")
+                          f"allowed: {_FIELDS[path].allowed}, at most {bound}")
 
 
 def _apply(tree: dict[str, Any], sources: dict[str, str], settings: Iterable[_Setting]) -> None:
@@ -431,7 +436,7 @@ def _translate(exc: msgspec.ValidationError, sources: Mapping[str, str]) -> Conf
     path = re.sub(r"\[\d+\]", "", (m["where"] or "").lstrip("."))
     if path in _FIELDS:
         origin = f" (from {sources[path]})" if path in sources else ""
-        allowed = describe_allowed(_FIELDS[path].type)
+        allowed = _FIELDS[path].allowed
         return ConfigError(f"bad value for {path}{origin}: {what}; allowed: {allowed}")
     # A cross-field rule of a section (__post_init__): list what was set there.
     set_here = [v for p, v in sources.items() if p.startswith(path + ".")] if path else []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
+import re
 from typing import Annotated, Literal
 
 import msgspec
@@ -35,12 +36,37 @@ LayerSet = tuple[Annotated[int, Meta(ge=0)], ...]
 
 
 class EvictPolicy(enum.StrEnum):
-    """Which resident expert the pool evicts when it needs a slot."""
+    """The built-in eviction policies (docs/pool.md); `pool.evict_policy` also takes a plug-in class."""
 
     LFU = "lfu"
     LRU = "lru"
     FIFO = "fifo"
     LRFU = "lrfu"  # frequency with recency; measured on real traces in docs/pool.md
+    # libCacheSim's policies, with its semantics (tests/policy/test_libcachesim.py)
+    CLOCK = "clock"
+    ARC = "arc"
+    S3FIFO = "s3fifo"
+    SIEVE = "sieve"
+
+
+# A plug-in policy: an importable module and a class in it (qnpipe.policy.eviction_plugin loads it).
+_PLUGIN_SPEC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+EVICT_POLICY_ALLOWED = f"one of {', '.join(EvictPolicy)}, or a plug-in class package.module:Class"
+
+
+def check_evict_policy(value: str) -> str:
+    """`value` as `pool.evict_policy` holds it: an `EvictPolicy`, or a plug-in's "package.module:Class".
+
+    Raises ConfigError naming the value when it is neither.
+    """
+    try:
+        return EvictPolicy(value)
+    except ValueError:
+        pass
+    if _PLUGIN_SPEC.fullmatch(value):
+        return value
+    raise ConfigError(f"pool.evict_policy {value!r} is neither a built-in eviction policy nor a plug-in "
+                      f"package.module:Class; allowed: {EVICT_POLICY_ALLOWED}")
 
 
 class ReadBackend(enum.StrEnum):
@@ -130,8 +156,12 @@ class PoolCfg(_Section, frozen=True):
     expert_slots: Annotated[PosInt, _doc("resident expert slots per layer")] = 64
     capacity_profile_path: Annotated[str, _doc("file of per-layer capacities (empty = expert_slots everywhere)")] = ""
     eager_load: Annotated[bool, _doc("load every expert up front (all-resident reference mode)")] = False
-    evict_policy: Annotated[EvictPolicy, _doc("eviction policy")] = EvictPolicy.LFU
+    # A str, not the enum: a plug-in is any "package.module:Class" (checked in __post_init__).
+    evict_policy: Annotated[str, Meta(description="eviction policy, built-in or plug-in (docs/pool.md)",
+                                      extra={"allowed": EVICT_POLICY_ALLOWED})] = EvictPolicy.LFU
     lfu_decay_interval_forwards: Annotated[NonNegInt, _doc("halve LFU counts every N forwards (0 = never)")] = 0
+    lrfu_lambda: Annotated[Fraction, _doc(
+        "LRFU's λ: an access counts 2^(-λ·age), age in accesses of the layer (0 = LFU, 1 ≈ LRU)")] = 0.05
     autopin: Annotated[bool, _doc("count routing heat, persist it, pin each layer's hottest experts at start-up")] = True
     autopin_usage_file: Annotated[str, _doc("heat file (empty = <expert dir>/pool_usage.json)")] = ""
     autopin_save_every_forwards: Annotated[PosInt, _doc("persist heat every N forwards (and at exit)")] = 200
@@ -147,6 +177,9 @@ class PoolCfg(_Section, frozen=True):
     prefetch_into: Annotated[PrefetchInto, _doc(
         "where prefetches land: side (the side region) or main (the resident region, its eviction policy "
         "choosing the victim; the side region then keeps what prefetches displaced)")] = PrefetchInto.SIDE
+
+    def __post_init__(self) -> None:
+        msgspec.structs.force_setattr(self, "evict_policy", check_evict_policy(self.evict_policy))
 
 
 class ReadCfg(_Section, frozen=True):

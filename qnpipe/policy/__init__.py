@@ -1,6 +1,7 @@
 """Pure, synchronous decision logic of the pipeline: slot tables, eviction, the read queue, the pool.
 
-`slot_table` (one layer's slots) and `eviction` (whom to evict) under `pool` (every layer's
+`slot_table` (one layer's slots) and `eviction` (whom to evict; `eviction_hand`, `_arc`,
+`_s3fifo` hold libCacheSim's policies, `_plugin` loads plug-ins) under `pool` (every layer's
 grants, reads and counters), `read_queue` (the order reads go to the device), `predict`
 (which experts to prefetch), `parts` (a step split into parts), `heat` (autopin's counts and
 plan). Nothing here imports trio, MLX, qnpipe.io or qnpipe.actors (tests/test_imports.py), so
@@ -11,6 +12,9 @@ are the thin trio shells that drive them.
 from __future__ import annotations
 
 from qnpipe.policy.eviction import FIFO, LFU, LRFU, LRU, Eviction, make_eviction
+from qnpipe.policy.eviction_arc import ARC
+from qnpipe.policy.eviction_hand import Clock, Sieve
+from qnpipe.policy.eviction_s3fifo import S3FIFO
 from qnpipe.policy.heat import Heat, autopin_plan, pin_budget
 from qnpipe.policy.parts import plan_parts
 from qnpipe.policy.pool import Grant, HintFate, LayerCounters, MissKind, PoolPolicy, PrefetchBudgets
@@ -19,7 +23,7 @@ from qnpipe.policy.read_queue import Job, ReadClass, ReadQueue
 from qnpipe.policy.slot_table import AcquirePlan, Load, MissCause, SlotState, SlotTable
 
 __all__ = [
-    "FIFO", "LFU", "LRFU", "LRU", "AcquirePlan", "Eviction", "Grant", "Heat", "HintFate", "Job", "LayerCounters",
+    "ARC", "FIFO", "LFU", "LRFU", "LRU", "S3FIFO", "AcquirePlan", "Clock", "Sieve", "Eviction", "Grant", "Heat", "HintFate", "Job", "LayerCounters",
     "Load", "MissCause", "MissKind", "PoolPolicy", "PrefetchBudgets", "ReadClass", "ReadQueue", "SlotState",
     "SlotTable", "autopin_plan", "hint_top", "make_eviction", "pin_budget", "plan_parts", "predict_targets", "rank",
 ]

@@ -25,9 +25,10 @@ def check_placement(cfg: Config) -> None:
 
 def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int, int],
                 heat: Heat | None = None) -> PoolPolicy:
-    evictions = {layer: make_eviction(cfg.pool.evict_policy,
-                                      lfu_decay_interval=cfg.pool.lfu_decay_interval_forwards)
-                 for layer in capacities}
+    evictions = {layer: make_eviction(cfg.pool.evict_policy, cap,
+                                      lfu_decay_interval=cfg.pool.lfu_decay_interval_forwards,
+                                      lrfu_lambda=cfg.pool.lrfu_lambda)
+                 for layer, cap in capacities.items()}
     check_placement(cfg)
     # The side region keeps its hot prefetched experts by LFU (side_region_lfu) or is cleared each step.
     options = PoolOptions(

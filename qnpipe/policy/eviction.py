@@ -1,12 +1,17 @@
 """Eviction policies: which resident expert of a layer gives up its slot.
 
-Each policy keeps a score per resident expert and evicts the lowest score among the
-evictable ones (never held, pinned or loading: the table says which are blocked). Scores
-are unique (time is the table's access counter, a tie-breaker in every score), so the
-victim does not depend on the order candidates are looked at, and a policy is
-deterministic and clock-free. `pick` finds it without a scan in the common case (an
-ordered dict for LRU and FIFO; set differences and a keyed min in C for LFU); `victim` is the plain minimum over
-given candidates, the reference `pick` is tested against (tests/policy/test_slot_table.py).
+`Eviction` is the interface every policy implements, the built-in ones and the plug-ins
+`pool.evict_policy = "package.module:Class"` names (`qnpipe.policy.eviction_plugin`,
+docs/pool.md). The score policies here (LRU, FIFO, LFU, LRFU) keep a score per resident
+expert and evict the lowest among the evictable ones (never held, pinned or loading: the
+table says which are blocked). Scores are unique (time is the table's access counter, a
+tie-breaker in every score), so the victim does not depend on the order candidates are
+looked at, and a policy is deterministic and clock-free. `pick` finds it without a scan in
+the common case (an ordered dict for LRU and FIFO; set differences and a keyed min in C for
+LFU); `victim` is the plain minimum over given candidates, the reference `pick` is tested
+against (tests/policy/test_slot_table.py). The queue policies of libCacheSim (CLOCK, SIEVE,
+ARC, S3-FIFO) are in their own modules: their `pick` moves a hand or queues, and their
+`victim` is what that `pick` would return, found without changing anything.
 """
 
 from __future__ import annotations
@@ -18,10 +23,19 @@ from typing import Protocol
 import attrs
 
 from qnpipe.config import EvictPolicy
+from qnpipe.policy.eviction_arc import ARC
+from qnpipe.policy.eviction_hand import Clock, Sieve
+from qnpipe.policy.eviction_s3fifo import S3FIFO
 
 
 class Eviction(Protocol):
-    """The interface of one layer's eviction policy."""
+    """The interface of one layer's eviction policy, built-in or plug-in (docs/pool.md, "Plug-in policies").
+
+    The slot table calls, for each step that uses the layer: `accessed` for every expert it
+    finds in the pool, then for each miss either `inserted` (a free slot) or `pick`, then
+    `removed` of the expert `pick` named, then `inserted`. `pick` is only asked when every
+    slot holds an expert, so the policy has been told of `capacity` residents then.
+    """
 
     def inserted(self, expert: int, tick: int) -> None:
         """`expert` was given a slot at `tick` (counts as its first access)."""
@@ -32,15 +46,18 @@ class Eviction(Protocol):
         ...
 
     def removed(self, expert: int) -> None:
-        """`expert` left the pool."""
+        """`expert` left the pool (evicted: `pick` named it just before; else its read was cancelled)."""
         ...
 
-    def victim(self, candidates: Iterable[int]) -> int:
-        """The candidate to evict (candidates is never empty)."""
+    def victim(self, candidates: Iterable[int], incoming: int) -> int:
+        """The candidate `pick` would evict if only `candidates` were evictable (never empty), for
+        `incoming`; changes nothing. The reference `pick` is tested against."""
         ...
 
-    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int]) -> int | None:
-        """The resident expert to evict, none of `loading`, `held`, `pinned` (None: every one is blocked)."""
+    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int],
+             incoming: int) -> int | None:
+        """The resident expert to evict so that `incoming` (not resident) gets its slot: none of
+        `loading`, `held`, `pinned` (None: every one is blocked). The table evicts it."""
         ...
 
     def forward_done(self) -> None:
@@ -67,10 +84,11 @@ class LRU:
     def removed(self, expert: int) -> None:
         del self.last[expert]
 
-    def victim(self, candidates: Iterable[int]) -> int:
+    def victim(self, candidates: Iterable[int], incoming: int) -> int:
         return min(candidates, key=self.last.__getitem__)
 
-    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int]) -> int | None:
+    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int],
+             incoming: int) -> int | None:
         for e in self.last:
             if e not in loading and e not in held and e not in pinned:
                 return e
@@ -95,10 +113,11 @@ class FIFO:
     def removed(self, expert: int) -> None:
         del self.born[expert]
 
-    def victim(self, candidates: Iterable[int]) -> int:
+    def victim(self, candidates: Iterable[int], incoming: int) -> int:
         return min(candidates, key=self.born.__getitem__)
 
-    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int]) -> int | None:
+    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int],
+             incoming: int) -> int | None:
         for e in self.born:  # in insertion order, which is tick order
             if e not in loading and e not in held and e not in pinned:
                 return e
@@ -135,10 +154,11 @@ class LFU:
         del self.last[expert]
         del self.key[expert]
 
-    def victim(self, candidates: Iterable[int]) -> int:
+    def victim(self, candidates: Iterable[int], incoming: int) -> int:
         return min(candidates, key=self.key.__getitem__)
 
-    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int]) -> int | None:
+    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int],
+             incoming: int) -> int | None:
         # Set differences and a keyed min, all in C: faster at pool sizes than a heap kept in Python.
         free = self.key.keys() - loading
         free.difference_update(held, pinned)
@@ -177,19 +197,20 @@ class LRFU:
     def removed(self, expert: int) -> None:
         self.resident.discard(expert)
 
-    def victim(self, candidates: Iterable[int]) -> int:
+    def victim(self, candidates: Iterable[int], incoming: int) -> int:
         return min(candidates, key=lambda e: (self.key[e], e))
 
-    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int]) -> int | None:
+    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int],
+             incoming: int) -> int | None:
         free = [e for e in self.resident if e not in loading and e not in held and e not in pinned]
-        return self.victim(free) if free else None
+        return self.victim(free, incoming) if free else None
 
     def forward_done(self) -> None:
         pass
 
 
-def make_eviction(kind: EvictPolicy, *, lfu_decay_interval: int = 0, lrfu_lambda: float = 0.05) -> Eviction:
-    """A fresh policy object of `kind` for one layer."""
+def make_eviction(kind: str, capacity: int, *, lfu_decay_interval: int = 0, lrfu_lambda: float = 0.05) -> Eviction:
+    """A fresh policy for one layer of `capacity` slots: an `EvictPolicy`, or a plug-in's "package.module:Class"."""
     match kind:
         case EvictPolicy.LRU:
             return LRU()
@@ -199,3 +220,15 @@ def make_eviction(kind: EvictPolicy, *, lfu_decay_interval: int = 0, lrfu_lambda
             return FIFO()
         case EvictPolicy.LRFU:
             return LRFU(lam=lrfu_lambda)
+        case EvictPolicy.CLOCK:
+            return Clock()
+        case EvictPolicy.SIEVE:
+            return Sieve()
+        case EvictPolicy.ARC:
+            return ARC(capacity)
+        case EvictPolicy.S3FIFO:
+            return S3FIFO(capacity)
+        case _:
+            from qnpipe.policy.eviction_plugin import make_plugin  # it imports Eviction from here
+
+            return make_plugin(kind, capacity)

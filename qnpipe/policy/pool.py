@@ -349,7 +349,7 @@ class PoolPolicy:
             s = side.slot_of.get(e)
             if s is None or side.state[s] is not SlotState.READY or e in side.held or e in side.pinned:
                 continue
-            r = main.spare(experts)
+            r = main.spare(e, experts)
             if r is None:
                 break
             self._relabel(layer, r, s)
@@ -376,7 +376,7 @@ class PoolPolicy:
         loads: list[Load] = []
         for ld in plan.loads:
             evicted = ld.evicted
-            if m is not None and evicted >= 0 and (s := self.sides[layer].spare()) is not None:
+            if m is not None and evicted >= 0 and (s := self.sides[layer].spare(evicted)) is not None:
                 # The load goes to side slot s's physical slot (its expert, if any, leaves memory) and the
                 # evicted expert stays in its own, now a side slot: the two slots trade regions.
                 side = self.sides[layer]
@@ -410,12 +410,12 @@ class PoolPolicy:
         m = self.slot_maps.get(layer)
         if side is None or m is None:
             return main.prefetch(expert)
-        r = main.spare()
+        r = main.spare(expert)
         if r is None:
             ld = side.prefetch(expert)
             return None if ld is None else Load(expert, m.side[ld.slot], ld.evicted, ld.cause)
         dropped = FREE
-        if main.expert_of[r] != FREE and (s := side.spare()) is not None:
+        if main.expert_of[r] != FREE and (s := side.spare(main.expert_of[r])) is not None:
             dropped = side.vacate(s)  # the side region's victim leaves memory (or the slot was free)
             side.fill(s, FREE, side.generation[s])
             self._relabel(layer, r, s)

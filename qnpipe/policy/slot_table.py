@@ -175,7 +175,7 @@ class SlotTable:
         else:
             if evicted == FREE:
                 # acquire() checked room, so an evictable expert exists; none is a table bug.
-                found = self.eviction.pick(self._loading, self.held, self.pinned)
+                found = self.eviction.pick(self._loading, self.held, self.pinned, expert)
                 assert found is not None, f"layer {self.layer}: no evictable slot"
                 evicted = found
             slot = self.slot_of.pop(evicted)
@@ -192,13 +192,14 @@ class SlotTable:
         self.eviction.inserted(expert, self.tick)
         return Load(expert, slot, evicted, cause)
 
-    def spare(self, keep: Iterable[int] = ()) -> int | None:
-        """A slot to give up without waiting: a free one (the one `_load` takes next), else the slot of the
-        eviction policy's victim among the ready experts neither held, pinned nor in `keep`; None if neither."""
+    def spare(self, incoming: int, keep: Iterable[int] = ()) -> int | None:
+        """A slot to give up for `incoming` without waiting: a free one (the one `_load` takes next), else the
+        slot of the eviction policy's victim among the ready experts neither held, pinned nor in `keep`; None
+        if neither. (`incoming` is what the victim makes room for: ARC and S3-FIFO choose by it.)"""
         if self._free:
             return self._free[-1]
         held: Collection[int] = self.held.keys() | set(keep) if keep else self.held
-        found = self.eviction.pick(self._loading, held, self.pinned)
+        found = self.eviction.pick(self._loading, held, self.pinned, incoming)
         return None if found is None else self.slot_of[found]
 
     def prefetch(self, expert: int) -> Load | None:
@@ -210,7 +211,7 @@ class SlotTable:
             return None
         evicted = FREE
         if not self._free:
-            found = self.eviction.pick(self._loading, self.held, self.pinned)
+            found = self.eviction.pick(self._loading, self.held, self.pinned, expert)
             if found is None:
                 return None
             evicted = found

@@ -115,7 +115,7 @@ def test_every_miss_has_exactly_one_cause(ops: list[tuple[str, list[int]]], pers
     """Random hints, acquires, read completions and expiries: causes always sum to misses, per layer."""
     options = PoolOptions(predicting=True, side_slots=3, side_persistent=persistent,
                           budgets=PrefetchBudgets(per_layer=2, global_reads=3, global_unused=3))
-    policy = PoolPolicy.build({0: 3}, {0: make_eviction(EvictPolicy.LFU)}, {0: 10}, options)
+    policy = PoolPolicy.build({0: 3}, {0: make_eviction(EvictPolicy.LFU, 3)}, {0: 10}, options)
     reads: dict[int, int] = {}  # expert -> slot, issued and not finished
     step = 0
     for op, experts in ops:

@@ -72,6 +72,8 @@ def _other_text(spec: FieldSpec) -> str:
     if isinstance(t, msgspec.inspect.FloatType):
         assert isinstance(d, float)
         return str(d + 0.25)
+    if isinstance(t, msgspec.inspect.StrType) and isinstance(d, enum.Enum):  # pool.evict_policy: enum or plug-in
+        return next(m.value for m in type(d) if m != d)
     if isinstance(t, msgspec.inspect.StrType):
         return "some/where"
     if isinstance(t, msgspec.inspect.VarTupleType):

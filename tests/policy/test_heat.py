@@ -30,7 +30,7 @@ MID = "a" * 64
 
 
 def _policy(caps: dict[int, int], heat: Heat | None = None) -> PoolPolicy:
-    return PoolPolicy.build(caps, {layer: make_eviction(EvictPolicy.LFU) for layer in caps},
+    return PoolPolicy.build(caps, {layer: make_eviction(EvictPolicy.LFU, cap) for layer, cap in caps.items()},
                             {layer: 10 for layer in caps}, heat=heat)
 
 

@@ -25,10 +25,10 @@ N_EXPERTS = 10
 
 class PoolMachine(RuleBasedStateMachine):
     @initialize(caps=st.tuples(st.integers(1, 5), st.integers(1, 5)),
-                kind=st.sampled_from([EvictPolicy.LRU, EvictPolicy.LFU, EvictPolicy.FIFO, EvictPolicy.LRFU]))
+                kind=st.sampled_from(list(EvictPolicy)))
     def setup(self, caps: tuple[int, int], kind: EvictPolicy) -> None:
         capacities: dict[int, int] = dict(zip(LAYERS, caps, strict=True))
-        self.policy = PoolPolicy.build(capacities, {layer: make_eviction(kind) for layer in LAYERS},
+        self.policy = PoolPolicy.build(capacities, {layer: make_eviction(kind, capacities[layer]) for layer in LAYERS},
                                        {layer: 100 + layer for layer in LAYERS})
         self.step = 0
         self.reads: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot: issued, not done
@@ -185,7 +185,7 @@ TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, de
 
 
 def test_statistics_sum_the_layers_and_stay_frozen() -> None:
-    policy = PoolPolicy.build({0: 2, 1: 2}, {ly: make_eviction(EvictPolicy.LRU) for ly in (0, 1)}, {0: 8, 1: 8})
+    policy = PoolPolicy.build({0: 2, 1: 2}, {ly: make_eviction(EvictPolicy.LRU, 2) for ly in (0, 1)}, {0: 8, 1: 8})
     for step, (layer, experts) in enumerate([(0, [1, 2]), (1, [3]), (0, [1, 4])]):
         key = (step, layer, 0)
         loads, grant = policy.acquire(key, experts, float(step))

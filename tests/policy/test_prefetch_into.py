@@ -24,7 +24,7 @@ from qnpipe.policy.slot_table import FREE, SlotState
 
 
 def _policy(cap: int, side: int, kind: EvictPolicy = EvictPolicy.LRU, layers: tuple[int, ...] = (0,)) -> PoolPolicy:
-    return PoolPolicy.build({layer: cap for layer in layers}, {layer: make_eviction(kind) for layer in layers},
+    return PoolPolicy.build({layer: cap for layer in layers}, {layer: make_eviction(kind, cap) for layer in layers},
                             dict.fromkeys(layers, 100), PoolOptions(predicting=True, side_slots=side, into_main=True))
 
 

@@ -4,7 +4,8 @@ For every shape, fp32 and 4-bit, capacities top-k, top-k+1, half and all experts
 eviction policy, 1 and 16 reads in flight, the C and Python readers, page cache on and
 off, with route verification on: `logits` are np.array_equal to `eager_load` and greedy
 tokens are identical. The matrix is covered pairwise (each capacity meets each policy
-on each model; the read settings rotate), not as a full product, to keep the suite fast.
+on each model; the read settings rotate), not as a full product, to keep the suite fast; the
+policies taken from libCacheSim and a plug-in run on two of the models.
 """
 
 from __future__ import annotations
@@ -78,6 +79,32 @@ def test_streamed_equals_all_resident(streamed_models: dict[str, Path], name: st
     # Layer-steps that started their experts in memory while the rest were read were among those
     # compared (not when every token uses every expert: a layer then misses all or none).
     assert early > 0 or E == k, name
+
+
+@pytest.mark.parametrize("name", ["3L-e16k2-fp32", "5L-e32k6-fp32"])
+def test_libcachesim_policies_and_a_plugin_stream_exactly(streamed_models: dict[str, Path], name: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """CLOCK, SIEVE, ARC, S3-FIFO and the plug-in of docs/pool.md run live, at top-k + 1 and half the experts."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "policy"))  # evict_plugin_example
+    d = streamed_models[name]
+    with qnpipe.Engine(d, eager_load=True) as ref:
+        E, k = ref.args.num_experts, ref.args.num_experts_per_tok
+        prompt = _prompt(ref.args.vocab_size)
+        want_logits = ref.logits(prompt)
+        want_tokens = ref.generate(prompt, max_tokens=16, stop_at_eos=False).tokens
+    reads = itertools.cycle(READ_SETTINGS)
+    for cap, policy in itertools.product(sorted({k + 1, E // 2}), ["clock", "sieve", "arc", "s3fifo",
+                                                                   "evict_plugin_example:LRU2"]):
+        over = {"expert_slots": cap, "pool.evict_policy": policy, "diag.route_verify": True, "pool.autopin": False,
+                **next(reads)}
+        with qnpipe.Engine(d, **over) as eng:
+            got = eng.logits(prompt)
+            tokens = eng.generate(prompt, max_tokens=16, stop_at_eos=False).tokens
+            st = eng.stats()
+        where = f"{name} capacity {cap} policy {policy}"
+        assert np.array_equal(got, want_logits), where
+        assert tokens == want_tokens, where
+        assert st.pool is not None and st.pool.misses_by_cause.get("capacity", 0) > 0, where  # it did evict
 
 
 def test_prefill_chunks_whose_union_exceeds_capacity_run_in_parts(streamed_models: dict[str, Path]) -> None:

@@ -57,7 +57,8 @@ def cases(draw: st.DrawFn) -> dict[str, object]:
         "log": {"seed": draw(st.integers(0, 10_000)), "layers": draw(st.integers(1, 4)), "experts": experts, "k": k,
                 "steps": draw(st.integers(3, 10)), "max_tokens": draw(st.integers(1, 4))},
         "set": {"pool.expert_slots": draw(st.integers(k, experts)),
-                "pool.evict_policy": draw(st.sampled_from(["lru", "lfu", "fifo", "lrfu"])),
+                "pool.evict_policy": draw(st.sampled_from([str(p) for p in config.EvictPolicy])),
+                "pool.lrfu_lambda": draw(st.sampled_from([0.05, 0.5])),
                 "pool.lfu_decay_interval_forwards": draw(st.sampled_from([0, 2])),
                 "read.workers": draw(st.integers(1, 4)), "read.batch_miss_read": draw(st.booleans()),
                 "read.bg_budget_experts": draw(st.sampled_from([0, 1, 3])),
@@ -130,6 +131,22 @@ def test_a_multi_part_prefetching_case_agrees_and_is_not_trivial(tmp_path: Path,
     assert r.prefetch is not None and r.prefetch.issued > 0 and r.prefetch.useful > 0 and 0 < r.hit_rate < 1
     assert r.side_hit_rate > 0 and r.prefetch_into == into
     assert r.stall_s_per_token > 0 and r.misses_by_cause
+
+
+@pytest.mark.parametrize("policy", ["clock", "sieve", "arc", "s3fifo"])
+def test_libcachesim_policies_agree_across_drivers(policy: str, tmp_path: Path) -> None:
+    """The policies whose pick moves a hand or queues, on multi-token steps with reads in flight and prefetch."""
+    case = {"log": {"seed": 11, "layers": 2, "experts": 32, "k": 3, "steps": 10, "max_tokens": 3},
+            "set": {"pool.expert_slots": 20 if policy == "s3fifo" else 7, "pool.evict_policy": policy,
+                    "pool.side_region_slots": 2, "read.workers": 2},
+            "device": {"bandwidth_bytes_per_s": 2e8, "latency_s": 4e-4, "per_mb_latency_s": 0.0, "queue_depth": 2},
+            "cost": {"per_layer_s": 1e-4, "read_hop_s": 7e-5}, "predictor": "oracle", "opts": {"recall": 0.8}}
+    write_log(tmp_path / "log.qtrace", **case["log"])  # type: ignore[arg-type]
+    fast = run_case(case, tmp_path / "log.qtrace", "fast")
+    assert isinstance(fast, bytes), fast
+    assert fast == run_case(case, tmp_path / "log.qtrace", "actors")
+    r = msgspec.json.decode(fast, type=ReplayReport)
+    assert 0 < r.hit_rate < 1 and r.misses_by_cause.get("capacity", 0) + r.misses_by_cause.get("not_predicted", 0)
 
 
 def test_an_unknown_driver_is_refused(tmp_path: Path) -> None:

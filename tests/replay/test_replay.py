@@ -77,7 +77,7 @@ def test_same_log_and_config_give_byte_identical_reports(logged: tuple[Path, dic
     assert json.loads(outs.pop())["device"]["queue_depth"] == 2
 
 
-@pytest.mark.parametrize("policy", ["lfu", "lru", "fifo", "lrfu"])
+@pytest.mark.parametrize("policy", ["lfu", "lru", "fifo", "lrfu", "clock", "sieve", "arc", "s3fifo"])
 @pytest.mark.parametrize("slots", ["2", "5"])
 def test_belady_bounds_every_demand_policy_per_layer(logged: tuple[Path, dict[str, object]], policy: str,
                                                       slots: str) -> None:

@@ -18,7 +18,7 @@ from qnpipe import config
 from qnpipe.replay import replay
 from qnpipe.trace.importers import import_log
 
-POLICIES = ("lru", "lfu", "fifo", "lrfu")
+POLICIES = ("lru", "lfu", "fifo", "lrfu", "clock", "sieve", "arc", "s3fifo")
 
 # (name, format, source under tests/data/traces or the unpacked FLAME folder, steps kept, capacities)
 TRACES = [
