@@ -1,0 +1,351 @@
+"""Miss-ratio curves: each layer's demand hit rate at every capacity, for LRU and Belady, in one pass (pure: numpy).
+
+    curves = miss_ratio_curves("run.qtrace")   # or mrc(log.steps, log.shape) of a load_log(...)
+    curves.rows()                              # [{"policy", "layer", "capacity", "hits", "requests", "hit_rate"}]
+
+The pool's own semantics, as a demand-only replay (`qnpipe replay`, no prediction) counts them:
+a layer-step's experts are acquired together and held together, so an expert of the step is
+never evicted to make room for another of the same step; capacities run from the model's
+top-k (the pool refuses fewer slots than a token's experts: qnpipe.actors.pipeline.layer_capacities)
+to the expert count.
+
+- **Belady** (farthest next use, ties to the higher id: qnpipe.replay.belady) keeps the inclusion
+  property with held-together requests: the cache at capacity C is the top C of one stack (Mattson
+  et al.'s OPT stack, next use as the priority). A request R moves to the top; below it, slot C of
+  the new stack takes the best (nearest next use) of the old stack's non-R entries above C that the
+  new stack has not taken yet: a buffer of the displaced entries carried down until the deepest
+  entry of R was passed. A hit at C is an old stack position below C.
+- **LRU** does not keep it. The pool touches a step's hits first, then loads its misses, so within
+  one step the recency order of its experts depends on which were hits, which depends on the
+  capacity (tests/replay/test_mrc.py shows a log where C slots hold an expert C+1 slots do not).
+  Exact all the same: the cache at C is the C most recent experts by (step, missed at C, id). For an
+  access of expert e last used at step t, with D distinct experts used since and q of t's other
+  experts not used since, it is a miss at C <= D, a hit at C > D + q, and in between a hit iff
+  fewer than C - D of those q rank above e at C: each needs its own miss status at t at C, which
+  its access's record (D, D + q, a bit per capacity between) gives. One step of all layers at a
+  time, in numpy.
+
+A multi-token step whose experts do not fit C slots runs in parts (qnpipe.policy.parts), so the
+requests themselves depend on C below a layer's largest step union: those capacities are replayed
+one by one (the slot table for LRU, qnpipe.replay.belady for Belady). Logs of one-token steps never
+need that.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from qnpipe.policy.parts import plan_parts_flat
+from qnpipe.replay.belady import belady_hits
+from qnpipe.trace import ModelShape
+
+POLICIES = ("lru", "belady")
+ALL = "all"  # the layer column of the total over every layer the log routes
+MAX_BAND = 62  # one int64 of band bits per access: steps of at most 63 distinct experts go one pass
+
+_NEVER = 1 << 40
+
+
+class Curve(msgspec.Struct, frozen=True, kw_only=True):
+    """One policy at one layer (or `layer=ALL`): `hits[i]` and `requests[i]` at `capacities[i]`."""
+
+    policy: str
+    layer: int | str
+    capacities: list[int]
+    hits: list[int]
+    requests: list[int]
+
+    def hit_rate(self) -> list[float]:
+        return [h / r if r else 0.0 for h, r in zip(self.hits, self.requests, strict=True)]
+
+
+class MrcResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Every layer's curves and the totals: capacities `min_capacity..num_experts` slots per layer."""
+
+    log: str
+    shape: ModelShape
+    min_capacity: int
+    curves: list[Curve]
+
+    def curve(self, policy: str, layer: int | str = ALL) -> Curve:
+        for c in self.curves:
+            if c.policy == policy and c.layer == layer:
+                return c
+        raise KeyError(f"no {policy} curve of layer {layer}")
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Long format: one dict per (policy, layer, capacity) with hits, requests and hit_rate."""
+        return [{"policy": c.policy, "layer": c.layer, "capacity": cap, "hits": h, "requests": r,
+                 "hit_rate": h / r if r else 0.0}
+                for c in self.curves for cap, h, r in zip(c.capacities, c.hits, c.requests, strict=True)]
+
+
+def layer_requests(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]],
+                   layers: Sequence[int]) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
+    """Per layer, (step index, the step's distinct experts ascending) of each step that routes it."""
+    out: dict[int, list[tuple[int, tuple[int, ...]]]] = {layer: [] for layer in layers}
+    for s, step in enumerate(steps):
+        for layer, experts in step:
+            out[layer].append((s, tuple(sorted(set(experts)))))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- LRU
+
+
+def lru_one_pass(reqs: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hits of the pool's LRU at every capacity, per layer: `reqs [S, L, W]` (experts, -1 padding; a row
+    of -1 = the layer has no request at that step; each request of distinct experts).
+
+    Returns (hits [L, E + 1] indexed by capacity, requests [L]); valid at capacities >= every request's size."""
+    n_steps, n_layers, w = reqs.shape
+    e_count = num_experts
+    band = max(w - 1, 1)  # the capacities (D, D + q] where an access's hit depends on its step's mates
+    if band > MAX_BAND:
+        raise ValueError(f"a request of {w} experts: the one-pass LRU takes at most {MAX_BAND + 1}")
+    # Flat [layer * E + expert]: each expert's last access (its step) and that access's record.
+    size = n_layers * e_count
+    last = np.full(size, -1, dtype=np.int64)
+    lo = np.full(size, e_count, dtype=np.int64)  # a miss at C <= lo ...
+    hi = np.full(size, e_count, dtype=np.int64)  # ... a hit at C > hi ...
+    bits = np.zeros(size, dtype=np.int64)  # ... between, bit C - lo - 1 says
+    li = np.arange(n_layers)[:, None]
+    base = li * e_count
+    base3 = base[:, :, None]
+    j = np.arange(1, band + 1, dtype=np.int64)  # C - D over the band
+    shifts = j - 1
+    full = np.int64((1 << band) - 1)
+    nbytes = (band + 7) // 8
+    off = li * (n_steps + 2)
+    rec_d: list[np.ndarray] = []
+    rec_q: list[np.ndarray] = []
+    rec_bits: list[np.ndarray] = []
+    rec_seen: list[np.ndarray] = []
+    requests = np.zeros(n_layers, dtype=np.int64)
+    padded = bool((reqs < 0).any())
+    for s in range(n_steps):
+        r = reqs[s]
+        valid = r >= 0
+        whole = bool(valid.all())
+        if not whole and not valid.any():
+            continue
+        fe = base + (r if whole else np.where(valid, r, 0))
+        t = last[fe]  # [L, W]
+        seen = (t >= 0) if whole else valid & (t >= 0)
+        # distinct experts used since: those whose last use is later, counted in each layer's sorted row
+        ordered = (np.sort(last.reshape(n_layers, e_count), axis=1) + off).reshape(-1)
+        d = e_count - (np.searchsorted(ordered, t + off, side="right") - base)
+        mates = reqs[np.maximum(t, 0), li]  # [L, W, W]: the step t request of each expert's layer
+        fm = base3 + np.maximum(mates, 0)
+        alive = (last[fm] == t[:, :, None]) & (mates != r[:, :, None]) & seen[:, :, None]
+        if padded:  # a mate slot of step t may be padding even when step s has none
+            alive &= mates >= 0
+        q = alive.sum(axis=2)
+        # Bit j - 1 of each mask: at capacity d + j (the band of this access).
+        miss_e = ~_hit_window(lo[fe], hi[fe], bits[fe], d, band)[:, :, None] & full
+        miss_g = ~_hit_window(lo[fm], hi[fm], bits[fm], d[:, :, None], band) & full
+        # A mate is newer at a capacity when it missed there and e hit, or both alike and its id is higher.
+        newer = (miss_g & ~miss_e) | (~(miss_g ^ miss_e) & np.where(mates > r[:, :, None], full, 0))
+        newer = np.where(alive, newer & full, 0)
+        per_bit = np.unpackbits(newer.astype("<i8").view(np.uint8).reshape(*newer.shape, 8)[..., :nbytes],
+                                axis=-1, bitorder="little")[..., :band]  # [L, W, W, B]
+        rank = per_bit.sum(axis=2, dtype=np.int64)  # [L, W, B]
+        hit_band = (j <= q[:, :, None]) & (rank < j)
+        new_bits = np.where(seen, (hit_band << shifts).sum(axis=2), 0)
+        top = d + q
+        if whole:
+            requests += w
+            last[fe] = s
+            lo[fe] = np.where(seen, d, e_count)
+            hi[fe] = np.where(seen, top, e_count)
+            bits[fe] = new_bits
+        else:
+            requests += valid.sum(axis=1)
+            fv = fe[valid]
+            last[fv] = s
+            lo[fv] = np.where(seen, d, e_count)[valid]
+            hi[fv] = np.where(seen, top, e_count)[valid]
+            bits[fv] = new_bits[valid]
+        rec_d.append(d)
+        rec_q.append(q)
+        rec_bits.append(new_bits)
+        rec_seen.append(seen)
+    # Every access counted at once: a hit at each capacity above d + q, and at d + j for each band bit j - 1.
+    stride = e_count + 2
+    hits = np.zeros((n_layers, stride), dtype=np.int64)
+    if rec_d:
+        dd, qq, bb, ss = (np.stack(x, axis=1) for x in (rec_d, rec_q, rec_bits, rec_seen))  # [L, steps, W]
+        lay = np.broadcast_to(li[:, :, None], dd.shape)
+        above = np.bincount((lay * stride + dd + qq + 1)[ss], minlength=n_layers * stride)
+        some = bb != 0
+        at, bb = (lay * stride + dd)[some], bb[some]
+        between = np.zeros(n_layers * stride, dtype=np.int64)
+        for jj in range(1, band + 1):
+            between += np.bincount(at[(bb >> (jj - 1)) & 1 == 1] + jj, minlength=n_layers * stride)
+        hits = np.cumsum(above.reshape(n_layers, stride), axis=1) + between.reshape(n_layers, stride)
+    return hits[:, :e_count + 1], requests
+
+
+def _hit_window(lo: np.ndarray, hi: np.ndarray, bits: np.ndarray, d: np.ndarray, band: int) -> np.ndarray:
+    """Bit j - 1 set where the access recorded as (lo, hi, bits) hit at capacity d + j, j = 1..band."""
+    full = np.int64((1 << band) - 1)
+    above = full & ~((np.int64(1) << np.clip(hi - d, 0, band)) - 1)  # every capacity past hi
+    shift = d - lo
+    between = np.where(shift >= 0, bits >> np.clip(shift, 0, 63), bits << np.clip(-shift, 0, 63))
+    return (above | between) & full
+
+
+def lru_hits(requests: Sequence[Sequence[int]], capacity: int) -> int:
+    """Hits of the pool's LRU slot table over `requests` (each distinct experts held together) at `capacity`."""
+    from qnpipe.policy.eviction import LRU
+    from qnpipe.policy.slot_table import SlotTable
+
+    table = SlotTable(0, capacity, LRU())
+    hits = 0
+    for r in requests:
+        plan = table.acquire(r)
+        for ld in plan.loads:
+            table.loaded(ld.expert, ld.slot)
+        table.release(r)
+        hits += len(plan.hits)
+    return hits
+
+
+# ------------------------------------------------------------------------------------------- Belady
+
+
+def belady_one_pass(requests: Sequence[Sequence[int]], num_experts: int) -> np.ndarray:
+    """Belady's hits at every capacity (index = capacity, 0..num_experts) by the OPT stack (module doc);
+    valid at capacities >= every request's size."""
+    n = len(requests)
+    e_count = num_experts
+    # Each access's priority: its next use (nearer = kept), ties evicting the higher id first.
+    keys: list[list[int]] = [[] for _ in range(n)]
+    nxt: dict[int, int] = {}
+    for i in range(n - 1, -1, -1):
+        keys[i] = [nxt.get(e, _NEVER) * (e_count + 1) + e for e in requests[i]]
+        for e in requests[i]:
+            nxt[e] = i
+    key = np.zeros(e_count, dtype=np.int64)
+    stack = np.zeros(0, dtype=np.int64)
+    pos = np.full(e_count, -1, dtype=np.int64)
+    dist = np.zeros(e_count + 2, dtype=np.int64)  # hits from capacity c on
+    in_r = np.zeros(e_count, dtype=bool)
+    for i, req in enumerate(requests):
+        ra = np.asarray(req, dtype=np.int64)
+        rr = len(ra)
+        p = pos[ra]
+        old = p[p >= 0]
+        np.add.at(dist, old + 1, 1)
+        cold = rr - len(old)
+        n_old = len(stack)
+        deep = n_old - 1 if cold else (int(old.max()) if len(old) else -1)
+        in_r[ra] = True
+        new = np.empty(n_old + cold, dtype=np.int64)
+        new[:rr] = ra
+        head = stack[:min(rr, n_old)]
+        buf = [(int(key[x]), int(x)) for x in head[~in_r[head]]]
+        heapq.heapify(buf)
+        if deep >= rr:
+            seg = stack[rr:deep + 1]
+            out = seg.tolist()
+            if buf:
+                # The buffer's best only gets worse, so only entries worse than its first best (or R's
+                # own old slots) can take its place: a plain loop over those few.
+                hole = in_r[seg]
+                ks = key[seg]
+                cand = np.flatnonzero(hole | (ks > buf[0][0])).tolist()
+                holes = hole.tolist()
+                kl = ks.tolist()
+                for c in cand:
+                    if holes[c]:
+                        out[c] = heapq.heappop(buf)[1]
+                        if not buf:
+                            break
+                    elif kl[c] > buf[0][0]:
+                        out[c] = heapq.heapreplace(buf, (kl[c], out[c]))[1]
+            new[rr:deep + 1] = out
+            new[deep + 1:n_old] = stack[deep + 1:]
+        else:
+            new[rr:n_old] = stack[rr:]
+        if cold:  # the old stack passed: what the buffer still carries goes below it, best first
+            new[max(rr, n_old):] = [x for _, x in sorted(buf)]
+        in_r[ra] = False
+        stack = new
+        pos[stack] = np.arange(len(stack))
+        key[ra] = keys[i]
+    return np.cumsum(dist)[:e_count + 1]
+
+
+# ------------------------------------------------------------------------------------------- driver
+
+
+def mrc(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShape, *,
+        policies: Sequence[str] = POLICIES, log: str = "") -> MrcResult:
+    """The curves of a log's routes (`ReplayLog.steps`): every layer that routes, and their total over them.
+
+    Capacities run from `shape.top_k` to `shape.num_experts`; a layer whose largest step needs more
+    slots than a capacity replays that capacity on its own (module doc)."""
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"policy {p!r}: unknown, known: {', '.join(POLICIES)}")
+    k, e_count = shape.top_k, shape.num_experts
+    per_layer = layer_requests(steps, shape.moe_layers)
+    layers = [layer for layer in shape.moe_layers if per_layer[layer]]
+    caps = list(range(k, e_count + 1))
+    union = {layer: max(len(ex) for _, ex in per_layer[layer]) for layer in layers}
+    curves: list[Curve] = []
+    for policy in policies:
+        one: dict[int, list[int]] = {}  # the one-pass hits by capacity, of the layers it covers
+        if policy == "lru":
+            fits = [layer for layer in layers if union[layer] - 1 <= MAX_BAND]
+            if fits:
+                width = max(union[layer] for layer in fits)
+                arr = np.full((len(steps), len(fits), width), -1, dtype=np.int64)
+                for i, layer in enumerate(fits):
+                    for s, ex in per_layer[layer]:
+                        arr[s, i, :len(ex)] = ex
+                h, _ = lru_one_pass(arr, e_count)
+                one = {layer: h[i].tolist() for i, layer in enumerate(fits)}
+        else:
+            one = {layer: belady_one_pass([ex for _, ex in per_layer[layer]], e_count).tolist() for layer in layers}
+        own: list[Curve] = []
+        for layer in layers:
+            whole = sum(len(ex) for _, ex in per_layer[layer])
+            hl: list[int] = []
+            nl: list[int] = []
+            raw: list[tuple[int, ...]] | None = None
+            for c in caps:
+                if c >= union[layer] and layer in one:
+                    hl.append(one[layer][c])
+                    nl.append(whole)
+                    continue
+                if raw is None:
+                    raw = [experts for step in steps for ly, experts in step if ly == layer]
+                parts = [ex for experts in raw for _, _, ex in plan_parts_flat(experts, k, c, layer=layer)]
+                hl.append(belady_hits(parts, c) if policy == "belady" else lru_hits(parts, c))
+                nl.append(sum(map(len, parts)))
+            own.append(Curve(policy=policy, layer=layer, capacities=caps, hits=hl, requests=nl))
+        curves += own
+        curves.append(Curve(policy=policy, layer=ALL, capacities=caps,
+                            hits=[sum(c.hits[i] for c in own) for i in range(len(caps))],
+                            requests=[sum(c.requests[i] for c in own) for i in range(len(caps))]))
+    return MrcResult(log=log, shape=shape, min_capacity=k, curves=curves)
+
+
+def miss_ratio_curves(path: str | Path, *, policies: Sequence[str] = POLICIES) -> MrcResult:
+    """`mrc` of the log at `path` (qnpipe.replay.load_log checks it)."""
+    from qnpipe.replay.runner import load_log
+
+    log = load_log(path)
+    return mrc(log.steps, log.shape, policies=policies, log=str(path))
+
+
+__all__ = ["ALL", "POLICIES", "Curve", "MrcResult", "belady_one_pass", "layer_requests", "lru_hits", "lru_one_pass",
+           "miss_ratio_curves", "mrc"]
