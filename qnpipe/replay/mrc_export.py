@@ -67,12 +67,12 @@ def plot(result: MrcResult, path: str | Path, *, layers: Sequence[int] = ()) -> 
     ax = fig.add_subplot()
     shades = {layer: f"C{2 + i % 8}" for i, layer in enumerate(layers)}  # one colour per layer, both policies
     for c in result.curves:
-        if c.layer != ALL and c.layer not in shades:
+        if isinstance(c.layer, int) and c.layer not in shades:
             continue
         total = c.layer == ALL
         name = LABEL.get(c.policy, c.policy)
         style, colour = STYLE.get(c.policy, ("-", "black"))
-        ax.plot(c.capacities, c.hit_rate(), linestyle=style, color=colour if total else shades[c.layer],
+        ax.plot(c.capacities, c.hit_rate(), linestyle=style, color=colour if not isinstance(c.layer, int) else shades[c.layer],
                 linewidth=2.0 if total else 0.9, label=f"{name}, all layers" if total else f"{name}, layer {c.layer}")
     ax.set_xlabel("capacity (expert slots per layer)")
     ax.set_ylabel("hit rate (fraction of expert requests)")
