@@ -50,7 +50,7 @@ def logs(draw: st.DrawFn) -> tuple[list[list[tuple[int, ...] | None]], int, int]
     steps = []
     for _ in range(draw(st.integers(1, 10))):
         row: list[tuple[int, ...] | None] = []
-        for layer in range(layers):
+        for _ in range(layers):
             tokens = draw(st.lists(token, min_size=1, max_size=3 if multi else 1))
             # a layer missing from a step (but routed in the first, so every layer has a route)
             row.append(None if steps and draw(st.integers(0, 5)) == 0 else tuple(e for t in tokens for e in t))
