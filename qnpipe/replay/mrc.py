@@ -221,66 +221,110 @@ def lru_hits(requests: Sequence[Sequence[int]], capacity: int) -> int:
 
 
 def belady_one_pass(requests: Sequence[Sequence[int]], num_experts: int) -> np.ndarray:
-    """Belady's hits at every capacity (index = capacity, 0..num_experts) by the OPT stack (module doc);
-    valid at capacities >= every request's size."""
-    n = len(requests)
+    """Belady's hits at every capacity (index = capacity, 0..num_experts) of one layer's `requests`."""
+    width = max((len(r) for r in requests), default=1)
+    arr = np.full((len(requests), 1, width), -1, dtype=np.int64)
+    for i, r in enumerate(requests):
+        arr[i, 0, :len(r)] = r
+    return belady_layers(arr, num_experts)[0]
+
+
+def belady_layers(reqs: np.ndarray, num_experts: int) -> np.ndarray:
+    """Belady's hits at every capacity per layer by the OPT stack (module doc): `reqs [S, L, W]` as for
+    `lru_one_pass`. Returns hits [L, E + 1] indexed by capacity, valid at capacities >= every request's size.
+
+    The stacks' bookkeeping is numpy over all layers at once; the carry is a plain loop per layer over the
+    few entries that can move: R's old slots, and entries worse than the buffer's first best (the buffer's
+    best only gets worse as it carries)."""
+    n_steps, n_layers, w = reqs.shape
     e_count = num_experts
-    # Each access's priority: its next use (nearer = kept), ties evicting the higher id first.
-    keys: list[list[int]] = [[] for _ in range(n)]
-    nxt: dict[int, int] = {}
-    for i in range(n - 1, -1, -1):
-        keys[i] = [nxt.get(e, _NEVER) * (e_count + 1) + e for e in requests[i]]
-        for e in requests[i]:
-            nxt[e] = i
-    key = np.zeros(e_count, dtype=np.int64)
-    stack = np.zeros(0, dtype=np.int64)
-    pos = np.full(e_count, -1, dtype=np.int64)
-    dist = np.zeros(e_count + 2, dtype=np.int64)  # hits from capacity c on
-    in_r = np.zeros(e_count, dtype=bool)
-    for i, req in enumerate(requests):
-        ra = np.asarray(req, dtype=np.int64)
-        rr = len(ra)
-        p = pos[ra]
-        old = p[p >= 0]
-        np.add.at(dist, old + 1, 1)
-        cold = rr - len(old)
-        n_old = len(stack)
-        deep = n_old - 1 if cold else (int(old.max()) if len(old) else -1)
-        in_r[ra] = True
-        new = np.empty(n_old + cold, dtype=np.int64)
-        new[:rr] = ra
-        head = stack[:min(rr, n_old)]
-        buf = [(int(key[x]), int(x)) for x in head[~in_r[head]]]
-        heapq.heapify(buf)
-        if deep >= rr:
-            seg = stack[rr:deep + 1]
-            out = seg.tolist()
-            if buf:
-                # The buffer's best only gets worse, so only entries worse than its first best (or R's
-                # own old slots) can take its place: a plain loop over those few.
-                hole = in_r[seg]
-                ks = key[seg]
-                cand = np.flatnonzero(hole | (ks > buf[0][0])).tolist()
-                holes = hole.tolist()
-                kl = ks.tolist()
-                for c in cand:
-                    if holes[c]:
-                        out[c] = heapq.heappop(buf)[1]
-                        if not buf:
-                            break
-                    elif kl[c] > buf[0][0]:
-                        out[c] = heapq.heapreplace(buf, (kl[c], out[c]))[1]
-            new[rr:deep + 1] = out
-            new[deep + 1:n_old] = stack[deep + 1:]
-        else:
-            new[rr:n_old] = stack[rr:]
-        if cold:  # the old stack passed: what the buffer still carries goes below it, best first
-            new[max(rr, n_old):] = [x for _, x in sorted(buf)]
-        in_r[ra] = False
-        stack = new
-        pos[stack] = np.arange(len(stack))
-        key[ra] = keys[i]
-    return np.cumsum(dist)[:e_count + 1]
+    stride = e_count + 2
+    # Each access's priority: its step's next use of the expert (nearer = kept), ties evicting the higher id.
+    ss, ll, ww = np.nonzero(reqs >= 0)
+    who = ll * e_count + reqs[ss, ll, ww]
+    order = np.lexsort((ss, who))
+    nxt = np.full(len(order), _NEVER, dtype=np.int64)
+    same = who[order][1:] == who[order][:-1]
+    nxt[order[:-1][same]] = ss[order][1:][same]
+    prio = np.zeros(reqs.shape, dtype=np.int64)
+    prio[ss, ll, ww] = nxt * (e_count + 1) + reqs[ss, ll, ww]
+    size = n_layers * e_count
+    key = np.zeros(size, dtype=np.int64)  # flat [layer * E + expert]: the priority of its last access
+    pos = np.full(size, -1, dtype=np.int64)  # its position in its layer's stack
+    in_r = np.zeros(size, dtype=bool)
+    stack = np.full((n_layers, e_count), -1, dtype=np.int64)
+    depth = np.zeros(n_layers, dtype=np.int64)  # entries in each stack
+    li = np.arange(n_layers)
+    base = (li * e_count)[:, None]
+    cols = np.arange(e_count)
+    worst = np.iinfo(np.int64).max
+    hit_at: list[np.ndarray] = []
+    heappop, heapreplace, heapify = heapq.heappop, heapq.heapreplace, heapq.heapify
+    for s in range(n_steps):
+        r = reqs[s]
+        valid = r >= 0
+        rr = valid.sum(axis=1)
+        if not rr.any():
+            continue
+        fe = base + np.maximum(r, 0)
+        p = np.where(valid, pos[fe], -1)
+        old = p >= 0
+        hit_at.append((li[:, None] * stride + p + 1)[old])
+        cold = rr - old.sum(axis=1)
+        deep = np.where(cold > 0, depth - 1, p.max(axis=1))
+        fv = fe[valid]
+        in_r[fv] = True
+        span = int(max(deep.max() + 1, w))
+        st = stack[:, :span]
+        present = st >= 0
+        fst = base + np.maximum(st, 0)
+        hole = in_r[fst] & present
+        k = key[fst]
+        head = present[:, :w] & ~hole[:, :w] & (cols[:w] < rr[:, None])
+        best0 = np.where(head, k[:, :w], worst).min(axis=1)
+        cand = (hole | (k > best0[:, None])) & (cols[:span] >= rr[:, None]) & (cols[:span] <= deep[:, None])
+        rows, cc = np.nonzero(cand)
+        bounds = np.searchsorted(rows, np.arange(n_layers + 1)).tolist()
+        c_col, c_hole, c_key, c_item = cc.tolist(), hole[rows, cc].tolist(), k[rows, cc].tolist(), st[rows, cc].tolist()
+        heads = np.nonzero(head)
+        h_rows, h_key, h_item = heads[0].tolist(), k[:, :w][heads].tolist(), st[:, :w][heads].tolist()
+        bufs: dict[int, list[tuple[int, int]]] = {}
+        for lay, kk, x in zip(h_rows, h_key, h_item, strict=True):
+            bufs.setdefault(lay, []).append((kk, x))
+        w_row: list[int] = []
+        w_col: list[int] = []
+        w_item: list[int] = []
+        for lay, buf in bufs.items():
+            heapify(buf)
+            for i in range(bounds[lay], bounds[lay + 1]):
+                if c_hole[i]:
+                    x = heappop(buf)[1]
+                elif c_key[i] > buf[0][0]:
+                    x = heapreplace(buf, (c_key[i], c_item[i]))[1]
+                else:
+                    continue
+                w_row.append(lay)
+                w_col.append(c_col[i])
+                w_item.append(x)
+                if not buf:
+                    break
+            if buf:  # the old stack passed with experts new to it: what the buffer carries goes below, best first
+                start = max(int(rr[lay]), int(depth[lay]))
+                for j, (_, x) in enumerate(sorted(buf)):
+                    w_row.append(lay)
+                    w_col.append(start + j)
+                    w_item.append(x)
+        stack[:, :w][valid] = r[valid]  # a request's experts are left-aligned in their row: slots 0..rr-1
+        pos[fv] = np.nonzero(valid)[1]
+        if w_row:
+            wr, wc, wi = np.array(w_row), np.array(w_col), np.array(w_item)
+            stack[wr, wc] = wi
+            pos[wr * e_count + wi] = wc
+        depth += cold
+        key[fv] = prio[s][valid]
+        in_r[fv] = False
+    dist = np.bincount(np.concatenate(hit_at) if hit_at else np.zeros(0, np.int64), minlength=n_layers * stride)
+    return np.cumsum(dist[:n_layers * stride].reshape(n_layers, stride), axis=1)[:, :e_count + 1]
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -300,21 +344,20 @@ def mrc(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShap
     layers = [layer for layer in shape.moe_layers if per_layer[layer]]
     caps = list(range(k, e_count + 1))
     union = {layer: max(len(ex) for _, ex in per_layer[layer]) for layer in layers}
+    # The one pass covers the capacities a layer's every step fits, as one padded array of the layers it takes:
+    # LRU's band takes steps of up to MAX_BAND + 1 experts, Belady's stack any.
+    def padded(of: list[int]) -> np.ndarray:
+        arr = np.full((len(steps), len(of), max((union[x] for x in of), default=1)), -1, dtype=np.int64)
+        for i, layer in enumerate(of):
+            for s, ex in per_layer[layer]:
+                arr[s, i, :len(ex)] = ex
+        return arr
+
     curves: list[Curve] = []
     for policy in policies:
-        one: dict[int, list[int]] = {}  # the one-pass hits by capacity, of the layers it covers
-        if policy == "lru":
-            fits = [layer for layer in layers if union[layer] - 1 <= MAX_BAND]
-            if fits:
-                width = max(union[layer] for layer in fits)
-                arr = np.full((len(steps), len(fits), width), -1, dtype=np.int64)
-                for i, layer in enumerate(fits):
-                    for s, ex in per_layer[layer]:
-                        arr[s, i, :len(ex)] = ex
-                h, _ = lru_one_pass(arr, e_count)
-                one = {layer: h[i].tolist() for i, layer in enumerate(fits)}
-        else:
-            one = {layer: belady_one_pass([ex for _, ex in per_layer[layer]], e_count).tolist() for layer in layers}
+        fits = [layer for layer in layers if policy == "belady" or union[layer] - 1 <= MAX_BAND]
+        h = lru_one_pass(padded(fits), e_count)[0] if policy == "lru" else belady_layers(padded(fits), e_count)
+        one = {layer: h[i].tolist() for i, layer in enumerate(fits)}  # hits by capacity
         own: list[Curve] = []
         for layer in layers:
             whole = sum(len(ex) for _, ex in per_layer[layer])
