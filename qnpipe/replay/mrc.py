@@ -291,33 +291,34 @@ def belady_layers(reqs: np.ndarray, num_experts: int) -> np.ndarray:
         bufs: dict[int, list[tuple[int, int]]] = {}
         for lay, kk, x in zip(h_rows, h_key, h_item, strict=True):
             bufs.setdefault(lay, []).append((kk, x))
-        w_row: list[int] = []
+        w_n: list[int] = []  # per layer with a buffer, in `bufs` order: how many slots it rewrites
         w_col: list[int] = []
         w_item: list[int] = []
+        put_col, put_item = w_col.append, w_item.append
         for lay, buf in bufs.items():
             heapify(buf)
-            for i in range(bounds[lay], bounds[lay + 1]):
-                if c_hole[i]:
-                    x = heappop(buf)[1]
-                elif c_key[i] > buf[0][0]:
-                    x = heapreplace(buf, (c_key[i], c_item[i]))[1]
+            n0 = len(w_col)
+            a, b = bounds[lay], bounds[lay + 1]
+            for c, is_hole, kc, xc in zip(c_col[a:b], c_hole[a:b], c_key[a:b], c_item[a:b], strict=True):
+                if is_hole:
+                    put_item(heappop(buf)[1])
+                elif kc > buf[0][0]:
+                    put_item(heapreplace(buf, (kc, xc))[1])
                 else:
                     continue
-                w_row.append(lay)
-                w_col.append(c_col[i])
-                w_item.append(x)
+                put_col(c)
                 if not buf:
                     break
             if buf:  # the old stack passed with experts new to it: what the buffer carries goes below, best first
                 start = max(int(rr[lay]), int(depth[lay]))
                 for j, (_, x) in enumerate(sorted(buf)):
-                    w_row.append(lay)
-                    w_col.append(start + j)
-                    w_item.append(x)
+                    put_col(start + j)
+                    put_item(x)
+            w_n.append(len(w_col) - n0)
         stack[:, :w][valid] = r[valid]  # a request's experts are left-aligned in their row: slots 0..rr-1
         pos[fv] = np.nonzero(valid)[1]
-        if w_row:
-            wr, wc, wi = np.array(w_row), np.array(w_col), np.array(w_item)
+        if w_col:
+            wr, wc, wi = np.repeat(np.fromiter(bufs, dtype=np.int64), w_n), np.array(w_col), np.array(w_item)
             stack[wr, wc] = wi
             pos[wr * e_count + wi] = wc
         depth += cold
