@@ -28,6 +28,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     if args.mrc:
         return _mrc(args)
+    if args.output or args.plot or args.mrc_layers:
+        raise QnpipeError("-o, --plot and --mrc-layers write miss-ratio curves: give --mrc")
     if args.device not in device_names():
         raise QnpipeError(f"--device {args.device}: unknown, known: {', '.join(device_names())}")
     own: dict[str, dict[str, Any]] = {"cost": {}, "device": {}, "replay": {}}

@@ -179,3 +179,6 @@ def test_mrc_cli_refuses_what_it_does_not_do(tmp_path: Path, capsys: pytest.Capt
     assert main(["replay", str(log), "--mrc", "--mrc-layers", "5", "-o", str(tmp_path / "x.csv"),
                  "--plot", str(tmp_path / "x.png")]) != 0
     assert "layers [5] are not routed" in capsys.readouterr().err
+    assert main(["replay", str(log), "-o", str(tmp_path / "y.csv"), "--set", "replay.record_nbytes=64"]) != 0
+    assert "give --mrc" in capsys.readouterr().err
+    assert not (tmp_path / "y.csv").exists()
