@@ -33,7 +33,10 @@ need that.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import heapq
+import importlib.machinery
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -220,22 +223,45 @@ def lru_hits(requests: Sequence[Sequence[int]], capacity: int) -> int:
 # ------------------------------------------------------------------------------------------- Belady
 
 
-def belady_one_pass(requests: Sequence[Sequence[int]], num_experts: int) -> np.ndarray:
+def belady_one_pass(requests: Sequence[Sequence[int]], num_experts: int, *, native: bool | None = None) -> np.ndarray:
     """Belady's hits at every capacity (index = capacity, 0..num_experts) of one layer's `requests`."""
     width = max((len(r) for r in requests), default=1)
     arr = np.full((len(requests), 1, width), -1, dtype=np.int64)
     for i, r in enumerate(requests):
         arr[i, 0, :len(r)] = r
-    return belady_layers(arr, num_experts)[0]
+    return belady_layers(arr, num_experts, native=native)[0]
 
 
-def belady_layers(reqs: np.ndarray, num_experts: int) -> np.ndarray:
+def native_available() -> bool:
+    """Whether the C loop `qnpipe._mrc_opt` (cextensions/mrc_opt.c, built at install when a compiler is there) loaded."""
+    return _native() is not None
+
+
+@functools.cache
+def _native() -> Any:
+    here = Path(__file__).resolve().parent.parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        p = here / f"_mrc_opt{suffix}"
+        if p.is_file():
+            try:
+                lib = ctypes.CDLL(str(p))
+            except OSError:
+                return None
+            f = lib.qnpipe_belady_layers
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p]
+            return f
+    return None
+
+
+def belady_layers(reqs: np.ndarray, num_experts: int, *, native: bool | None = None) -> np.ndarray:
     """Belady's hits at every capacity per layer by the OPT stack (module doc): `reqs [S, L, W]` as for
     `lru_one_pass`. Returns hits [L, E + 1] indexed by capacity, valid at capacities >= every request's size.
 
-    The stacks' bookkeeping is numpy over all layers at once; the carry is a plain loop per layer over the
-    few entries that can move: R's old slots, and entries worse than the buffer's first best (the buffer's
-    best only gets worse as it carries)."""
+    `native`: the C loop (`qnpipe._mrc_opt`, the same algorithm; None = when it was built) or this
+    module's own: the stacks' bookkeeping in numpy over all layers at once, the carry a plain loop per
+    layer over the few entries that can move (R's old slots, and entries worse than the buffer's first
+    best: the buffer's best only gets worse as it carries)."""
     n_steps, n_layers, w = reqs.shape
     e_count = num_experts
     stride = e_count + 2
@@ -248,6 +274,15 @@ def belady_layers(reqs: np.ndarray, num_experts: int) -> np.ndarray:
     nxt[order[:-1][same]] = ss[order][1:][same]
     prio = np.zeros(reqs.shape, dtype=np.int64)
     prio[ss, ll, ww] = nxt * (e_count + 1) + reqs[ss, ll, ww]
+    fn = _native() if native is not False else None
+    if native and fn is None:
+        raise RuntimeError("qnpipe._mrc_opt was not built (no C compiler at install): use native=None or False")
+    if fn is not None:
+        req = np.ascontiguousarray(reqs, dtype=np.int64)
+        dist = np.zeros((n_layers, stride), dtype=np.int64)
+        if fn(req.ctypes.data, prio.ctypes.data, n_steps, n_layers, w, e_count, dist.ctypes.data) != 0:
+            raise MemoryError("qnpipe._mrc_opt: out of memory")
+        return np.cumsum(dist, axis=1)[:, :e_count + 1]
     size = n_layers * e_count
     key = np.zeros(size, dtype=np.int64)  # flat [layer * E + expert]: the priority of its last access
     pos = np.full(size, -1, dtype=np.int64)  # its position in its layer's stack
@@ -391,5 +426,5 @@ def miss_ratio_curves(path: str | Path, *, policies: Sequence[str] = POLICIES) -
     return mrc(log.steps, log.shape, policies=policies, log=str(path))
 
 
-__all__ = ["ALL", "POLICIES", "Curve", "MrcResult", "belady_one_pass", "layer_requests", "lru_hits", "lru_one_pass",
-           "miss_ratio_curves", "mrc"]
+__all__ = ["ALL", "POLICIES", "Curve", "MrcResult", "belady_layers", "belady_one_pass", "layer_requests", "lru_hits",
+           "lru_one_pass", "miss_ratio_curves", "mrc", "native_available"]

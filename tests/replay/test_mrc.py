@@ -18,7 +18,7 @@ from qnpipe.policy.eviction import LRU
 from qnpipe.policy.slot_table import SlotTable
 from qnpipe.replay import miss_ratio_curves, replay
 from qnpipe.replay.belady import belady_hits
-from qnpipe.replay.mrc import ALL, belady_one_pass, lru_hits, lru_one_pass
+from qnpipe.replay.mrc import ALL, belady_layers, belady_one_pass, lru_hits, lru_one_pass, native_available
 from qnpipe.replay.mrc_export import COLUMNS
 
 
@@ -106,12 +106,28 @@ def test_one_pass_equals_the_slot_table_and_belady_per_capacity(case: tuple[list
         for s, r in enumerate(reqs):
             arr[s, layer, :len(r)] = r
     hits, requests = lru_one_pass(arr, experts)
+    opts = belady_layers(arr, experts, native=False)
+    if native_available():  # the C loop (cextensions/mrc_opt.c) gives the same, else the numpy one runs
+        assert (belady_layers(arr, experts) == opts).all()
     for layer, reqs in enumerate(per_layer):
         assert requests[layer] == sum(map(len, reqs))
         opt = belady_one_pass(reqs, experts)
+        assert (opt == opts[layer]).all()  # alone or beside other layers
         for cap in range(max(map(len, reqs)), experts + 1):
             assert hits[layer][cap] == lru_hits(reqs, cap), (layer, cap)
             assert opt[cap] == belady_hits(reqs, cap), (layer, cap)
+
+
+def test_the_c_loop_is_built_here_and_refused_when_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source checkout built with a compiler has qnpipe._mrc_opt; without it, asking for it says why."""
+    import qnpipe.replay.mrc as m
+
+    assert native_available() == any(Path(m.__file__).parent.parent.glob("_mrc_opt*"))
+    monkeypatch.setattr(m, "_native", lambda: None)
+    arr = np.asarray([[[0, 1]], [[1, 2]]], dtype=np.int64)
+    assert belady_layers(arr, 3).tolist() == belady_layers(arr, 3, native=False).tolist()
+    with pytest.raises(RuntimeError, match="not built"):
+        belady_layers(arr, 3, native=True)
 
 
 def _contents(requests: list[list[int]], capacity: int) -> set[int]:
