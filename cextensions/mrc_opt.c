@@ -1,5 +1,6 @@
-/* Belady's hits at every capacity, per layer, in one pass: the OPT stack of qnpipe/replay/mrc.py
- * (`belady_layers`, its reference), as a plain shared library loaded with ctypes (no Python API).
+/* Miss-ratio curves in one pass, per layer: the loops of qnpipe/replay/mrc.py (`belady_layers` and
+ * `lru_one_pass` there are the reference, tested equal), as a plain shared library loaded with ctypes
+ * (no Python API). First Belady's OPT stack:
  *
  * req  [S, L, W] int64: each layer-step's distinct experts, left-aligned, -1 padding (a row of -1: no request)
  * prio [S, L, W] int64: each access's priority, the next use (smaller = kept), unique per expert of a layer
@@ -53,5 +54,78 @@ int qnpipe_belady_layers(const int64_t *req, const int64_t *prio, int64_t S, int
         }
     }
     free(stack); free(pos); free(key); free(buf); free(in_r);
+    return 0;
+}
+
+/* The pool's LRU hits at every capacity, per layer, in one pass: `lru_one_pass` of qnpipe/replay/mrc.py (its
+ * reference; the module doc says why a step's hits and misses need the band). req as above, W - 1 <= 62.
+ * above [L, E + 2]: above[l][c] += 1 for an access that hits at every capacity >= c;
+ * band  [L, E + 2]: band[l][c] += 1 for an access that hits at capacity c only (c in its band).
+ * Returns 0, -1 when memory runs out, -2 when a request is wider than 63 experts. */
+static int64_t fen_prefix(const int64_t *fen, int64_t i) { /* sum of counts at steps 0..i */
+    int64_t acc = 0;
+    for (i++; i > 0; i -= i & -i) acc += fen[i];
+    return acc;
+}
+
+static void fen_add(int64_t *fen, int64_t n, int64_t i, int64_t v) {
+    for (i++; i <= n; i += i & -i) fen[i] += v;
+}
+
+static int missed(int64_t c, int64_t lo, int64_t hi, uint64_t bits) {
+    return c <= lo || (c <= hi && !((bits >> (c - lo - 1)) & 1u));
+}
+
+int qnpipe_lru_layers(const int64_t *req, int64_t S, int64_t L, int64_t W, int64_t E, int64_t *above, int64_t *band) {
+    if (W - 1 > 62) return -2;
+    int64_t n = S > 0 ? S : 1, En = E > 0 ? E : 1, Wn = W > 0 ? W : 1;
+    int64_t *last = malloc(sizeof(int64_t) * (size_t)En), *lo = malloc(sizeof(int64_t) * (size_t)En);
+    int64_t *hi = malloc(sizeof(int64_t) * (size_t)En), *fen = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    uint64_t *bits = malloc(sizeof(uint64_t) * (size_t)En);
+    int64_t *n_lo = malloc(sizeof(int64_t) * (size_t)Wn), *n_hi = malloc(sizeof(int64_t) * (size_t)Wn);
+    uint64_t *n_bits = malloc(sizeof(uint64_t) * (size_t)Wn);
+    if (!last || !lo || !hi || !fen || !bits || !n_lo || !n_hi || !n_bits) {
+        free(last); free(lo); free(hi); free(fen); free(bits); free(n_lo); free(n_hi); free(n_bits);
+        return -1;
+    }
+    for (int64_t l = 0; l < L; l++) {
+        int64_t seen = 0, *ab = above + l * (E + 2), *bd = band + l * (E + 2);
+        for (int64_t e = 0; e < E; e++) { last[e] = -1; lo[e] = E; hi[e] = E; bits[e] = 0; }
+        for (int64_t i = 0; i <= n; i++) fen[i] = 0;
+        for (int64_t s = 0; s < S; s++) {
+            const int64_t *r = req + (s * L + l) * W;
+            int64_t rr = 0;
+            while (rr < W && r[rr] >= 0) rr++;
+            if (!rr) continue;
+            for (int64_t a = 0; a < rr; a++) {
+                int64_t e = r[a], t = last[e];
+                n_lo[a] = E; n_hi[a] = E; n_bits[a] = 0;
+                if (t < 0) continue;
+                int64_t d = seen - fen_prefix(fen, t), q = 0;  /* distinct experts used since step t */
+                const int64_t *m = req + (t * L + l) * W;
+                for (int64_t b = 0; b < W && m[b] >= 0; b++) q += m[b] != e && last[m[b]] == t;
+                uint64_t hb = 0;
+                for (int64_t j = 1; j <= q; j++) {
+                    int64_t c = d + j, rank = 0, me = missed(c, lo[e], hi[e], bits[e]);
+                    for (int64_t b = 0; b < W && m[b] >= 0; b++) {
+                        int64_t g = m[b];
+                        if (g == e || last[g] != t) continue;
+                        int64_t mg = missed(c, lo[g], hi[g], bits[g]);
+                        rank += (mg && !me) || (mg == me && g > e);
+                    }
+                    if (rank < j) { hb |= (uint64_t)1 << (j - 1); bd[c]++; }
+                }
+                ab[d + q + 1]++;
+                n_lo[a] = d; n_hi[a] = d + q; n_bits[a] = hb;
+            }
+            for (int64_t a = 0; a < rr; a++) {
+                int64_t e = r[a];
+                if (last[e] >= 0) fen_add(fen, n, last[e], -1); else seen++;
+                fen_add(fen, n, s, 1);
+                last[e] = s; lo[e] = n_lo[a]; hi[e] = n_hi[a]; bits[e] = n_bits[a];
+            }
+        }
+    }
+    free(last); free(lo); free(hi); free(fen); free(bits); free(n_lo); free(n_hi); free(n_bits);
     return 0;
 }

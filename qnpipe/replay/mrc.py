@@ -37,6 +37,7 @@ import ctypes
 import functools
 import heapq
 import importlib.machinery
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -102,16 +103,27 @@ def layer_requests(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]],
 # ---------------------------------------------------------------------------------------------- LRU
 
 
-def lru_one_pass(reqs: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+def lru_one_pass(reqs: np.ndarray, num_experts: int, *, native: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Hits of the pool's LRU at every capacity, per layer: `reqs [S, L, W]` (experts, -1 padding; a row
     of -1 = the layer has no request at that step; each request of distinct experts).
 
-    Returns (hits [L, E + 1] indexed by capacity, requests [L]); valid at capacities >= every request's size."""
+    Returns (hits [L, E + 1] indexed by capacity, requests [L]); valid at capacities >= every request's size.
+    `native`: the C loop (`qnpipe._mrc_opt`, the same algorithm a layer at a time; None = when it was
+    built) or this one, all layers a step at a time in numpy."""
     n_steps, n_layers, w = reqs.shape
     e_count = num_experts
     band = max(w - 1, 1)  # the capacities (D, D + q] where an access's hit depends on its step's mates
     if band > MAX_BAND:
         raise ValueError(f"a request of {w} experts: the one-pass LRU takes at most {MAX_BAND + 1}")
+    lib = _native_for(native)
+    if lib is not None:
+        req = np.ascontiguousarray(reqs, dtype=np.int64)
+        above = np.zeros((n_layers, e_count + 2), dtype=np.int64)
+        between = np.zeros((n_layers, e_count + 2), dtype=np.int64)
+        if lib.lru(req.ctypes.data, n_steps, n_layers, w, e_count, above.ctypes.data, between.ctypes.data) != 0:
+            raise MemoryError("qnpipe._mrc_opt: out of memory")
+        hits = np.cumsum(above, axis=1) + between
+        return hits[:, :e_count + 1], (req >= 0).sum(axis=(0, 2))
     # Flat [layer * E + expert]: each expert's last access (its step) and that access's record.
     size = n_layers * e_count
     last = np.full(size, -1, dtype=np.int64)
@@ -239,6 +251,7 @@ def native_available() -> bool:
 
 @functools.cache
 def _native() -> Any:
+    """The C library's two functions (a namespace with `belady`, `lru`), or None when it was not built."""
     here = Path(__file__).resolve().parent.parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         p = here / f"_mrc_opt{suffix}"
@@ -247,11 +260,19 @@ def _native() -> Any:
                 lib = ctypes.CDLL(str(p))
             except OSError:
                 return None
-            f = lib.qnpipe_belady_layers
-            f.restype = ctypes.c_int
-            f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p]
-            return f
+            opt, lru = lib.qnpipe_belady_layers, lib.qnpipe_lru_layers
+            opt.restype = lru.restype = ctypes.c_int
+            opt.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p]
+            lru.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p]
+            return types.SimpleNamespace(belady=opt, lru=lru)
     return None
+
+
+def _native_for(native: bool | None) -> Any:
+    lib = _native() if native is not False else None
+    if native and lib is None:
+        raise RuntimeError("qnpipe._mrc_opt was not built (no C compiler at install): use native=None or False")
+    return lib
 
 
 def belady_layers(reqs: np.ndarray, num_experts: int, *, native: bool | None = None) -> np.ndarray:
@@ -274,13 +295,11 @@ def belady_layers(reqs: np.ndarray, num_experts: int, *, native: bool | None = N
     nxt[order[:-1][same]] = ss[order][1:][same]
     prio = np.zeros(reqs.shape, dtype=np.int64)
     prio[ss, ll, ww] = nxt * (e_count + 1) + reqs[ss, ll, ww]
-    fn = _native() if native is not False else None
-    if native and fn is None:
-        raise RuntimeError("qnpipe._mrc_opt was not built (no C compiler at install): use native=None or False")
-    if fn is not None:
+    lib = _native_for(native)
+    if lib is not None:
         req = np.ascontiguousarray(reqs, dtype=np.int64)
         dist = np.zeros((n_layers, stride), dtype=np.int64)
-        if fn(req.ctypes.data, prio.ctypes.data, n_steps, n_layers, w, e_count, dist.ctypes.data) != 0:
+        if lib.belady(req.ctypes.data, prio.ctypes.data, n_steps, n_layers, w, e_count, dist.ctypes.data) != 0:
             raise MemoryError("qnpipe._mrc_opt: out of memory")
         return np.cumsum(dist, axis=1)[:, :e_count + 1]
     size = n_layers * e_count
@@ -382,11 +401,21 @@ def mrc(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShap
     union = {layer: max(len(ex) for _, ex in per_layer[layer]) for layer in layers}
     # The one pass covers the capacities a layer's every step fits, as one padded array of the layers it takes:
     # LRU's band takes steps of up to MAX_BAND + 1 experts, Belady's stack any.
+    built: dict[tuple[int, ...], np.ndarray] = {}
+
     def padded(of: list[int]) -> np.ndarray:
-        arr = np.full((len(steps), len(of), max((union[x] for x in of), default=1)), -1, dtype=np.int64)
+        if tuple(of) in built:
+            return built[tuple(of)]
+        width = max((union[x] for x in of), default=1)
+        arr = np.full((len(steps), len(of), width), -1, dtype=np.int64)
         for i, layer in enumerate(of):
-            for s, ex in per_layer[layer]:
+            rows = per_layer[layer]
+            if len(rows) == len(steps) and all(len(ex) == width for _, ex in rows):  # every step, all full
+                arr[:, i, :] = np.array([ex for _, ex in rows], dtype=np.int64)
+                continue
+            for s, ex in rows:
                 arr[s, i, :len(ex)] = ex
+        built[tuple(of)] = arr
         return arr
 
     curves: list[Curve] = []

@@ -105,10 +105,12 @@ def test_one_pass_equals_the_slot_table_and_belady_per_capacity(case: tuple[list
     for layer, reqs in enumerate(per_layer):
         for s, r in enumerate(reqs):
             arr[s, layer, :len(r)] = r
-    hits, requests = lru_one_pass(arr, experts)
+    hits, requests = lru_one_pass(arr, experts, native=False)
     opts = belady_layers(arr, experts, native=False)
-    if native_available():  # the C loop (cextensions/mrc_opt.c) gives the same, else the numpy one runs
+    if native_available():  # the C loops (cextensions/mrc_opt.c) give the same, else the numpy ones run
         assert (belady_layers(arr, experts) == opts).all()
+        c_hits, c_requests = lru_one_pass(arr, experts)
+        assert (c_hits == hits).all() and (c_requests == requests).all()
     for layer, reqs in enumerate(per_layer):
         assert requests[layer] == sum(map(len, reqs))
         opt = belady_one_pass(reqs, experts)
@@ -118,7 +120,7 @@ def test_one_pass_equals_the_slot_table_and_belady_per_capacity(case: tuple[list
             assert opt[cap] == belady_hits(reqs, cap), (layer, cap)
 
 
-def test_the_c_loop_is_built_here_and_refused_when_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_c_loops_are_built_here_and_refused_when_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     """A source checkout built with a compiler has qnpipe._mrc_opt; without it, asking for it says why."""
     import qnpipe.replay.mrc as m
 
@@ -128,6 +130,9 @@ def test_the_c_loop_is_built_here_and_refused_when_missing(monkeypatch: pytest.M
     assert belady_layers(arr, 3).tolist() == belady_layers(arr, 3, native=False).tolist()
     with pytest.raises(RuntimeError, match="not built"):
         belady_layers(arr, 3, native=True)
+    assert lru_one_pass(arr, 3)[0].tolist() == lru_one_pass(arr, 3, native=False)[0].tolist()
+    with pytest.raises(RuntimeError, match="not built"):
+        lru_one_pass(arr, 3, native=True)
 
 
 def _contents(requests: list[list[int]], capacity: int) -> set[int]:
@@ -148,8 +153,9 @@ def test_the_pools_lru_has_no_inclusion_property() -> None:
     at4, at5 = _contents(reqs, 4), _contents(reqs, 5)
     assert at4 == {0, 1, 4, 5} and at5 == {1, 2, 3, 4, 5}
     # ... and the one pass still counts it exactly
-    hits, _ = lru_one_pass(np.asarray(reqs, dtype=np.int64)[:, None, :], 6)
-    assert [int(hits[0][c]) for c in range(3, 7)] == [lru_hits(reqs, c) for c in range(3, 7)]
+    for native in (False, None):
+        hits, _ = lru_one_pass(np.asarray(reqs, dtype=np.int64)[:, None, :], 6, native=native)
+        assert [int(hits[0][c]) for c in range(3, 7)] == [lru_hits(reqs, c) for c in range(3, 7)]
 
 
 def test_mrc_cli_writes_the_csv_and_the_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
