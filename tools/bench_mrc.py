@@ -8,7 +8,9 @@ core. Prints one JSON line:
   mrc_s            wall seconds of `miss_ratio_curves(LOG)`: reading the log and both curves (what
                    `--mrc` spends before writing its CSV and plot); target < 10 s at the default shape
   mrc_cpu_s        ... in this process's CPU seconds (the figure to compare on a loaded machine)
-  load_s, lru_s, belady_s  wall seconds of its parts: `load_log`, the LRU curves, the Belady curves
+  load_s, lru_s, belady_s  wall seconds of `load_log`, and of each curve alone on the loaded log
+                   (measured after mrc_s, apart from it)
+  native           whether the C loops (qnpipe._mrc_opt, built at install) ran; else the numpy ones
   layer_steps, requests  layer-steps and expert requests of the log (each counted once per curve)
   capacities       capacities per curve (top-k .. experts)
   hit_rate_lru, hit_rate_belady  the totals at a few capacities (a sanity check, and what the CSV holds)
@@ -31,7 +33,7 @@ from pathlib import Path
 import msgspec
 
 from qnpipe.replay import load_log
-from qnpipe.replay.mrc import POLICIES, MrcResult, mrc
+from qnpipe.replay.mrc import POLICIES, miss_ratio_curves, mrc, native_available
 from qnpipe.replay.mrc_export import summary_capacities
 from qnpipe.replay.synth import SynthSpec, write_synth
 
@@ -55,17 +57,16 @@ def run(args: argparse.Namespace, log: Path) -> dict[str, object]:
     policies = [p for p in args.policies.split(",") if p]
     assert all(p in POLICIES for p in policies), policies
     w0, c0 = time.perf_counter(), time.process_time()
-    routes = load_log(log)
-    load_s = time.perf_counter() - w0
-    parts: dict[str, float] = {}
-    curves: list[MrcResult] = []
-    for policy in policies:
-        t0 = time.perf_counter()
-        curves.append(mrc(routes.steps, routes.shape, policies=[policy], log=str(log)))
-        parts[policy] = time.perf_counter() - t0
+    result = miss_ratio_curves(log, policies=policies)  # what `qnpipe replay LOG --mrc` computes
     mrc_s, cpu_s = time.perf_counter() - w0, time.process_time() - c0
-    result = MrcResult(log=str(log), shape=routes.shape, min_capacity=routes.shape.top_k,
-                       curves=[c for r in curves for c in r.curves])
+    t0 = time.perf_counter()
+    routes = load_log(log)
+    load_s = time.perf_counter() - t0
+    parts: dict[str, float] = {}
+    for policy in policies:  # each curve alone, on the loaded log (its share of mrc_s, with the routes' layout)
+        t0 = time.perf_counter()
+        mrc(routes.steps, routes.shape, policies=[policy], log=str(log))
+        parts[policy] = time.perf_counter() - t0
     rows = msgspec.json.encode([{**r, "layer": str(r["layer"])} for r in result.rows()])
     caps = summary_capacities(result)
     rates = {p: {str(c): round(result.curve(p).hit_rate()[c - result.min_capacity], 4) for c in caps}
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace, log: Path) -> dict[str, object]:
     return {"mrc_s": round(mrc_s, 3), "mrc_cpu_s": round(cpu_s, 3), "load_s": round(load_s, 3),
             "lru_s": round(parts["lru"], 3) if "lru" in parts else None,
             "belady_s": round(parts["belady"], 3) if "belady" in parts else None,
+            "native": native_available(),
             "layer_steps": sum(len(s) for s in routes.steps),
             "requests": result.curves[-1].requests[-1] if result.curves else 0,
             "capacities": routes.shape.num_experts - routes.shape.top_k + 1,

@@ -395,13 +395,22 @@ def mrc(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShap
         if p not in POLICIES:
             raise ValueError(f"policy {p!r}: unknown, known: {', '.join(POLICIES)}")
     k, e_count = shape.top_k, shape.num_experts
-    per_layer = layer_requests(steps, shape.moe_layers)
-    layers = [layer for layer in shape.moe_layers if per_layer[layer]]
     caps = list(range(k, e_count + 1))
-    union = {layer: max(len(ex) for _, ex in per_layer[layer]) for layer in layers}
     # The one pass covers the capacities a layer's every step fits, as one padded array of the layers it takes:
     # LRU's band takes steps of up to MAX_BAND + 1 experts, Belady's stack any.
     built: dict[tuple[int, ...], np.ndarray] = {}
+    dense = _dense(steps, shape)
+    if dense is not None:  # one token per step at every layer: no dict per layer to go through
+        per_layer: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        layers = list(shape.moe_layers)
+        union = dict.fromkeys(layers, k)
+        whole = dict.fromkeys(layers, len(steps) * k)
+        built[tuple(layers)] = dense
+    else:
+        per_layer = layer_requests(steps, shape.moe_layers)
+        layers = [layer for layer in shape.moe_layers if per_layer[layer]]
+        union = {layer: max(len(ex) for _, ex in per_layer[layer]) for layer in layers}
+        whole = {layer: sum(len(ex) for _, ex in per_layer[layer]) for layer in layers}
 
     def padded(of: list[int]) -> np.ndarray:
         if tuple(of) in built:
@@ -425,14 +434,13 @@ def mrc(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShap
         one = {layer: h[i].tolist() for i, layer in enumerate(fits)}  # hits by capacity
         own: list[Curve] = []
         for layer in layers:
-            whole = sum(len(ex) for _, ex in per_layer[layer])
             hl: list[int] = []
             nl: list[int] = []
             raw: list[tuple[int, ...]] | None = None
             for c in caps:
                 if c >= union[layer] and layer in one:
                     hl.append(one[layer][c])
-                    nl.append(whole)
+                    nl.append(whole[layer])
                     continue
                 if raw is None:
                     raw = [experts for step in steps for ly, experts in step if ly == layer]
@@ -445,6 +453,24 @@ def mrc(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShap
                             hits=[sum(c.hits[i] for c in own) for i in range(len(caps))],
                             requests=[sum(c.requests[i] for c in own) for i in range(len(caps))]))
     return MrcResult(log=log, shape=shape, min_capacity=k, curves=curves)
+
+
+def _dense(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShape) -> np.ndarray | None:
+    """The routes as [S, L, top_k] when every step routes every MoE layer (in order) with one token of
+    distinct experts (a decode log: `qnpipe trace synth`'s), else None."""
+    n_layers, k = len(shape.moe_layers), shape.top_k
+    if not steps or any(len(step) != n_layers for step in steps):
+        return None
+    if any(tuple(ly for ly, _ in step) != tuple(shape.moe_layers) for step in steps):
+        return None
+    try:
+        arr = np.array([[ex for _, ex in step] for step in steps], dtype=np.int64)
+    except ValueError:  # ragged: steps of several tokens
+        return None
+    if arr.ndim != 3 or arr.shape[2] != k:
+        return None
+    ordered = np.sort(arr, axis=2)
+    return None if (ordered[..., 1:] == ordered[..., :-1]).any() else arr
 
 
 def miss_ratio_curves(path: str | Path, *, policies: Sequence[str] = POLICIES) -> MrcResult:
