@@ -17,6 +17,7 @@ from qnpipe.replay.mrc import ALL, MrcResult
 
 COLUMNS = ("policy", "layer", "capacity", "hits", "requests", "hit_rate")
 STYLE = {"lru": ("-", "tab:blue"), "belady": ("--", "tab:red")}  # (line style, colour of the total)
+LAYER_COLOURS = ("C2", "C4", "C1", "C5", "C6", "C8", "C9", "C7")  # never the totals' blue and red
 LABEL = {"lru": "LRU", "belady": "Belady (optimal)"}
 
 
@@ -65,7 +66,7 @@ def plot(result: MrcResult, path: str | Path, *, layers: Sequence[int] = ()) -> 
     fig = Figure(figsize=(7.0, 4.4), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    shades = {layer: f"C{2 + i % 8}" for i, layer in enumerate(layers)}  # one colour per layer, both policies
+    shades = {layer: LAYER_COLOURS[i % len(LAYER_COLOURS)] for i, layer in enumerate(layers)}  # both policies
     for c in result.curves:
         if isinstance(c.layer, int) and c.layer not in shades:
             continue
