@@ -19,6 +19,7 @@ core. Prints one JSON line:
 
     python tools/bench_mrc.py
     python tools/bench_mrc.py --tokens 2000 --policies lru
+    python tools/bench_mrc.py --numpy            # the numpy loops, as without a C compiler at install
 """
 
 from __future__ import annotations
@@ -50,14 +51,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cross-layer", type=float, default=0.5)
     p.add_argument("--popularity", default="zipf:1.0")
     p.add_argument("--policies", default="lru,belady", help="comma-separated, of lru and belady (default both)")
+    p.add_argument("--numpy", action="store_true", help="the numpy loops even when the C ones (qnpipe._mrc_opt) are built")
     return p.parse_args(argv)
 
 
 def run(args: argparse.Namespace, log: Path) -> dict[str, object]:
     policies = [p for p in args.policies.split(",") if p]
     assert all(p in POLICIES for p in policies), policies
+    native = False if args.numpy else None
     w0, c0 = time.perf_counter(), time.process_time()
-    result = miss_ratio_curves(log, policies=policies)  # what `qnpipe replay LOG --mrc` computes
+    result = miss_ratio_curves(log, policies=policies, native=native)  # what `qnpipe replay LOG --mrc` computes
     mrc_s, cpu_s = time.perf_counter() - w0, time.process_time() - c0
     t0 = time.perf_counter()
     routes = load_log(log)
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace, log: Path) -> dict[str, object]:
     parts: dict[str, float] = {}
     for policy in policies:  # each curve alone, on the loaded log (its share of mrc_s, with the routes' layout)
         t0 = time.perf_counter()
-        mrc(routes.steps, routes.shape, policies=[policy], log=str(log))
+        mrc(routes.steps, routes.shape, policies=[policy], log=str(log), native=native)
         parts[policy] = time.perf_counter() - t0
     rows = msgspec.json.encode([{**r, "layer": str(r["layer"])} for r in result.rows()])
     caps = summary_capacities(result)
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace, log: Path) -> dict[str, object]:
     return {"mrc_s": round(mrc_s, 3), "mrc_cpu_s": round(cpu_s, 3), "load_s": round(load_s, 3),
             "lru_s": round(parts["lru"], 3) if "lru" in parts else None,
             "belady_s": round(parts["belady"], 3) if "belady" in parts else None,
-            "native": native_available(),
+            "native": native_available() and not args.numpy,
             "layer_steps": sum(len(s) for s in routes.steps),
             "requests": result.curves[-1].requests[-1] if result.curves else 0,
             "capacities": routes.shape.num_experts - routes.shape.top_k + 1,

@@ -386,11 +386,12 @@ def belady_layers(reqs: np.ndarray, num_experts: int, *, native: bool | None = N
 
 
 def mrc(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShape, *,
-        policies: Sequence[str] = POLICIES, log: str = "") -> MrcResult:
+        policies: Sequence[str] = POLICIES, log: str = "", native: bool | None = None) -> MrcResult:
     """The curves of a log's routes (`ReplayLog.steps`): every layer that routes, and their total over them.
 
     Capacities run from `shape.top_k` to `shape.num_experts`; a layer whose largest step needs more
-    slots than a capacity replays that capacity on its own (module doc)."""
+    slots than a capacity replays that capacity on its own (module doc). `native`: the C loops or the
+    numpy ones (None: C when built)."""
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"policy {p!r}: unknown, known: {', '.join(POLICIES)}")
@@ -430,7 +431,8 @@ def mrc(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShap
     curves: list[Curve] = []
     for policy in policies:
         fits = [layer for layer in layers if policy == "belady" or union[layer] - 1 <= MAX_BAND]
-        h = lru_one_pass(padded(fits), e_count)[0] if policy == "lru" else belady_layers(padded(fits), e_count)
+        h = (lru_one_pass(padded(fits), e_count, native=native)[0] if policy == "lru"
+             else belady_layers(padded(fits), e_count, native=native))
         one = {layer: h[i].tolist() for i, layer in enumerate(fits)}  # hits by capacity
         own: list[Curve] = []
         for layer in layers:
@@ -473,12 +475,12 @@ def _dense(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelS
     return None if (ordered[..., 1:] == ordered[..., :-1]).any() else arr
 
 
-def miss_ratio_curves(path: str | Path, *, policies: Sequence[str] = POLICIES) -> MrcResult:
+def miss_ratio_curves(path: str | Path, *, policies: Sequence[str] = POLICIES, native: bool | None = None) -> MrcResult:
     """`mrc` of the log at `path` (qnpipe.replay.load_log checks it)."""
     from qnpipe.replay.runner import load_log
 
     log = load_log(path)
-    return mrc(log.steps, log.shape, policies=policies, log=str(path))
+    return mrc(log.steps, log.shape, policies=policies, log=str(path), native=native)
 
 
 __all__ = ["ALL", "POLICIES", "Curve", "MrcResult", "belady_layers", "belady_one_pass", "layer_requests", "lru_hits",

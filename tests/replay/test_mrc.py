@@ -65,6 +65,7 @@ def test_one_pass_curves_equal_the_replay_at_every_capacity(case: tuple[list[lis
     steps, experts, k = case
     path = write_log(tmp_path_factory.mktemp("mrc") / "log.qtrace", steps, experts=experts, k=k)
     result = miss_ratio_curves(path)
+    assert miss_ratio_curves(path, native=False).rows() == result.rows()  # the numpy loops, the C ones' reference
     assert result.min_capacity == k
     for c in result.curves:
         assert c.capacities == list(range(k, experts + 1))
