@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 from pathlib import Path
 
@@ -191,6 +192,15 @@ def test_mrc_cli_writes_the_csv_and_the_plot(tmp_path: Path, capsys: pytest.Capt
     with (tmp_path / "two.mrc.csv").open() as f:
         assert {r["policy"] for r in csv.DictReader(f)} == {"belady"}
     assert (tmp_path / "two.mrc.png").exists()
+    # --json: the curves on stdout, the same numbers as the CSV and the Python API
+    capsys.readouterr()
+    assert main(["replay", str(log), "--mrc", "--json", "-o", str(out), "--plot", str(png)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    api = miss_ratio_curves(log)
+    assert doc["min_capacity"] == 3 and len(doc["curves"]) == len(api.curves) == 6
+    assert [c["hits"] for c in doc["curves"]] == [c.hits for c in api.curves]
+    assert [(r["policy"], str(r["layer"]), r["capacity"], r["hits"]) for r in api.rows()] == \
+        [(r["policy"], r["layer"], int(r["capacity"]), int(r["hits"])) for r in rows]
 
 
 def test_mrc_cli_refuses_what_it_does_not_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
