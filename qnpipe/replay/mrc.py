@@ -1,4 +1,4 @@
-"""Miss-ratio curves: each layer's demand hit rate at every capacity, for LRU and Belady, in one pass (pure: numpy).
+"""Miss-ratio curves: each layer's demand hit rate at every capacity, for LRU and Belady, in one pass (pure).
 
     curves = miss_ratio_curves("run.qtrace")   # or mrc(log.steps, log.shape) of a load_log(...)
     curves.rows()                              # [{"policy", "layer", "capacity", "hits", "requests", "hit_rate"}]
@@ -22,8 +22,11 @@ to the expert count.
   access of expert e last used at step t, with D distinct experts used since and q of t's other
   experts not used since, it is a miss at C <= D, a hit at C > D + q, and in between a hit iff
   fewer than C - D of those q rank above e at C: each needs its own miss status at t at C, which
-  its access's record (D, D + q, a bit per capacity between) gives. One step of all layers at a
-  time, in numpy.
+  its access's record (D, D + q, a bit per capacity between) gives.
+
+Both passes run as C loops (cextensions/mrc_opt.c: `qnpipe._mrc_opt`, optional, built at install,
+loaded with ctypes) when it was built, else in numpy, a step of all layers at a time: the same
+numbers (tests/replay/test_mrc.py runs both), the numpy ones tens of times slower.
 
 A multi-token step whose experts do not fit C slots runs in parts (qnpipe.policy.parts), so the
 requests themselves depend on C below a layer's largest step union: those capacities are replayed
