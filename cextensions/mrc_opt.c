@@ -3,29 +3,35 @@
  * (no Python API). First Belady's OPT stack:
  *
  * req  [S, L, W] int64: each layer-step's distinct experts, left-aligned, -1 padding (a row of -1: no request)
- * prio [S, L, W] int64: each access's priority, the next use (smaller = kept), unique per expert of a layer
  * hits [L, E + 2] int64, zeroed: hits[l][p + 1] += 1 for an access found at stack position p (a hit at
  *      every capacity > p); the caller's cumulative sum gives the hits by capacity.
  * Returns 0, or -1 when memory runs out. */
 #include <stdint.h>
 #include <stdlib.h>
 
-int qnpipe_belady_layers(const int64_t *req, const int64_t *prio, int64_t S, int64_t L, int64_t W, int64_t E,
-                         int64_t *hits) {
+int qnpipe_belady_layers(const int64_t *req, int64_t S, int64_t L, int64_t W, int64_t E, int64_t *hits) {
+    /* an access's priority: the step of the expert's next use (never: 2^40), then its id (ties evict the higher) */
+    const int64_t never = (int64_t)1 << 40;
+    int64_t *prio = malloc(sizeof(int64_t) * (size_t)(S * W > 0 ? S * W : 1));
     int64_t *stack = malloc(sizeof(int64_t) * (size_t)(E > 0 ? E : 1));
     int64_t *pos = malloc(sizeof(int64_t) * (size_t)(E > 0 ? E : 1));
     int64_t *key = malloc(sizeof(int64_t) * (size_t)(E > 0 ? E : 1));
     int64_t *buf = malloc(sizeof(int64_t) * (size_t)(W > 0 ? W : 1));
     char *in_r = calloc((size_t)(E > 0 ? E : 1), 1);
-    if (!stack || !pos || !key || !buf || !in_r) {
-        free(stack); free(pos); free(key); free(buf); free(in_r);
+    if (!stack || !pos || !key || !buf || !in_r || !prio) {
+        free(stack); free(pos); free(key); free(buf); free(in_r); free(prio);
         return -1;
     }
     for (int64_t l = 0; l < L; l++) {
         int64_t depth = 0, *h = hits + l * (E + 2);
+        for (int64_t e = 0; e < E; e++) pos[e] = never;  /* here: the next step using e, scanning backwards */
+        for (int64_t s = S - 1; s >= 0; s--) {
+            const int64_t *r = req + (s * L + l) * W;
+            for (int64_t j = 0; j < W && r[j] >= 0; j++) { prio[s * W + j] = pos[r[j]] * (E + 1) + r[j]; pos[r[j]] = s; }
+        }
         for (int64_t e = 0; e < E; e++) { pos[e] = -1; key[e] = 0; }
         for (int64_t s = 0; s < S; s++) {
-            const int64_t *r = req + (s * L + l) * W, *pr = prio + (s * L + l) * W;
+            const int64_t *r = req + (s * L + l) * W, *pr = prio + s * W;
             int64_t rr = 0, deep = -1, cold = 0, nb = 0;
             while (rr < W && r[rr] >= 0) rr++;
             if (!rr) continue;
@@ -53,7 +59,7 @@ int qnpipe_belady_layers(const int64_t *req, const int64_t *prio, int64_t S, int
             depth += cold;
         }
     }
-    free(stack); free(pos); free(key); free(buf); free(in_r);
+    free(stack); free(pos); free(key); free(buf); free(in_r); free(prio);
     return 0;
 }
 

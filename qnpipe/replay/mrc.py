@@ -265,7 +265,7 @@ def _native() -> Any:
                 return None
             opt, lru = lib.qnpipe_belady_layers, lib.qnpipe_lru_layers
             opt.restype = lru.restype = ctypes.c_int
-            opt.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p]
+            opt.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p]
             lru.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p]
             return types.SimpleNamespace(belady=opt, lru=lru)
     return None
@@ -289,6 +289,13 @@ def belady_layers(reqs: np.ndarray, num_experts: int, *, native: bool | None = N
     n_steps, n_layers, w = reqs.shape
     e_count = num_experts
     stride = e_count + 2
+    lib = _native_for(native)
+    if lib is not None:
+        req = np.ascontiguousarray(reqs, dtype=np.int64)
+        dist = np.zeros((n_layers, stride), dtype=np.int64)
+        if lib.belady(req.ctypes.data, n_steps, n_layers, w, e_count, dist.ctypes.data) != 0:
+            raise MemoryError("qnpipe._mrc_opt: out of memory")
+        return np.cumsum(dist, axis=1)[:, :e_count + 1]
     # Each access's priority: its step's next use of the expert (nearer = kept), ties evicting the higher id.
     ss, ll, ww = np.nonzero(reqs >= 0)
     who = ll * e_count + reqs[ss, ll, ww]
@@ -298,13 +305,6 @@ def belady_layers(reqs: np.ndarray, num_experts: int, *, native: bool | None = N
     nxt[order[:-1][same]] = ss[order][1:][same]
     prio = np.zeros(reqs.shape, dtype=np.int64)
     prio[ss, ll, ww] = nxt * (e_count + 1) + reqs[ss, ll, ww]
-    lib = _native_for(native)
-    if lib is not None:
-        req = np.ascontiguousarray(reqs, dtype=np.int64)
-        dist = np.zeros((n_layers, stride), dtype=np.int64)
-        if lib.belady(req.ctypes.data, prio.ctypes.data, n_steps, n_layers, w, e_count, dist.ctypes.data) != 0:
-            raise MemoryError("qnpipe._mrc_opt: out of memory")
-        return np.cumsum(dist, axis=1)[:, :e_count + 1]
     size = n_layers * e_count
     key = np.zeros(size, dtype=np.int64)  # flat [layer * E + expert]: the priority of its last access
     pos = np.full(size, -1, dtype=np.int64)  # its position in its layer's stack
