@@ -78,8 +78,15 @@ static void fen_add(int64_t *fen, int64_t n, int64_t i, int64_t v) {
     for (i++; i <= n; i += i & -i) fen[i] += v;
 }
 
-static int missed(int64_t c, int64_t lo, int64_t hi, uint64_t bits) {
-    return c <= lo || (c <= hi && !((bits >> (c - lo - 1)) & 1u));
+/* Bit j - 1 set where the access recorded as (lo, hi, bits) hit at capacity d + j, j = 1..band. */
+static uint64_t hit_window(int64_t lo, int64_t hi, uint64_t bits, int64_t d, int64_t band) {
+    uint64_t full = ((uint64_t)1 << band) - 1, above, between;
+    int64_t a = hi - d, shift = d - lo;
+    a = a < 0 ? 0 : (a > band ? band : a);
+    above = full & ~(((uint64_t)1 << a) - 1);  /* every capacity past hi */
+    if (shift >= 0) between = shift > 63 ? 0 : bits >> shift;
+    else between = -shift > 63 ? 0 : bits << -shift;
+    return (above | between) & full;
 }
 
 int qnpipe_lru_layers(const int64_t *req, int64_t S, int64_t L, int64_t W, int64_t E, int64_t *above, int64_t *band) {
@@ -109,17 +116,24 @@ int qnpipe_lru_layers(const int64_t *req, int64_t S, int64_t L, int64_t W, int64
                 if (t < 0) continue;
                 int64_t d = seen - fen_prefix(fen, t), q = 0;  /* distinct experts used since step t */
                 const int64_t *m = req + (t * L + l) * W;
-                for (int64_t b = 0; b < W && m[b] >= 0; b++) q += m[b] != e && last[m[b]] == t;
+                int64_t mates[63];
+                for (int64_t b = 0; b < W && m[b] >= 0; b++)
+                    if (m[b] != e && last[m[b]] == t) mates[q++] = m[b];
                 uint64_t hb = 0;
-                for (int64_t j = 1; j <= q; j++) {
-                    int64_t c = d + j, rank = 0, me = missed(c, lo[e], hi[e], bits[e]);
-                    for (int64_t b = 0; b < W && m[b] >= 0; b++) {
-                        int64_t g = m[b];
-                        if (g == e || last[g] != t) continue;
-                        int64_t mg = missed(c, lo[g], hi[g], bits[g]);
-                        rank += (mg && !me) || (mg == me && g > e);
+                if (q) {
+                    /* at each capacity of the band: a mate is newer when it missed and e hit, or both alike and
+                     * its id is higher; e hits at d + j when fewer than j mates are newer */
+                    uint64_t full = ((uint64_t)1 << q) - 1;
+                    uint64_t miss_e = ~hit_window(lo[e], hi[e], bits[e], d, q) & full;
+                    int64_t rank[63] = {0};
+                    for (int64_t i = 0; i < q; i++) {
+                        int64_t g = mates[i];
+                        uint64_t miss_g = ~hit_window(lo[g], hi[g], bits[g], d, q) & full;
+                        uint64_t newer = (miss_g & ~miss_e) | (~(miss_g ^ miss_e) & (g > e ? full : 0));
+                        for (newer &= full; newer; newer &= newer - 1) rank[__builtin_ctzll(newer)]++;
                     }
-                    if (rank < j) { hb |= (uint64_t)1 << (j - 1); bd[c]++; }
+                    for (int64_t j = 1; j <= q; j++)
+                        if (rank[j - 1] < j) { hb |= (uint64_t)1 << (j - 1); bd[d + j]++; }
                 }
                 ab[d + q + 1]++;
                 n_lo[a] = d; n_hi[a] = d + q; n_bits[a] = hb;
