@@ -5,11 +5,33 @@
  * req  [S, L, W] int64: each layer-step's distinct experts, left-aligned, -1 padding (a row of -1: no request)
  * hits [L, E + 2] int64, zeroed: hits[l][p + 1] += 1 for an access found at stack position p (a hit at
  *      every capacity > p); the caller's cumulative sum gives the hits by capacity.
- * Returns 0, or -1 when memory runs out. */
+ * Returns 0, -1 when memory runs out, -3 when a request repeats an expert or names one outside 0..E-1. */
 #include <stdint.h>
 #include <stdlib.h>
 
+/* 0 when every row's experts (up to its first -1) are distinct and in 0..E-1; -3 otherwise (the loops
+ * index arrays of E entries by them), -1 when memory runs out. */
+static int check_requests(const int64_t *req, int64_t S, int64_t L, int64_t W, int64_t E) {
+    char *mark = calloc((size_t)(E > 0 ? E : 1), 1);
+    int bad = 0;
+    if (!mark) return -1;
+    for (int64_t row = 0; row < S * L && !bad; row++) {
+        const int64_t *r = req + row * W;
+        int64_t rr = 0;
+        while (rr < W && r[rr] >= 0) rr++;
+        for (int64_t j = 0; j < rr; j++) {
+            if (r[j] >= E || mark[r[j]]) { bad = 1; rr = j; break; }
+            mark[r[j]] = 1;
+        }
+        for (int64_t j = 0; j < rr; j++) mark[r[j]] = 0;
+    }
+    free(mark);
+    return bad ? -3 : 0;
+}
+
 int qnpipe_belady_layers(const int64_t *req, int64_t S, int64_t L, int64_t W, int64_t E, int64_t *hits) {
+    int checked = check_requests(req, S, L, W, E);
+    if (checked) return checked;
     /* an access's priority: the step of the expert's next use (never: 2^40), then its id (ties evict the higher) */
     const int64_t never = (int64_t)1 << 40;
     int64_t *prio = malloc(sizeof(int64_t) * (size_t)(S * W > 0 ? S * W : 1));
@@ -67,7 +89,7 @@ int qnpipe_belady_layers(const int64_t *req, int64_t S, int64_t L, int64_t W, in
  * reference; the module doc says why a step's hits and misses need the band). req as above, W - 1 <= 62.
  * above [L, E + 2]: above[l][c] += 1 for an access that hits at every capacity >= c;
  * band  [L, E + 2]: band[l][c] += 1 for an access that hits at capacity c only (c in its band).
- * Returns 0, -1 when memory runs out, -2 when a request is wider than 63 experts. */
+ * Returns 0, -1 when memory runs out, -2 when a request is wider than 63 experts, -3 as for Belady. */
 static int64_t fen_prefix(const int64_t *fen, int64_t i) { /* sum of counts at steps 0..i */
     int64_t acc = 0;
     for (i++; i > 0; i -= i & -i) acc += fen[i];
@@ -91,6 +113,8 @@ static uint64_t hit_window(int64_t lo, int64_t hi, uint64_t bits, int64_t d, int
 
 int qnpipe_lru_layers(const int64_t *req, int64_t S, int64_t L, int64_t W, int64_t E, int64_t *above, int64_t *band) {
     if (W - 1 > 62) return -2;
+    int checked = check_requests(req, S, L, W, E);
+    if (checked) return checked;
     int64_t n = S > 0 ? S : 1, En = E > 0 ? E : 1, Wn = W > 0 ? W : 1;
     int64_t *last = malloc(sizeof(int64_t) * (size_t)En), *lo = malloc(sizeof(int64_t) * (size_t)En);
     int64_t *hi = malloc(sizeof(int64_t) * (size_t)En), *fen = malloc(sizeof(int64_t) * (size_t)(n + 1));

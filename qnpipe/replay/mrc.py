@@ -123,8 +123,8 @@ def lru_one_pass(reqs: np.ndarray, num_experts: int, *, native: bool | None = No
         req = np.ascontiguousarray(reqs, dtype=np.int64)
         above = np.zeros((n_layers, e_count + 2), dtype=np.int64)
         between = np.zeros((n_layers, e_count + 2), dtype=np.int64)
-        if lib.lru(req.ctypes.data, n_steps, n_layers, w, e_count, above.ctypes.data, between.ctypes.data) != 0:
-            raise MemoryError("qnpipe._mrc_opt: out of memory")
+        _native_ok(lib.lru(req.ctypes.data, n_steps, n_layers, w, e_count, above.ctypes.data, between.ctypes.data),
+                   e_count)
         hits = np.cumsum(above, axis=1) + between
         return hits[:, :e_count + 1], (req >= 0).sum(axis=(0, 2))
     # Flat [layer * E + expert]: each expert's last access (its step) and that access's record.
@@ -278,6 +278,15 @@ def _native_for(native: bool | None) -> Any:
     return lib
 
 
+def _native_ok(code: int, num_experts: int) -> None:
+    if code == -1:
+        raise MemoryError("qnpipe._mrc_opt: out of memory")
+    if code == -3:
+        raise ValueError(f"a request repeats an expert or names one outside 0..{num_experts - 1}")
+    if code != 0:
+        raise ValueError(f"qnpipe._mrc_opt: refused the requests (code {code})")
+
+
 def belady_layers(reqs: np.ndarray, num_experts: int, *, native: bool | None = None) -> np.ndarray:
     """Belady's hits at every capacity per layer by the OPT stack (module doc): `reqs [S, L, W]` as for
     `lru_one_pass`. Returns hits [L, E + 1] indexed by capacity, valid at capacities >= every request's size.
@@ -293,8 +302,7 @@ def belady_layers(reqs: np.ndarray, num_experts: int, *, native: bool | None = N
     if lib is not None:
         req = np.ascontiguousarray(reqs, dtype=np.int64)
         dist = np.zeros((n_layers, stride), dtype=np.int64)
-        if lib.belady(req.ctypes.data, n_steps, n_layers, w, e_count, dist.ctypes.data) != 0:
-            raise MemoryError("qnpipe._mrc_opt: out of memory")
+        _native_ok(lib.belady(req.ctypes.data, n_steps, n_layers, w, e_count, dist.ctypes.data), e_count)
         return np.cumsum(dist, axis=1)[:, :e_count + 1]
     # Each access's priority: its step's next use of the expert (nearer = kept), ties evicting the higher id.
     ss, ll, ww = np.nonzero(reqs >= 0)

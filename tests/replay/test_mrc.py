@@ -135,6 +135,12 @@ def test_the_c_loops_are_built_here_and_refused_when_missing(monkeypatch: pytest
     assert lru_one_pass(arr, 3)[0].tolist() == lru_one_pass(arr, 3, native=False)[0].tolist()
     with pytest.raises(RuntimeError, match="not built"):
         lru_one_pass(arr, 3, native=True)
+    monkeypatch.undo()
+    if native_available():  # the C loops index arrays by expert: a bad request is refused, never read past
+        for bad in ([[[0, 0]]], [[[0, 3]]]):
+            for f in (belady_layers, lambda a, e: lru_one_pass(a, e)):
+                with pytest.raises(ValueError, match="repeats an expert or names one outside 0..2"):
+                    f(np.asarray(bad, dtype=np.int64), 3)
 
 
 def _contents(requests: list[list[int]], capacity: int) -> set[int]:
