@@ -1,10 +1,12 @@
-"""Build hook for the optional C parts: the reader `qnpipe._preadx` (cextensions/preadx.c) and,
-on Linux, the CBLAS shim `qnpipe._cblas_shim` (cextensions/cblas_shim.c).
+"""Build hook for the optional C parts: the reader `qnpipe._preadx` (cextensions/preadx.c),
+Belady's miss-ratio curve loop `qnpipe._mrc_opt` (cextensions/mrc_opt.c) and, on Linux, the CBLAS
+shim `qnpipe._cblas_shim` (cextensions/cblas_shim.c).
 
 Everything else about the package lives in pyproject.toml. Both are optional: when no
 compiler (or no Python headers) is available the build prints a warning and the install
 goes on; qnpipe/io/ssd.py then uses its pure-Python reader, and compute.cpu_blas=auto
-falls back to MLX's bundled BLAS (one line in --stats says so).
+falls back to MLX's bundled BLAS (one line in --stats says so), and `qnpipe replay --mrc` to its
+numpy Belady (the same numbers, tens of times slower).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class OptionalBuildExt(build_ext):
         )
 
 
-FALLBACKS = {"qnpipe._preadx": "its pure-Python reader", "qnpipe._cblas_shim": "MLX's bundled BLAS"}
+FALLBACKS = {"qnpipe._preadx": "its pure-Python reader", "qnpipe._cblas_shim": "MLX's bundled BLAS",
+             "qnpipe._mrc_opt": "its numpy Belady curves"}
 
 ext_modules = []
 if sys.platform != "win32":
@@ -51,6 +54,10 @@ if sys.platform != "win32":
             extra_link_args=["-pthread"] if sys.platform.startswith("linux") else [],
         )
     )
+
+    # A plain shared library loaded with ctypes (qnpipe/replay/mrc.py), never imported: no Python API.
+    ext_modules.append(Extension("qnpipe._mrc_opt", sources=["cextensions/mrc_opt.c"],
+                                 extra_compile_args=["-O2", "-Wall"]))
 
 if sys.platform.startswith("linux"):
     # A plain shared library loaded with ctypes (qnpipe/compute/blas.py), never imported: no Python

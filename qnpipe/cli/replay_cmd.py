@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -25,6 +26,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from qnpipe.replay import CostModel, PredictorOpts, describe, replay, setting_value, to_json
     from qnpipe.replay.cost_fit import load_cost
 
+    if args.mrc:
+        return _mrc(args)
+    if args.plot or args.mrc_layers:
+        raise QnpipeError("--plot and --mrc-layers draw miss-ratio curves: give --mrc")
     if args.device not in device_names():
         raise QnpipeError(f"--device {args.device}: unknown, known: {', '.join(device_names())}")
     own: dict[str, dict[str, Any]] = {"cost": {}, "device": {}, "replay": {}}
@@ -87,6 +92,50 @@ def add_export_flags(p: argparse.ArgumentParser) -> None:
                    help="the same rows as a Parquet file (needs pyarrow: pip install 'qnpipe[parquet]')")
 
 
+def _mrc(args: argparse.Namespace) -> int:
+    """`--mrc`: the LRU and Belady hit rate at every capacity, a CSV and a plot (qnpipe.replay.mrc)."""
+    import time
+
+    from qnpipe.replay.mrc import POLICIES, miss_ratio_curves
+    from qnpipe.replay.mrc_export import plot, summary, write_csv
+
+    if args.predict != "none" or args.train_frac or args.train_log:
+        raise QnpipeError("--mrc: demand caching only (no --predict, --train-frac or --train-log)")
+    policies = [p.strip() for p in args.mrc_policies.split(",") if p.strip()]
+    if not policies or any(p not in POLICIES for p in policies):
+        raise QnpipeError(f"--mrc-policies {args.mrc_policies}: a comma-separated subset of {', '.join(POLICIES)}")
+    try:
+        layers = [int(x) for x in args.mrc_layers.split(",") if x.strip()] if args.mrc_layers else []
+    except ValueError:
+        raise QnpipeError(f"--mrc-layers {args.mrc_layers}: comma-separated layer numbers") from None
+    stem = Path(args.log).name.removesuffix(".gz").rsplit(".", 1)[0] or "log"
+    check_exports(args)
+    csv_path = Path(args.csv or f"{stem}.mrc.csv")
+    png_path = Path(args.plot or f"{stem}.mrc.png")
+    for p in (csv_path, png_path):
+        if p.is_dir():
+            raise QnpipeError(f"{p}: is a directory, give a file name")
+    t0 = time.perf_counter()
+    result = miss_ratio_curves(args.log, policies=policies)
+    took = time.perf_counter() - t0
+    routed = {c.layer for c in result.curves}
+    if missing := [x for x in layers if x not in routed]:
+        raise QnpipeError(f"--mrc-layers: layers {missing} are not routed in {args.log} "
+                          f"(its MoE layers with routes: {sorted(x for x in routed if isinstance(x, int))})")
+    write_csv(result, csv_path)
+    if args.parquet:
+        from qnpipe.replay.export import write_parquet
+
+        write_parquet(result.rows(), args.parquet)
+    plot(result, png_path, layers=layers)
+    if args.json:
+        print(msgspec.json.encode(result).decode())
+    else:
+        print(summary(result))
+        print(f"  {took:.2f} s; wrote {csv_path} ({len(result.rows())} rows) and {png_path}")
+    return 0
+
+
 def register(sub: Any, fmt: Any) -> None:
     r = sub.add_parser("replay", help="replay an event log on a simulated SSD in virtual time (what-if)",
                        formatter_class=fmt,
@@ -98,7 +147,14 @@ def register(sub: Any, fmt: Any) -> None:
                        "Replay settings: cost.per_layer_s, cost.per_token_s, cost.per_step_s, cost.read_hop_s\n"
                        "(over --cost), device.bandwidth_bytes_per_s, device.latency_s, device.per_mb_latency_s,\n"
                        "device.queue_depth (over --device), replay.record_nbytes;\n"
-                       "any other --set is a config setting (pool.expert_slots, pool.evict_policy, read.workers).",
+                       "any other --set is a config setting (pool.expert_slots, pool.evict_policy, read.workers).\n"
+                       "\n"
+                       "--mrc instead gives miss-ratio curves: per layer and over all layers, the demand hit\n"
+                       "rate of LRU and of Belady's optimum at EVERY capacity from top-k (the fewest slots the\n"
+                       "pool takes) to the expert count, in one pass over the log, under the pool's own rules\n"
+                       "(a step's experts at a layer are held together). The same numbers as a replay with\n"
+                       "--set pool.expert_slots=C --set pool.evict_policy=lru (and its Belady column) at each C,\n"
+                       "without the device or timing. Writes a CSV (-o) and a PNG (--plot); docs/replay.md.",
                        epilog="examples:\n"
                        "  qnpipe generate ./tiny-qn -p 'def fib(n):' -n 32 --trace run.qtrace\n"
                        "  qnpipe replay run.qtrace --set pool.expert_slots=16 --set pool.evict_policy=lru\n"
@@ -109,7 +165,9 @@ def register(sub: Any, fmt: Any) -> None:
                        "  qnpipe replay run.qtrace --predict recorded --set pool.side_region_slots=8\n"
                        "  qnpipe replay synth.qtrace --predict transition --train-frac 0.2 --set replay.record_nbytes=1700000\n"
                        "  qnpipe replay synth.qtrace --predict oracle --recall 0.8 --seed 1 --set replay.record_nbytes=1700000\n"
-                       "  qnpipe replay run.qtrace --set pool.expert_slots=16 --csv run.csv")
+                       "  qnpipe replay run.qtrace --set pool.expert_slots=16 --csv run.csv\n"
+                       "  qnpipe replay run.qtrace --mrc                       run.mrc.csv and run.mrc.png here\n"
+                       "  qnpipe replay run.qtrace --mrc --csv out/run.csv --plot out/run.png --mrc-layers 0,23")
     r.add_argument("log", metavar="LOG", help="event log (qnpipe generate --trace), docs/trace-format.md")
     r.add_argument("--device", default="apple-m5-internal", metavar="NAME",
                    help="device profile the device.* settings start from: apple-m5-internal (default) or measured "
@@ -130,7 +188,16 @@ def register(sub: Any, fmt: Any) -> None:
     r.add_argument("--driver", choices=DRIVERS, default="fast",
                    help="fast = the pipeline's decision cores on a plain event loop (default); actors = the live "
                    "trio actors on a virtual clock, the reference: the same report byte for byte, slower")
-    r.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    r.add_argument("--json", action="store_true", help="print the report (with --mrc: the curves) as one JSON object")
+    r.add_argument("--mrc", action="store_true",
+                   help="miss-ratio curves instead of one replay: LRU and Belady hit rate at every capacity "
+                   "(top-k .. expert count), per layer and in total; writes --csv (one row per policy x layer x "
+                   "capacity: policy,layer,capacity,hits,requests,hit_rate, layer 'all' = the total; default "
+                   "<log name>.mrc.csv here) and --plot, prints a summary")
+    r.add_argument("--plot", metavar="PNG", help="--mrc: the plot to write (default <log name>.mrc.png here)")
+    r.add_argument("--mrc-policies", default="lru,belady", metavar="P,P",
+                   help="--mrc: which curves, of lru and belady (default both)")
+    r.add_argument("--mrc-layers", metavar="L,L", help="--mrc: also plot these layers' own curves (thin lines)")
     add_export_flags(r)
     add_config_flags(r, prefill=False, example="pool.expert_slots=16")
     r.set_defaults(func=cmd_replay)
