@@ -252,7 +252,7 @@ def test_a_point_that_fails_in_its_replay_is_named_and_the_others_complete(
     real = sweep.replay
 
     def fail_at_8(path: object, cfg: config.Config, **kw: object) -> object:
-        if cfg.pool.expert_slots == 8 and cfg.pool.evict_policy.value == "lru":
+        if cfg.pool.expert_slots == 8 and cfg.pool.evict_policy == "lru":
             if error == "schema":
                 raise TraceSchemaError("device on fire")
             if error == "read":  # an error whose constructor takes more than the message: still reported
