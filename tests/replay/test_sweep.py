@@ -226,7 +226,7 @@ def test_results_come_in_grid_order_when_points_finish_out_of_order(log: Path, m
     finished: list[tuple[int, str]] = []
 
     def replay_slowly(path: object, cfg: config.Config, **kw: object) -> object:
-        key = (cfg.pool.expert_slots, cfg.pool.evict_policy.value)
+        key = (cfg.pool.expert_slots, str(cfg.pool.evict_policy))
         if key == POINTS[0]:  # the first point waits for the last one (two worker threads)
             assert last_done.wait(20)
         r = real(path, cfg, **kw)  # type: ignore[arg-type]
