@@ -186,7 +186,7 @@ def _check(p: PoolPolicy, content: dict[tuple[int, int], int], cap: int, side: i
             assert content.get((g.key[1], slot)) == e
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), cap=st.integers(1, 4), side=st.integers(0, 3),
        kind=st.sampled_from(list(EvictPolicy)), expire=st.booleans())
 # Deferred acquires once refused when taken up again: one deferred after it kept resident room for the expert
@@ -199,7 +199,7 @@ def test_relabelling_never_needs_a_copy_and_every_grant_names_the_slot_holding_i
     _random_run(seed, cap, side, kind, into_main=True, expire=expire)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), cap=st.integers(1, 4), side=st.integers(0, 3),
        kind=st.sampled_from(list(EvictPolicy)), expire=st.booleans())
 # The same with prefetches in the side region: refused when taken up again ...
