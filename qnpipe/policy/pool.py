@@ -98,6 +98,17 @@ class SlotMap:
         self.at[self.side[s]] = (True, s)
 
 
+@attrs.frozen(slots=True)
+class Deferred:
+    """An acquire accepted but waiting for slots still loading (`PoolPolicy.deferred`). Its experts keep their
+    room from acquires made later; `side` are those it found in the side region, held there while it waits so
+    that they stay in memory (leaving, they would need resident slots it was not accepted with)."""
+
+    experts: tuple[int, ...]
+    asked: float
+    side: tuple[int, ...]
+
+
 @attrs.define(slots=True)
 class Grant:
     """A grant being assembled or held: `slots[i]` holds `experts[i]`."""
@@ -170,7 +181,7 @@ class PoolPolicy:
     pending: dict[GrantKey, Grant] = attrs.field(factory=dict)
     held: dict[GrantKey, Grant] = attrs.field(factory=dict)
     waiters: dict[tuple[int, int], list[GrantKey]] = attrs.field(factory=dict)
-    deferred: dict[GrantKey, tuple[tuple[int, ...], float]] = attrs.field(factory=dict)
+    deferred: dict[GrantKey, Deferred] = attrs.field(factory=dict)  # in the order they were accepted
     counters: dict[int, LayerCounters] = attrs.field(init=False)
     reads: int = 0
     bytes_read: int = 0
@@ -272,30 +283,54 @@ class PoolPolicy:
         """
         if key in self.pending or key in self.held or key in self.deferred:
             raise AssertionError(f"grant {key} asked for twice")
-        if self.heat is not None:  # once per layer-step: a deferred acquire coming back is not counted again
+        if self.heat is not None:
             self.heat.count(key[0], key[1], experts)
+        out = self._admit(key, experts, now)
+        if out is None:
+            self._defer(key, experts, now)
+            return [], None
+        return out
+
+    def _split(self, layer: int, experts: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(in the side region, the rest) of `experts`."""
+        side = self.sides.get(layer)
+        if side is not None and any(e in side.slot_of for e in experts):
+            return [e for e in experts if e in side.slot_of], [e for e in experts if e not in side.slot_of]
+        return [], list(experts)
+
+    def _defer(self, key: GrantKey, experts: Sequence[int], now: float) -> None:
+        in_side, _ = self._split(key[1], experts)
+        if in_side:
+            self.sides[key[1]].hold(in_side)
+        self.deferred[key] = Deferred(tuple(experts), now, tuple(in_side))
+
+    def _admit(self, key: GrantKey, experts: Sequence[int], now: float) -> tuple[list[Load], Grant | None] | None:
+        """Grant `key` now if its resident part has a slot for each miss: the reads to issue and the grant if
+        complete; None: it must wait for slots still loading. CapacityError (nothing changed) when the
+        resident region cannot give its part even once the reads are done."""
         layer = key[1]
         side = self.sides.get(layer)
-        promoted: list[int] = []
-        if self.into_main and side is not None and side.slot_of:
-            promoted = self._promote(layer, experts)
-        if side is not None and any(e in side.slot_of for e in experts):
-            in_side = [e for e in experts if e in side.slot_of]
-            main_part = [e for e in experts if e not in side.slot_of]
-        else:
-            in_side, main_part = [], list(experts)
         table = self.tables[layer]
-        # Acquires still deferred at this layer keep their room: one made later must not take it,
-        # or they could wait forever once the reads are done.
-        if len(main_part) > (room := table.room_ever(main_part, self.reserved(layer) if self.deferred else ())):
+        in_side, main_part = self._split(layer, experts)
+        # Acquires deferred before this one keep their room: one made later must not take it, or they could
+        # wait forever once the reads are done. One deferred itself counts only those before it, as when it
+        # was accepted (after it, each was checked against its room).
+        reserved = self.reserved(layer, before=key) if self.deferred else set()
+        if len(main_part) > (room := table.room_ever(main_part, reserved)):
             raise CapacityError(
                 f"layer {layer}: a step needs {len(main_part)} distinct experts, {room} of "
                 f"{table.capacity} slots are usable (the rest are pinned, held or kept for waiting acquires)"
             )
         if not table.can_acquire_now(main_part):
-            self.deferred[key] = (tuple(experts), now)
-            return [], None
+            return None
+        promoted: list[int] = []
+        if self.into_main and in_side:
+            promoted = self._promote(layer, experts, main_part, reserved)
+            if promoted:
+                in_side, main_part = self._split(layer, experts)
         plan = table.acquire(main_part)
+        # the side region's part is held before a demand load's victim moves there and takes a side slot
+        splan = side.acquire(in_side) if in_side and side is not None else None
         slot_of = dict(plan.hits) | dict(plan.waiting) | {ld.expert: ld.slot for ld in plan.loads}
         gen_of = {e: table.generation[s] for e, s in slot_of.items()}
         hits = len(plan.hits)
@@ -305,9 +340,8 @@ class PoolPolicy:
         if self.into_main:
             loads, late = self._main_plan(layer, plan, slot_of, gen_of, promoted)
         m = self.slot_maps.get(layer)
-        if in_side:
-            assert side is not None
-            splan = side.acquire(in_side)  # all present: hits or loading, never a load
+        if splan is not None:
+            assert side is not None and not splan.loads  # all present: hits or loading, never a load
             for e, s in (*splan.hits, *splan.waiting):
                 slot_of[e] = table.capacity + s if m is None else m.side[s]
                 gen_of[e] = side.generation[s]
@@ -339,21 +373,30 @@ class PoolPolicy:
 
     # ----------------------------------------------------------------- prefetch_into=main
 
-    def _promote(self, layer: int, experts: Sequence[int]) -> list[int]:
+    def _promote(self, layer: int, experts: Sequence[int], main_part: list[int], reserved: set[int]) -> list[int]:
         """Move the ready side-region experts of this acquire into the resident region, each by trading
         its slot with a free resident slot or the eviction policy's victim (which moves to the side
-        region, still in memory); those with no resident slot to take stay where they are."""
+        region, still in memory); those with no resident slot to take stay where they are.
+
+        A slot goes to a promotion only when the resident part (`main_part`, `reserved` kept for the
+        acquires before) still fits and keeps a slot for each of its misses: a promotion must never turn
+        an acquire that can be granted now into one that waits or is refused."""
         main, side = self.tables[layer], self.sides[layer]
         out: list[int] = []
+        free = main.slack(main_part)
         for e in experts:
             s = side.slot_of.get(e)
             if s is None or side.state[s] is not SlotState.READY or e in side.held or e in side.pinned:
                 continue
+            need = [*main_part, *out, e]
+            if free < 1 or len(need) > main.room_ever(need, reserved):
+                break
             r = main.spare(e, experts)
             if r is None:
                 break
             self._relabel(layer, r, s)
             out.append(e)
+            free -= 1
         return out
 
     def _relabel(self, layer: int, r: int, s: int) -> None:
@@ -541,19 +584,25 @@ class PoolPolicy:
         """A prefetch's deadline passed before it started. True: a step waits for it, read it as demand."""
         self.prefetch_reads_out -= 1
         self.prefetches_expired += 1
-        if (layer, expert) in self.waiters:
+        table, local = self._table_of(layer, slot)
+        if (layer, expert) in self.waiters or expert in table.held:  # held: a deferred acquire counts on it
             self.prefetch_reads_out += 1  # it goes out again, now as a demand read
             return True
-        table, local = self._table_of(layer, slot)
         table.cancel_load(expert, local)
         self.prefetching.discard((layer, expert))
         self.step_unused.discard((layer, expert))
         self.fates.setdefault(layer, {})[expert] = HintFate.EXPIRED
         return False
 
-    def reserved(self, layer: int) -> set[int]:
-        """Experts of the acquires deferred at `layer`."""
-        return {e for k, (experts, _) in self.deferred.items() if k[1] == layer for e in experts}
+    def reserved(self, layer: int, before: GrantKey | None = None) -> set[int]:
+        """Experts of the acquires deferred at `layer` (those deferred before `before`, when it is one)."""
+        out: set[int] = set()
+        for k, d in self.deferred.items():
+            if k == before:
+                break
+            if k[1] == layer:
+                out.update(d.experts)
+        return out
 
     def read_done(self, layer: int, expert: int, slot: int) -> tuple[list[Load], list[Grant]]:
         """The read of (`layer`, `expert`) into `slot` finished: the reads and grants that follows."""
@@ -565,13 +614,26 @@ class PoolPolicy:
         """Take up the acquires deferred at `layer` that a slot now lets through: their reads and complete grants."""
         loads: list[Load] = []
         done: list[Grant] = []
-        for key, (experts, asked) in list(self.deferred.items()):
-            if key[1] == layer and self.tables[layer].can_acquire_now(experts):
-                del self.deferred[key]
-                more, g = self.acquire(key, experts, asked)
-                loads += more
-                if g is not None:
-                    done.append(g)
+        for key, d in list(self.deferred.items()):
+            if key[1] != layer:
+                continue
+            if d.side:  # its own holds: the side region's part may move to the resident region now
+                self.sides[layer].release(d.side)
+            try:
+                out = self._admit(key, d.experts, d.asked)
+            except CapacityError:  # accepted once, never refused: the room it was accepted with comes back
+                out = None
+            if out is None:  # still waiting, in its place
+                in_side, _ = self._split(layer, d.experts)
+                if in_side:
+                    self.sides[layer].hold(in_side)
+                self.deferred[key] = attrs.evolve(d, side=tuple(in_side))
+                continue
+            del self.deferred[key]
+            more, g = out
+            loads += more
+            if g is not None:
+                done.append(g)
         return loads, done
 
     def _read_done(self, layer: int, expert: int, slot: int) -> list[Grant]:
@@ -606,7 +668,9 @@ class PoolPolicy:
         With `token_experts` / `token_slots`, first check that every pair is what the grant
         gave and the table still holds (route verification); RouteError if not.
         """
-        if self.deferred.pop(key, None) is not None:
+        if (d := self.deferred.pop(key, None)) is not None:
+            if d.side:
+                self.sides[key[1]].release(d.side)
             return
         g = self.held.pop(key, None) or self.pending.pop(key, None)
         if g is None:

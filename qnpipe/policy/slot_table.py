@@ -123,18 +123,24 @@ class SlotTable:
         they become evictable when their reads finish.
         """
         need = set(experts)
+        missing = len(need.difference(self.slot_of))
+        return missing <= len(self._free) or missing <= self._takeable(need)
+
+    def slack(self, experts: Sequence[int]) -> int:
+        """Slots an acquire of `experts` could take now beyond one for each miss (negative: it would wait)."""
+        need = set(experts)
+        return self._takeable(need) - len(need.difference(self.slot_of))
+
+    def _takeable(self, need: set[int]) -> int:
+        """Slots free, or READY with an expert neither held, pinned nor in `need`."""
         slot_of = self.slot_of
-        missing = len(need.difference(slot_of))
-        if missing <= len(self._free):
-            return True
-        # evictable = READY slots whose expert is not held, pinned or needed
         kept_of = self.pinned | self.held.keys() | need
         if not self._loading:  # every slot taken is READY
             kept = len([e for e in kept_of if e in slot_of])
         else:
             state = self.state
             kept = sum(1 for e in kept_of if (s := slot_of.get(e)) is not None and state[s] is SlotState.READY)
-        return missing <= len(self._free) + self._ready - kept
+        return len(self._free) + self._ready - kept
 
     # ----------------------------------------------------------------- decisions
 
@@ -281,8 +287,16 @@ class SlotTable:
         self._loading.discard(expert)
         self._ready += 1
 
+    def hold(self, experts: Iterable[int]) -> None:
+        """One more hold on each of `experts` (present) without a use: kept in memory, as for an acquire that
+        waits (qnpipe.policy.pool.Deferred); `release` drops it."""
+        for e in experts:
+            if e not in self.slot_of:
+                raise AssertionError(f"layer {self.layer}: hold of expert {e}, which is not in the table")
+            self.held[e] = self.held.get(e, 0) + 1
+
     def release(self, experts: Iterable[int]) -> None:
-        """Drop one hold on each of `experts` (acquired before)."""
+        """Drop one hold on each of `experts` (acquired or held before)."""
         for e in experts:
             n = self.held[e] - 1
             if n:
