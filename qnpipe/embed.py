@@ -92,7 +92,7 @@ class _Runtime:
         async with self.lock:
             runner = self.core.runner
             ids = await run_on(self.thread, self.ids, prompt)
-            if self.core.mtp is not None:
+            if self.core.mtp is not None or self.core.mtp_ring:
                 res = await speculate(self.pipe.forward, self.pipe.recording, self.thread, self.core, ids, kw, on_text,
                                       on_prefill, partial, self.prefix if self.prefix.enabled else None)
                 self.totals = self.totals.add(res.stats)
@@ -273,7 +273,7 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
 
                 if rank > 0:
                     try:
-                        await follow(pipe.forward, thread, core.runner.loaded.model, ring)
+                        await follow(pipe.forward, thread, core.runner.loaded.model, ring, core.mtp, cfg.mtp.hidden)
                     except DistributedError as e:  # raised below, not inside the actors' nursery's group
                         lost = e
                 else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -53,4 +54,20 @@ def tiny_qn4(tmp_path_factory: pytest.TempPathFactory, tiny_mlx4: Path, tiny_hf:
 
     out = tmp_path_factory.mktemp("models") / "tiny-qn4"
     convert(tiny_mlx4, out, mtp_from=tiny_hf)
+    return out
+
+
+@pytest.fixture(scope="session")
+def trained_hf() -> Path:
+    """The shipped trained tiny model: original HF layout, float32, every expert resident."""
+    return Path(str(resources.files("qnpipe") / "data" / "tiny_trained"))
+
+
+@pytest.fixture(scope="session")
+def trained_qn4(tmp_path_factory: pytest.TempPathFactory, trained_hf: Path) -> Path:
+    """`trained_hf` quantized to 4 bits / group 32 (experts and MTP head), as a qnpipe directory."""
+    from qnpipe.convert import convert
+
+    out = tmp_path_factory.mktemp("models") / "trained-qn4"
+    convert(trained_hf, out, bits=4, group_size=32, mtp_bits=4)
     return out

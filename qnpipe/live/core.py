@@ -66,6 +66,9 @@ class Core:
     backend: MlxBackend
     mtp: Any = None  # the MTP head (qnpipe.model.mtp.MtpHead) when `mtp.enabled` and the model has one
     stage: Stage | None = None  # pipeline parallel: this rank's layers (qnpipe.model.stage)
+    # Pipeline parallel, rank 0: `mtp.enabled` and the model has an MTP head, which the last rank runs
+    # (qnpipe.live.parallel.speculate).
+    mtp_ring: bool = False
 
     @property
     def args(self) -> ModelArgs:
@@ -98,13 +101,25 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None,
         from qnpipe.model.kvquant import kv_factory
 
         runner.loaded.model.kv_factory = kv_factory(cfg.kv, runner.loaded.args.head_dim)
-    mtp, mtp_path = _load_mtp(cfg, runner, model_dir, resident=not stream)
+    mtp_ring = False
+    if stage is not None and stage.size > 1 and cfg.mtp.enabled:
+        # Only the last rank holds the head (its experts resident: its pool has no MTP layer); rank 0
+        # drives the rounds; the others only see verify steps.
+        if stage.last:
+            mtp, mtp_path = _load_mtp(cfg, runner, model_dir, resident=True)
+        else:
+            mtp, mtp_path = None, model_dir
+            mtp_ring = stage.first and _has_mtp(cfg, runner, model_dir)
+        stream_mtp = False
+    else:
+        mtp, mtp_path = _load_mtp(cfg, runner, model_dir, resident=not stream)
+        stream_mtp = mtp is not None
     if not stream:
         asked = cfg.pool.expert_slots != PoolCfg().expert_slots or cfg.pool.capacity_profile_path
         if asked and not cfg.pool.eager_load and runner.loaded.layout is not Layout.QNPIPE:
             warnings.warn(f"{model_dir} has no expert store: every expert is resident "
                           f"(`qnpipe convert` makes a directory whose experts stream)", stacklevel=2)
-        return Core(cfg, runner, None, MlxBackend(runner.loaded.model, None), mtp, stage)
+        return Core(cfg, runner, None, MlxBackend(runner.loaded.model, None), mtp, stage, mtp_ring)
     args = runner.loaded.args
     store = ExpertStore.open(cfg.model.expert_dir or model_dir)
     try:
@@ -115,7 +130,7 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None,
         # One stacked array per layer holds the resident slots and, after them, the side region.
         slots = {layer: make_layer_slots(store.layer_file(layer), cap + side) for layer, cap in caps.items()}
         mtp_layer = None
-        if mtp is not None:  # the head's MoE: a pool layer of its own, read from mtp.safetensors
+        if stream_mtp:  # the head's MoE: a pool layer of its own, read from mtp.safetensors
             from qnpipe.live.spec.mtp_store import MtpLayer
 
             mtp_layer = MtpLayer.open(args, mtp_path, SsdReader.from_config(cfg.read))
@@ -134,7 +149,7 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None,
                            cfg.predict.use_moe_input)
     traced = bool(cfg.trace.event_log_path or cfg.trace.route_trace)
     backend = MlxBackend(runner.loaded.model, {layer: s.experts for layer, s in slots.items()}, plan, traced)
-    return Core(cfg, runner, streaming, backend, mtp, stage)
+    return Core(cfg, runner, streaming, backend, mtp, stage, mtp_ring)
 
 
 def _load_mtp(cfg: Config, runner: Runner, model_dir: Path, resident: bool) -> tuple[Any, Path]:
@@ -162,6 +177,19 @@ def _load_mtp(cfg: Config, runner: Runner, model_dir: Path, resident: bool) -> t
         warnings.warn(f"mtp.enabled: {model_dir} has no MTP weights (mtp.* / mtp.safetensors); generating "
                       f"without MTP speculation", stacklevel=3)
     return head, path
+
+
+def _has_mtp(cfg: Config, runner: Runner, model_dir: Path) -> bool:
+    """Whether `_load_mtp` would find MTP weights (read from no file: the last rank loads them)."""
+    if cfg.model.mtp_weights_path:
+        if not Path(cfg.model.mtp_weights_path).exists():
+            raise ConfigError(f"model.mtp_weights_path={cfg.model.mtp_weights_path}: no such file")
+        return True
+    if not runner.loaded.mtp_weights:
+        warnings.warn(f"mtp.enabled: {model_dir} has no MTP weights (mtp.* / mtp.safetensors); generating "
+                      f"without MTP speculation", stacklevel=3)
+        return False
+    return True
 
 
 def _override_topk(runner: Runner, k: int) -> None:

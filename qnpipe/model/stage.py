@@ -16,12 +16,13 @@ import mlx.nn as nn
 
 @attrs.frozen
 class Stage:
-    """Rank `rank` of `size` runs decoder layers `lo..hi-1`."""
+    """Rank `rank` of `size` runs decoder layers `lo..hi-1`; `mtp`: the last rank runs the MTP head."""
 
     rank: int
     size: int
     lo: int
     hi: int
+    mtp: bool = False
 
     @property
     def first(self) -> bool:
@@ -48,8 +49,8 @@ class Stage:
         if m is not None:
             return self.holds(int(m.group(1)))
         if name.startswith("model.embed_tokens."):
-            # Tied embeddings are also the LM head's weight.
-            return self.first or (self.last and tied_embeddings)
+            # Tied embeddings are also the LM head's weight; the MTP head embeds the tokens it reads.
+            return self.first or (self.last and (tied_embeddings or self.mtp))
         if name.startswith(("model.norm.", "lm_head.")):
             return self.last
         return True
@@ -80,7 +81,7 @@ def prune(model: Any, stage: Stage) -> None:
     for i, layer in enumerate(m.layers):
         if not stage.holds(i):
             m.layers[i] = Remote(layer.is_linear)
-    if not (stage.first or (stage.last and model.args.tie_word_embeddings)):
+    if not (stage.first or (stage.last and (model.args.tie_word_embeddings or stage.mtp))):
         del m["embed_tokens"]
     if not stage.last:
         m.norm = Passthrough()

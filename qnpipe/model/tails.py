@@ -21,6 +21,10 @@ class TailKind(enum.IntEnum):
     LOGITS = 1
     LAST_LOGITS = 2
     SAMPLE = 3
+    # MTP speculation over the ring (qnpipe.live.parallel.speculate): the last rank runs the MTP head.
+    MTP_SETTLE = 4  # a prefill chunk but the last: settle, and the MTP over its rows
+    MTP_FIRST = 5  # the last prefill chunk: the first token and the first round's drafts
+    MTP_VERIFY = 6  # a verify step of K + 1 rows: the committed tokens and the next drafts
 
 
 class Settle:

@@ -1,7 +1,9 @@
 """One rank of a test ring: `python rank_main.py MODEL_DIR OUT.npz SCENARIO.json` (MLX_RANK, MLX_HOSTFILE set).
 
 Rank 0 runs each engine setting of the scenario through `open_engine(distributed=True)` and saves
-what it produced; the other ranks serve it. `"loop": true` (the last engine only) then keeps rank 0
+what it produced; the other ranks serve it. An engine with `mtp.enabled` runs on its own model
+(`"models"`) and prompt (`"mtp_prompt"`): greedy tokens, the rounds' acceptance histogram, and the
+refusal of sampling. `"loop": true` (the last engine only) then keeps rank 0
 generating until the ring fails (the killed-rank test), printing `generating` once it has begun.
 """
 
@@ -14,7 +16,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from qnpipe.errors import DistributedError
+from qnpipe.errors import ConfigError, DistributedError
 
 
 async def main(model_dir: str, out: str, scenario: dict) -> int:
@@ -22,17 +24,22 @@ async def main(model_dir: str, out: str, scenario: dict) -> int:
 
     saved: dict[str, Any] = {}
     for name, overrides in scenario["engines"].items():
-        async with open_engine(model_dir, distributed=True, **overrides) as eng:
+        async with open_engine(scenario.get("models", {}).get(name, model_dir), distributed=True, **overrides) as eng:
             if eng.rank:
                 continue
             prompt = scenario["prompt"]
-            saved[f"{name}.logits"] = await eng.logits(prompt)
-            saved[f"{name}.next"] = await eng.next_logits(prompt)
-            greedy = await eng.generate(prompt, max_tokens=scenario["tokens"], stop_at_eos=False)
-            saved[f"{name}.greedy"] = np.array(greedy.tokens)
-            sampled = await eng.generate(prompt, max_tokens=scenario["tokens"], temperature=0.8, seed=3,
-                                         stop_at_eos=False)
-            saved[f"{name}.sampled"] = np.array(sampled.tokens)
+            if overrides.get("mtp.enabled"):
+                prompt = scenario["mtp_prompt"]
+                res = await eng.generate(prompt, max_tokens=scenario["mtp_tokens"], stop_at_eos=False)
+                assert res.stats.mtp is not None
+                saved[f"{name}.greedy"] = np.array(res.tokens)
+                saved[f"{name}.accept_hist"] = np.array(res.stats.mtp.accept_hist)
+                try:
+                    await eng.generate(prompt, max_tokens=2, temperature=0.8, seed=3)
+                except ConfigError as e:
+                    saved[f"{name}.sampling_refused"] = np.array(str(e))
+            else:
+                await _plain(eng, name, prompt, scenario["tokens"], saved)
             if scenario.get("loop") and name == list(scenario["engines"])[-1]:
                 np.savez(out, **saved)
                 print("generating", flush=True)
@@ -41,6 +48,15 @@ async def main(model_dir: str, out: str, scenario: dict) -> int:
     if saved:
         np.savez(out, **saved)
     return 0
+
+
+async def _plain(eng: Any, name: str, prompt: Any, tokens: int, saved: dict[str, Any]) -> None:
+    saved[f"{name}.logits"] = await eng.logits(prompt)
+    saved[f"{name}.next"] = await eng.next_logits(prompt)
+    greedy = await eng.generate(prompt, max_tokens=tokens, stop_at_eos=False)
+    saved[f"{name}.greedy"] = np.array(greedy.tokens)
+    sampled = await eng.generate(prompt, max_tokens=tokens, temperature=0.8, seed=3, stop_at_eos=False)
+    saved[f"{name}.sampled"] = np.array(sampled.tokens)
 
 
 if __name__ == "__main__":

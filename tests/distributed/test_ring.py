@@ -30,7 +30,18 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
 ENGINES = {"resident": {"eager_load": True, "prefill_chunk_tokens": 0},
            "stream": {"expert_slots": 4, "prefill_chunk_tokens": 5,
                       "trace.route_trace": True, "trace.route_trace_path": "routes.qtrace"}}
-SCENARIO = {"prompt": PROMPT, "tokens": 6, "engines": ENGINES}
+# MTP speculation runs on the trained tiny model (its head drafts well: rounds accept 0..K drafts),
+# resident and streamed through a top-k pool; the streamed one is last (the killed-rank test).
+MTP = {"mtp.enabled": True, "mtp.num_draft_tokens": 3}
+MTP_ENGINES = {"mtp_resident": {**MTP, "eager_load": True, "prefill_chunk_tokens": 0},
+               "mtp_stream": {**MTP, "expert_slots": 4, "prefill_chunk_tokens": 5}}
+MTP_PROMPT = "def read_lines(path):\n    "
+MTP_TOKENS = 40
+
+
+def _scenario(trained_qn4: Path) -> dict:
+    return {"prompt": PROMPT, "tokens": 6, "engines": {**ENGINES, **MTP_ENGINES}, "mtp_prompt": MTP_PROMPT,
+            "mtp_tokens": MTP_TOKENS, "models": {name: str(trained_qn4) for name in MTP_ENGINES}}
 
 
 def _start(ranks: int, model_dir: Path, tmp: Path, scenario: dict, *, only: list[int] | None = None,
@@ -64,13 +75,13 @@ def _finish(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[tuple[
 
 @pytest.fixture(scope="module")
 def one_process_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where one process runs SCENARIO (its routing log is written there)."""
+    """Where one process runs ENGINES (its routing log is written there)."""
     return tmp_path_factory.mktemp("one")
 
 
 @pytest.fixture(scope="module")
 def one_process(tiny_qn4: Path, one_process_dir: Path) -> dict[str, np.ndarray]:
-    """What one process makes of SCENARIO."""
+    """What one process makes of ENGINES."""
     from qnpipe import open_engine
 
     async def run() -> dict[str, np.ndarray]:
@@ -89,20 +100,52 @@ def one_process(tiny_qn4: Path, one_process_dir: Path) -> dict[str, np.ndarray]:
         return trio.run(run)
 
 
-def _check_bits(tmp: Path, results: list[tuple[int, str]], one_process: dict[str, np.ndarray]) -> None:
+@pytest.fixture(scope="module")
+def one_process_mtp(trained_qn4: Path) -> dict[str, np.ndarray]:
+    """Greedy tokens of one process for each MTP engine: without MTP (`.plain`) and with it (`.spec`)."""
+    from qnpipe import open_engine
+
+    async def run() -> dict[str, np.ndarray]:
+        saved = {}
+        for name, over in MTP_ENGINES.items():
+            for key, mtp in (("plain", False), ("spec", True)):
+                async with open_engine(trained_qn4, **{**over, "mtp.enabled": mtp}) as eng:
+                    res = await eng.generate(MTP_PROMPT, max_tokens=MTP_TOKENS, stop_at_eos=False)
+                    saved[f"{name}.{key}"] = np.array(res.tokens)
+        return saved
+
+    return trio.run(run)
+
+
+def _check_bits(tmp: Path, results: list[tuple[int, str]], one_process: dict[str, np.ndarray],
+                one_process_mtp: dict[str, np.ndarray]) -> None:
     got = np.load(tmp / "out0.npz")
-    assert sorted(got.files) == sorted(one_process)
+    mtp_keys = [f"{name}.{key}" for name in MTP_ENGINES for key in ("greedy", "accept_hist", "sampling_refused")]
+    assert sorted(got.files) == sorted([*one_process, *mtp_keys])
     for key, want in one_process.items():
         assert got[key].dtype == want.dtype and np.array_equal(got[key], want), key
+    for name in MTP_ENGINES:
+        # greedy with MTP over the ring == greedy without MTP in one process == with MTP in one process
+        tokens = got[f"{name}.greedy"].tolist()
+        assert len(tokens) == MTP_TOKENS
+        assert tokens == one_process_mtp[f"{name}.plain"].tolist() == one_process_mtp[f"{name}.spec"].tolist(), name
+        # rank 0's stats have the last rank's rounds: some rejected drafts (a rollback on every rank to
+        # a row inside the verify step), some accepted, fewer rounds than tokens
+        hist = got[f"{name}.accept_hist"].tolist()
+        assert len(hist) == MTP["mtp.num_draft_tokens"] + 1 and sum(hist[:-1]) > 0 and sum(hist[1:]) > 0, hist
+        assert sum(hist) < MTP_TOKENS, hist
+        assert "temperature=0.8: speculative sampling does not run distributed" in str(got[f"{name}.sampling_refused"])
     assert not (tmp / "out1.npz").exists(), "only rank 0 writes"
 
 
-def test_two_ranks_give_one_process_bits_streamed_and_resident(tiny_qn4: Path, tmp_path: Path, one_process_dir: Path,
-                                                                one_process: dict[str, np.ndarray]) -> None:
-    results = _finish(_start(2, tiny_qn4, tmp_path, SCENARIO), timeout_s=180)
+def test_two_ranks_give_one_process_bits_streamed_and_resident(tiny_qn4: Path, trained_qn4: Path, tmp_path: Path,
+                                                                one_process_dir: Path,
+                                                                one_process: dict[str, np.ndarray],
+                                                                one_process_mtp: dict[str, np.ndarray]) -> None:
+    results = _finish(_start(2, tiny_qn4, tmp_path, _scenario(trained_qn4)), timeout_s=300)
     for r, (rc, err) in enumerate(results):
         assert rc == 0, f"rank {r} exited {rc}:\n{err[-3000:]}"
-    _check_bits(tmp_path, results, one_process)
+    _check_bits(tmp_path, results, one_process, one_process_mtp)
     # the ranks' routing logs, merged, are the one process's
     merge([tmp_path / "routes.rank0.qtrace", tmp_path / "routes.rank1.qtrace"], tmp_path / "routes.qtrace")
     assert load_log(tmp_path / "routes.qtrace").steps == load_log(one_process_dir / "routes.qtrace").steps
@@ -117,16 +160,17 @@ class KilledRun:
 
 
 @pytest.fixture(scope="module")
-def three_ranks_then_one_killed(tiny_qn4: Path, tmp_path_factory: pytest.TempPathFactory) -> KilledRun:
-    """Three ranks run SCENARIO (rank 0 saves it), then rank 0 generates on until rank 1 is killed.
+def three_ranks_then_one_killed(tiny_qn4: Path, trained_qn4: Path, tmp_path_factory: pytest.TempPathFactory) -> KilledRun:
+    """Three ranks run the scenario (rank 0 saves it), then rank 0 generates on, with MTP speculation
+    streamed, until rank 1 is killed.
 
     One set of processes for both tests below: each rank's start-up (imports) costs seconds."""
     tmp = tmp_path_factory.mktemp("three")
-    procs = _start(3, tiny_qn4, tmp, {**SCENARIO, "loop": True})
+    procs = _start(3, tiny_qn4, tmp, {**_scenario(trained_qn4), "loop": True})
     try:
         assert procs[0].stdout is not None
         # Until rank 0 generates (or exits: then ""), bounded: a hung ring must fail the test, not hang it.
-        ready, _, _ = select.select([procs[0].stdout], [], [], 180)
+        ready, _, _ = select.select([procs[0].stdout], [], [], 300)
         first = procs[0].stdout.readline() if ready else ""
         if first.strip() != "generating":
             return KilledRun(tmp, first, 0.0, _finish(procs, timeout_s=10))
@@ -139,10 +183,11 @@ def three_ranks_then_one_killed(tiny_qn4: Path, tmp_path_factory: pytest.TempPat
 
 
 def test_three_ranks_give_one_process_bits_streamed_and_resident(
-        three_ranks_then_one_killed: KilledRun, one_process: dict[str, np.ndarray]) -> None:
+        three_ranks_then_one_killed: KilledRun, one_process: dict[str, np.ndarray],
+        one_process_mtp: dict[str, np.ndarray]) -> None:
     run = three_ranks_then_one_killed
     assert run.first.strip() == "generating", run.after
-    _check_bits(run.tmp, run.after, one_process)
+    _check_bits(run.tmp, run.after, one_process, one_process_mtp)
 
 
 def test_a_killed_rank_stops_the_others_naming_it(three_ranks_then_one_killed: KilledRun) -> None:
@@ -156,7 +201,7 @@ def test_a_killed_rank_stops_the_others_naming_it(three_ranks_then_one_killed: K
 
 def test_a_rank_that_never_starts_is_named_within_the_connect_timeout(tiny_qn4: Path, tmp_path: Path) -> None:
     t0 = time.monotonic()
-    [(rc, err)] = _finish(_start(2, tiny_qn4, tmp_path, SCENARIO, only=[0],
+    [(rc, err)] = _finish(_start(2, tiny_qn4, tmp_path, {"prompt": PROMPT, "tokens": 6, "engines": ENGINES}, only=[0],
                                  env={"QNPIPE_DISTRIBUTED__CONNECT_TIMEOUT_S": "1.5"}), timeout_s=30)
     assert rc != 0 and "rank 1" in err and "did not connect within 1.5 s" in err, err[-3000:]
     assert time.monotonic() - t0 < 30

@@ -2,7 +2,9 @@
 (its own forward, pool and actors), hand the result on, until rank 0 stops the ring.
 
 The last rank runs the step's tail (qnpipe.model.tails: the final norm and LM head, logits or a
-sampled token) and sends its value to rank 0, so one step is one pass around the ring.
+sampled token) and sends its value to rank 0, so one step is one pass around the ring. With MTP
+speculation it also runs the MTP head (`_Sequence.spec`): it drafts, accepts and answers with the
+committed tokens and the next drafts; every rank rolls its own layers back (`Verifying`).
 """
 
 from __future__ import annotations
@@ -10,30 +12,57 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from qnpipe.actors.forward import Forward
+from qnpipe.config import MtpHidden
 from qnpipe.errors import DistributedError
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.ring import Header, Op, Ring, dtype_code
+from qnpipe.live.parallel.verify import Verifying, spec_cache
+from qnpipe.live.spec.loop import accept_greedy
+from qnpipe.live.spec.state import SpecOptions, SpecState
 from qnpipe.model.qwen3_next import Model
 from qnpipe.model.tails import Logits, Sampling, Settle, TailKind
 
+_MTP = (TailKind.MTP_SETTLE, TailKind.MTP_FIRST, TailKind.MTP_VERIFY)
+
 
 class _Sequence:
-    """One sequence's state on this rank: its cache and, on the last rank, its sampler."""
+    """One sequence's state on this rank: its cache and, on the last rank, its sampler or its MTP state."""
 
-    def __init__(self, model: Model) -> None:
-        self.cache = model.make_cache()
+    def __init__(self, model: Model, header: Header, head: Any, hidden: MtpHidden) -> None:
         self.sampling: Sampling | None = None
+        self.spec: SpecState | None = None
+        self.verifying: Verifying | None = None
+        self.drafts: list[int] = []  # the last rank: the drafts rank 0 verifies next
+        if header.kind not in _MTP:
+            self.cache = model.make_cache()
+            return
+        if head is not None:
+            self.spec = SpecState(model, head, SpecOptions(k=header.depth, hidden=hidden))
+            self.cache = self.spec.caches.main
+        else:
+            self.cache = spec_cache(model)
+        self.verifying = Verifying(model, self.cache)
 
 
-async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring) -> None:
-    """Serve rank 0's steps until it stops the ring; DistributedError naming the rank that was lost."""
+def _receive(ring: Ring, hidden: int) -> tuple[Header, mx.array | None, list[int]]:
+    header, h = ring.recv(ring.prev, lambda hd: (1, hd.rows, hidden), True)
+    ids = np.array(ring.recv_ids(ring.prev, header.ids)).tolist() if header.op is Op.STEP and header.ids else []
+    return header, h, ids
+
+
+async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, head: Any = None,
+                 mtp_hidden: MtpHidden = MtpHidden.PRE_NORM) -> None:
+    """Serve rank 0's steps until it stops the ring; DistributedError naming the rank that was lost.
+
+    `head`: the MTP head (the last rank of an MTP engine), reading the main model's hidden as `mtp_hidden`."""
     hidden = model.args.hidden_size
     seq: _Sequence | None = None
     while True:
         try:
-            header, h = await run_on(thread, ring.recv, ring.prev, lambda hd: (1, hd.rows, hidden), True)
+            header, h, ids = await run_on(thread, _receive, ring, hidden)
         except DistributedError:
             if ring.next != ring.prev:  # the next rank still listens: tell it who was lost
                 await run_on(thread, ring.tell_lost, ring.prev, ring.next)
@@ -48,33 +77,85 @@ async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring) -> N
         if header.op is not Op.STEP:
             raise DistributedError(f"rank {ring.rank}: rank {ring.prev} sent {header.op.name} where a step was due")
         if header.fresh or seq is None:
-            seq = await run_on(thread, _Sequence, model)
+            seq = await run_on(thread, _Sequence, model, header, head, mtp_hidden)
+        if (header.kind in _MTP) != (seq.verifying is not None):
+            raise DistributedError(f"rank {ring.rank}: a {TailKind(header.kind).name} step in a sequence "
+                                   f"that did not start as one")
+        if header.kind in _MTP and ring.rank == ring.size - 1 and seq.spec is None:
+            raise DistributedError(f"rank {ring.rank}: an MTP step, and this rank has no MTP head "
+                                   f"(mtp.enabled must be the same on every rank)")
         assert h is not None
-        tail = _last_tail(ring, model, seq, header) if ring.rank == ring.size - 1 else _pass_on(ring, seq, header)
-        await fwd.run(_given(h), seq.cache, tail)
+        tail = (_last_tail(ring, model, seq, header, ids) if ring.rank == ring.size - 1
+                else _pass_on(ring, seq, header, ids))
+        await fwd.run(_given(h, seq, header), seq.cache, tail)
 
 
-def _given(h: mx.array) -> Any:
-    return lambda: h
+def _given(h: mx.array, seq: _Sequence, header: Header) -> Any:
+    def inputs() -> mx.array:
+        if seq.verifying is not None:  # the last verify step's rollback, before this step runs
+            seq.verifying.before(header.keep, header.rows if header.kind == TailKind.MTP_VERIFY else 0)
+        return h
+
+    return inputs
 
 
-def _pass_on(ring: Ring, seq: _Sequence, header: Header) -> Any:
+def _pass_on(ring: Ring, seq: _Sequence, header: Header, ids: list[int]) -> Any:
     def tail(h: mx.array) -> None:
         ring.send(Header(Op.STEP, rows=header.rows, kind=header.kind, fresh=header.fresh, dtype=dtype_code(h),
-                         seed=header.seed, temperature=header.temperature, top_p=header.top_p), h, ring.next)
-        if header.kind == TailKind.SETTLE:
+                         seed=header.seed, temperature=header.temperature, top_p=header.top_p, ids=header.ids,
+                         keep=header.keep, depth=header.depth), h, ring.next)
+        if ids:
+            ring.send_ids(mx.array(ids, dtype=mx.uint32), ring.next)
+        if header.kind in (TailKind.SETTLE, TailKind.MTP_SETTLE):
             mx.eval([c.state for c in seq.cache if c is not None])
 
     return tail
 
 
-def _last_tail(ring: Ring, model: Model, seq: _Sequence, header: Header) -> Any:
+def _drafts(spec: SpecState) -> list[int]:
+    spec.draft()
+    return spec.host_draft_tokens()[0]
+
+
+def _mtp_value(model: Model, seq: _Sequence, header: Header, ids: list[int], h: mx.array) -> mx.array | None:
+    """The last rank's MTP work on a step; the token ids rank 0 gets back (None: a settle step)."""
+    spec = seq.spec
+    assert spec is not None
+    main_states = [c.state for c in seq.cache]
+    match header.kind:
+        case TailKind.MTP_SETTLE:  # row j pairs h_j with token j + 1 (qnpipe.live.spec.loop.prefill)
+            mx.eval(h, main_states)
+            spec.mtp_rows(h, ids)
+            return None
+        case TailKind.MTP_FIRST:
+            tok = mx.argmax(model.head(h[:, -1, :])[0], axis=-1)
+            mx.eval(tok, h, main_states)
+            x = int(tok.item())  # pyright: ignore[reportArgumentType]
+            spec.mtp_rows(h, [*ids, x])
+            seq.drafts = _drafts(spec)
+            return mx.array([x, *seq.drafts], dtype=mx.uint32)
+        case _:  # MTP_VERIFY: as SpecState.verify_tail, then the repair and drafts of apply_pending / draft
+            am = mx.concatenate([mx.argmax(model.head(h[:, i]), axis=-1) for i in range(h.shape[1])])
+            mx.eval(am, h, main_states)
+            main = np.array(am).tolist()
+            drafted = seq.drafts
+            a = accept_greedy(drafted, main)
+            committed = [*drafted[:a], int(main[a])]
+            spec.caches.mtp.trim(len(drafted) - 1)
+            spec.mtp_rows(h[:, :a + 1], committed, sync=False)
+            seq.drafts = _drafts(spec)
+            return mx.array([*committed, *seq.drafts], dtype=mx.uint32)
+
+
+def _last_tail(ring: Ring, model: Model, seq: _Sequence, header: Header, ids: list[int]) -> Any:
     def tail(h: mx.array) -> None:
         value: mx.array | None
         match header.kind:
             case TailKind.SETTLE:
                 Settle(seq.cache)(h)
                 value = None
+            case TailKind.MTP_SETTLE | TailKind.MTP_FIRST | TailKind.MTP_VERIFY:
+                value = _mtp_value(model, seq, header, ids, h)
             case TailKind.LOGITS | TailKind.LAST_LOGITS:
                 value = mx.array(Logits(model, last_only=header.kind == TailKind.LAST_LOGITS)(h))
             case TailKind.SAMPLE:
@@ -84,7 +165,8 @@ def _last_tail(ring: Ring, model: Model, seq: _Sequence, header: Header) -> Any:
                 value = seq.sampling.next_token(h).reshape(1)
             case _:
                 raise DistributedError(f"rank {ring.rank}: unknown step end {header.kind}")
-        ring.send(Header(Op.RESULT, rows=header.rows, kind=header.kind,
+        ring.send(Header(Op.RESULT, rows=header.rows if value is None or header.kind not in _MTP else value.size,
+                         kind=header.kind,
                          dtype=-1 if value is None else dtype_code(value)), value, ring.next)
 
     return tail

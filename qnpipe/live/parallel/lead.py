@@ -27,7 +27,12 @@ def result_shape(kind: int, rows: int, vocab: int) -> tuple[int, ...]:
             return (vocab,)
         case TailKind.SAMPLE:
             return (1,)
+        case TailKind.MTP_FIRST | TailKind.MTP_VERIFY:
+            return (rows,)  # token ids: the committed ones, then the next round's drafts
     raise AssertionError(f"a {TailKind(kind).name} step has no value")
+
+
+_SETTLES = (TailKind.SETTLE, TailKind.MTP_SETTLE)  # steps with no value: their answers are read later
 
 
 class Lead:
@@ -48,22 +53,28 @@ class Lead:
         kind = getattr(tail, "kind", None)
         if kind is None:
             raise DistributedError(f"this step's end ({tail!r}) does not run distributed yet "
-                                   f"(MTP speculation and prefix snapshots are off with distributed.enabled)")
+                                   f"(prefix snapshots are off with distributed.enabled)")
         fresh = cache is not self._cache
         self._cache = cache
         sampling = getattr(tail, "sampling", None)
         seed = -1 if sampling is None or sampling.seed is None else int(sampling.seed)
         temperature = 0.0 if sampling is None else float(sampling.temperature)
         top_p = 1.0 if sampling is None else float(sampling.top_p)
+        # MTP speculation (qnpipe.live.parallel.speculate.RingMtp): token ids for the last rank, the
+        # rollback of the last verify step, the drafts per round.
+        ids: list[int] = list(getattr(tail, "ids", ()))
+        keep, depth = int(getattr(tail, "keep", 0)), int(getattr(tail, "depth", 0))
         ring = self.ring
 
         def around(h: mx.array) -> Any:
             header = Header(Op.STEP, rows=h.shape[1], kind=int(kind), fresh=fresh, dtype=dtype_code(h), seed=seed,
-                            temperature=temperature, top_p=top_p)
+                            temperature=temperature, top_p=top_p, ids=len(ids), keep=keep, depth=depth)
             if self.forward is not None:
                 self.forward.busy = False  # an attribute store: safe from this thread; run() resets it
             ring.send(header, h, ring.next)
-            if kind == TailKind.SETTLE:
+            if ids:
+                ring.send_ids(mx.array(ids, dtype=mx.uint32), ring.next)
+            if kind in _SETTLES:
                 mx.eval([c.state for c in cache if c is not None])
                 self._unread += 1
                 return None
@@ -89,7 +100,7 @@ class Lead:
     def _read_settled(self) -> None:
         while self._unread:
             back, _ = self._answer()
-            assert back.kind == TailKind.SETTLE, back
+            assert back.kind in _SETTLES, back
             self._unread -= 1
 
     def close(self) -> None:

@@ -1,7 +1,9 @@
 """The ranks' messages over `mx.distributed` (MLX thread only).
 
 Every message is a header (`HEADER` int64: op, rows or rank, tail kind, fresh, payload dtype,
-seed, temperature and top-p as float64 bits) and, for a step or a result, one array. A step
+seed, temperature and top-p as float64 bits, and MTP speculation's token-id count, rollback and
+draft depth) and, for a step or a result, one array; a step may carry token ids after it
+(`send_ids`: the prompt tokens the last rank's MTP head reads). A step
 goes from rank r to r + 1 with the hidden state `[1, L, H]`; the last rank sends the step's
 value (a token, logits, or nothing) to rank 0: in a ring both are neighbours.
 
@@ -32,7 +34,7 @@ import numpy as np
 from qnpipe.errors import DistributedError
 from qnpipe.live.parallel.deadman import Deadman, outside
 
-HEADER = 8
+HEADER = 11
 HEADER_BYTES = HEADER * 8
 
 
@@ -56,16 +58,20 @@ class Header:
     seed: int = -1
     temperature: float = 0.0
     top_p: float = 1.0
+    ids: int = 0  # MTP: uint32 token ids that follow the payload as a message of their own (`send_ids`)
+    keep: int = 0  # MTP: before this step, roll the last verify step back to its first `keep` rows (0: none)
+    depth: int = 0  # MTP: drafts per round (K)
 
     def encode(self) -> mx.array:
         floats = np.array([self.temperature, self.top_p], dtype=np.float64).view(np.int64)
         return mx.array(np.array([int(self.op), self.rows, self.kind, int(self.fresh), self.dtype, self.seed,
-                                  *floats.tolist()], dtype=np.int64))
+                                  *floats.tolist(), self.ids, self.keep, self.depth], dtype=np.int64))
 
     @classmethod
     def decode(cls, a: np.ndarray) -> Header:
         t, p = a[6:8].astype(np.int64).view(np.float64).tolist()
-        return cls(Op(int(a[0])), int(a[1]), int(a[2]), bool(a[3]), int(a[4]), int(a[5]), t, p)
+        return cls(Op(int(a[0])), int(a[1]), int(a[2]), bool(a[3]), int(a[4]), int(a[5]), t, p,
+                   int(a[8]), int(a[9]), int(a[10]))
 
 
 def dtype_code(a: mx.array) -> int:
@@ -89,9 +95,10 @@ class Ring:
         # Every rank must use the same: set from the model (`fit`) before the first step.
         self.frame_bytes = HEADER_BYTES + 64
 
-    def fit(self, hidden_size: int) -> None:
-        """Frames that hold one row of a float32 hidden state of `hidden_size` after the header."""
-        self.frame_bytes = HEADER_BYTES + 4 * hidden_size
+    def fit(self, hidden_size: int, rows: int = 1) -> None:
+        """Frames that hold `rows` rows of a float32 hidden state of `hidden_size` after the header
+        (MTP speculation: a verify step's K + 1)."""
+        self.frame_bytes = HEADER_BYTES + 4 * hidden_size * rows
 
     @classmethod
     def connect(cls, connect_timeout_s: float, step_timeout_s: float) -> Ring:
@@ -173,6 +180,29 @@ class Ring:
         except RuntimeError as e:
             raise self._fail(frm, "receiving from", e) from None
         return header, payload
+
+    def send_ids(self, ids: mx.array, to: int) -> None:
+        """Token ids (uint32) after a step whose header says how many (`Header.ids`)."""
+        self._check()
+        try:
+            with self.deadman.waiting(self.step_timeout_s, f"rank {self.rank}: sending to rank {to} took over "
+                                      f"{self.step_timeout_s} s (distributed.step_timeout_s); stopping"):
+                mx.eval(mx.distributed.send(ids.astype(mx.uint32), to, group=self.group))
+        except RuntimeError as e:
+            raise self._fail(to, "sending to", e) from None
+
+    def recv_ids(self, frm: int, n: int) -> mx.array:
+        """The `n` token ids that follow a step from rank `frm`."""
+        self._check()
+        try:
+            with self.deadman.waiting(self.step_timeout_s, f"rank {self.rank}: no answer from rank {frm} in "
+                                      f"{self.step_timeout_s} s (distributed.step_timeout_s): rank {frm} or one "
+                                      f"before it hangs; stopping"):
+                ids = mx.distributed.recv((n,), mx.uint32, frm, group=self.group)
+                mx.eval(ids)
+        except RuntimeError as e:
+            raise self._fail(frm, "receiving from", e) from None
+        return ids
 
     def tell_lost(self, lost: int, to: int) -> None:
         """Best effort: tell rank `to` that rank `lost` is gone (its own link may be down too)."""

@@ -28,8 +28,18 @@ async def speculate(fwd: Forward, emit: Callable[[Msg], None] | None, thread: ML
                     ids: list[int], kw: dict[str, Any],
                     on_text: Callable[[str], None] | None, on_prefill: Callable[[int, int], None] | None,
                     partial: list[int] | None, prefix: PrefixCache | None = None) -> GenerateResult:
-    """A `generate` of the engine `core` with its MTP head (`core.mtp`): greedy, or speculative sampling."""
+    """A `generate` of the engine `core` with its MTP head (`core.mtp`): greedy, or speculative sampling.
+
+    Rank 0 of a ring (`core.mtp_ring`): the last rank holds the head (qnpipe.live.parallel.speculate)."""
     runner = core.runner
+    if core.mtp_ring:
+        from qnpipe.live.parallel import speculate as ring
+
+        return await ring.generate(fwd, thread, runner.loaded.model, runner.tokenizer, ids, max_tokens=kw["max_tokens"],
+                                   eos=runner.eos_ids if kw["stop_at_eos"] else set(),
+                                   chunk=core.cfg.forward.prefill_chunk_tokens, depth=core.cfg.mtp.num_draft_tokens,
+                                   temperature=kw["temperature"], emit=emit, on_text=on_text, on_prefill=on_prefill,
+                                   partial=partial)
     return await loop.generate(fwd, thread, runner.loaded.model, core.mtp, runner.tokenizer, ids,
                                max_tokens=kw["max_tokens"], eos=runner.eos_ids if kw["stop_at_eos"] else set(),
                                chunk=core.cfg.forward.prefill_chunk_tokens, opts=options(core.cfg, emit, temperature=kw["temperature"],

@@ -1,18 +1,12 @@
-"""Fixtures of the speculation tests: the trained tiny model (its MTP head drafts well) in three forms."""
+"""Fixtures of the speculation tests: the trained tiny model (its MTP head drafts well; `trained_hf`,
+`trained_qn4` are in tests/conftest.py) as float32 qnpipe directory and loaded."""
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def trained_hf() -> Path:
-    """The shipped trained tiny model: original HF layout, float32, every expert resident."""
-    return Path(str(resources.files("qnpipe") / "data" / "tiny_trained"))
 
 
 @pytest.fixture(scope="session")
@@ -22,16 +16,6 @@ def trained_qn32(tmp_path_factory: pytest.TempPathFactory, trained_hf: Path) -> 
 
     out = tmp_path_factory.mktemp("models") / "trained-qn32"
     convert(trained_hf, out, dtype="float32", mtp_bits=0)
-    return out
-
-
-@pytest.fixture(scope="session")
-def trained_qn4(tmp_path_factory: pytest.TempPathFactory, trained_hf: Path) -> Path:
-    """`trained_hf` quantized to 4 bits / group 32 (experts and MTP head), as a qnpipe directory."""
-    from qnpipe.convert import convert
-
-    out = tmp_path_factory.mktemp("models") / "trained-qn4"
-    convert(trained_hf, out, bits=4, group_size=32, mtp_bits=4)
     return out
 
 

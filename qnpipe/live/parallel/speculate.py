@@ -1,0 +1,123 @@
+"""Rank 0's MTP speculation loop over the ring (docs/distributed.md, "MTP speculation").
+
+The last rank holds the MTP head (it needs the final hidden state, the embedding and the LM
+head), so the drafts are made there: each step's answer brings rank 0 the committed tokens and
+the next round's drafts, and rank 0 sends `[y_n, d_1 … d_K]` round the ring as one verify step
+of K + 1 rows. The drafts depend only on what the last rank has seen, so no round waits for
+more than one pass. Every rank rolls its own layers back (qnpipe.live.parallel.verify): the
+rollback of a verify step rides on the next step's header.
+
+The rounds are `qnpipe.live.spec.loop`'s batch verify with per-token states, greedy: the same
+committed tokens as plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import numpy as np
+import trio
+
+from qnpipe.actors.forward import Forward
+from qnpipe.errors import ConfigError, DistributedError
+from qnpipe.live.decoding import Output, generate_stats
+from qnpipe.live.mlx_thread import MLXThread, run_on
+from qnpipe.live.parallel.verify import Verifying, spec_cache
+from qnpipe.live.spec.loop import Recorder
+from qnpipe.live.spec.state import Draft
+from qnpipe.messages import Msg
+from qnpipe.model.decode import chunks
+from qnpipe.model.qwen3_next import Model
+from qnpipe.model.tails import TailKind
+from qnpipe.stats import FinishReason, GenerateResult
+from qnpipe.trace import SpecRound
+
+
+@attrs.frozen
+class RingMtp:
+    """The end of an MTP step on rank 0: `qnpipe.live.parallel.lead.Lead` sends it round the ring."""
+
+    kind: TailKind
+    depth: int
+    ids: tuple[int, ...] = ()  # the tokens the last rank's MTP pairs with this step's rows
+    keep: int = 0  # rows of the last verify step to keep (0: no verify step before this one)
+
+    def __call__(self, h: mx.array) -> Any:
+        # Lead.tail replaces it by a pass around the ring: only the last rank can end this step.
+        raise DistributedError(f"an MTP {self.kind.name} step ended on rank 0 (no ring: distributed.enabled?)")
+
+
+class _Rank0:
+    """Rank 0's caches (its own layers) and the rollback still due. MLX thread only."""
+
+    def __init__(self, model: Model) -> None:
+        mx.reset_peak_memory()
+        self.cache = spec_cache(model)
+        self.verifying = Verifying(model, self.cache)
+
+    def inputs(self, tokens: Sequence[int], keep: int, verify_rows: int) -> Callable[[], mx.array]:
+        def build() -> mx.array:
+            self.verifying.before(keep, verify_rows)
+            return mx.array(list(tokens), dtype=mx.uint32)[None]
+
+        return build
+
+
+async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any, tokens: Sequence[int], *,
+                   max_tokens: int, eos: set[int], chunk: int, depth: int, temperature: float = 0.0,
+                   emit: Callable[[Msg], None] | None = None, on_text: Callable[[str], None] | None = None,
+                   on_prefill: Callable[[int, int], None] | None = None,
+                   partial: list[int] | None = None) -> GenerateResult:
+    """Greedy generation with MTP speculation, the head on the last rank: plain greedy's tokens."""
+    if temperature > 0.0:
+        raise ConfigError(f"temperature={temperature}: speculative sampling does not run distributed "
+                          f"(mtp.enabled with distributed.enabled is greedy only; set mtp.enabled=false to sample)")
+    t0 = trio.current_time()
+    st = await run_on(thread, _Rank0, model)
+    spans = chunks(len(tokens), chunk)
+    answer = np.zeros(0, dtype=np.uint32)
+    for i, (lo, hi) in enumerate(spans):
+        last = i == len(spans) - 1
+        # Row j pairs h_j with token j + 1; the last row's token is the one this step makes.
+        tail = RingMtp(TailKind.MTP_FIRST if last else TailKind.MTP_SETTLE, depth,
+                       tuple(tokens[lo + 1:hi] if last else tokens[lo + 1:hi + 1]))
+        answer = np.asarray(await fwd.run(st.inputs(tokens[lo:hi], 0, 0), st.cache, tail))
+        if on_prefill is not None:
+            on_prefill(hi, len(tokens))
+    x, drafts = int(answer[0]), [int(t) for t in answer[1:]]
+    t_first = trio.current_time()
+    output = Output(tokenizer, eos, on_text, partial)
+    reason = FinishReason.LENGTH
+    rec = Recorder(depth)
+    n, keep = 0, 0
+    pending = [x]
+    while True:
+        for tok in pending:  # commit: stop at EOS or max_tokens
+            n += 1
+            if not output.commit(tok):
+                reason = FinishReason.EOS
+                break
+            if n >= max_tokens:
+                break
+        if n >= max_tokens or reason is FinishReason.EOS:
+            break
+        x = pending[-1]
+        r0 = trio.current_time()
+        answer = np.asarray(await fwd.run(st.inputs([x, *drafts], keep, depth + 1), st.cache,
+                                          RingMtp(TailKind.MTP_VERIFY, depth, keep=keep)))
+        pending = [int(t) for t in answer[:len(answer) - depth]]
+        a = len(pending) - 1
+        rec.round(Draft(drafts, []), pending, a)
+        if emit is not None:
+            emit(SpecRound(**rec.stamper.stamp(), step=fwd.stats.steps, drafts=tuple(drafts), accepted=a,
+                           bonus=pending[-1]))
+        rec.verify_s += trio.current_time() - r0
+        drafts, keep = [int(t) for t in answer[len(answer) - depth:]], a + 1
+    t_end = trio.current_time()
+    text = output.finish()
+    peak = await run_on(thread, mx.get_peak_memory)
+    stats = generate_stats(len(tokens), n, t0, t_first, t_end, peak, reason, mtp=rec.stats())
+    return GenerateResult(tokens=tuple(output.tokens), text=text, stats=stats)
