@@ -32,7 +32,8 @@ def test_more_ranks_than_layers_is_a_config_error() -> None:
 def test_the_header_round_trips_with_exact_sampler_floats() -> None:
     from qnpipe.live.parallel.ring import Header, Op
 
-    h = Header(Op.STEP, rows=7, kind=3, fresh=True, dtype=1, seed=2**40 + 3, temperature=0.7, top_p=0.95)
+    h = Header(Op.STEP, rows=7, kind=3, fresh=True, dtype=1, seed=2**40 + 3, temperature=0.7, top_p=0.95,
+               ids=12, keep=2, depth=3)
     raw = np.array(h.encode())
-    assert raw.dtype == np.int64 and raw.nbytes == 64
+    assert raw.dtype == np.int64 and raw.nbytes == 88
     assert Header.decode(raw) == h
