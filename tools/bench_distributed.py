@@ -9,6 +9,7 @@ rank's memory after loading and at its peak).
 
     python tools/bench_distributed.py                     # the tiny model, made and converted here
     python tools/bench_distributed.py --model DIR --set pool.expert_slots=8
+    python tools/bench_distributed.py --model DIR --set mtp.enabled=true --prompt "def f(x):"  # MTP speculation
 
 On one machine the ranks share its cores, and a rank waiting in MLX's ring recv keeps about
 half a core busy (docs/distributed.md): tok/s here is a floor, not what two machines give.
@@ -48,10 +49,12 @@ def worker(args: argparse.Namespace) -> int:
         async with open_engine(cfg=cfg, distributed=args.ranks > 1) as eng:
             out["active_after_load_bytes"] = mx.get_active_memory()
             if eng.rank == 0:
-                prompt = list(range(1, 17))
+                prompt = args.prompt if args.prompt is not None else list(range(1, 17))
                 await eng.generate(prompt, max_tokens=8, stop_at_eos=False)  # MLX's first-use costs
                 res = await eng.generate(prompt, max_tokens=args.tokens, stop_at_eos=False)
                 out["decode_tok_s"] = res.stats.decode_tok_s
+                if res.stats.mtp is not None and res.stats.mtp.rounds:
+                    out["mtp_tokens_per_round"] = res.stats.mtp.tokens / res.stats.mtp.rounds
                 out["hidden_size"] = eng.args.hidden_size
         out["peak_bytes"] = mx.get_peak_memory()
 
@@ -87,7 +90,8 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_ranks(model: Path, ranks: int, tmp: Path, extra: list[str], tokens: int, handoffs: int) -> list[dict]:
+def run_ranks(model: Path, ranks: int, tmp: Path, extra: list[str], tokens: int, handoffs: int,
+              prompt: str | None = None) -> list[dict]:
     hostfile = write_local_hostfile(tmp / f"hosts{ranks}.json", ranks)
     procs = []
     for r in range(ranks):
@@ -96,6 +100,8 @@ def run_ranks(model: Path, ranks: int, tmp: Path, extra: list[str], tokens: int,
             env.update(MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile))
         cmd = [sys.executable, __file__, "--worker", "--model", str(model), "--ranks", str(ranks),
                "--tokens", str(tokens), "--handoffs", str(handoffs), "--out", str(tmp / f"r{ranks}.{r}.json")]
+        if prompt is not None:
+            cmd += ["--prompt", prompt]
         for s in extra:
             cmd += ["--set", s]
         procs.append(subprocess.Popen(cmd, env=env))
@@ -112,6 +118,7 @@ def main() -> int:
     ap.add_argument("--max-ranks", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per run")
     ap.add_argument("--handoffs", type=int, default=200, help="passes around the ring for the hand-off time")
+    ap.add_argument("--prompt", help="prompt text (default: token ids 1..16)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine override (every rank)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -127,7 +134,8 @@ def main() -> int:
 
             model = tmp / "tiny-qn"
             convert(make_tiny(tmp / "tiny", layout="mlx", bits=4, seed=0), model)
-        runs = {n: run_ranks(model, n, tmp, args.set, args.tokens, args.handoffs) for n in range(1, args.max_ranks + 1)}
+        runs = {n: run_ranks(model, n, tmp, args.set, args.tokens, args.handoffs, args.prompt)
+                for n in range(1, args.max_ranks + 1)}
     print(json.dumps({
         "tok_s_by_ranks": {str(n): round(rs[0]["decode_tok_s"], 2) for n, rs in runs.items()},
         "handoff_us_per_token": {str(n): round(rs[0]["handoff_us_per_token"], 1) for n, rs in runs.items() if n > 1},
@@ -135,6 +143,8 @@ def main() -> int:
         "payload_bytes_per_token": {str(n): rs[0]["payload_bytes_per_token"] for n, rs in runs.items() if n > 1},
         "active_after_load_bytes_by_rank": {str(n): [r["active_after_load_bytes"] for r in rs] for n, rs in runs.items()},
         "peak_bytes_by_rank": {str(n): [r["peak_bytes"] for r in rs] for n, rs in runs.items()},
+        **({"mtp_tokens_per_round": {str(n): round(rs[0]["mtp_tokens_per_round"], 2) for n, rs in runs.items()}}
+           if "mtp_tokens_per_round" in runs[1][0] else {}),
         "model": str(args.model or "tiny (made here)"), "tokens": args.tokens, "set": args.set,
     }))
     return 0

@@ -34,7 +34,8 @@ async def join(cfg: Config, thread: MLXThread) -> tuple[Ring, Stage, Config]:
     split = split_layers(per, ring.size, first_extra=embed, last_extra=head)
     # The same shape is not enough: config.json's bytes tell another checkpoint of it apart.
     key = model_id(args) + hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
-    await run_on(thread, ring.check_same_run, key, __version__, split)
+    mtp_key = f"{mtp} {cfg.mtp.num_draft_tokens if mtp else 0}"
+    await run_on(thread, ring.check_same_run, key, __version__, split, mtp_key)
     ring.fit(args.hidden_size, cfg.mtp.num_draft_tokens + 1 if mtp else 1)
     stage = Stage(ring.rank, ring.size, *split[ring.rank], mtp=mtp)
     return ring, stage, rank_config(cfg, stage)

@@ -213,10 +213,11 @@ class Ring:
             pass
         self.broken = err
 
-    def check_same_run(self, model_key: str, version: str, split: list[tuple[int, int]]) -> None:
-        """DistributedError naming each rank whose model, qnpipe version or layer split differs from rank 0's."""
+    def check_same_run(self, model_key: str, version: str, split: list[tuple[int, int]], mtp: str = "") -> None:
+        """DistributedError naming each rank whose model, qnpipe version, layer split or MTP settings
+        (`mtp`: they set the frame size) differ from rank 0's."""
         self._check()
-        parts = [model_key, version, json.dumps(split)]
+        parts = [model_key, version, json.dumps(split), mtp]
         mine = np.array([int.from_bytes(hashlib.blake2b(p.encode(), digest_size=4).digest(), "little") >> 1
                          for p in parts], dtype=np.int32)
         try:
@@ -230,7 +231,8 @@ class Ring:
         table = np.array(every).reshape(self.size, len(parts))
         bad = []
         for r in range(1, self.size):
-            for name, a, b in zip(("model", "qnpipe version", "layer split"), table[0], table[r], strict=True):
+            for name, a, b in zip(("model", "qnpipe version", "layer split", "MTP setting (mtp.enabled, mtp.num_draft_tokens)"),
+                                  table[0], table[r], strict=True):
                 if a != b:
                     bad.append(f"rank {r} runs another {name} than rank 0")
         if bad:
