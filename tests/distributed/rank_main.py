@@ -2,8 +2,8 @@
 
 Rank 0 runs each engine setting of the scenario through `open_engine(distributed=True)` and saves
 what it produced; the other ranks serve it. An engine with `mtp.enabled` runs on its own model
-(`"models"`) and prompt (`"mtp_prompt"`): greedy tokens, the rounds' acceptance histogram, and the
-refusal of sampling. `"loop": true` (the last engine only) then keeps rank 0
+(`"models"`) and prompt (`"mtp_prompt"`): a generation cancelled part way, then greedy tokens, the
+rounds' acceptance histogram, and the refusal of sampling. `"loop": true` (the last engine only) then keeps rank 0
 generating until the ring fails (the killed-rank test), printing `generating` once it has begun.
 """
 
@@ -30,6 +30,7 @@ async def main(model_dir: str, out: str, scenario: dict) -> int:
             prompt = scenario["prompt"]
             if overrides.get("mtp.enabled"):
                 prompt = scenario["mtp_prompt"]
+                saved[f"{name}.cancelled_after"] = np.array(await _cancelled(eng, prompt, scenario["mtp_tokens"]))
                 res = await eng.generate(prompt, max_tokens=scenario["mtp_tokens"], stop_at_eos=False)
                 assert res.stats.mtp is not None
                 saved[f"{name}.greedy"] = np.array(res.tokens)
@@ -48,6 +49,18 @@ async def main(model_dir: str, out: str, scenario: dict) -> int:
     if saved:
         np.savez(out, **saved)
     return 0
+
+
+async def _cancelled(eng: Any, prompt: Any, tokens: int) -> int:
+    """A generation cancelled (as Ctrl-C does) once it has 5 tokens: how many it had."""
+    partial: list[int] = []
+    with trio.CancelScope() as scope:
+        def on_text(_: str) -> None:
+            if len(partial) >= 5:
+                scope.cancel()
+
+        await eng.generate(prompt, max_tokens=tokens, stop_at_eos=False, on_text=on_text, partial=partial)
+    return len(partial)
 
 
 async def _plain(eng: Any, name: str, prompt: Any, tokens: int, saved: dict[str, Any]) -> None:

@@ -120,12 +120,15 @@ def one_process_mtp(trained_qn4: Path) -> dict[str, np.ndarray]:
 def _check_bits(tmp: Path, results: list[tuple[int, str]], one_process: dict[str, np.ndarray],
                 one_process_mtp: dict[str, np.ndarray]) -> None:
     got = np.load(tmp / "out0.npz")
-    mtp_keys = [f"{name}.{key}" for name in MTP_ENGINES for key in ("greedy", "accept_hist", "sampling_refused")]
+    mtp_keys = [f"{name}.{key}" for name in MTP_ENGINES
+                for key in ("greedy", "accept_hist", "sampling_refused", "cancelled_after")]
     assert sorted(got.files) == sorted([*one_process, *mtp_keys])
     for key, want in one_process.items():
         assert got[key].dtype == want.dtype and np.array_equal(got[key], want), key
     for name in MTP_ENGINES:
-        # greedy with MTP over the ring == greedy without MTP in one process == with MTP in one process
+        # a generation cancelled part way (rank 0 stops; the others were left mid-sequence) ...
+        assert 5 <= int(got[f"{name}.cancelled_after"]) < MTP_TOKENS
+        # ... then greedy with MTP over the ring == greedy without MTP in one process == with MTP in one process
         tokens = got[f"{name}.greedy"].tolist()
         assert len(tokens) == MTP_TOKENS
         assert tokens == one_process_mtp[f"{name}.plain"].tolist() == one_process_mtp[f"{name}.spec"].tolist(), name
