@@ -18,12 +18,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from qnpipe.plan import fmt_bytes, make_plans, minimum_budget, parse_memory, save_plan
     from qnpipe.plan.make import resolve_model
 
-    if args.model_dir is None and args.shape is None:
+    model = args.shape or args.model_dir
+    if model is None:
         raise QnpipeError("give MODEL_DIR (a `qnpipe convert` output) or --shape CONFIG_JSON")
     memory = parse_memory(args.memory)
     headroom = parse_memory(args.headroom, key="--headroom") if args.headroom not in ("0", "") else 0
     cfg = config.load(args.config, overrides=config_overrides(args))
-    facts = resolve_model(Path(args.shape) if args.shape else Path(args.model_dir), cfg, args.bits)
+    facts = resolve_model(Path(model), cfg, args.bits)
     budgets = [memory]
     if args.plot:
         least = minimum_budget(facts, cfg, context=args.context, headroom_bytes=headroom)

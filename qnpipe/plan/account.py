@@ -37,7 +37,6 @@ import msgspec
 from qnpipe.config import Config
 from qnpipe.errors import CheckpointError, ConfigError
 from qnpipe.model.args import ModelArgs, args_from_dict, read_config
-from qnpipe.model.kvquant import bytes_per_token
 from qnpipe.model.memory import GB
 from qnpipe.plan.units import fmt_bytes
 from qnpipe.trace import ModelShape
@@ -196,6 +195,8 @@ def nonexpert_params(args: ModelArgs) -> tuple[list[tuple[int, int]], int]:
 
 def kv_nbytes(facts: ModelFacts, cfg: Config, context: int) -> int:
     """The full-attention layers' KV cache at `context` tokens, in mlx-lm's 256-token steps."""
+    from qnpipe.model.kvquant import bytes_per_token  # its module loads mlx-lm: only when an account is made
+
     args = facts.args
     n_fa = sum(not args.is_linear(i) for i in range(args.num_hidden_layers))
     per_token = bytes_per_token(n_fa, args.num_key_value_heads, args.head_dim, facts.act_dtype_bytes,

@@ -31,7 +31,7 @@ from qnpipe.io.simssd import DeviceProfile
 from qnpipe.plan.allocate import Allocator, curve_hits, uniform_caps
 from qnpipe.plan.plan_file import Candidate
 from qnpipe.replay.mrc import MrcResult, mrc
-from qnpipe.replay.runner import CostModel, PredictorOpts, ReplayLog, ReplayReport, _cached_log, replay
+from qnpipe.replay.runner import CostModel, PredictorOpts, ReplayLog, ReplayReport, load_log, replay
 from qnpipe.trace import ModelShape
 
 WINDOW_LAYER_STEPS = 12_000  # ~1.5-2.5 s of fast replay per candidate on one core (docs/measurements.md)
@@ -77,7 +77,7 @@ class Search:
         self.cfg = cfg
         self.device, self.cost, self.nbytes = device, cost, record_nbytes
         self.say = say or (lambda s: None)
-        self.log: ReplayLog = _cached_log(log_path)[0]  # the replays below read it from the same cache
+        self.log: ReplayLog = load_log(log_path)
         shape = self.log.shape
         if expect is not None and not same_shape(shape, expect):
             raise ConfigError(f"--log {log_path}: a log of another model shape ({_brief(shape)}); the model is "
