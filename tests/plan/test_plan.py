@@ -123,3 +123,48 @@ def test_an_unreadable_device_profile_is_refused(tiny_qn4: Path, tiny_log: Path,
 def test_a_directory_that_is_not_a_model_is_refused(tmp_path: Path, no_work: None) -> None:
     with pytest.raises(CheckpointError, match="config.json"):
         make_plan(tmp_path, "8GB")
+
+
+def _log_with_candidates(src: Path, out: Path, *, wrong: bool) -> Path:
+    """`src`'s routes as an event log with the next layer's true experts (or, `wrong`, others) as each
+    layer's gate candidates."""
+    from qnpipe import trace
+    from qnpipe.messages import Candidates
+
+    log = load_log(src)
+    w = trace.TraceWriter(out, trace.Header(schema_version=trace.SCHEMA_VERSION, fingerprint="test", model=log.shape,
+                                            clock_start_t=0.0, wall_start_unix_s=0.0, contents="events"))
+    seq = 0
+    for s, step in enumerate(log.steps, start=1):
+        for i, (layer, experts) in enumerate(step):
+            w.write(trace.Route(t=0.0, seq=seq, step=s, layer=layer, top_k=log.shape.top_k, experts=experts))
+            seq += 1
+            if i + 1 < len(step):
+                nxt = step[i + 1][1]
+                if wrong:
+                    nxt = tuple(e for e in range(log.shape.num_experts) if e not in nxt)[-len(nxt):]
+                w.write(Candidates(t=0.0, seq=seq, step=s, layer=layer, target=step[i + 1][0], width=len(nxt),
+                                   token_experts=nxt, token_scores=tuple(1.0 for _ in nxt), deadline=0.0))
+                seq += 1
+    w.close(0, 0.0)
+    return out
+
+
+def test_prefetch_only_where_it_beats_demand_at_equal_memory(tiny_qn4: Path, tiny_log: Path, tmp_path: Path) -> None:
+    from qnpipe.io.simssd import DeviceProfile
+
+    device = DeviceProfile(bandwidth_bytes_per_s=2e6, latency_s=1e-3, queue_depth=4)  # slow: reads worth hiding
+    chose = set()
+    for wrong in (False, True):  # the true next experts pay; wrong guesses only take bandwidth and slots
+        log = _log_with_candidates(tiny_log, tmp_path / f"events-{wrong}.qtrace", wrong=wrong)
+        plan = make_plan(tiny_qn4, _budget(tiny_qn4, 8), log=log, device=device, context=1024,
+                         window_layer_steps=8 * 100)
+        demand = max(c.tok_s for c in plan.candidates if not c.prefetch)
+        pre = [c for c in plan.candidates if c.prefetch]
+        assert len(pre) == 1 and pre[0].total_slots == plan.candidates[0].total_slots
+        assert plan.prefetch == (pre[0].tok_s > demand)
+        assert plan.predicted_tok_s == max(demand, pre[0].tok_s)
+        r = replay_plan(plan, tmp_path / "run")
+        assert (r.tok_s, r.hit_rate) == (plan.predicted_tok_s, plan.predicted_hit_rate)
+        chose.add(plan.prefetch)
+    assert chose == {True, False}
