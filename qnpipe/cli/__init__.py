@@ -11,13 +11,13 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from qnpipe.cli import bench_cmd, replay_cmd, run, serve_cmd, store, sweep_cmd, trace_cmd
+from qnpipe.cli import bench_cmd, plan_cmd, replay_cmd, run, serve_cmd, store, sweep_cmd, trace_cmd
 from qnpipe.cli.common import DEMO_MODEL_DIR
 from qnpipe.errors import QnpipeError
 
 __all__ = ["COMMANDS", "DEMO_MODEL_DIR", "build_parser", "main"]
 
-COMMANDS = (run, serve_cmd, store, replay_cmd, sweep_cmd, trace_cmd, bench_cmd)
+COMMANDS = (run, serve_cmd, store, replay_cmd, sweep_cmd, plan_cmd, trace_cmd, bench_cmd)
 
 EPILOG = """\
 examples:
@@ -30,6 +30,7 @@ examples:
   qnpipe verify-store ./qn80b-4bit
   qnpipe replay run.qtrace --set pool.expert_slots=16     what-if on a log of generate --trace
   qnpipe sweep run.qtrace --grid pool.expert_slots=8,16,32 --plot-dir plots/
+  qnpipe plan MODEL_DIR --memory 8GB --log run.qtrace     the fastest configuration in 8 GiB
   qnpipe bench io                               fit this machine's device profile (replay --device measured)
   qnpipe serve MODEL_DIR --port 8080                      OpenAI-compatible HTTP server (docs/server.md)
 

@@ -1,0 +1,102 @@
+"""`qnpipe plan`: the fastest configuration of a model that fits a memory budget (docs/plan.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from qnpipe.cli.common import add_config_flags, config_overrides
+from qnpipe.errors import QnpipeError
+
+PLOT_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25)  # --plot: budgets between the smallest that fits and 1.25 x --memory
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from qnpipe import config
+    from qnpipe.plan import fmt_bytes, make_plans, minimum_budget, parse_memory, save_plan
+    from qnpipe.plan.make import resolve_model
+
+    model = args.shape or args.model_dir
+    if model is None:
+        raise QnpipeError("give MODEL_DIR (a `qnpipe convert` output) or --shape CONFIG_JSON")
+    memory = parse_memory(args.memory)
+    headroom = parse_memory(args.headroom, key="--headroom") if args.headroom not in ("0", "") else 0
+    cfg = config.load(args.config, overrides=config_overrides(args))
+    facts = resolve_model(Path(model), cfg, args.bits)
+    budgets = [memory]
+    if args.plot:
+        least = minimum_budget(facts, cfg, context=args.context, headroom_bytes=headroom)
+        budgets = sorted({max(least, int(least + (memory - least) * f)) for f in PLOT_FRACTIONS} | {memory})
+    say = (lambda s: print(s, file=sys.stderr)) if not args.quiet else None
+    plans = make_plans(facts, budgets, log=args.log, device=args.device, cost=args.cost, context=args.context,
+                       cfg=cfg, headroom_bytes=headroom, window_layer_steps=args.window_layer_steps,
+                       synth_path=Path(f"{args.output}.synth.qtrace") if args.output and not args.log else None,
+                       say=say)
+    plan = plans[budgets.index(memory)]
+    if args.output:
+        save_plan(args.output, plan)
+    if args.plot:
+        from qnpipe.plan.plot import plot_plans
+
+        plot_plans(plans, plan, args.plot)
+    print(describe(plan, fmt_bytes))
+    return 0
+
+
+def describe(plan: Any, fmt_bytes: Any) -> str:
+    caps = sorted(plan.capacities.values())
+    lines = [f"plan for {plan.model} in {fmt_bytes(plan.memory_bytes)} (context {plan.context} tokens):",
+             *(f"  note: {n}" for n in plan.notes),
+             f"  resident slots per layer: {caps[0]}..{caps[-1]} (median {caps[len(caps) // 2]}, "
+             f"{sum(caps)} in all); side region {plan.side_region_slots} per layer",
+             f"  eviction {plan.evict_policy}; prefetch {'on, into ' + plan.prefetch_into if plan.prefetch else 'off'}; "
+             f"autopin {'on' if plan.autopin else 'off'}",
+             f"  predicted: {plan.predicted_tok_s:.3f} tok/s, hit rate {plan.predicted_hit_rate:.4f}, "
+             f"{plan.predicted_bytes_per_token / 2**20:.2f} MiB read per token",
+             f"  (the fast replay of {plan.log} steps {plan.replay_first_step}..{plan.log_steps - 1} on "
+             f"{plan.device_name}; planned in {plan.plan_s:.1f} s)",
+             "  candidates (equal memory):",
+             *(f"    {c.name:<34} {c.tok_s:9.3f} tok/s  hit {c.hit_rate:.4f}  (whole log: LRU curve "
+               f"{c.curve_hit_rate:.4f}, Belady {c.belady_hit_rate:.4f})" for c in plan.candidates),
+             "  memory account:", *plan.account.describe()]
+    return "\n".join(lines)
+
+
+def register(sub: Any, fmt: Any) -> None:
+    p = sub.add_parser("plan", help="choose the fastest pool configuration that fits a memory budget",
+                       formatter_class=fmt,
+                       description="Plan a model's memory: per-layer resident slots, eviction policy and prefetch that\n"
+                       "run fastest in --memory, chosen on a routing log. Each layer's miss-ratio curve (LRU and\n"
+                       "Belady, one pass) allocates the slots the budget leaves after the non-expert weights, the\n"
+                       "KV cache and recurrent state at --context and MLX's buffer cache; a few candidates at equal\n"
+                       "memory (planned vs uniform slots, LRU vs LFU, prefetch into the main region when the log\n"
+                       "has the gates' candidates) are replayed exactly on a simulated device and the fastest is\n"
+                       "kept. Its predicted tok/s and hit rate ARE that replay's. Budget units: GB = GiB = 2^30\n"
+                       "bytes (8GB = 8GiB = 8G; 8000MB = 8000 x 2^20). docs/plan.md.",
+                       epilog="examples:\n"
+                       "  qnpipe plan ./qn80b-4bit --memory 8GB                   synthetic log of the shape\n"
+                       "  qnpipe generate ./qn80b-4bit -p 'hi' -n 256 --trace run.qtrace\n"
+                       "  qnpipe plan ./qn80b-4bit --memory 8GB --log run.qtrace -o plan.json --plot plan.png\n"
+                       "  qnpipe plan ./qn80b-4bit --memory 24GB --log run.qtrace --device measured --cost run.cost.json\n"
+                       "  qnpipe plan --shape Qwen3-Next-80B-A3B-Instruct/config.json --bits 4 --memory 16GB\n")
+    p.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="a `qnpipe convert` output directory")
+    p.add_argument("--memory", required=True, metavar="SIZE", help="the budget, e.g. 8GB, 8GiB, 8000MB, 8G")
+    p.add_argument("--log", metavar="LOG", help="routing or event log of this model (generate --trace); "
+                   "default: a synthetic log of its shape")
+    p.add_argument("--device", default="apple-m5-internal", metavar="NAME|FILE",
+                   help="simulated device: a built-in profile, measured (qnpipe bench io), or a profile file")
+    p.add_argument("--cost", metavar="COST", help="compute cost model (qnpipe trace fit-cost)")
+    p.add_argument("--context", type=int, default=8192, metavar="TOKENS", help="context the KV cache must hold")
+    p.add_argument("--headroom", default="0", metavar="SIZE", help="kept for the OS and page cache (default 0)")
+    p.add_argument("--shape", metavar="CONFIG_JSON", help="plan a model given by its config.json alone (before converting)")
+    p.add_argument("--bits", type=int, default=None, help="with --shape: expert bits (default: the config's "
+                   "quantization, else its float dtype)")
+    p.add_argument("-o", "--output", metavar="PLAN", help="write the plan (JSON) here")
+    p.add_argument("--plot", metavar="PNG", help="draw tok/s and hit rate against the budget, and the slots per layer")
+    p.add_argument("--window-layer-steps", type=int, default=12_000, metavar="N",
+                   help="timing replays cover the log's last N layer-steps (default 12000)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    add_config_flags(p, prefill=False, example="pool.evict_policy=lru")
+    p.set_defaults(func=cmd_plan)

@@ -1,0 +1,169 @@
+"""`make_plan`: the fastest configuration of a model that fits a memory budget, from a routing log.
+
+    plan = make_plan("qn80b-4bit", "8GB", log="run.qtrace", device="measured")
+    cfg = config.load(overrides=plan_overrides(plan, "plan-dir"))
+
+Bad input is refused before any replay: an unknown or unreadable device profile, a bad cost file, a
+budget below the smallest that fits (named), a log of another model's shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import msgspec
+
+from qnpipe import config as config_mod
+from qnpipe.config import Config, with_overrides
+from qnpipe.errors import ConfigError
+from qnpipe.io.device_file import device_names, load_profile, named_profile
+from qnpipe.io.simssd import DeviceProfile
+from qnpipe.plan.account import ModelFacts, account, fixed_lines, minimum_budget, model_facts, shape_facts
+from qnpipe.plan.plan_file import Plan, plan_overrides
+from qnpipe.plan.search import WINDOW_LAYER_STEPS, Search, slot_totals
+from qnpipe.plan.units import fmt_bytes, parse_memory
+from qnpipe.replay.runner import CostModel, PredictorOpts, ReplayReport, replay
+from qnpipe.replay.synth import SynthSpec, write_synth
+
+# The stand-in for a recorded log: bench_replay's and bench_mrc's mix of popularity, locality and correlation.
+SYNTH = {"tokens": 1000, "seed": 1, "locality": 0.3, "cross_layer": 0.5, "popularity": "zipf:1.0"}
+
+
+def prefetch_budgets(cfg: Config) -> dict[str, int]:
+    """The prefetch budgets a prefetching plan was replayed with, as config overrides."""
+    return {"read.bg_budget_experts": cfg.read.bg_budget_experts,
+            "predict.per_layer_budget_experts": cfg.predict.per_layer_budget_experts,
+            "predict.file_global_budget_experts": cfg.predict.file_global_budget_experts,
+            "predict.stage_global_budget_experts": cfg.predict.stage_global_budget_experts}
+
+
+def resolve_device(device: str | Path | DeviceProfile, cfg: Config) -> tuple[str, DeviceProfile]:
+    """(name, profile) of a built-in name, `measured`, or a profile file (`qnpipe bench io`'s)."""
+    if isinstance(device, DeviceProfile):
+        return "given", device.check(where="device.")
+    name = str(device)
+    if name in device_names():
+        return name, named_profile(name, cfg.read.device_profile_path)
+    if Path(name).exists():
+        return name, load_profile(name).profile
+    raise ConfigError(f"--device {name}: neither a device profile ({', '.join(device_names())}) nor a profile file")
+
+
+def resolve_cost(cost: CostModel | str | Path | None) -> CostModel:
+    if cost is None:
+        return CostModel()
+    if isinstance(cost, CostModel):
+        return cost.check()
+    from qnpipe.replay.cost_fit import load_cost
+
+    return load_cost(cost).cost
+
+
+def resolve_model(model: str | Path | ModelFacts, cfg: Config, bits: int | None = None) -> ModelFacts:
+    """A ModelFacts as given, a `qnpipe convert` directory's, or a bare `config.json`'s (`bits` for its records)."""
+    if isinstance(model, ModelFacts):
+        return model
+    p = Path(model)
+    if p.is_file():
+        return shape_facts(p, bits=bits)
+    return model_facts(p, cfg)
+
+
+def check_budgets(facts: ModelFacts, cfg: Config, budgets: Sequence[int], *, context: int, headroom_bytes: int) -> int:
+    """The smallest budget that fits; ConfigError naming it when a budget is below."""
+    least = minimum_budget(facts, cfg, context=context, headroom_bytes=headroom_bytes)
+    if low := [b for b in budgets if b < least]:
+        fixed = fixed_lines(facts, cfg, context=context, headroom_bytes=headroom_bytes)
+        parts = ", ".join(f"{x.name} {fmt_bytes(x.nbytes)}" for x in fixed if x.nbytes)
+        raise ConfigError(f"--memory {fmt_bytes(min(low))}: below the smallest budget that fits this model, "
+                          f"{fmt_bytes(least)} ({least} bytes: {parts}, and top-k "
+                          f"({facts.args.num_experts_per_tok}) expert slots per MoE layer)")
+    return least
+
+
+def synthetic_log(facts: ModelFacts, path: str | Path | None = None) -> Path:
+    """A synthetic routing log of the model's shape (SYNTH), written once at `path` (default: the temp dir)."""
+    a = facts.args
+    if a.moe_layers != tuple(range(a.num_hidden_layers)):
+        raise ConfigError(f"{facts.source}: a synthetic log makes every layer a MoE layer; this model's MoE layers "
+                          f"are {list(a.moe_layers)}: give a recorded log (--log)")
+    spec = SynthSpec(layers=a.num_hidden_layers, experts=a.num_experts, top_k=a.num_experts_per_tok, **SYNTH)
+    if path is None:
+        digest = hashlib.sha256(msgspec.json.encode(spec)).hexdigest()[:16]
+        path = Path(tempfile.gettempdir()) / f"qnpipe-plan-synth-{digest}.qtrace"
+    p = Path(path)
+    if not p.exists():
+        write_synth(p, spec)
+    return p
+
+
+def make_plans(model: str | Path | ModelFacts, budgets: Sequence[int | str], *, log: str | Path | None = None,
+               device: str | Path | DeviceProfile = "apple-m5-internal", cost: CostModel | str | Path | None = None,
+               context: int = 8192, cfg: Config | None = None, headroom_bytes: int = 0, bits: int | None = None,
+               window_layer_steps: int = WINDOW_LAYER_STEPS, synth_path: str | Path | None = None,
+               say: Callable[[str], None] | None = None) -> list[Plan]:
+    """One plan per budget (bytes, or text like "8GB": qnpipe.plan.units.parse_memory), sharing the log's
+    curves; see the module doc. `say` gets one line per step and per replayed candidate."""
+    t0 = time.perf_counter()
+    cfg = cfg if cfg is not None else config_mod.load()
+    say = say or (lambda s: None)
+    if context < 1:
+        raise ConfigError(f"--context {context}: must be at least 1 token")
+    if headroom_bytes < 0:
+        raise ConfigError(f"--headroom {headroom_bytes}: must be >= 0 bytes")
+    sizes = [parse_memory(b) if isinstance(b, str) else int(b) for b in budgets]
+    facts = resolve_model(model, cfg, bits)
+    dev_name, dev = resolve_device(device, cfg)
+    cost_model = resolve_cost(cost)
+    check_budgets(facts, cfg, sizes, context=context, headroom_bytes=headroom_bytes)
+    notes = []
+    if log is None:
+        log = synthetic_log(facts, synth_path)
+        notes.append(f"no --log: planned on a synthetic log of the model's shape ({log}); record a real one with "
+                     f"`qnpipe generate MODEL_DIR --trace run.qtrace` and plan with --log run.qtrace")
+        say(notes[-1])
+    rec = max(facts.record_nbytes.values())
+    fixed = sum(x.nbytes for x in fixed_lines(facts, cfg, context=context, headroom_bytes=headroom_bytes))
+    search = Search(log, cfg, device=dev, cost=cost_model, record_nbytes=rec, window_layer_steps=window_layer_steps,
+                    say=say, expect=facts.shape)
+    say(f"curves of {len(search.log.steps)} steps; timing replays of steps {search.first}..{len(search.log.steps) - 1}")
+    plans = []
+    for budget, total in zip(sizes, slot_totals(sizes, fixed, rec), strict=True):
+        say(f"{fmt_bytes(budget)}: {min(total, search.max_slots)} resident slots")
+        best, tried = search.choose(total)
+        acct = account(facts, cfg, best.capacities, side_slots=best.side_slots, context=context, budget=budget,
+                       headroom_bytes=headroom_bytes)
+        r = best.report
+        plans.append(Plan(
+            model=facts.source, shape=facts.shape, memory_bytes=budget, context=context, log=str(log),
+            log_synthetic=bool(notes), log_steps=len(search.log.steps), replay_first_step=search.first,
+            replay_train_frac=search.frac, device_name=dev_name, device=dev, cost=cost_model, record_nbytes=rec,
+            capacities=best.capacities, side_region_slots=best.side_slots,
+            evict_policy=best.candidate.evict_policy, prefetch=best.candidate.prefetch,
+            prefetch_into=best.prefetch_into, predictor=best.predictor, autopin=False,
+            budgets=prefetch_budgets(cfg) if best.candidate.prefetch else {},
+            predicted_tok_s=r.tok_s, predicted_hit_rate=r.hit_rate, predicted_bytes_per_token=r.bytes_per_token,
+            account=acct, candidates=[c.candidate for c in tried], notes=notes))
+    dt = time.perf_counter() - t0
+    return [msgspec.structs.replace(p, plan_s=dt) for p in plans]
+
+
+def make_plan(model: str | Path | ModelFacts, memory: int | str, **kw: object) -> Plan:
+    """`make_plans` at one budget."""
+    return make_plans(model, [memory], **kw)[0]  # type: ignore[arg-type]
+
+
+def replay_plan(plan: Plan, work_dir: str | Path, cfg: Config | None = None) -> ReplayReport:
+    """The replay whose figures the plan predicts: its log's timing window under `plan_overrides`."""
+    cfg = cfg if cfg is not None else config_mod.load()
+    cfg = with_overrides(cfg, plan_overrides(plan, work_dir))
+    return replay(plan.log, cfg, device_profile=plan.device, cost=plan.cost, record_nbytes=plan.record_nbytes,
+                  predictor=plan.predictor, opts=PredictorOpts(train_frac=plan.replay_train_frac))
+
+
+__all__ = ["SYNTH", "check_budgets", "make_plan", "make_plans", "prefetch_budgets", "replay_plan", "resolve_cost",
+           "resolve_device", "resolve_model", "synthetic_log"]

@@ -1,0 +1,105 @@
+"""The plan file: a versioned JSON file (qnpipe.io.versioned), and the config overrides that apply it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import msgspec
+
+from qnpipe.errors import ConfigError
+from qnpipe.io.atomic import atomic_write
+from qnpipe.io.simssd import DeviceProfile
+from qnpipe.io.versioned import load_versioned, save_versioned
+from qnpipe.plan.account import Account
+from qnpipe.replay.runner import CostModel
+from qnpipe.trace import ModelShape
+
+PLAN_KIND = "qnpipe-plan"
+PLAN_VERSION = 1
+
+
+class Candidate(msgspec.Struct, frozen=True, kw_only=True):
+    """One configuration the search replayed, and what the replay measured."""
+
+    name: str  # e.g. "planned lru", "uniform lfu", "planned lru + prefetch (main)"
+    allocation: str  # "planned" or "uniform"
+    evict_policy: str
+    prefetch: bool
+    total_slots: int  # resident + side, over all layers: equal memory across a budget's candidates
+    tok_s: float
+    hit_rate: float
+    bytes_per_token: float
+    curve_hit_rate: float  # LRU's miss-ratio curve over the whole log at this allocation
+    belady_hit_rate: float  # Belady's curve over the whole log at this allocation (what no policy beats)
+
+
+class Plan(msgspec.Struct, frozen=True, kw_only=True):
+    """What `qnpipe plan` chose for a model in a memory budget, and the replay that predicts it.
+
+    `predicted_*` are the exact fast replay's (`qnpipe.plan.replay_plan`) of the log's steps
+    `replay_first_step..log_steps - 1` (the timing window; earlier steps are skipped, not replayed)."""
+
+    kind: str = PLAN_KIND
+    version: int = PLAN_VERSION
+    model: str
+    shape: ModelShape
+    memory_bytes: int
+    context: int
+    log: str
+    log_synthetic: bool
+    log_steps: int
+    replay_first_step: int
+    replay_train_frac: float  # PredictorOpts.train_frac that skips exactly replay_first_step steps
+    device_name: str
+    device: DeviceProfile
+    cost: CostModel
+    record_nbytes: int
+    capacities: dict[int, int]
+    side_region_slots: int
+    evict_policy: str
+    prefetch: bool
+    prefetch_into: str
+    predictor: str  # the replay's predictor: "none" or "recorded" (the log's own gate candidates)
+    autopin: bool
+    budgets: dict[str, int]  # the prefetch budgets the replay ran with (config keys)
+    predicted_tok_s: float
+    predicted_hit_rate: float
+    predicted_bytes_per_token: float
+    account: Account
+    candidates: list[Candidate]
+    notes: list[str] = []
+    plan_s: float = 0.0
+
+
+def save_plan(path: str | os.PathLike[str], plan: Plan) -> None:
+    """Write `plan` to `path` atomically (OSError names the path)."""
+    save_versioned(path, plan)
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """The plan at `path`; ConfigError naming the file when absent, corrupt or not a plan."""
+    return load_versioned(path, Plan, kind=PLAN_KIND, version=PLAN_VERSION, error=ConfigError, what="plan file",
+                          remedy="a plan file is written by `qnpipe plan MODEL_DIR --memory 8GB -o FILE`")
+
+
+def capacity_profile(plan: Plan) -> bytes:
+    """The plan's capacities in `pool.capacity_profile_path`'s format (qnpipe.actors.pipeline.layer_capacities)."""
+    return json.dumps({"layer_caps": {str(k): v for k, v in sorted(plan.capacities.items())}}, indent=1).encode()
+
+
+def plan_overrides(plan: Plan, out_dir: str | os.PathLike[str]) -> dict[str, object]:
+    """The config overrides that run `plan` (`config.load(overrides=...)`, `with_overrides`): writes the
+    capacity profile `capacities.json` into `out_dir` (atomically) and points `pool.capacity_profile_path` at it."""
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    profile = d / "capacities.json"
+    atomic_write(profile, capacity_profile(plan))
+    return {"pool.capacity_profile_path": str(profile), "pool.side_region_slots": plan.side_region_slots,
+            "pool.evict_policy": plan.evict_policy, "predict.cross_layer_prefetch": plan.prefetch,
+            "pool.prefetch_into": plan.prefetch_into, "pool.autopin": plan.autopin, **plan.budgets}
+
+
+__all__ = ["PLAN_KIND", "PLAN_VERSION", "Candidate", "Plan", "capacity_profile", "load_plan", "plan_overrides",
+           "save_plan"]

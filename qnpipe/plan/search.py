@@ -1,0 +1,187 @@
+"""How the planner chooses: curves for the allocation, a few candidates checked by the exact fast replay.
+
+1. The log's miss-ratio curves (qnpipe.replay.mrc: LRU and Belady at every capacity, one pass).
+2. Each budget's resident slots allocated across layers on LRU's curve (qnpipe.plan.allocate: exact
+   max-plus knapsack, so never below uniform on the curve).
+3. Candidates at equal memory, each replayed by the fast replay (qnpipe.replay.replay) on the timing
+   window: planned allocation with LRU and with LFU, uniform allocation with the better of the two and,
+   when the log has the live gates' candidates (`predict.candidates`), the best demand-only one with
+   prefetch into the main region (no side slots: the same memory). The fastest is kept; prefetch only
+   when it is strictly faster than demand-only.
+
+The timing window is the log's last `window_layer_steps` layer-steps (whole steps; the whole log when
+shorter): the replay skips the steps before it (PredictorOpts.train_frac), so a plan says exactly
+which replay its figures are, and `replay_plan` runs that replay again.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import msgspec
+
+from qnpipe.config import Config, with_overrides
+from qnpipe.errors import ConfigError
+from qnpipe.io.atomic import atomic_write
+from qnpipe.io.simssd import DeviceProfile
+from qnpipe.plan.allocate import Allocator, curve_hits, uniform_caps
+from qnpipe.plan.plan_file import Candidate
+from qnpipe.replay.mrc import MrcResult, mrc
+from qnpipe.replay.runner import CostModel, PredictorOpts, ReplayLog, ReplayReport, load_log, replay
+from qnpipe.trace import ModelShape
+
+WINDOW_LAYER_STEPS = 12_000  # ~1.5-2.5 s of fast replay per candidate on one core (docs/measurements.md)
+POLICIES = ("lru", "lfu")
+
+
+def same_shape(a: ModelShape, b: ModelShape) -> bool:
+    """Routing shapes equal (a synthetic or imported log records no hidden size: 0 matches any)."""
+    return ((a.num_layers, a.moe_layers, a.num_experts, a.top_k) == (b.num_layers, b.moe_layers, b.num_experts, b.top_k)
+            and (0 in (a.hidden_size, b.hidden_size) or a.hidden_size == b.hidden_size))
+
+
+def _brief(s: ModelShape) -> str:
+    return f"{len(s.moe_layers)} MoE layers of {s.num_layers}, {s.num_experts} experts, top-{s.top_k}"
+
+
+def window_frac(n_steps: int, first: int) -> float:
+    """The train_frac with int(n_steps * frac) == first (replay's own rounding)."""
+    frac = (first + 0.5) / n_steps if first else 0.0
+    assert int(n_steps * frac) == first
+    return frac
+
+
+class Choice(msgspec.Struct, frozen=True, kw_only=True):
+    """A replayed candidate: its settings and report."""
+
+    candidate: Candidate
+    capacities: dict[int, int]
+    side_slots: int
+    prefetch_into: str
+    predictor: str
+    report: ReplayReport
+
+
+class Search:
+    """One log's curves and replays, shared by every budget planned on it."""
+
+    def __init__(self, log_path: str | Path, cfg: Config, *, device: DeviceProfile, cost: CostModel,
+                 record_nbytes: int, window_layer_steps: int = WINDOW_LAYER_STEPS,
+                 work_dir: str | Path | None = None, say: Callable[[str], None] | None = None,
+                 expect: ModelShape | None = None) -> None:
+        self.path = str(log_path)
+        self.cfg = cfg
+        self.device, self.cost, self.nbytes = device, cost, record_nbytes
+        self.say = say or (lambda s: None)
+        self.log: ReplayLog = load_log(log_path)
+        shape = self.log.shape
+        if expect is not None and not same_shape(shape, expect):
+            raise ConfigError(f"--log {log_path}: a log of another model shape ({_brief(shape)}); the model is "
+                              f"{_brief(expect)}")
+        self.k, self.e = shape.top_k, shape.num_experts
+        self.curves: MrcResult = mrc(self.log.steps, shape, log=self.path)
+        routed = {c.layer for c in self.curves.curves if c.layer != "all"}
+        self.routed = [ly for ly in shape.moe_layers if ly in routed]
+        self.absent = [ly for ly in shape.moe_layers if ly not in routed]  # never routed: top-k slots
+        # Misses, not hits, are what the allocation saves: a multi-token step's requests grow below its union.
+        value = [[h - r for h, r in zip(c.hits, c.requests, strict=True)]
+                 for c in (self.curves.curve("lru", ly) for ly in self.routed)]
+        self.value = value
+        self.alloc = Allocator(value, self.k, self.e * len(self.routed))
+        n = len(self.log.steps)
+        per_step = max(1, sum(len(s) for s in self.log.steps) // n)
+        keep = min(n, max(1, window_layer_steps // per_step))
+        self.first = n - keep
+        self.frac = window_frac(n, self.first)
+        self.has_candidates = bool(self.log.candidates)
+        self._dir = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="qnpipe-plan-"))
+        self._n = 0
+
+    @property
+    def min_slots(self) -> int:
+        return self.k * len(self.log.shape.moe_layers)
+
+    @property
+    def max_slots(self) -> int:
+        return self.e * len(self.log.shape.moe_layers)
+
+    def planned(self, total: int) -> dict[int, int]:
+        """The curve-optimal resident slots per MoE layer with at most `total` slots in all."""
+        spare = total - self.k * len(self.absent)
+        caps = dict(zip(self.routed, self.alloc.caps(spare), strict=True)) if self.routed else {}
+        return {ly: caps.get(ly, self.k) for ly in self.log.shape.moe_layers}
+
+    def uniform(self, total: int) -> dict[int, int]:
+        layers = self.log.shape.moe_layers
+        return dict(zip(layers, uniform_caps(len(layers), total, self.k, self.e), strict=True))
+
+    def curve_rates(self, caps: dict[int, int]) -> tuple[float, float]:
+        """(LRU, Belady) hit rates over the whole log at `caps`, from the curves."""
+        out = []
+        for policy in ("lru", "belady"):
+            cs = [self.curves.curve(policy, ly) for ly in self.routed]
+            hits = curve_hits([c.hits for c in cs], self.k, [caps[ly] for ly in self.routed])
+            req = sum(c.requests[caps[ly] - self.k] for c, ly in zip(cs, self.routed, strict=True))
+            out.append(hits / req if req else 0.0)
+        return out[0], out[1]
+
+    def overrides(self, caps: dict[int, int], policy: str, prefetch: bool) -> dict[str, object]:
+        self._n += 1
+        profile = self._dir / f"capacities-{self._n}.json"
+        atomic_write(profile, msgspec.json.encode({"layer_caps": {str(k): v for k, v in caps.items()}}))
+        return {"pool.capacity_profile_path": str(profile), "pool.evict_policy": policy, "pool.autopin": False,
+                "predict.cross_layer_prefetch": prefetch, "pool.prefetch_into": "main" if prefetch else "side",
+                "pool.side_region_slots": 0}
+
+    def run(self, name: str, allocation: str, caps: dict[int, int], policy: str, prefetch: bool) -> Choice:
+        predictor = "recorded" if prefetch else "none"
+        cfg = with_overrides(self.cfg, self.overrides(caps, policy, prefetch))
+        t0 = time.perf_counter()
+        r = replay(self.path, cfg, device_profile=self.device, cost=self.cost, record_nbytes=self.nbytes,
+                   predictor=predictor, opts=PredictorOpts(train_frac=self.frac))
+        self.say(f"  {name:<34} {r.tok_s:9.3f} tok/s  hit {r.hit_rate:.4f}  ({time.perf_counter() - t0:.1f} s)")
+        lru, opt = self.curve_rates(caps)
+        cand = Candidate(name=name, allocation=allocation, evict_policy=policy, prefetch=prefetch,
+                         total_slots=sum(r.slots.values()), tok_s=r.tok_s, hit_rate=r.hit_rate,
+                         bytes_per_token=r.bytes_per_token, curve_hit_rate=lru, belady_hit_rate=opt)
+        return Choice(candidate=cand, capacities=caps, side_slots=0, prefetch_into="main" if prefetch else "side",
+                      predictor=predictor, report=r)
+
+    def choose(self, total: int) -> tuple[Choice, list[Choice]]:
+        """The fastest candidate at `total` resident slots, and every candidate replayed (module doc)."""
+        if total < self.min_slots:
+            raise ConfigError(f"{total} slots: below top-k ({self.k}) per MoE layer")
+        total = min(total, self.max_slots)
+        planned, uniform = self.planned(total), self.uniform(total)
+        tried = [self.run(f"planned {p}", "planned", planned, p, False) for p in POLICIES]
+        best = max(tried, key=_rank)
+        pol = best.candidate.evict_policy
+        if uniform == planned:  # the same replay: not run twice
+            tried.append(msgspec.structs.replace(best, candidate=msgspec.structs.replace(
+                best.candidate, name=f"uniform {pol}", allocation="uniform")))
+        else:
+            tried.append(self.run(f"uniform {pol}", "uniform", uniform, pol, False))
+        best = max(tried, key=_rank)
+        if self.has_candidates:
+            pre = self.run(f"{best.candidate.allocation} {pol} + prefetch (main)", best.candidate.allocation,
+                           best.capacities, pol, True)
+            tried.append(pre)
+            if pre.candidate.tok_s > best.candidate.tok_s:
+                best = pre
+        return best, tried
+
+
+def _rank(c: Choice) -> tuple[float, float, int]:
+    return (c.candidate.tok_s, c.candidate.hit_rate, -c.candidate.total_slots)
+
+
+def slot_totals(budgets: Sequence[int], fixed: int, record_nbytes: int) -> list[int]:
+    """Resident slots each budget leaves for the pool after the fixed lines."""
+    return [max(0, math.floor((b - fixed) / record_nbytes)) for b in budgets]
+
+
+__all__ = ["POLICIES", "WINDOW_LAYER_STEPS", "Choice", "Search", "same_shape", "slot_totals", "window_frac"]

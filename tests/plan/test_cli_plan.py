@@ -1,0 +1,33 @@
+"""`qnpipe plan` on the tiny model: the plan printed and written, the plot drawn, bad input a clean error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qnpipe.cli import main
+from qnpipe.plan import load_plan
+
+
+def test_plan_writes_prints_and_plots(tiny_qn4: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", str(tiny_qn4), "--memory", "1.1GB", "--context", "512", "-o", str(out), "--plot", str(png),
+                 "--window-layer-steps", "800"]) == 0
+    text = capsys.readouterr()
+    plan = load_plan(out)
+    assert "synthetic log" in text.err and (tmp_path / "plan.json.synth.qtrace").exists()
+    assert f"{plan.predicted_tok_s:.3f} tok/s" in text.out and "memory account" in text.out
+    assert "non-expert weights" in text.out and "KV cache" in text.out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--memory", "1MB"], "smallest budget that fits"),
+    (["--memory", "lots"], "--memory='lots'"),
+    (["--memory", "2GB", "--device", "nowhere.json"], "--device nowhere.json"),
+])
+def test_bad_input_is_one_line(tiny_qn4: Path, argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(tiny_qn4), *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
