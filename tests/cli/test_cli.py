@@ -115,3 +115,31 @@ def test_chat_ends_on_eof(tiny_hf: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr("builtins.input", eof)
     assert main(["chat", str(tiny_hf)]) == 0
+
+
+@pytest.mark.parametrize("nest", [1, 3])
+def test_an_error_inside_nursery_groups_is_said_as_itself(nest: int, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A lost rank or a disk error raised inside the actors' nurseries reaches the CLI wrapped in groups
+    (next to the other tasks' Cancelled): one line naming it, exit 2, no traceback."""
+    import trio
+
+    from qnpipe.cli import store
+    from qnpipe.errors import DistributedError
+
+    def fails(_: object) -> int:
+        e: BaseException = DistributedError("rank 1 was lost")
+        for _ in range(nest):
+            e = BaseExceptionGroup("Exceptions from Trio nursery", [trio.Cancelled._create(), e])  # type: ignore[attr-defined]
+        raise e
+
+    monkeypatch.setattr(store, "cmd_verify_store", fails)
+    assert main(["verify-store", "nowhere"]) == 2
+    assert capsys.readouterr().err == "qnpipe verify-store: error: rank 1 was lost\n"
+
+    def other(_: object) -> int:
+        raise ExceptionGroup("g", [ValueError("a bug")])
+
+    monkeypatch.setattr(store, "cmd_verify_store", other)
+    with pytest.raises(ExceptionGroup):  # not ours to explain: the traceback stays
+        main(["verify-store", "nowhere"])

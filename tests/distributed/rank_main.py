@@ -76,5 +76,7 @@ if __name__ == "__main__":
     try:
         sys.exit(trio.run(main, sys.argv[1], sys.argv[2], json.loads(open(sys.argv[3]).read())))
     except* DistributedError as group:
-        print(f"DistributedError: {group.exceptions[0]}", file=sys.stderr, flush=True)
+        from qnpipe.cli import _leaf  # nested nursery groups: the error itself, as the CLI prints it
+
+        print(f"DistributedError: {_leaf(group)}", file=sys.stderr, flush=True)
         sys.exit(3)
