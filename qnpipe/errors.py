@@ -93,3 +93,13 @@ class InputFileError(QnpipeError):
 
 class DistributedError(QnpipeError, RuntimeError):
     """Pipeline parallel: another rank was lost, hangs, or runs another model or version (names the rank)."""
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The first real error inside nested exception groups (trio's nurseries wrap what their tasks
+    raise, next to the other tasks' Cancelled, which is never the cause)."""
+    while isinstance(e, BaseExceptionGroup):
+        # trio.Cancelled by name: this module imports nothing (everything imports it)
+        real = [x for x in e.exceptions if type(x).__name__ != "Cancelled"]
+        e = (real or list(e.exceptions))[0]
+    return e

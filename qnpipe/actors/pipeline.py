@@ -35,7 +35,7 @@ from qnpipe.actors.read_scheduler import ReadSchedulerStats, read_scheduler
 from qnpipe.actors.recorder import Emit, Emitter, open_recording
 from qnpipe.actors.turns import Turnstile
 from qnpipe.config import Config
-from qnpipe.errors import CapacityError, ConfigError, StallError
+from qnpipe.errors import CapacityError, ConfigError, StallError, root_cause
 from qnpipe.io.device import ExpertDevice
 from qnpipe.io.files import CONFIG_CAP, read_capped
 from qnpipe.messages import Candidates, ForwardInbox, PoolInbox, ReadInbox
@@ -121,14 +121,6 @@ def _dump(policy: PoolPolicy, queue: ReadQueue, rstats: ReadSchedulerStats, psta
             f"{len(queue.in_flight)} in flight {sorted(queue.in_flight)}; read scheduler {rstats}; predictor {pstats}")
 
 
-def _root_cause(e: BaseException) -> BaseException:
-    """The first real error inside an actor's nursery groups (what a caller can act on)."""
-    while isinstance(e, BaseExceptionGroup):
-        real = [x for x in e.exceptions if not isinstance(x, trio.Cancelled)]
-        e = (real or list(e.exceptions))[0]
-    return e
-
-
 @asynccontextmanager
 async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capacities: dict[int, int] | None,
                         device: ExpertDevice | None, record_nbytes: dict[int, int] | None = None,
@@ -207,7 +199,7 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
                     try:
                         await actor(task_status=task_status)
                     except Exception as e:  # handed to the forward; the other actors stop with it
-                        fwd.failure.append(_root_cause(e))
+                        fwd.failure.append(root_cause(e))
                         for sc in scopes:
                             sc.cancel()
 

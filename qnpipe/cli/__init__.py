@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from qnpipe.cli import bench_cmd, plan_cmd, replay_cmd, run, serve_cmd, store, sweep_cmd, trace_cmd
 from qnpipe.cli.common import DEMO_MODEL_DIR
-from qnpipe.errors import QnpipeError
+from qnpipe.errors import QnpipeError, root_cause
 
 __all__ = ["COMMANDS", "DEMO_MODEL_DIR", "build_parser", "main"]
 
@@ -67,15 +67,6 @@ def _quiet_broken_pipe() -> int:
     return 128 + 13  # as if killed by SIGPIPE
 
 
-def _leaf(e: BaseException) -> BaseException:
-    """The first real error inside nested exception groups (trio's nurseries wrap what their tasks raise)."""
-    while isinstance(e, BaseExceptionGroup):
-        # trio.Cancelled is what the other tasks got once one failed: never the cause (by name: no trio import here)
-        real = [x for x in e.exceptions if type(x).__name__ != "Cancelled"]
-        e = (real or list(e.exceptions))[0]
-    return e
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # A shell without job control starts background jobs with SIGINT ignored; `kill -INT` must still stop us.
@@ -84,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return int(args.func(args) or 0)
         except BaseExceptionGroup as group:  # a lost rank, a disk error in an actor: said as if raised alone
-            leaf = _leaf(group)
+            leaf = root_cause(group)
             if isinstance(leaf, (QnpipeError, OSError, KeyboardInterrupt)):
                 raise leaf from None
             raise

@@ -76,7 +76,7 @@ if __name__ == "__main__":
     try:
         sys.exit(trio.run(main, sys.argv[1], sys.argv[2], json.loads(open(sys.argv[3]).read())))
     except* DistributedError as group:
-        from qnpipe.cli import _leaf  # nested nursery groups: the error itself, as the CLI prints it
+        from qnpipe.errors import root_cause  # nested nursery groups: the error itself, as the CLI prints it
 
-        print(f"DistributedError: {_leaf(group)}", file=sys.stderr, flush=True)
+        print(f"DistributedError: {root_cause(group)}", file=sys.stderr, flush=True)
         sys.exit(3)
