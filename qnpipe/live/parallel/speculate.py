@@ -26,7 +26,7 @@ from qnpipe.errors import ConfigError, DistributedError
 from qnpipe.live.decoding import Output, generate_stats
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.verify import Verifying, spec_cache
-from qnpipe.live.spec.loop import Recorder
+from qnpipe.live.spec.loop import Recorder, commit_round
 from qnpipe.live.spec.state import Draft
 from qnpipe.messages import Msg
 from qnpipe.model.decode import chunks
@@ -95,14 +95,9 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
     n, keep = 0, 0
     pending = [x]
     while True:
-        for tok in pending:  # commit: stop at EOS or max_tokens
-            n += 1
-            if not output.commit(tok):
-                reason = FinishReason.EOS
-                break
-            if n >= max_tokens:
-                break
-        if n >= max_tokens or reason is FinishReason.EOS:
+        n, end = commit_round(output, pending, n, max_tokens)
+        if end is not None:
+            reason = end
             break
         x = pending[-1]
         r0 = trio.current_time()

@@ -43,7 +43,7 @@ from qnpipe.stats import FinishReason, GenerateResult
 from qnpipe.trace import SpecRound
 
 __all__ = ["Draft", "MtpHidden", "Oracle", "Pending", "Recorder", "SpecCaches", "SpecOptions", "SpecState",
-           "accept_greedy", "catch_up", "generate", "prefill", "spec_round", "tree_round"]
+           "accept_greedy", "catch_up", "commit_round", "generate", "prefill", "spec_round", "tree_round"]
 
 
 def _ids(tokens: Sequence[int]) -> Callable[[], mx.array]:
@@ -70,14 +70,9 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, head: MtpHead,
     rec = Recorder(opts.max_depth)
     pending = [x]
     while True:
-        for tok in pending:  # commit: stop at EOS or max_tokens
-            n += 1
-            if not output.commit(tok):
-                reason = FinishReason.EOS
-                break
-            if n >= max_tokens:
-                break
-        if n >= max_tokens or reason is FinishReason.EOS:
+        n, end = commit_round(output, pending, n, max_tokens)
+        if end is not None:
+            reason = end
             break
         x = pending[-1]
         pending = await spec_round(fwd, thread, st, x, len(output.tokens), opts, rec)
@@ -158,6 +153,17 @@ async def _streamed_drafts(fwd: Forward, thread: MLXThread, st: SpecState) -> No
 
 def catch_up(st: SpecState, hiddens: list[mx.array], next_tokens: list[int], chunk: int) -> None:
     st.mtp_rows(mx.concatenate(hiddens, axis=1) if len(hiddens) > 1 else hiddens[0], next_tokens, chunk)
+
+
+def commit_round(output: Output, pending: Sequence[int], n: int, max_tokens: int) -> tuple[int, FinishReason | None]:
+    """Commit a round's tokens: (tokens committed so far, why generation ends: EOS or LENGTH, else None)."""
+    for tok in pending:
+        n += 1
+        if not output.commit(tok):
+            return n, FinishReason.EOS
+        if n >= max_tokens:
+            return n, FinishReason.LENGTH
+    return n, None
 
 
 class Recorder:
