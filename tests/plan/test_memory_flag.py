@@ -132,3 +132,12 @@ def test_engine_memory_logits_bit_identical(model: Path, tmp_path: Path) -> None
         assert pool is not None and {ly.layer: ly.capacity for ly in pool.layers} == eng.plan.capacities
         assert pool.misses > 0
     assert np.array_equal(plain, planned)
+
+
+async def test_open_engine_memory(model: Path, tmp_path: Path) -> None:
+    from qnpipe.embed import open_engine
+
+    async with open_engine(model, memory=str(budget(model)), cache_dir=str(tmp_path), context_tokens=CONTEXT) as eng:
+        assert eng.plan is not None and eng.cfg.pool.capacity_profile_path.startswith(str(tmp_path))
+        pool = eng.stats().pool
+        assert pool is not None and {ly.layer: ly.capacity for ly in pool.layers} == eng.plan.capacities
