@@ -52,6 +52,15 @@ def _resolve(model_dir: str | Path | None, cfg: Config | None, overrides: dict[s
     return config_mod.with_overrides(cfg, overrides) if overrides else cfg
 
 
+def _planned(cfg: Config, distributed: bool | None) -> tuple[Config, Any]:
+    """`cfg` with its `plan.memory` plan applied, and the plan (qnpipe.plan.startup; imported only when asked)."""
+    if not cfg.plan.memory:
+        return cfg, None
+    from qnpipe.plan.startup import plan_at_startup
+
+    return plan_at_startup(cfg, distributed=distributed)
+
+
 def _gen_kwargs(prompt: Prompt, max_tokens: int, temperature: float, top_p: float, seed: int | None,
                 stop_at_eos: bool) -> dict[str, Any]:
     """The checked generation arguments (ValueError naming the first bad one: qnpipe.config.validate)."""
@@ -167,9 +176,10 @@ class _Runtime:
 class AsyncEngine:
     """Trio-native engine handle; get one from `open_engine`."""
 
-    def __init__(self, rt: _Runtime) -> None:
+    def __init__(self, rt: _Runtime, plan: Any = None) -> None:
         self._rt = rt
         self.cfg = rt.core.cfg
+        self.plan = plan  # the qnpipe.plan.Plan applied for `memory` (plan.memory), else None
 
     @property
     def tokenizer(self) -> Any:
@@ -247,8 +257,12 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
     the layers. On rank 0 the engine is used as usual; on the other ranks entering the block
     serves rank 0's steps until rank 0 closes its engine, then yields an engine with
     `eng.rank` > 0 that does not generate. A lost rank is a DistributedError naming it.
+
+    `memory="8GB"` (`plan.memory`) plans the pool for that budget before the model loads
+    (qnpipe.plan.startup: from `plan.log`, the model's recorded log, or a synthetic one; cached);
+    the plan is `eng.plan`. A budget that cannot fit is a ConfigError naming the smallest that does.
     """
-    cfg = _resolve(model_dir, cfg, overrides)
+    cfg, plan = _planned(_resolve(model_dir, cfg, overrides), distributed)
     thread = MLXThread.shared()
     t0 = time.perf_counter()
     ring = stage = None
@@ -281,7 +295,8 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
                     core.backend.ring_tail = lead.tail
             if lost is None:
                 try:
-                    yield AsyncEngine(_Runtime(core, thread, pipe, load_s=load_s, warmup_s=warmup_s, rank=rank))
+                    yield AsyncEngine(_Runtime(core, thread, pipe, load_s=load_s, warmup_s=warmup_s, rank=rank),
+                                      plan)
                 finally:
                     if lead is not None:
                         with trio.CancelScope(shield=True):
@@ -303,13 +318,15 @@ class Engine:
     caller's thread; with prefetch on (`predict.cross_layer_prefetch`) in a trio loop on a
     thread of its own, so read completions are taken while the model computes. `loop_thread`
     is the thread that loop runs on (for measuring it, as tools/bench_stream.py does).
-    `warm_up`, `distributed`: as `open_engine`'s.
+    `warm_up`, `distributed`, `memory` (`Engine(model_dir, memory="8GB")`): as `open_engine`'s;
+    the plan applied is `self.plan`.
     """
 
     def __init__(self, model_dir: str | Path | None = None, cfg: Config | None = None, *,
                  reader: ExpertReader | None = None, warm_up: bool = False, distributed: bool | None = None,
                  **overrides: Any):
-        self.cfg = _resolve(model_dir, cfg, overrides)
+        # Planned here, in the caller's thread, before the model loads (open_engine then finds it applied).
+        self.cfg, self.plan = _planned(_resolve(model_dir, cfg, overrides), distributed)
         self._distributed = distributed
         self._reader = reader
         self._warm_up = warm_up

@@ -50,12 +50,41 @@ def add_gen_flags(p: argparse.ArgumentParser, default_tokens: int, json: bool = 
     g.add_argument("--stats", action="store_true",
                    help="print the engine's figures on stderr: expert source, pool hits and misses by cause, "
                         "reads, bytes read, stall time, per-layer occupancy")
-    g.add_argument("--trace", metavar="FILE",
+    g.add_argument("--trace", metavar="FILE", nargs="?", const=RECORDED_LOG,
                    help="write the event log (routes, acquires, grants, reads, evictions) to FILE; "
-                        "docs/trace-format.md (sets trace.event_log_path)")
+                        "docs/trace-format.md (sets trace.event_log_path). Without FILE: the model's "
+                        "<expert dir>/trace.qtrace, which --memory plans from")
     if json:
         g.add_argument("--json", action="store_true",
                        help="print one JSON object (text, tokens, stats, engine stats) instead of text")
+
+
+# `--trace` given without a file: the model's recorded log (Config.recorded_log_path), set once the config is loaded.
+RECORDED_LOG = "\0recorded"
+
+
+def add_memory_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("memory")
+    g.add_argument("--memory", metavar="SIZE",
+                   help="plan the pool for this budget before loading, e.g. 8GB (GB = 2^30 bytes): slots per "
+                        "layer, eviction, prefetch, chosen on --log, else on the log an earlier --trace run "
+                        "recorded, else on a synthetic log; cached in <expert dir>/plans (docs/plan.md). "
+                        "Replaces pool.expert_slots; refused with pool.capacity_profile_path or --distributed")
+    g.add_argument("--log", metavar="LOG", help="with --memory: the routing or event log to plan from")
+
+
+def apply_memory(args: argparse.Namespace, cfg: Any) -> Any:
+    """`cfg` with the `--memory` plan applied (one line on stderr says what was chosen), before the model loads."""
+    if not cfg.plan.memory:
+        if getattr(args, "log", None):
+            raise QnpipeError("--log is for --memory: give the budget to plan for (e.g. --memory 8GB)")
+        return cfg
+    from qnpipe import config
+    from qnpipe.plan.startup import plan_at_startup
+
+    cfg = config.with_overrides(cfg, {"model.model_dir": str(args.model_dir)})  # as Engine(model_dir, cfg) sets it
+    cfg, _ = plan_at_startup(cfg, say=lambda s: print(f"qnpipe {args.command}: {s}", file=sys.stderr, flush=True))
+    return cfg
 
 
 def add_mtp_flags(p: argparse.ArgumentParser) -> None:
@@ -82,8 +111,12 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
         out[key.strip()] = value.strip()
     if getattr(args, "prefill_chunk", None) is not None:
         out["forward.prefill_chunk_tokens"] = args.prefill_chunk
-    if getattr(args, "trace", None):
+    if getattr(args, "trace", None) and args.trace != RECORDED_LOG:
         out["trace.event_log_path"] = args.trace
+    if getattr(args, "memory", None):
+        out["plan.memory"] = args.memory
+    if getattr(args, "log", None):
+        out["plan.log"] = args.log
     if getattr(args, "mtp", False):
         out["mtp.enabled"] = True
     if getattr(args, "num_draft_tokens", None) is not None:
@@ -110,6 +143,11 @@ def load_config(args: argparse.Namespace) -> Any:
                 warn(args, f"the model directory {positional} given on the command line wins over "
                             f"--set {key}={overrides[key]}")
     cfg = config.load(args.config, overrides=overrides)
+    if getattr(args, "trace", None) == RECORDED_LOG:
+        if positional is None and getattr(args, "command", None) == "demo":
+            positional = DEMO_MODEL_DIR
+        at = config.with_overrides(cfg, {"model.model_dir": str(positional)}) if positional is not None else cfg
+        cfg = config.with_overrides(cfg, {"trace.event_log_path": at.recorded_log_path()})
     # Every command that computes loads its config here, before it imports MLX.
     from qnpipe.compute import blas
 

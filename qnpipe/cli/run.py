@@ -12,7 +12,9 @@ from qnpipe.cli.common import (
     add_config_flags,
     add_distributed_flag,
     add_gen_flags,
+    add_memory_flags,
     add_mtp_flags,
+    apply_memory,
     check_token_ids,
     load_config,
     precheck_model,
@@ -63,6 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     margs = precheck_model(args.model_dir, cfg)
     if tokens is not None:
         check_token_ids(tokens, margs, args.model_dir)
+    cfg = apply_memory(args, cfg)
     from qnpipe.embed import Engine
 
     eng = Engine(args.model_dir, cfg, warm_up=True)
@@ -85,6 +88,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     precheck_model(args.model_dir, cfg)
+    cfg = apply_memory(args, cfg)
     from qnpipe.cli.chat_session import ChatSession
     from qnpipe.embed import Engine
 
@@ -115,6 +119,8 @@ def register(sub: Any, fmt: Any) -> None:
                        description="Generate a continuation of --prompt (or of --tokens) and print it as it comes,\n"
                        "then the stats on stderr.",
                        epilog="examples:\n  qnpipe generate ./tiny -p 'def fib(n):' -n 32 --json\n"
+                       "  qnpipe generate ./tiny -p 'def fib(n):' --trace            # record the log --memory plans from\n"
+                       "  qnpipe generate ./tiny -p 'def fib(n):' --memory 1.2GB     # plan the pool for a budget\n"
                        "  qnpipe generate ./tiny -p 'def fib(n):' --mtp -K 2 --stats   # MTP speculation\n"
                        "  mlx.launch --backend ring -n 2 -- qnpipe generate ./tiny -p 'def fib(n):' --distributed")
     g.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (original HF, mlx-lm, or qnpipe convert layout)")
@@ -124,6 +130,7 @@ def register(sub: Any, fmt: Any) -> None:
     g.add_argument("--system", type=text_arg(allow_empty=True), help="system message (with --chat)")
     add_gen_flags(g, 128)
     add_mtp_flags(g)
+    add_memory_flags(g)
     add_distributed_flag(g)
     add_config_flags(g)
     g.set_defaults(func=cmd_generate)
@@ -137,12 +144,14 @@ def register(sub: Any, fmt: Any) -> None:
                        "store and restore the conversation (JSON), /help, /quit or Ctrl-D leaves.\n"
                        "Ctrl-C stops the answer being generated and returns to the prompt.",
                        epilog="examples:\n  qnpipe chat MODEL_DIR --system 'You are terse.'\n"
+                       "  qnpipe chat MODEL_DIR --memory 8GB          (plan the pool for 8 GiB: docs/plan.md)\n"
                        "  qnpipe chat MODEL_DIR -n 256 --temperature 0.7 --seed 1\n"
                        "  qnpipe chat MODEL_DIR --set prefix.snapshot_dir=~/.cache/qnpipe-snaps   (reuse heads across runs)")
     c.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (original HF, mlx-lm, or qnpipe convert layout)")
     c.add_argument("--system", type=text_arg(allow_empty=True), help="system message")
     c.add_argument("-v", "--verbose", action="store_true", help="print stats after each answer")
     add_gen_flags(c, 512, json=False)
+    add_memory_flags(c)
     add_distributed_flag(c)
     add_config_flags(c)
     c.set_defaults(func=cmd_chat)

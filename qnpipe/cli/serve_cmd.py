@@ -8,7 +8,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qnpipe.cli.common import add_config_flags, add_distributed_flag, checked, int_arg, load_config, precheck_model
+from qnpipe.cli.common import (
+    add_config_flags,
+    add_distributed_flag,
+    add_memory_flags,
+    apply_memory,
+    checked,
+    int_arg,
+    load_config,
+    precheck_model,
+)
 from qnpipe.errors import QnpipeError
 from qnpipe.io.files import KiB, read_text_capped
 
@@ -73,6 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_options(opts)  # before the model loads
     cfg = load_config(args)
     precheck_model(args.model_dir, cfg)
+    cfg = apply_memory(args, cfg)
 
     def ready(binds: list[str]) -> None:
         print(f"qnpipe serve: {opts.model_name or Path(args.model_dir).name} on {', '.join(binds)} "
@@ -86,6 +96,7 @@ EPILOG = """\
 examples:
   qnpipe serve ./qn80b-4bit                                  http://127.0.0.1:8080/v1
   qnpipe serve ./qn80b-4bit --port 9000 --max-queue 4
+  qnpipe serve ./qn80b-4bit --memory 8GB                     plan the pool for 8 GiB (docs/plan.md)
   qnpipe serve ./qn80b-4bit --host 0.0.0.0 --api-key-file ~/.qnpipe-key
   curl http://127.0.0.1:8080/v1/chat/completions -H 'content-type: application/json' \\
        -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
@@ -119,6 +130,7 @@ def register(sub: Any, fmt: Any) -> None:
     g.add_argument("--body-timeout", type=checked(_seconds), default=30.0, metavar="S",
                    help="a request body must arrive whole within S seconds (default 30); slower gets 408")
     g.add_argument("--model-name", metavar="NAME", help="the model id /v1/models shows (default: MODEL_DIR's name)")
+    add_memory_flags(p)
     add_distributed_flag(p)
     add_config_flags(p)
     p.set_defaults(func=cmd_serve)

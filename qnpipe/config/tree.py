@@ -358,6 +358,25 @@ class DistributedCfg(_Section, frozen=True):
                                                 "(0 = never)")] = 600.0
 
 
+# --------------------------------------------------------------------------- memory planner (issue 26)
+
+
+class PlanCfg(_Section, frozen=True):
+    """Planning the pool for a memory budget at start-up (`--memory 8GB`; docs/plan.md)."""
+
+    # Set, it replaces pool.expert_slots, the eviction policy, prefetch and autopin by the plan's.
+    memory: Annotated[str, _doc("plan the pool for this budget at start-up, e.g. 8GB (GB = 2^30 bytes; "
+                                "empty = off)")] = ""
+    log: Annotated[str, _doc("routing or event log to plan from (empty = <expert dir>/trace.qtrace when "
+                             "present, else a synthetic log of the model's shape)")] = ""
+    device: Annotated[str, _doc("device profile the plan's prediction is for: a built-in name, measured, "
+                                "or a profile file")] = "apple-m5-internal"
+    cost_path: Annotated[str, _doc("compute cost model of the prediction (qnpipe trace fit-cost; empty = "
+                                   "the default model)")] = ""
+    context_tokens: Annotated[PosInt, _doc("context the planned KV cache must hold, in tokens")] = 8192
+    cache_dir: Annotated[str, _doc("where plans are cached (empty = <expert dir>/plans)")] = ""
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """qnpipe's whole configuration. Build it with ``config.load``; derive variants with ``config.with_overrides``."""
 
@@ -376,6 +395,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     compute: Annotated[ComputeCfg, _doc("CPU compute")] = msgspec.field(default_factory=ComputeCfg)
     distributed: Annotated[DistributedCfg, _doc("pipeline parallel over mx.distributed")] = msgspec.field(
         default_factory=DistributedCfg)
+    plan: Annotated[PlanCfg, _doc("memory planner at start-up")] = msgspec.field(default_factory=PlanCfg)
 
     def fingerprint(self) -> str:
         """The sha256 hex digest of this config's canonical JSON (sorted keys).
@@ -388,5 +408,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def autopin_usage_path(self) -> str:
         """The autopin heat file: ``pool.autopin_usage_file`` or ``<expert dir>/pool_usage.json``."""
         return self.pool.autopin_usage_file or os.path.join(self.model.resolved_expert_dir(), "pool_usage.json")
+
+    def recorded_log_path(self) -> str:
+        """The log `--trace` without a file writes and `--memory` plans from: ``<expert dir>/trace.qtrace``."""
+        return os.path.join(self.model.resolved_expert_dir(), "trace.qtrace")
 
 

@@ -1,0 +1,149 @@
+"""Planning at start-up: `--memory 8GB` on generate, chat and serve, `Engine(model_dir, memory="8GB")`.
+
+    cfg, plan = plan_at_startup(cfg, say=print)   # before the model loads; cfg unchanged without plan.memory
+
+The log planned from, in this order: `plan.log` (`--log`); the log an earlier run of the same model
+directory recorded at `Config.recorded_log_path()` (`<expert dir>/trace.qtrace`, what `--trace` with no
+file writes, beside autopin's `<expert dir>/pool_usage.json`); else a synthetic log of the model's shape.
+
+The plan is cached in `plan.cache_dir` (default `<expert dir>/plans`; `<key>/plan.json`, with the capacity
+profile it applies beside it), keyed by the sha256 of what it depends on: the model (its facts and its store
+index), the log (its bytes; a synthetic log's spec), the budget, context, device profile, cost model and the
+settings the account and the replay read. A cached file that cannot be read is reported and planned again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from qnpipe.config import Config, with_overrides
+from qnpipe.errors import ConfigError
+from qnpipe.plan.account import ModelFacts, model_facts
+from qnpipe.plan.make import SYNTH, check_budgets, make_plan, resolve_cost, resolve_device
+from qnpipe.plan.plan_file import PLAN_VERSION, Plan, load_plan, plan_overrides, save_plan
+from qnpipe.plan.units import fmt_bytes, parse_memory
+
+# Sections that neither the account nor the replay reads (or that the plan sets itself: plan, and the
+# model's paths, which the model's own fingerprint covers).
+_NOT_KEYED = ("model", "plan", "trace", "chat", "prefix", "diag", "compute", "distributed")
+
+
+def find_log(cfg: Config) -> Path | None:
+    """The log to plan from: `plan.log`, else the model's recorded log when present, else None (synthetic)."""
+    if cfg.plan.log:
+        p = Path(cfg.plan.log)
+        if not p.is_file():
+            raise ConfigError(f"plan.log={cfg.plan.log} (--log): no such file; record one with "
+                              f"`qnpipe generate MODEL_DIR -p TEXT --trace FILE`")
+        return p
+    recorded = Path(cfg.recorded_log_path())
+    return recorded if recorded.is_file() else None
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_fingerprint(facts: ModelFacts, cfg: Config) -> str:
+    h = hashlib.sha256(msgspec.json.encode(facts))
+    index = Path(cfg.model.resolved_expert_dir()) / "index.json"
+    if index.is_file():
+        h.update(index.read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(facts: ModelFacts, cfg: Config, log: Path | None, *, budget: int) -> str:
+    """The sha256 of everything the plan depends on (module doc)."""
+    _, dev = resolve_device(cfg.plan.device, cfg)
+    cost = resolve_cost(cfg.plan.cost_path or None)
+    settings = {k: v for k, v in msgspec.to_builtins(cfg).items() if k not in _NOT_KEYED}
+    parts = {"version": PLAN_VERSION, "model": model_fingerprint(facts, cfg),
+             "log": _file_digest(log) if log is not None else {"synthetic": SYNTH},
+             "budget": budget, "context": cfg.plan.context_tokens, "device": msgspec.to_builtins(dev),
+             "cost": msgspec.to_builtins(cost), "settings": settings}
+    return hashlib.sha256(msgspec.json.encode(parts, order="sorted")).hexdigest()
+
+
+def describe_line(plan: Plan, where: str) -> str:
+    """The one line that says what was chosen."""
+    caps = sorted(plan.capacities.values())
+    prefetch = f"prefetch on ({plan.prefetch_into})" if plan.prefetch else "prefetch off"
+    return (f"memory {fmt_bytes(plan.memory_bytes)}: {caps[0]}-{caps[-1]} slots per layer "
+            f"({plan.evict_policy.upper()}), {prefetch}, predicted {plan.predicted_tok_s:.1f} tok/s on "
+            f"{plan.device_name}, hit rate {plan.predicted_hit_rate:.2f} [{where}]")
+
+
+def plan_at_startup(cfg: Config, *, say: Callable[[str], None] | None = None,
+                    distributed: bool | None = None) -> tuple[Config, Plan | None]:
+    """`cfg` with the plan for `plan.memory` applied (and `plan.memory` cleared, so it is applied once),
+    and the plan; `cfg` and None when `plan.memory` is empty. Runs before the model loads: a budget that
+    cannot fit is a ConfigError naming the smallest that does."""
+    if not cfg.plan.memory:
+        return cfg, None
+    say = say or (lambda s: None)
+    budget = parse_memory(cfg.plan.memory, key="--memory")
+    if cfg.distributed.enabled if distributed is None else distributed:
+        raise ConfigError(f"--memory {cfg.plan.memory} with --distributed: each rank holds only its layers and "
+                          f"the planner plans a whole model; give each rank pool.expert_slots or a "
+                          f"pool.capacity_profile_path (docs/distributed.md)")
+    if cfg.pool.capacity_profile_path:
+        raise ConfigError(f"--memory {cfg.plan.memory} with pool.capacity_profile_path="
+                          f"{cfg.pool.capacity_profile_path}: both choose the slots per layer; give one")
+    model_dir = Path(cfg.model.model_dir)
+    if not (Path(cfg.model.resolved_expert_dir()) / "index.json").is_file():
+        raise ConfigError(f"--memory {cfg.plan.memory}: {model_dir} has no expert store "
+                          f"({cfg.model.resolved_expert_dir()}/index.json): the planner sizes a streamed pool; "
+                          f"convert the model first (`qnpipe convert {model_dir} --out DIR`)")
+    facts = model_facts(model_dir, cfg)
+    check_budgets(facts, cfg, [budget], context=cfg.plan.context_tokens, headroom_bytes=0)
+    log = find_log(cfg)
+    key = cache_key(facts, cfg, log, budget=budget)
+    root = Path(cfg.plan.cache_dir or Path(cfg.model.resolved_expert_dir()) / "plans")
+    cached = root / key[:16] / "plan.json"
+    plan: Plan | None = None
+    if cached.is_file():
+        try:
+            plan = load_plan(cached)
+        except ConfigError as e:
+            say(f"ignoring the cached plan: {e}")
+    where = f"plan cached at {cached}"
+    if plan is None:
+        synth = None
+        if log is None:
+            s = facts.shape
+            synth = root / f"synth-{s.num_layers}x{s.num_experts}x{s.top_k}.qtrace"
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                synth = None  # make_plan writes it in the temp dir
+        plan = make_plan(facts, budget, log=log, device=cfg.plan.device, cost=cfg.plan.cost_path or None,
+                         context=cfg.plan.context_tokens, cfg=cfg, synth_path=synth)
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            save_plan(cached, plan)
+            where = f"planned in {plan.plan_s:.1f} s, cached at {cached}"
+        except OSError as e:
+            where = f"planned in {plan.plan_s:.1f} s, not cached: {e}"
+    else:
+        where = f"plan reused from {cached}"
+    if plan.log_synthetic:
+        say(f"no routing log of this model ({cfg.recorded_log_path()}): planned on a synthetic log of its shape; "
+            f"record a real one with --trace (qnpipe generate {model_dir} -p TEXT --trace) or give --log")
+    try:
+        overrides = plan_overrides(plan, cached.parent)
+    except OSError:  # a read-only store: the capacity profile goes to the temp dir
+        overrides = plan_overrides(plan, Path(tempfile.gettempdir()) / f"qnpipe-plan-{key[:16]}")
+    say(describe_line(plan, where))
+    return with_overrides(cfg, {**overrides, "plan.memory": ""}), plan
+
+
+__all__ = ["cache_key", "describe_line", "find_log", "model_fingerprint", "plan_at_startup"]
