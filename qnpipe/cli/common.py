@@ -70,13 +70,14 @@ def add_memory_flags(p: argparse.ArgumentParser) -> None:
                         "layer, eviction, prefetch, chosen on --log, else on the log an earlier --trace run "
                         "recorded, else on a synthetic log; cached in <expert dir>/plans (docs/plan.md). "
                         "Replaces pool.expert_slots; refused with pool.capacity_profile_path or --distributed")
-    g.add_argument("--log", metavar="LOG", help="with --memory: the routing or event log to plan from")
+    # dest plan_log: `replay` and `sweep` have a positional LOG of their own
+    g.add_argument("--log", dest="plan_log", metavar="LOG", help="with --memory: the routing or event log to plan from")
 
 
 def apply_memory(args: argparse.Namespace, cfg: Any) -> Any:
     """`cfg` with the `--memory` plan applied (one line on stderr says what was chosen), before the model loads."""
     if not cfg.plan.memory:
-        if getattr(args, "log", None):
+        if getattr(args, "plan_log", None):
             raise QnpipeError("--log is for --memory: give the budget to plan for (e.g. --memory 8GB)")
         return cfg
     from qnpipe import config
@@ -115,8 +116,8 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["trace.event_log_path"] = args.trace
     if getattr(args, "memory", None):
         out["plan.memory"] = args.memory
-    if getattr(args, "log", None):
-        out["plan.log"] = args.log
+    if getattr(args, "plan_log", None):
+        out["plan.log"] = args.plan_log
     if getattr(args, "mtp", False):
         out["mtp.enabled"] = True
     if getattr(args, "num_draft_tokens", None) is not None:
