@@ -89,10 +89,7 @@ def test_a_sweeps_csv_has_every_point_with_its_swept_values(log: Path, tmp_path:
 
 
 def test_parquet_holds_the_same_rows(log: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    try:
-        pq = importlib.import_module("pyarrow.parquet")
-    except ImportError:
-        pytest.skip("pyarrow is not installed (the optional extra: pip install 'qnpipe[parquet]')")
+    pq = importlib.import_module("pyarrow.parquet")  # in the test extra: this test always runs
     out = tmp_path / "r.parquet"
     assert main(["replay", str(log), "--set", "pool.expert_slots=4", "--set", f"replay.record_nbytes={NBYTES}",
                  "--parquet", str(out)]) == 0
