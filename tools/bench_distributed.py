@@ -4,10 +4,12 @@ Starts the ranks itself (MLX_RANK, MLX_HOSTFILE on free ports, as `mlx.launch --
 would). Each run decodes the same greedy tokens; then, on the same ring, rank 0 sends
 `--handoffs` token-shaped passes around it (the hidden state rank to rank, the token back to
 rank 0) through qnpipe's own messages with no model work: that is the hand-off per token.
-Prints one JSON line (`tok_s_by_ranks`, `handoff_us_per_token`, `bytes_per_token`, and each
-rank's memory after loading and at its peak).
+Prints one JSON line (`tok_s_by_ranks`, `handoff_us_per_token`, `handoff_share_of_token`: the
+hand-off over the time of a token decoded at that many ranks, `bytes_per_token`, and each rank's
+memory after loading and at its peak).
 
-    python tools/bench_distributed.py                     # the tiny model, made and converted here
+    python tools/bench_distributed.py                     # the bench model (tools/bench_stream.py's), made once under --work
+    python tools/bench_distributed.py --model tiny        # the tiny model, made and converted here
     python tools/bench_distributed.py --model DIR --set pool.expert_slots=8
     python tools/bench_distributed.py --model DIR --set mtp.enabled=true --prompt "def f(x):"  # MTP speculation
 
@@ -111,9 +113,24 @@ def run_ranks(model: Path, ranks: int, tmp: Path, extra: list[str], tokens: int,
     return [json.loads((tmp / f"r{ranks}.{r}.json").read_text()) for r in range(ranks)]
 
 
+def bench_model(work: Path) -> Path:
+    """tools/bench_stream.py's bench model (4-bit, group 64), made once under `work`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_stream", Path(__file__).with_name("bench_stream.py"))
+    assert spec is not None and spec.loader is not None
+    bench_stream = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_stream)
+    return bench_stream.make_model(work, "bench", 4, 64)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, help="model directory (default: the tiny model, converted to stream)")
+    ap.add_argument("--model", default="bench",
+                    help="model directory, or `bench` (default: tools/bench_stream.py's bench model, 16 MoE layers "
+                    "x 128 experts, made once under --work) or `tiny` (the tiny model, made and converted here)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/qnpipe-bench-stream"),
+                    help="where the bench model is made and kept (shared with tools/bench_stream.py)")
     ap.add_argument("--ranks", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--max-ranks", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per run")
@@ -127,25 +144,30 @@ def main() -> int:
         return worker(args)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        model = args.model
-        if model is None:
+        if args.model == "tiny":
             from qnpipe.convert import convert
             from qnpipe.convert.tiny import make_tiny
 
             model = tmp / "tiny-qn"
             convert(make_tiny(tmp / "tiny", layout="mlx", bits=4, seed=0), model)
+        elif args.model == "bench":
+            model = bench_model(args.work)
+        else:
+            model = Path(args.model)
         runs = {n: run_ranks(model, n, tmp, args.set, args.tokens, args.handoffs, args.prompt)
                 for n in range(1, args.max_ranks + 1)}
     print(json.dumps({
         "tok_s_by_ranks": {str(n): round(rs[0]["decode_tok_s"], 2) for n, rs in runs.items()},
         "handoff_us_per_token": {str(n): round(rs[0]["handoff_us_per_token"], 1) for n, rs in runs.items() if n > 1},
+        "handoff_share_of_token": {str(n): round(rs[0]["handoff_us_per_token"] * 1e-6 * rs[0]["decode_tok_s"], 4)
+                                   for n, rs in runs.items() if n > 1},
         "bytes_per_token": {str(n): rs[0]["bytes_per_token"] for n, rs in runs.items() if n > 1},
         "payload_bytes_per_token": {str(n): rs[0]["payload_bytes_per_token"] for n, rs in runs.items() if n > 1},
         "active_after_load_bytes_by_rank": {str(n): [r["active_after_load_bytes"] for r in rs] for n, rs in runs.items()},
         "peak_bytes_by_rank": {str(n): [r["peak_bytes"] for r in rs] for n, rs in runs.items()},
         **({"mtp_tokens_per_round": {str(n): round(rs[0]["mtp_tokens_per_round"], 2) for n, rs in runs.items()}}
            if "mtp_tokens_per_round" in runs[1][0] else {}),
-        "model": str(args.model or "tiny (made here)"), "tokens": args.tokens, "set": args.set,
+        "model": str(args.model if args.model in ("tiny", "bench") else model), "tokens": args.tokens, "set": args.set,
     }))
     return 0
 
