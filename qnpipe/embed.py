@@ -287,7 +287,8 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
 
                 if rank > 0:
                     try:
-                        await follow(pipe.forward, thread, core.runner.loaded.model, ring, core.mtp, cfg.mtp.hidden)
+                        await follow(pipe.forward, thread, core.runner.loaded.model, ring, core.mtp, cfg.mtp.hidden,
+                                     mtp_streamed=core.streaming is not None and core.streaming.mtp is not None)
                     except DistributedError as e:  # raised below, not inside the actors' nursery's group
                         lost = e
                 else:

@@ -103,14 +103,15 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None,
         runner.loaded.model.kv_factory = kv_factory(cfg.kv, runner.loaded.args.head_dim)
     mtp_ring = False
     if stage is not None and stage.size > 1 and cfg.mtp.enabled:
-        # Only the last rank holds the head (its experts resident: its pool has no MTP layer); rank 0
-        # drives the rounds; the others only see verify steps.
+        # Only the last rank holds the head (its experts streamed through its pool as in one process);
+        # rank 0 drives the rounds; the others only see verify steps.
         if stage.last:
-            mtp, mtp_path = _load_mtp(cfg, runner, model_dir, resident=True)
+            mtp, mtp_path = _load_mtp(cfg, runner, model_dir, resident=not stream)
+            stream_mtp = mtp is not None
         else:
             mtp, mtp_path = None, model_dir
             mtp_ring = stage.first and _has_mtp(cfg, runner, model_dir)
-        stream_mtp = False
+            stream_mtp = False
     else:
         mtp, mtp_path = _load_mtp(cfg, runner, model_dir, resident=not stream)
         stream_mtp = mtp is not None

@@ -4,7 +4,9 @@
 The last rank runs the step's tail (qnpipe.model.tails: the final norm and LM head, logits or a
 sampled token) and sends its value to rank 0, so one step is one pass around the ring. With MTP
 speculation it also runs the MTP head (`_Sequence.spec`): it drafts, accepts and answers with the
-committed tokens and the next drafts; every rank rolls its own layers back (`Verifying`).
+committed tokens and the next drafts; every rank rolls its own layers back (`Verifying`). When
+the experts stream, the head's MoE is a layer of the last rank's pool, as in one process: its
+MTP calls are forward steps of their own (`_mtp_streamed`), run before the answer is sent.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from qnpipe.errors import DistributedError
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.ring import Header, Op, Ring, dtype_code
 from qnpipe.live.parallel.verify import Verifying, spec_cache
-from qnpipe.live.spec.loop import accept_greedy
+from qnpipe.live.spec.loop import accept_greedy, streamed_drafts
 from qnpipe.live.spec.state import SpecOptions, SpecState
 from qnpipe.model.qwen3_next import Model
 from qnpipe.model.tails import Logits, Sampling, Settle, TailKind
@@ -31,16 +33,19 @@ _MTP = (TailKind.MTP_SETTLE, TailKind.MTP_FIRST, TailKind.MTP_VERIFY)
 class _Sequence:
     """One sequence's state on this rank: its cache and, on the last rank, its sampler or its MTP state."""
 
-    def __init__(self, model: Model, header: Header, head: Any, hidden: MtpHidden) -> None:
+    def __init__(self, model: Model, header: Header, head: Any, hidden: MtpHidden, mtp_streamed: bool) -> None:
         self.sampling: Sampling | None = None
         self.spec: SpecState | None = None
         self.verifying: Verifying | None = None
         self.drafts: list[int] = []  # the last rank: the drafts rank 0 verifies next
+        # The last rank, the head's experts streamed: this step's MTP rows (hidden, next tokens) and the
+        # tokens it commits (None: a settle step), run as steps of their own before the answer goes.
+        self.later: tuple[mx.array, list[int], list[int] | None] | None = None
         if header.kind not in _MTP:
             self.cache = model.make_cache()
             return
         if head is not None:
-            self.spec = SpecState(model, head, SpecOptions(k=header.depth, hidden=hidden))
+            self.spec = SpecState(model, head, SpecOptions(k=header.depth, hidden=hidden, mtp_streamed=mtp_streamed))
             self.cache = self.spec.caches.main
         else:
             self.cache = spec_cache(model)
@@ -54,10 +59,11 @@ def _receive(ring: Ring, hidden: int) -> tuple[Header, mx.array | None, list[int
 
 
 async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, head: Any = None,
-                 mtp_hidden: MtpHidden = MtpHidden.PRE_NORM) -> None:
+                 mtp_hidden: MtpHidden = MtpHidden.PRE_NORM, mtp_streamed: bool = False) -> None:
     """Serve rank 0's steps until it stops the ring; DistributedError naming the rank that was lost.
 
-    `head`: the MTP head (the last rank of an MTP engine), reading the main model's hidden as `mtp_hidden`."""
+    `head`: the MTP head (the last rank of an MTP engine), reading the main model's hidden as `mtp_hidden`;
+    `mtp_streamed`: its experts come from this rank's pool."""
     hidden = model.args.hidden_size
     seq: _Sequence | None = None
     while True:
@@ -77,7 +83,7 @@ async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, head
         if header.op is not Op.STEP:
             raise DistributedError(f"rank {ring.rank}: rank {ring.prev} sent {header.op.name} where a step was due")
         if header.fresh or seq is None:
-            seq = await run_on(thread, _Sequence, model, header, head, mtp_hidden)
+            seq = await run_on(thread, _Sequence, model, header, head, mtp_hidden, mtp_streamed)
         if (header.kind in _MTP) != (seq.verifying is not None):
             raise DistributedError(f"rank {ring.rank}: a {TailKind(header.kind).name} step in a sequence "
                                    f"that did not start as one")
@@ -88,6 +94,8 @@ async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, head
         tail = (_last_tail(ring, model, seq, header, ids) if ring.rank == ring.size - 1
                 else _pass_on(ring, seq, header, ids))
         await fwd.run(_given(h, seq, header), seq.cache, tail)
+        if seq.later is not None:
+            await _mtp_streamed(fwd, thread, ring, seq, header)
 
 
 def _given(h: mx.array, seq: _Sequence, header: Header) -> Any:
@@ -112,25 +120,54 @@ def _pass_on(ring: Ring, seq: _Sequence, header: Header, ids: list[int]) -> Any:
     return tail
 
 
+async def _mtp_streamed(fwd: Forward, thread: MLXThread, ring: Ring, seq: _Sequence, header: Header) -> None:
+    """The last rank's MTP work on a step when the head's experts stream (`_Sequence.later`), then the answer."""
+    spec = seq.spec
+    assert spec is not None and seq.later is not None
+    h, rows, committed = seq.later
+    seq.later = None
+    await fwd.run(lambda: spec.mtp_run(h, rows), None, spec.mtp_tail)
+    value = None
+    if committed is not None:
+        await streamed_drafts(fwd, thread, spec)
+        seq.drafts = await run_on(thread, lambda: spec.host_draft_tokens()[0])
+        value = mx.array([*committed, *seq.drafts], dtype=mx.uint32)
+    await run_on(thread, _answer, ring, header, value)
+
+
+def _answer(ring: Ring, header: Header, value: mx.array | None) -> None:
+    """A step's value (None: a settle step) to rank 0."""
+    ring.send(Header(Op.RESULT, rows=header.rows if value is None or header.kind not in _MTP else value.size,
+                     kind=header.kind, dtype=-1 if value is None else dtype_code(value)), value, ring.next)
+
+
 def _drafts(spec: SpecState) -> list[int]:
     spec.draft()
     return spec.host_draft_tokens()[0]
 
 
 def _mtp_value(model: Model, seq: _Sequence, header: Header, ids: list[int], h: mx.array) -> mx.array | None:
-    """The last rank's MTP work on a step; the token ids rank 0 gets back (None: a settle step)."""
+    """The last rank's MTP work on a step; the token ids rank 0 gets back (None: a settle step, or
+    the head's experts stream and `seq.later` holds what is left to run)."""
     spec = seq.spec
     assert spec is not None
+    streamed = spec.opts.mtp_streamed
     main_states = [c.state for c in seq.cache]
     match header.kind:
         case TailKind.MTP_SETTLE:  # row j pairs h_j with token j + 1 (qnpipe.live.spec.loop.prefill)
             mx.eval(h, main_states)
-            spec.mtp_rows(h, ids)
+            if streamed:
+                seq.later = (h, ids, None)
+            else:
+                spec.mtp_rows(h, ids)
             return None
         case TailKind.MTP_FIRST:
             tok = mx.argmax(model.head(h[:, -1, :])[0], axis=-1)
             mx.eval(tok, h, main_states)
             x = int(tok.item())  # pyright: ignore[reportArgumentType]
+            if streamed:
+                seq.later = (h, [*ids, x], [x])
+                return None
             spec.mtp_rows(h, [*ids, x])
             seq.drafts = _drafts(spec)
             return mx.array([x, *seq.drafts], dtype=mx.uint32)
@@ -142,6 +179,9 @@ def _mtp_value(model: Model, seq: _Sequence, header: Header, ids: list[int], h: 
             a = accept_greedy(drafted, main)
             committed = [*drafted[:a], int(main[a])]
             spec.caches.mtp.trim(len(drafted) - 1)
+            if streamed:
+                seq.later = (h[:, :a + 1], committed, committed)
+                return None
             spec.mtp_rows(h[:, :a + 1], committed, sync=False)
             seq.drafts = _drafts(spec)
             return mx.array([*committed, *seq.drafts], dtype=mx.uint32)
@@ -165,8 +205,7 @@ def _last_tail(ring: Ring, model: Model, seq: _Sequence, header: Header, ids: li
                 value = seq.sampling.next_token(h).reshape(1)
             case _:
                 raise DistributedError(f"rank {ring.rank}: unknown step end {header.kind}")
-        ring.send(Header(Op.RESULT, rows=header.rows if value is None or header.kind not in _MTP else value.size,
-                         kind=header.kind,
-                         dtype=-1 if value is None else dtype_code(value)), value, ring.next)
+        if seq.later is None:  # else `_mtp_streamed` answers
+            _answer(ring, header, value)
 
     return tail

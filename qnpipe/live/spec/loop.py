@@ -129,7 +129,7 @@ def _mtp_input(st: SpecState, hidden: mx.array, tokens: Sequence[int],
     return lambda: st.mtp_run(hidden, tokens, drafter_hidden)
 
 
-async def _streamed_drafts(fwd: Forward, thread: MLXThread, st: SpecState) -> None:
+async def streamed_drafts(fwd: Forward, thread: MLXThread, st: SpecState) -> None:
     """The previous round's MTP repair and this round's drafts, each MTP call a step through the pool."""
     p = await run_on(thread, st.take_pending)
     if p is not None:
@@ -288,7 +288,7 @@ async def spec_round(fwd: Forward, thread: MLXThread, st: SpecState, x: int, don
     st.done = done
     splits0 = fwd.stats.split_layer_steps
     if opts.verify_mode is MtpVerifyMode.BATCH and opts.mtp_streamed:
-        await _streamed_drafts(fwd, thread, st)
+        await streamed_drafts(fwd, thread, st)
         rec.draft_s += trio.current_time() - t0
         t0 = trio.current_time()
         await run_on(thread, st.begin_verify)
@@ -304,7 +304,7 @@ async def spec_round(fwd: Forward, thread: MLXThread, st: SpecState, x: int, don
             a = accept_greedy(drafts, main)
         t1 = t2 = trio.current_time()
     elif opts.mtp_streamed:
-        await _streamed_drafts(fwd, thread, st)
+        await streamed_drafts(fwd, thread, st)
         drafts, topk = await run_on(thread, st.host_draft_tokens)
     else:
         await run_on(thread, st.apply_pending)

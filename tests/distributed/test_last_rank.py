@@ -1,0 +1,41 @@
+"""What each rank of an MTP engine loads: the last rank holds the MTP head, and when the experts
+stream, the head's MoE is a layer of that rank's pool (as in one process), not resident."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from qnpipe import config
+from qnpipe.live.core import build_core
+from qnpipe.model.args import args_from_dict, read_config
+from qnpipe.model.stage import Stage
+
+
+def _core(model: Path, stage: Stage, **over: object):  # noqa: ANN202
+    cfg = config.load(None, overrides={"model.model_dir": str(model), "mtp.enabled": True, **over})
+    return build_core(model, cfg, stage=stage)
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_the_last_rank_streams_the_mtp_heads_experts_when_the_others_stream(trained_qn4: Path,
+                                                                             streamed: bool) -> None:
+    n = args_from_dict(read_config(trained_qn4), "config.json").num_hidden_layers
+    over = {"pool.expert_slots": 4} if streamed else {"pool.eager_load": True}
+    last = _core(trained_qn4, Stage(1, 2, n // 2, n, mtp=True), **over)
+    first = _core(trained_qn4, Stage(0, 2, 0, n // 2, mtp=True), **over)
+    try:
+        assert last.mtp is not None and first.mtp is None and first.mtp_ring
+        if streamed:
+            assert last.streaming is not None and last.streaming.mtp is not None
+            assert last.streaming.capacities[n] == 4  # the head's MoE: layer `num_hidden_layers`, 4 slots
+            assert first.streaming is not None and n not in first.streaming.capacities
+        else:
+            assert last.streaming is None
+    finally:
+        for core in (last, first):
+            if core.streaming is not None:
+                core.streaming.close()
+        mx.clear_cache()
