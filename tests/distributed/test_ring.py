@@ -37,11 +37,12 @@ MTP_ENGINES = {"mtp_resident": {**MTP, "eager_load": True, "prefill_chunk_tokens
                "mtp_stream": {**MTP, "expert_slots": 4, "prefill_chunk_tokens": 5}}
 MTP_PROMPT = "def read_lines(path):\n    "
 MTP_TOKENS = 40
+SAMPLED_TOKENS = 16  # speculative sampling at temperature 0.8, seed 3
 
 
 def _scenario(trained_qn4: Path) -> dict:
     return {"prompt": PROMPT, "tokens": 6, "engines": {**ENGINES, **MTP_ENGINES}, "mtp_prompt": MTP_PROMPT,
-            "mtp_tokens": MTP_TOKENS, "models": {name: str(trained_qn4) for name in MTP_ENGINES}}
+            "mtp_tokens": MTP_TOKENS, "sampled_tokens": SAMPLED_TOKENS, "models": {name: str(trained_qn4) for name in MTP_ENGINES}}
 
 
 def _start(ranks: int, model_dir: Path, tmp: Path, scenario: dict, *, only: list[int] | None = None,
@@ -102,7 +103,8 @@ def one_process(tiny_qn4: Path, one_process_dir: Path) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def one_process_mtp(trained_qn4: Path) -> dict[str, np.ndarray]:
-    """Greedy tokens of one process for each MTP engine: without MTP (`.plain`) and with it (`.spec`)."""
+    """Tokens of one process for each MTP engine: greedy without MTP (`.plain`) and with it (`.spec`), and
+    speculative sampling at a seed (`.sampled`)."""
     from qnpipe import open_engine
 
     async def run() -> dict[str, np.ndarray]:
@@ -112,6 +114,10 @@ def one_process_mtp(trained_qn4: Path) -> dict[str, np.ndarray]:
                 async with open_engine(trained_qn4, **{**over, "mtp.enabled": mtp}) as eng:
                     res = await eng.generate(MTP_PROMPT, max_tokens=MTP_TOKENS, stop_at_eos=False)
                     saved[f"{name}.{key}"] = np.array(res.tokens)
+            async with open_engine(trained_qn4, **over) as eng:
+                res = await eng.generate(MTP_PROMPT, max_tokens=SAMPLED_TOKENS, temperature=0.8, seed=3,
+                                         stop_at_eos=False)
+                saved[f"{name}.sampled"] = np.array(res.tokens)
         return saved
 
     return trio.run(run)
@@ -121,7 +127,7 @@ def _check_bits(tmp: Path, results: list[tuple[int, str]], one_process: dict[str
                 one_process_mtp: dict[str, np.ndarray]) -> None:
     got = np.load(tmp / "out0.npz")
     mtp_keys = [f"{name}.{key}" for name in MTP_ENGINES
-                for key in ("greedy", "accept_hist", "sampling_refused", "cancelled_after")]
+                for key in ("greedy", "accept_hist", "sampled", "cancelled_after")]
     assert sorted(got.files) == sorted([*one_process, *mtp_keys])
     for key, want in one_process.items():
         assert got[key].dtype == want.dtype and np.array_equal(got[key], want), key
@@ -137,7 +143,10 @@ def _check_bits(tmp: Path, results: list[tuple[int, str]], one_process: dict[str
         hist = got[f"{name}.accept_hist"].tolist()
         assert len(hist) == MTP["mtp.num_draft_tokens"] + 1 and sum(hist[:-1]) > 0 and sum(hist[1:]) > 0, hist
         assert sum(hist) < MTP_TOKENS, hist
-        assert "temperature=0.8: speculative sampling does not run distributed" in str(got[f"{name}.sampling_refused"])
+        # speculative sampling: the last rank draws and judges with the seeded generator in one process's order
+        sampled = got[f"{name}.sampled"].tolist()
+        assert len(sampled) == SAMPLED_TOKENS and sampled == one_process_mtp[f"{name}.sampled"].tolist(), name
+        assert sampled[:8] != tokens[:8], "sampled as greedy"
     assert not (tmp / "out1.npz").exists(), "only rank 0 writes"
 
 

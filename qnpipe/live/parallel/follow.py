@@ -23,6 +23,7 @@ from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.ring import Header, Op, Ring, dtype_code
 from qnpipe.live.parallel.verify import Verifying, spec_cache
 from qnpipe.live.spec.loop import accept_greedy, streamed_drafts
+from qnpipe.live.spec.sampling import accept_sampled
 from qnpipe.live.spec.state import SpecOptions, SpecState
 from qnpipe.model.qwen3_next import Model
 from qnpipe.model.tails import Logits, Sampling, Settle, TailKind
@@ -45,7 +46,9 @@ class _Sequence:
             self.cache = model.make_cache()
             return
         if head is not None:
-            self.spec = SpecState(model, head, SpecOptions(k=header.depth, hidden=hidden, mtp_streamed=mtp_streamed))
+            opts = SpecOptions(k=header.depth, hidden=hidden, mtp_streamed=mtp_streamed, temperature=header.temperature,
+                               top_p=header.top_p, seed=None if header.seed < 0 else header.seed)
+            self.spec = SpecState(model, head, opts)
             self.cache = self.spec.caches.main
         else:
             self.cache = spec_cache(model)
@@ -146,38 +149,37 @@ def _drafts(spec: SpecState) -> list[int]:
     return spec.host_draft_tokens()[0]
 
 
-def _mtp_value(model: Model, seq: _Sequence, header: Header, ids: list[int], h: mx.array) -> mx.array | None:
+def _mtp_value(seq: _Sequence, header: Header, ids: list[int], h: mx.array) -> mx.array | None:
     """The last rank's MTP work on a step; the token ids rank 0 gets back (None: a settle step, or
     the head's experts stream and `seq.later` holds what is left to run)."""
     spec = seq.spec
     assert spec is not None
     streamed = spec.opts.mtp_streamed
-    main_states = [c.state for c in seq.cache]
     match header.kind:
         case TailKind.MTP_SETTLE:  # row j pairs h_j with token j + 1 (qnpipe.live.spec.loop.prefill)
-            mx.eval(h, main_states)
+            mx.eval(h, [c.state for c in seq.cache])
             if streamed:
                 seq.later = (h, ids, None)
             else:
                 spec.mtp_rows(h, ids)
             return None
-        case TailKind.MTP_FIRST:
-            tok = mx.argmax(model.head(h[:, -1, :])[0], axis=-1)
-            mx.eval(tok, h, main_states)
-            x = int(tok.item())  # pyright: ignore[reportArgumentType]
+        case TailKind.MTP_FIRST:  # greedy, or drawn with the sequence's generator (speculative sampling)
+            x, _ = spec.first_token(h)
             if streamed:
                 seq.later = (h, [*ids, x], [x])
                 return None
             spec.mtp_rows(h, [*ids, x])
             seq.drafts = _drafts(spec)
             return mx.array([x, *seq.drafts], dtype=mx.uint32)
-        case _:  # MTP_VERIFY: as SpecState.verify_tail, then the repair and drafts of apply_pending / draft
-            am = mx.concatenate([mx.argmax(model.head(h[:, i]), axis=-1) for i in range(h.shape[1])])
-            mx.eval(am, h, main_states)
-            main = np.array(am).tolist()
+        case _:  # MTP_VERIFY: as one process's batch verify (loop.spec_round), then the repair and drafts
+            main, _, _, _ = spec.verify_tail(h)
             drafted = seq.drafts
-            a = accept_greedy(drafted, main)
-            committed = [*drafted[:a], int(main[a])]
+            if spec.opts.sampling:  # main: each row's distribution
+                a, bonus = accept_sampled(drafted, np.stack(spec.q), main, spec.rng)
+            else:
+                a = accept_greedy(drafted, main.tolist())
+                bonus = int(main[a])
+            committed = [*drafted[:a], bonus]
             spec.caches.mtp.trim(len(drafted) - 1)
             if streamed:
                 seq.later = (h[:, :a + 1], committed, committed)
@@ -195,7 +197,7 @@ def _last_tail(ring: Ring, model: Model, seq: _Sequence, header: Header, ids: li
                 Settle(seq.cache)(h)
                 value = None
             case TailKind.MTP_SETTLE | TailKind.MTP_FIRST | TailKind.MTP_VERIFY:
-                value = _mtp_value(model, seq, header, ids, h)
+                value = _mtp_value(seq, header, ids, h)
             case TailKind.LOGITS | TailKind.LAST_LOGITS:
                 value = mx.array(Logits(model, last_only=header.kind == TailKind.LAST_LOGITS)(h))
             case TailKind.SAMPLE:

@@ -7,8 +7,10 @@ of K + 1 rows. The drafts depend only on what the last rank has seen, so no roun
 more than one pass. Every rank rolls its own layers back (qnpipe.live.parallel.verify): the
 rollback of a verify step rides on the next step's header.
 
-The rounds are `qnpipe.live.spec.loop`'s batch verify with per-token states, greedy: the same
-committed tokens as plain greedy decoding.
+The rounds are `qnpipe.live.spec.loop`'s batch verify with per-token states: greedy (the same
+committed tokens as plain greedy decoding), or speculative sampling, where the last rank draws
+the drafts and judges them with the sequence's seeded generator in one process's order (the
+same tokens as one process with MTP at that seed; qnpipe.live.spec.sampling).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import trio
 
 from qnpipe.actors.forward import Forward
-from qnpipe.errors import ConfigError, DistributedError
+from qnpipe.errors import DistributedError
 from qnpipe.live.decoding import Output, generate_stats
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.verify import Verifying, spec_cache
@@ -37,6 +39,15 @@ from qnpipe.trace import SpecRound
 
 
 @attrs.frozen
+class SamplerArgs:
+    """Speculative sampling's settings, read by `Lead.tail` into the step's header."""
+
+    temperature: float
+    top_p: float
+    seed: int | None
+
+
+@attrs.frozen
 class RingMtp:
     """The end of an MTP step on rank 0: `qnpipe.live.parallel.lead.Lead` sends it round the ring."""
 
@@ -44,6 +55,7 @@ class RingMtp:
     depth: int
     ids: tuple[int, ...] = ()  # the tokens the last rank's MTP pairs with this step's rows
     keep: int = 0  # rows of the last verify step to keep (0: no verify step before this one)
+    sampling: SamplerArgs | None = None  # None: greedy
 
     def __call__(self, h: mx.array) -> Any:
         # Lead.tail replaces it by a pass around the ring: only the last rank can end this step.
@@ -68,13 +80,13 @@ class _Rank0:
 
 async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any, tokens: Sequence[int], *,
                    max_tokens: int, eos: set[int], chunk: int, depth: int, temperature: float = 0.0,
+                   top_p: float = 1.0, seed: int | None = None,
                    emit: Callable[[Msg], None] | None = None, on_text: Callable[[str], None] | None = None,
                    on_prefill: Callable[[int, int], None] | None = None,
                    partial: list[int] | None = None) -> GenerateResult:
-    """Greedy generation with MTP speculation, the head on the last rank: plain greedy's tokens."""
-    if temperature > 0.0:
-        raise ConfigError(f"temperature={temperature}: speculative sampling does not run distributed "
-                          f"(mtp.enabled with distributed.enabled is greedy only; set mtp.enabled=false to sample)")
+    """Generation with MTP speculation, the head on the last rank: greedy (plain greedy's tokens) or
+    speculative sampling at `temperature` > 0 (one process's tokens with MTP at that seed)."""
+    sampler = SamplerArgs(temperature, top_p, seed) if temperature > 0.0 else None
     t0 = trio.current_time()
     st = await run_on(thread, _Rank0, model)
     spans = chunks(len(tokens), chunk)
@@ -83,7 +95,7 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
         last = i == len(spans) - 1
         # Row j pairs h_j with token j + 1; the last row's token is the one this step makes.
         tail = RingMtp(TailKind.MTP_FIRST if last else TailKind.MTP_SETTLE, depth,
-                       tuple(tokens[lo + 1:hi] if last else tokens[lo + 1:hi + 1]))
+                       tuple(tokens[lo + 1:hi] if last else tokens[lo + 1:hi + 1]), sampling=sampler)
         answer = np.asarray(await fwd.run(st.inputs(tokens[lo:hi], 0, 0), st.cache, tail))
         if on_prefill is not None:
             on_prefill(hi, len(tokens))
@@ -102,7 +114,7 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
         x = pending[-1]
         r0 = trio.current_time()
         answer = np.asarray(await fwd.run(st.inputs([x, *drafts], keep, depth + 1), st.cache,
-                                          RingMtp(TailKind.MTP_VERIFY, depth, keep=keep)))
+                                          RingMtp(TailKind.MTP_VERIFY, depth, keep=keep, sampling=sampler)))
         pending = [int(t) for t in answer[:len(answer) - depth]]
         a = len(pending) - 1
         rec.round(Draft(drafts, []), pending, a)
