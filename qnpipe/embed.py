@@ -33,6 +33,7 @@ from qnpipe.live import decoding
 from qnpipe.live.core import Core, build_core, open_core_pipeline, release_core, warm_up_core
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.prefix import PrefixCache
+from qnpipe.live.spec.engine import options as spec_options
 from qnpipe.live.spec.engine import speculate
 from qnpipe.model.kvquant import model_bytes_per_token
 from qnpipe.model.snapshots import engine_fingerprint
@@ -287,8 +288,9 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
 
                 if rank > 0:
                     try:
-                        await follow(pipe.forward, thread, core.runner.loaded.model, ring, core.mtp, cfg.mtp.hidden,
-                                     mtp_streamed=core.streaming is not None and core.streaming.mtp is not None)
+                        await follow(pipe.forward, thread, core.runner.loaded.model, ring, core.mtp,
+                                     spec_options(cfg, mtp_streamed=core.streaming is not None
+                                                  and core.streaming.mtp is not None))
                     except DistributedError as e:  # raised below, not inside the actors' nursery's group
                         lost = e
                 else:

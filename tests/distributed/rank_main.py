@@ -35,6 +35,7 @@ async def main(model_dir: str, out: str, scenario: dict) -> int:
                 assert res.stats.mtp is not None
                 saved[f"{name}.greedy"] = np.array(res.tokens)
                 saved[f"{name}.accept_hist"] = np.array(res.stats.mtp.accept_hist)
+                saved[f"{name}.drafted_at"] = np.array(res.stats.mtp.drafted_at)
                 res = await eng.generate(prompt, max_tokens=scenario["sampled_tokens"], temperature=0.8, seed=3, stop_at_eos=False)
                 saved[f"{name}.sampled"] = np.array(res.tokens)
             else:

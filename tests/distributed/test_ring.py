@@ -31,10 +31,12 @@ ENGINES = {"resident": {"eager_load": True, "prefill_chunk_tokens": 0},
            "stream": {"expert_slots": 4, "prefill_chunk_tokens": 5,
                       "trace.route_trace": True, "trace.route_trace_path": "routes.qtrace"}}
 # MTP speculation runs on the trained tiny model (its head drafts well: rounds accept 0..K drafts),
-# resident and streamed through a top-k pool; the streamed one is last (the killed-rank test).
+# resident at a fixed depth and streamed through a top-k pool at an adaptive depth (rounds draft 1..3);
+# the streamed one is last (the killed-rank test).
 MTP = {"mtp.enabled": True, "mtp.num_draft_tokens": 3}
 MTP_ENGINES = {"mtp_resident": {**MTP, "eager_load": True, "prefill_chunk_tokens": 0},
-               "mtp_stream": {**MTP, "expert_slots": 4, "prefill_chunk_tokens": 5}}
+               "mtp_stream": {**MTP, "expert_slots": 4, "prefill_chunk_tokens": 5, "mtp.adaptive_depth": True,
+                              "mtp.depth_max": 3, "mtp.conf_tau": 0.5}}
 MTP_PROMPT = "def read_lines(path):\n    "
 MTP_TOKENS = 40
 SAMPLED_TOKENS = 16  # speculative sampling at temperature 0.8, seed 3
@@ -127,7 +129,7 @@ def _check_bits(tmp: Path, results: list[tuple[int, str]], one_process: dict[str
                 one_process_mtp: dict[str, np.ndarray]) -> None:
     got = np.load(tmp / "out0.npz")
     mtp_keys = [f"{name}.{key}" for name in MTP_ENGINES
-                for key in ("greedy", "accept_hist", "sampled", "cancelled_after")]
+                for key in ("greedy", "accept_hist", "drafted_at", "sampled", "cancelled_after")]
     assert sorted(got.files) == sorted([*one_process, *mtp_keys])
     for key, want in one_process.items():
         assert got[key].dtype == want.dtype and np.array_equal(got[key], want), key
@@ -141,6 +143,9 @@ def _check_bits(tmp: Path, results: list[tuple[int, str]], one_process: dict[str
         # rank 0's stats have the last rank's rounds: some rejected drafts (a rollback on every rank to
         # a row inside the verify step), some accepted, fewer rounds than tokens
         hist = got[f"{name}.accept_hist"].tolist()
+        drafted = got[f"{name}.drafted_at"].tolist()  # rounds that drafted at each depth
+        adaptive = MTP_ENGINES[name].get("mtp.adaptive_depth", False)
+        assert (drafted[0] > drafted[-1] > 0) if adaptive else (drafted[0] == drafted[-1] == sum(hist)), drafted
         assert len(hist) == MTP["mtp.num_draft_tokens"] + 1 and sum(hist[:-1]) > 0 and sum(hist[1:]) > 0, hist
         assert sum(hist) < MTP_TOKENS, hist
         # speculative sampling: the last rank draws and judges with the seeded generator in one process's order

@@ -18,7 +18,7 @@ from qnpipe.model.step_cache import StepCache
 
 @pytest.mark.parametrize(("over", "named"), [
     ({"mtp.verify_mode": "sequential"}, "mtp.verify_mode"),
-    ({"mtp.adaptive_depth": True}, "mtp.adaptive_depth"),
+    ({"mtp.adaptive_depth": True, "mtp.adaptive_rescue": True}, "mtp.adaptive_rescue"),
     ({"mtp.tree_verify": True}, "mtp.tree_verify"),
     ({"mtp.tree_top2": True}, "mtp.tree_top2"),
     ({"diag.accept_topk": 4}, "diag.accept_topk"),
@@ -29,8 +29,9 @@ def test_mtp_variants_the_ring_does_not_run_are_refused_by_name(over: dict[str, 
         check_mtp(cfg)
 
 
-def test_batch_verify_of_a_fixed_depth_runs() -> None:
+def test_batch_verify_of_a_fixed_or_adaptive_depth_runs() -> None:
     check_mtp(with_overrides(Config(), {"mtp.enabled": True, "mtp.num_draft_tokens": 5}))
+    check_mtp(with_overrides(Config(), {"mtp.enabled": True, "mtp.adaptive_depth": True, "mtp.depth_max": 4}))
 
 
 class _Local:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import mlx.core as mx
 import numpy as np
 
 from qnpipe.actors.forward import Forward
-from qnpipe.config import MtpHidden
 from qnpipe.errors import DistributedError
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.ring import Header, Op, Ring, dtype_code
@@ -34,7 +34,7 @@ _MTP = (TailKind.MTP_SETTLE, TailKind.MTP_FIRST, TailKind.MTP_VERIFY)
 class _Sequence:
     """One sequence's state on this rank: its cache and, on the last rank, its sampler or its MTP state."""
 
-    def __init__(self, model: Model, header: Header, head: Any, hidden: MtpHidden, mtp_streamed: bool) -> None:
+    def __init__(self, model: Model, header: Header, head: Any, mtp_opts: SpecOptions) -> None:
         self.sampling: Sampling | None = None
         self.spec: SpecState | None = None
         self.verifying: Verifying | None = None
@@ -46,8 +46,8 @@ class _Sequence:
             self.cache = model.make_cache()
             return
         if head is not None:
-            opts = SpecOptions(k=header.depth, hidden=hidden, mtp_streamed=mtp_streamed, temperature=header.temperature,
-                               top_p=header.top_p, seed=None if header.seed < 0 else header.seed)
+            opts = attrs.evolve(mtp_opts, k=header.depth, temperature=header.temperature, top_p=header.top_p,
+                                seed=None if header.seed < 0 else header.seed)
             self.spec = SpecState(model, head, opts)
             self.cache = self.spec.caches.main
         else:
@@ -62,11 +62,12 @@ def _receive(ring: Ring, hidden: int) -> tuple[Header, mx.array | None, list[int
 
 
 async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, head: Any = None,
-                 mtp_hidden: MtpHidden = MtpHidden.PRE_NORM, mtp_streamed: bool = False) -> None:
+                 mtp_opts: SpecOptions | None = None) -> None:
     """Serve rank 0's steps until it stops the ring; DistributedError naming the rank that was lost.
 
-    `head`: the MTP head (the last rank of an MTP engine), reading the main model's hidden as `mtp_hidden`;
-    `mtp_streamed`: its experts come from this rank's pool."""
+    `head`: the MTP head (the last rank of an MTP engine); `mtp_opts`: how it drafts (`mtp.hidden`, adaptive
+    depth, whether its experts come from this rank's pool), a step's header giving K and the sampler."""
+    opts = mtp_opts if mtp_opts is not None else SpecOptions()
     hidden = model.args.hidden_size
     seq: _Sequence | None = None
     while True:
@@ -86,7 +87,7 @@ async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, head
         if header.op is not Op.STEP:
             raise DistributedError(f"rank {ring.rank}: rank {ring.prev} sent {header.op.name} where a step was due")
         if header.fresh or seq is None:
-            seq = await run_on(thread, _Sequence, model, header, head, mtp_hidden, mtp_streamed)
+            seq = await run_on(thread, _Sequence, model, header, head, opts)
         if (header.kind in _MTP) != (seq.verifying is not None):
             raise DistributedError(f"rank {ring.rank}: a {TailKind(header.kind).name} step in a sequence "
                                    f"that did not start as one")
@@ -134,7 +135,7 @@ async def _mtp_streamed(fwd: Forward, thread: MLXThread, ring: Ring, seq: _Seque
     if committed is not None:
         await streamed_drafts(fwd, thread, spec)
         seq.drafts = await run_on(thread, lambda: spec.host_draft_tokens()[0])
-        value = mx.array([*committed, *seq.drafts], dtype=mx.uint32)
+        value = _with_drafts(committed, seq.drafts)
     await run_on(thread, _answer, ring, header, value)
 
 
@@ -142,6 +143,11 @@ def _answer(ring: Ring, header: Header, value: mx.array | None) -> None:
     """A step's value (None: a settle step) to rank 0."""
     ring.send(Header(Op.RESULT, rows=header.rows if value is None or header.kind not in _MTP else value.size,
                      kind=header.kind, dtype=-1 if value is None else dtype_code(value)), value, ring.next)
+
+
+def _with_drafts(committed: list[int], drafts: list[int]) -> mx.array:
+    """An MTP step's answer: the committed tokens, the next drafts and their number (adaptive depth varies it)."""
+    return mx.array([*committed, *drafts, len(drafts)], dtype=mx.uint32)
 
 
 def _drafts(spec: SpecState) -> list[int]:
@@ -170,7 +176,7 @@ def _mtp_value(seq: _Sequence, header: Header, ids: list[int], h: mx.array) -> m
                 return None
             spec.mtp_rows(h, [*ids, x])
             seq.drafts = _drafts(spec)
-            return mx.array([x, *seq.drafts], dtype=mx.uint32)
+            return _with_drafts([x], seq.drafts)
         case _:  # MTP_VERIFY: as one process's batch verify (loop.spec_round), then the repair and drafts
             main, _, _, _ = spec.verify_tail(h)
             drafted = seq.drafts
@@ -186,7 +192,7 @@ def _mtp_value(seq: _Sequence, header: Header, ids: list[int], h: mx.array) -> m
                 return None
             spec.mtp_rows(h[:, :a + 1], committed, sync=False)
             seq.drafts = _drafts(spec)
-            return mx.array([*committed, *seq.drafts], dtype=mx.uint32)
+            return _with_drafts(committed, seq.drafts)
 
 
 def _last_tail(ring: Ring, model: Model, seq: _Sequence, header: Header, ids: list[int]) -> Any:

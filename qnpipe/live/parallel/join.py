@@ -34,9 +34,10 @@ async def join(cfg: Config, thread: MLXThread) -> tuple[Ring, Stage, Config]:
     split = split_layers(per, ring.size, first_extra=embed, last_extra=head)
     # The same shape is not enough: config.json's bytes tell another checkpoint of it apart.
     key = model_id(args) + hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
-    mtp_key = f"{mtp} {cfg.mtp.num_draft_tokens if mtp else 0}"
+    m = cfg.mtp
+    mtp_key = f"{mtp} {m.num_draft_tokens} {m.adaptive_depth} {m.conf_tau} {m.depth_max}" if mtp else "False"
     await run_on(thread, ring.check_same_run, key, __version__, split, mtp_key)
-    ring.fit(args.hidden_size, cfg.mtp.num_draft_tokens + 1 if mtp else 1)
+    ring.fit(args.hidden_size, (m.depth_max if m.adaptive_depth else m.num_draft_tokens) + 1 if mtp else 1)
     stage = Stage(ring.rank, ring.size, *split[ring.rank], mtp=mtp)
     return ring, stage, rank_config(cfg, stage)
 
@@ -44,7 +45,7 @@ async def join(cfg: Config, thread: MLXThread) -> tuple[Ring, Stage, Config]:
 # MTP variants a ring does not run yet: (setting, is it on).
 _MTP_REFUSED = (
     ("mtp.verify_mode", lambda c: c.mtp.verify_mode.value != "batch"),
-    ("mtp.adaptive_depth", lambda c: c.mtp.adaptive_depth),
+    ("mtp.adaptive_rescue", lambda c: c.mtp.adaptive_rescue),
     ("mtp.tree_verify", lambda c: c.mtp.tree_verify),
     ("mtp.tree_top2", lambda c: c.mtp.tree_top2),
     ("diag.accept_topk", lambda c: c.diag.accept_topk > 0),
@@ -53,11 +54,12 @@ _MTP_REFUSED = (
 
 def check_mtp(cfg: Config) -> None:
     """ConfigError naming an MTP setting that does not run distributed (docs/distributed.md): the ring
-    runs batch verify of a fixed depth, greedy, with per-token rollback."""
+    runs batch verify of one draft path (fixed or adaptive depth, greedy or sampled) with per-token rollback."""
     for name, on in _MTP_REFUSED:
         if on(cfg):
-            raise ConfigError(f"{name}: with mtp.enabled and distributed.enabled only batch verify of a fixed "
-                              f"depth runs (mtp.verify_mode=batch, no adaptive depth, tree verify or top-k diagnostics)")
+            raise ConfigError(f"{name}: with mtp.enabled and distributed.enabled only batch verify of one draft "
+                              f"path runs (mtp.verify_mode=batch, fixed or adaptive depth; no tree verify, rescue "
+                              f"or top-k diagnostics)")
 
 
 def rank_config(cfg: Config, stage: Stage) -> Config:

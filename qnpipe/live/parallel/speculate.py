@@ -2,8 +2,8 @@
 
 The last rank holds the MTP head (it needs the final hidden state, the embedding and the LM
 head), so the drafts are made there: each step's answer brings rank 0 the committed tokens and
-the next round's drafts, and rank 0 sends `[y_n, d_1 … d_K]` round the ring as one verify step
-of K + 1 rows. The drafts depend only on what the last rank has seen, so no round waits for
+the next round's drafts (K of them, or as many as adaptive depth chose), and rank 0 sends
+`[y_n, d_1 … d_K]` round the ring as one verify step of K + 1 rows. The drafts depend only on what the last rank has seen, so no round waits for
 more than one pass. Every rank rolls its own layers back (qnpipe.live.parallel.verify): the
 rollback of a verify step rides on the next step's header.
 
@@ -79,13 +79,15 @@ class _Rank0:
 
 
 async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any, tokens: Sequence[int], *,
-                   max_tokens: int, eos: set[int], chunk: int, depth: int, temperature: float = 0.0,
+                   max_tokens: int, eos: set[int], chunk: int, depth: int, max_depth: int | None = None,
+                   temperature: float = 0.0,
                    top_p: float = 1.0, seed: int | None = None,
                    emit: Callable[[Msg], None] | None = None, on_text: Callable[[str], None] | None = None,
                    on_prefill: Callable[[int, int], None] | None = None,
                    partial: list[int] | None = None) -> GenerateResult:
     """Generation with MTP speculation, the head on the last rank: greedy (plain greedy's tokens) or
-    speculative sampling at `temperature` > 0 (one process's tokens with MTP at that seed)."""
+    speculative sampling at `temperature` > 0 (one process's tokens with MTP at that seed). `depth`: K;
+    `max_depth`: the most drafts a round may have (adaptive depth's `mtp.depth_max`; default K)."""
     sampler = SamplerArgs(temperature, top_p, seed) if temperature > 0.0 else None
     t0 = trio.current_time()
     st = await run_on(thread, _Rank0, model)
@@ -99,11 +101,11 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
         answer = np.asarray(await fwd.run(st.inputs(tokens[lo:hi], 0, 0), st.cache, tail))
         if on_prefill is not None:
             on_prefill(hi, len(tokens))
-    x, drafts = int(answer[0]), [int(t) for t in answer[1:]]
+    x, drafts = int(answer[0]), _drafts(answer)
     t_first = trio.current_time()
     output = Output(tokenizer, eos, on_text, partial)
     reason = FinishReason.LENGTH
-    rec = Recorder(depth)
+    rec = Recorder(depth if max_depth is None else max_depth)
     n, keep = 0, 0
     pending = [x]
     while True:
@@ -113,18 +115,24 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
             break
         x = pending[-1]
         r0 = trio.current_time()
-        answer = np.asarray(await fwd.run(st.inputs([x, *drafts], keep, depth + 1), st.cache,
+        answer = np.asarray(await fwd.run(st.inputs([x, *drafts], keep, len(drafts) + 1), st.cache,
                                           RingMtp(TailKind.MTP_VERIFY, depth, keep=keep, sampling=sampler)))
-        pending = [int(t) for t in answer[:len(answer) - depth]]
+        pending = [int(t) for t in answer[:len(answer) - 1 - int(answer[-1])]]
         a = len(pending) - 1
         rec.round(Draft(drafts, []), pending, a)
         if emit is not None:
             emit(SpecRound(**rec.stamper.stamp(), step=fwd.stats.steps, drafts=tuple(drafts), accepted=a,
                            bonus=pending[-1]))
         rec.verify_s += trio.current_time() - r0
-        drafts, keep = [int(t) for t in answer[len(answer) - depth:]], a + 1
+        drafts, keep = _drafts(answer), a + 1
     t_end = trio.current_time()
     text = output.finish()
     peak = await run_on(thread, mx.get_peak_memory)
     stats = generate_stats(len(tokens), n, t0, t_first, t_end, peak, reason, mtp=rec.stats())
     return GenerateResult(tokens=tuple(output.tokens), text=text, stats=stats)
+
+
+def _drafts(answer: np.ndarray) -> list[int]:
+    """The next round's drafts in the last rank's answer `[committed..., drafts..., len(drafts)]`."""
+    n = int(answer[-1])
+    return [int(t) for t in answer[len(answer) - 1 - n:len(answer) - 1]]
