@@ -37,8 +37,9 @@ from qnpipe.plan.units import fmt_bytes, parse_memory
 _NOT_KEYED = ("model", "plan", "trace", "chat", "prefix", "diag", "compute", "distributed")
 
 
-def find_log(cfg: Config) -> Path | None:
-    """The log to plan from: `plan.log`, else the model's recorded log when present, else None (synthetic)."""
+def find_log(cfg: Config, share: Share | None = None) -> Path | None:
+    """The log to plan from: `plan.log`, else the model's recorded log when present, else (for one rank of a
+    pipeline, `share`) the log this rank recorded there in a distributed run, else None (synthetic)."""
     if cfg.plan.log:
         p = Path(cfg.plan.log)
         if not p.is_file():
@@ -46,7 +47,12 @@ def find_log(cfg: Config) -> Path | None:
                               f"`qnpipe generate MODEL_DIR -p TEXT --trace FILE`")
         return p
     recorded = Path(cfg.recorded_log_path())
-    return recorded if recorded.is_file() else None
+    if recorded.is_file():
+        return recorded
+    if share is not None:  # named as qnpipe.live.parallel.join.rank_config names a rank's routing log
+        mine = recorded.with_name(f"{recorded.stem}.rank{share.rank}{recorded.suffix}")
+        return mine if mine.is_file() else None
+    return None
 
 
 def _file_digest(path: Path) -> str:
@@ -141,7 +147,7 @@ def plan_for_share(cfg: Config, facts: ModelFacts, share: Share, *,
 def _plan(cfg: Config, facts: ModelFacts, budget: int, share: Share | None,
           say: Callable[[str], None]) -> tuple[Config, Plan]:
     model_dir = Path(cfg.model.model_dir)
-    log = find_log(cfg)
+    log = find_log(cfg, share)
     key = cache_key(facts, cfg, log, budget=budget, share=share)
     root = Path(cfg.plan.cache_dir or Path(cfg.model.resolved_expert_dir()) / "plans")
     cached = root / key[:16] / "plan.json"

@@ -121,3 +121,34 @@ def test_a_ranks_plan_covers_its_layers_and_is_the_replay_of_them(tiny_qn4: Path
     assert (r.tok_s, r.hit_rate, r.bytes_per_token) == (plan.predicted_tok_s, plan.predicted_hit_rate,
                                                         plan.predicted_bytes_per_token)
     assert sorted(r.capacities) == held
+
+
+def test_each_rank_plans_from_its_recorded_log_cached_by_its_layers(tiny_qn4: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from qnpipe.plan.startup import plan_for_share
+
+    model = tmp_path / "tiny-qn4"
+    shutil.copytree(tiny_qn4, model)
+    cfg = config.load(None, overrides={"model.model_dir": str(model), "plan.cache_dir": str(tmp_path / "plans"),
+                                       "plan.context_tokens": CONTEXT})
+    facts = model_facts(model, cfg)
+    weights = layer_weights(facts, cfg)
+    shares = memory_split(facts, cfg, weights, 2, context=CONTEXT)
+    budget = max(share_minimum(facts, cfg, weights, s, context=CONTEXT) for s in shares) \
+        + 4 * sum(facts.record_nbytes.values())
+    cfg = config.with_overrides(cfg, {"plan.memory": str(budget)})
+    # what `--trace` wrote on rank 1 in a distributed run (qnpipe.live.parallel.join.rank_config's name)
+    write_synth(model / "experts" / "trace.rank1.qtrace", SynthSpec(layers=8, experts=64, top_k=4, tokens=200, seed=5))
+    plans = {}
+    for s in shares:
+        said: list[str] = []
+        planned, plan = plan_for_share(cfg, facts, s, say=said.append)
+        assert plan is not None and plan.share == s and planned.plan.memory == ""
+        assert sorted(plan.capacities) == [ly for ly in range(8) if s.holds(ly)]
+        assert said[-1].startswith(f"{s.label} of 2: memory ") and "for its layers" in said[-1]
+        assert plan.log_synthetic == (s.rank == 0)  # rank 1 planned on its own recorded routes
+        plans[s.rank] = plan
+        _, again = plan_for_share(cfg, facts, s, say=said.append)
+        assert again == plan and "plan reused from" in said[-1]
+    assert len(list((tmp_path / "plans").glob("*/plan.json"))) == 2  # one key per rank's layers
