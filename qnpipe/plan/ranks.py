@@ -161,7 +161,7 @@ def share_lines(facts: ModelFacts, cfg: Config, weights: Weights, share: Share, 
     held = ", ".join(x for x, on in (("embedding", share.first or (share.last and (weights.tied or weights.mtp_enabled))),
                                      ("final norm and LM head", share.last),
                                      ("MTP head", share.last and weights.mtp_enabled)) if on)
-    mine = {WEIGHTS: (weights.of(share), f"{where}{' + ' + held if held else ''} of the {weights.source}"),
+    mine = {WEIGHTS: (weights.of(share), f"{where}{' + ' + held if held else ''}: {weights.source}"),
             KV: (sum(kv[share.lo:share.hi]), f"{where}: "),
             STATE: (sum(st[share.lo:share.hi]), f"{where}: ")}
     lines = fixed_lines(facts, cfg, context=context, headroom_bytes=headroom_bytes)
