@@ -262,6 +262,8 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
     `memory="8GB"` (`plan.memory`) plans the pool for that budget before the model loads
     (qnpipe.plan.startup: from `plan.log`, the model's recorded log, or a synthetic one; cached);
     the plan is `eng.plan`. A budget that cannot fit is a ConfigError naming the smallest that does.
+    Distributed, the budget is each rank's own: the layers are split by the memory account and each
+    rank plans its own (`eng.plan` is this rank's; a rank whose budget is too small is named).
     """
     cfg, plan = _planned(_resolve(model_dir, cfg, overrides), distributed)
     thread = MLXThread.shared()
@@ -270,7 +272,8 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
     if cfg.distributed.enabled if distributed is None else distributed:
         from qnpipe.live.parallel.join import join
 
-        ring, stage, cfg = await join(cfg, thread)
+        ring, stage, cfg, rank_plan = await join(cfg, thread)
+        plan = plan if rank_plan is None else rank_plan
         warm_up = False  # warm_up_core runs the whole model: a rank has only its layers
     core = await run_on(thread, build_core, Path(cfg.model.model_dir), cfg, reader, stage)
     load_s = time.perf_counter() - t0
@@ -367,6 +370,8 @@ class Engine:
                                    distributed=self._distributed) as eng, \
                     trio.open_nursery() as nursery:
                 self._aeng, self._nursery = eng, nursery
+                if eng.plan is not None:  # distributed: the rank's own, made once the ring split the layers
+                    self.plan = eng.plan
                 self._token = trio.lowlevel.current_trio_token()
                 self._closing = trio.Event()
                 started.set_result(None)

@@ -25,6 +25,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     headroom = parse_memory(args.headroom, key="--headroom") if args.headroom not in ("0", "") else 0
     cfg = config.load(args.config, overrides=config_overrides(args))
     facts = resolve_model(Path(model), cfg, args.bits)
+    if args.ranks is not None:
+        return plan_ranks(args, cfg, facts, memory, headroom)
     budgets = [memory]
     if args.plot:
         least = minimum_budget(facts, cfg, context=args.context, headroom_bytes=headroom)
@@ -45,9 +47,43 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_ranks(args: argparse.Namespace, cfg: Any, facts: Any, memory: int, headroom: int) -> int:
+    """`--ranks N`: the split by the memory account and each rank's plan in `memory` (docs/distributed.md)."""
+    from qnpipe.plan import fmt_bytes, make_plans, save_plan
+    from qnpipe.plan.ranks import check_ranks, layer_weights, memory_split
+
+    if args.shape or args.plot:
+        raise QnpipeError(f"--ranks {args.ranks}: plans a `qnpipe convert` directory's ranks, without "
+                          f"{'--shape' if args.shape else '--plot'}")
+    if args.ranks < 1:
+        raise QnpipeError(f"--ranks {args.ranks}: must be at least 1")
+    weights = layer_weights(facts, cfg)
+    shares = memory_split(facts, cfg, weights, args.ranks, context=args.context)
+    check_ranks(facts, cfg, weights, shares, [memory] * len(shares), context=args.context, headroom_bytes=headroom)
+    say = (lambda s: print(s, file=sys.stderr)) if not args.quiet else None
+    out = Path(args.output) if args.output else None
+    plans = []
+    for share in shares:
+        [plan] = make_plans(facts, [memory], log=args.log, device=args.device, cost=args.cost, context=args.context,
+                            cfg=cfg, headroom_bytes=headroom, window_layer_steps=args.window_layer_steps,
+                            synth_path=Path(f"{out}.synth.qtrace") if out and not args.log else None, say=say,
+                            share=share)
+        if out is not None:  # named as a distributed run names a rank's files (qnpipe.live.parallel.join)
+            save_plan(out.with_name(f"{out.stem}.rank{share.rank}{out.suffix}"), plan)
+        print(describe(plan, fmt_bytes))
+        plans.append(plan)
+    # One sequence visits the ranks in turn: a token takes the sum of their times (hand-off not counted).
+    secs = [1 / p.predicted_tok_s if p.predicted_tok_s else float("inf") for p in plans]
+    print(f"pipeline of {len(plans)} ranks in {fmt_bytes(memory)} each: predicted {1 / sum(secs):.3f} tok/s "
+          f"(1 / the sum of the ranks' seconds per token: {' + '.join(f'{1e3 * x:.3f}' for x in secs)} ms; "
+          f"the hand-off between ranks not counted)")
+    return 0
+
+
 def describe(plan: Any, fmt_bytes: Any) -> str:
     caps = sorted(plan.capacities.values())
-    lines = [f"plan for {plan.model} in {fmt_bytes(plan.memory_bytes)} (context {plan.context} tokens):",
+    who = f" {plan.share.label} of {plan.share.ranks}" if plan.share is not None else ""
+    lines = [f"plan for {plan.model}{who} in {fmt_bytes(plan.memory_bytes)} (context {plan.context} tokens):",
              *(f"  note: {n}" for n in plan.notes),
              f"  resident slots per layer: {caps[0]}..{caps[-1]} (median {caps[len(caps) // 2]}, "
              f"{sum(caps)} in all); side region {plan.side_region_slots} per layer",
@@ -80,7 +116,8 @@ def register(sub: Any, fmt: Any) -> None:
                        "  qnpipe generate ./qn80b-4bit -p 'hi' -n 256 --trace run.qtrace\n"
                        "  qnpipe plan ./qn80b-4bit --memory 8GB --log run.qtrace -o plan.json --plot plan.png\n"
                        "  qnpipe plan ./qn80b-4bit --memory 24GB --log run.qtrace --device measured --cost run.cost.json\n"
-                       "  qnpipe plan --shape Qwen3-Next-80B-A3B-Instruct/config.json --bits 4 --memory 16GB\n")
+                       "  qnpipe plan --shape Qwen3-Next-80B-A3B-Instruct/config.json --bits 4 --memory 16GB\n"
+                       "  qnpipe plan ./qn80b-4bit --memory 24GB --ranks 2          two Macs, 24 GiB each\n")
     p.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="a `qnpipe convert` output directory")
     p.add_argument("--memory", required=True, metavar="SIZE", help="the budget, e.g. 8GB, 8GiB, 8000MB, 8G")
     p.add_argument("--log", metavar="LOG", help="routing or event log of this model (generate --trace); "
@@ -97,6 +134,9 @@ def register(sub: Any, fmt: Any) -> None:
     p.add_argument("--plot", metavar="PNG", help="draw tok/s and hit rate against the budget, and the slots per layer")
     p.add_argument("--window-layer-steps", type=int, default=12_000, metavar="N",
                    help="timing replays cover the log's last N layer-steps (default 12000)")
+    p.add_argument("--ranks", type=int, default=None, metavar="N",
+                   help="plan a pipeline of N ranks (--distributed), --memory each: the layers split by the memory "
+                        "account, each rank's plan (-o PLAN writes PLAN.rank<r>), the pipeline's predicted tok/s")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     add_config_flags(p, prefill=False, example="pool.evict_policy=lru")
     p.set_defaults(func=cmd_plan)

@@ -22,8 +22,18 @@ from qnpipe.config import Config, with_overrides
 from qnpipe.errors import ConfigError
 from qnpipe.io.device_file import device_names, load_profile, named_profile
 from qnpipe.io.simssd import DeviceProfile
-from qnpipe.plan.account import ModelFacts, account, fixed_lines, minimum_budget, model_facts, shape_facts
+from qnpipe.plan.account import (
+    Account,
+    ModelFacts,
+    account,
+    fixed_lines,
+    minimum_budget,
+    model_facts,
+    pool_lines,
+    shape_facts,
+)
 from qnpipe.plan.plan_file import Plan, plan_overrides
+from qnpipe.plan.ranks import Share, check_ranks, layer_weights, restricted_log, share_lines, share_shape
 from qnpipe.plan.search import WINDOW_LAYER_STEPS, Search, slot_totals
 from qnpipe.plan.units import fmt_bytes, parse_memory
 from qnpipe.replay.runner import CostModel, PredictorOpts, ReplayReport, replay
@@ -105,9 +115,13 @@ def make_plans(model: str | Path | ModelFacts, budgets: Sequence[int | str], *, 
                device: str | Path | DeviceProfile = "apple-m5-internal", cost: CostModel | str | Path | None = None,
                context: int = 8192, cfg: Config | None = None, headroom_bytes: int = 0, bits: int | None = None,
                window_layer_steps: int = WINDOW_LAYER_STEPS, synth_path: str | Path | None = None,
-               say: Callable[[str], None] | None = None) -> list[Plan]:
+               say: Callable[[str], None] | None = None, share: Share | None = None) -> list[Plan]:
     """One plan per budget (bytes, or text like "8GB": qnpipe.plan.units.parse_memory), sharing the log's
-    curves; see the module doc. `say` gets one line per step and per replayed candidate."""
+    curves; see the module doc. `say` gets one line per step and per replayed candidate.
+
+    `share`: plan one rank of a pipeline-parallel run (qnpipe.plan.ranks): its MoE layers only, on the log
+    restricted to them (`restricted_log`, written beside `synth_path` or in the temp dir), in its own
+    account (its layers' weights and state); the budget is that rank's."""
     t0 = time.perf_counter()
     cfg = cfg if cfg is not None else config_mod.load()
     say = say or (lambda s: None)
@@ -119,27 +133,42 @@ def make_plans(model: str | Path | ModelFacts, budgets: Sequence[int | str], *, 
     facts = resolve_model(model, cfg, bits)
     dev_name, dev = resolve_device(device, cfg)
     cost_model = resolve_cost(cost)
-    check_budgets(facts, cfg, sizes, context=context, headroom_bytes=headroom_bytes)
+    shape = facts.shape
+    if share is None:
+        check_budgets(facts, cfg, sizes, context=context, headroom_bytes=headroom_bytes)
+        lines = fixed_lines(facts, cfg, context=context, headroom_bytes=headroom_bytes)
+    else:
+        weights = layer_weights(facts, cfg)
+        check_ranks(facts, cfg, weights, [share], [min(sizes)], context=context, headroom_bytes=headroom_bytes)
+        lines = share_lines(facts, cfg, weights, share, context=context, headroom_bytes=headroom_bytes)
+        shape = share_shape(shape, share)
+        if not shape.moe_layers:
+            raise ConfigError(f"{share.label}: no MoE layer: nothing to plan")
     notes = []
     if log is None:
         log = synthetic_log(facts, synth_path)
         notes.append(f"no --log: planned on a synthetic log of the model's shape ({log}); record a real one with "
                      f"`qnpipe generate MODEL_DIR --trace run.qtrace` and plan with --log run.qtrace")
         say(notes[-1])
-    rec = max(facts.record_nbytes.values())
-    fixed = sum(x.nbytes for x in fixed_lines(facts, cfg, context=context, headroom_bytes=headroom_bytes))
+    if share is not None:
+        log = restricted_log(log, share, Path(synth_path).parent if synth_path is not None else None)
+    rec = max(facts.record_nbytes[ly] for ly in shape.moe_layers)
+    fixed = sum(x.nbytes for x in lines)
     search = Search(log, cfg, device=dev, cost=cost_model, record_nbytes=rec, window_layer_steps=window_layer_steps,
-                    say=say, expect=facts.shape)
+                    say=say, expect=shape)
     say(f"curves of {len(search.log.steps)} steps; timing replays of steps {search.first}..{len(search.log.steps) - 1}")
     plans = []
     for budget, total in zip(sizes, slot_totals(sizes, fixed, rec), strict=True):
         say(f"{fmt_bytes(budget)}: {min(total, search.max_slots)} resident slots")
         best, tried = search.choose(total)
-        acct = account(facts, cfg, best.capacities, side_slots=best.side_slots, context=context, budget=budget,
-                       headroom_bytes=headroom_bytes)
+        if share is None:
+            acct = account(facts, cfg, best.capacities, side_slots=best.side_slots, context=context, budget=budget,
+                           headroom_bytes=headroom_bytes)
+        else:
+            acct = Account(budget=budget, lines=lines + pool_lines(facts, best.capacities, best.side_slots))
         r = best.report
         plans.append(Plan(
-            model=facts.source, shape=facts.shape, memory_bytes=budget, context=context, log=str(log),
+            model=facts.source, shape=shape, share=share, memory_bytes=budget, context=context, log=str(log),
             log_synthetic=bool(notes), log_steps=len(search.log.steps), replay_first_step=search.first,
             replay_train_frac=search.frac, device_name=dev_name, device=dev, cost=cost_model, record_nbytes=rec,
             capacities=best.capacities, side_region_slots=best.side_slots,

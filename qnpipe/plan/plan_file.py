@@ -13,6 +13,7 @@ from qnpipe.io.atomic import atomic_write
 from qnpipe.io.simssd import DeviceProfile
 from qnpipe.io.versioned import load_versioned, save_versioned
 from qnpipe.plan.account import Account
+from qnpipe.plan.ranks import Share
 from qnpipe.replay.runner import CostModel
 from qnpipe.trace import ModelShape
 
@@ -39,7 +40,8 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     """What `qnpipe plan` chose for a model in a memory budget, and the replay that predicts it.
 
     `predicted_*` are the exact fast replay's (`qnpipe.plan.replay_plan`) of the log's steps
-    `replay_first_step..log_steps - 1` (the timing window; earlier steps are skipped, not replayed)."""
+    `replay_first_step..log_steps - 1` (the timing window; earlier steps are skipped, not replayed).
+    For one rank of a pipeline (`share`), `log` is the log restricted to that rank's layers."""
 
     kind: str = PLAN_KIND
     version: int = PLAN_VERSION
@@ -71,6 +73,9 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     candidates: list[Candidate]
     notes: list[str] = []
     plan_s: float = 0.0
+    # Pipeline parallel: the rank and layer range planned (its MoE layers are `shape.moe_layers`, its
+    # account that rank's, its predictions its layers' alone: docs/distributed.md); None for a whole model.
+    share: Share | None = None
 
 
 def save_plan(path: str | os.PathLike[str], plan: Plan) -> None:

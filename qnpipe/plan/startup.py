@@ -10,6 +10,9 @@ The plan is cached in `plan.cache_dir` (default `<expert dir>/plans`; `<key>/pla
 profile it applies beside it), keyed by the sha256 of what it depends on: the model (its facts and its store
 index), the log (its bytes; a synthetic log's spec), the budget, context, device profile, cost model and the
 settings the account and the replay read. A cached file that cannot be read is reported and planned again.
+
+Distributed, each rank plans its own layers (`plan_for_share`) once the ring has split them by the memory
+account (qnpipe.plan.ranks, qnpipe.live.parallel.join), keyed by its rank and layer range too.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from qnpipe.errors import ConfigError
 from qnpipe.plan.account import ModelFacts, model_facts
 from qnpipe.plan.make import SYNTH, check_budgets, make_plan, resolve_cost, resolve_device
 from qnpipe.plan.plan_file import PLAN_VERSION, Plan, load_plan, plan_overrides, save_plan
+from qnpipe.plan.ranks import Share
 from qnpipe.plan.units import fmt_bytes, parse_memory
 
 # Sections that neither the account nor the replay reads (or that the plan sets itself: plan, and the
@@ -33,8 +37,9 @@ from qnpipe.plan.units import fmt_bytes, parse_memory
 _NOT_KEYED = ("model", "plan", "trace", "chat", "prefix", "diag", "compute", "distributed")
 
 
-def find_log(cfg: Config) -> Path | None:
-    """The log to plan from: `plan.log`, else the model's recorded log when present, else None (synthetic)."""
+def find_log(cfg: Config, share: Share | None = None) -> Path | None:
+    """The log to plan from: `plan.log`, else the model's recorded log when present, else (for one rank of a
+    pipeline, `share`) the log this rank recorded there in a distributed run, else None (synthetic)."""
     if cfg.plan.log:
         p = Path(cfg.plan.log)
         if not p.is_file():
@@ -42,7 +47,12 @@ def find_log(cfg: Config) -> Path | None:
                               f"`qnpipe generate MODEL_DIR -p TEXT --trace FILE`")
         return p
     recorded = Path(cfg.recorded_log_path())
-    return recorded if recorded.is_file() else None
+    if recorded.is_file():
+        return recorded
+    if share is not None:  # named as qnpipe.live.parallel.join.rank_config names a rank's routing log
+        mine = recorded.with_name(f"{recorded.stem}.rank{share.rank}{recorded.suffix}")
+        return mine if mine.is_file() else None
+    return None
 
 
 def _file_digest(path: Path) -> str:
@@ -61,8 +71,8 @@ def model_fingerprint(facts: ModelFacts, cfg: Config) -> str:
     return h.hexdigest()
 
 
-def cache_key(facts: ModelFacts, cfg: Config, log: Path | None, *, budget: int) -> str:
-    """The sha256 of everything the plan depends on (module doc)."""
+def cache_key(facts: ModelFacts, cfg: Config, log: Path | None, *, budget: int, share: Share | None = None) -> str:
+    """The sha256 of everything the plan depends on (module doc); a rank's plan also its rank and layers."""
     _, dev = resolve_device(cfg.plan.device, cfg)
     cost = resolve_cost(cfg.plan.cost_path or None)
     settings = {k: v for k, v in msgspec.to_builtins(cfg).items() if k not in _NOT_KEYED}
@@ -70,6 +80,8 @@ def cache_key(facts: ModelFacts, cfg: Config, log: Path | None, *, budget: int) 
              "log": _file_digest(log) if log is not None else {"synthetic": SYNTH},
              "budget": budget, "context": cfg.plan.context_tokens, "device": msgspec.to_builtins(dev),
              "cost": msgspec.to_builtins(cost), "settings": settings}
+    if share is not None:
+        parts["share"] = msgspec.to_builtins(share)
     return hashlib.sha256(msgspec.json.encode(parts, order="sorted")).hexdigest()
 
 
@@ -77,24 +89,16 @@ def describe_line(plan: Plan, where: str) -> str:
     """The one line that says what was chosen."""
     caps = sorted(plan.capacities.values())
     prefetch = f"prefetch on ({plan.prefetch_into})" if plan.prefetch else "prefetch off"
-    return (f"memory {fmt_bytes(plan.memory_bytes)}: {caps[0]}-{caps[-1]} slots per layer "
-            f"({plan.evict_policy.upper()}), {prefetch}, predicted {plan.predicted_tok_s:.1f} tok/s on "
+    who, mine = (f"{plan.share.label} of {plan.share.ranks}: ", " for its layers") if plan.share else ("", "")
+    return (f"{who}memory {fmt_bytes(plan.memory_bytes)}: {caps[0]}-{caps[-1]} slots per layer "
+            f"({plan.evict_policy.upper()}), {prefetch}, predicted {plan.predicted_tok_s:.1f} tok/s{mine} on "
             f"{plan.device_name}, hit rate {plan.predicted_hit_rate:.2f} [{where}]")
 
 
-def plan_at_startup(cfg: Config, *, say: Callable[[str], None] | None = None,
-                    distributed: bool | None = None) -> tuple[Config, Plan | None]:
-    """`cfg` with the plan for `plan.memory` applied (and `plan.memory` cleared, so it is applied once),
-    and the plan; `cfg` and None when `plan.memory` is empty. Runs before the model loads: a budget that
-    cannot fit is a ConfigError naming the smallest that does."""
-    if not cfg.plan.memory:
-        return cfg, None
-    say = say or (lambda s: None)
+def precheck(cfg: Config) -> int:
+    """`plan.memory` in bytes, after the checks that need neither the model's facts nor a layer split:
+    ConfigError for a conflicting capacity profile, a model without an expert store, a `--log` not found."""
     budget = parse_memory(cfg.plan.memory, key="--memory")
-    if cfg.distributed.enabled if distributed is None else distributed:
-        raise ConfigError(f"--memory {cfg.plan.memory} with --distributed: each rank holds only its layers and "
-                          f"the planner plans a whole model; give each rank pool.expert_slots or a "
-                          f"pool.capacity_profile_path (docs/distributed.md)")
     if cfg.pool.capacity_profile_path:
         raise ConfigError(f"--memory {cfg.plan.memory} with pool.capacity_profile_path="
                           f"{cfg.pool.capacity_profile_path}: both choose the slots per layer; give one")
@@ -103,10 +107,48 @@ def plan_at_startup(cfg: Config, *, say: Callable[[str], None] | None = None,
         raise ConfigError(f"--memory {cfg.plan.memory}: {model_dir} has no expert store "
                           f"({cfg.model.resolved_expert_dir()}/index.json): the planner sizes a streamed pool; "
                           f"convert the model first (`qnpipe convert {model_dir} --out DIR`)")
-    facts = model_facts(model_dir, cfg)
+    find_log(cfg)
+    return budget
+
+
+def plan_at_startup(cfg: Config, *, say: Callable[[str], None] | None = None,
+                    distributed: bool | None = None) -> tuple[Config, Plan | None]:
+    """`cfg` with the plan for `plan.memory` applied (and `plan.memory` cleared, so it is applied once),
+    and the plan; `cfg` and None when `plan.memory` is empty. Runs before the model loads: a budget that
+    cannot fit is a ConfigError naming the smallest that does.
+
+    Distributed (`distributed`, default `distributed.enabled`): only `precheck`, and `cfg` as it is: each
+    rank plans its own layers once the ring has split them (`plan_for_share`, qnpipe.live.parallel.join)."""
+    if not cfg.plan.memory:
+        return cfg, None
+    budget = precheck(cfg)
+    if cfg.distributed.enabled if distributed is None else distributed:
+        return cfg, None
+    facts = model_facts(Path(cfg.model.model_dir), cfg)
     check_budgets(facts, cfg, [budget], context=cfg.plan.context_tokens, headroom_bytes=0)
-    log = find_log(cfg)
-    key = cache_key(facts, cfg, log, budget=budget)
+    return _plan(cfg, facts, budget, None, say or (lambda s: None))
+
+
+def plan_for_share(cfg: Config, facts: ModelFacts, share: Share, *,
+                   say: Callable[[str], None] | None = None) -> tuple[Config, Plan | None]:
+    """As `plan_at_startup`, for rank `share.rank` of a pipeline holding layers `share.lo..hi-1`: its MoE
+    layers planned in its own account with its own budget, on the log restricted to its layers
+    (qnpipe.plan.ranks). `facts` are the model's (`model_facts`). A rank without MoE layers has no plan."""
+    if not cfg.plan.memory:
+        return cfg, None
+    say = say or (lambda s: None)
+    budget = precheck(cfg)
+    if not any(share.holds(ly) for ly in facts.args.moe_layers):
+        say(f"{share.label} of {share.ranks}: no MoE layer, no pool to plan")
+        return with_overrides(cfg, {"plan.memory": ""}), None
+    return _plan(cfg, facts, budget, share, say)
+
+
+def _plan(cfg: Config, facts: ModelFacts, budget: int, share: Share | None,
+          say: Callable[[str], None]) -> tuple[Config, Plan]:
+    model_dir = Path(cfg.model.model_dir)
+    log = find_log(cfg, share)
+    key = cache_key(facts, cfg, log, budget=budget, share=share)
     root = Path(cfg.plan.cache_dir or Path(cfg.model.resolved_expert_dir()) / "plans")
     cached = root / key[:16] / "plan.json"
     plan: Plan | None = None
@@ -117,16 +159,16 @@ def plan_at_startup(cfg: Config, *, say: Callable[[str], None] | None = None,
             say(f"ignoring the cached plan: {e}")
     where = f"plan cached at {cached}"
     if plan is None:
-        synth = None
-        if log is None:
-            s = facts.shape
-            synth = root / f"synth-{s.num_layers}x{s.num_experts}x{s.top_k}.qtrace"
-            try:
-                root.mkdir(parents=True, exist_ok=True)
-            except OSError:
-                synth = None  # make_plan writes it in the temp dir
+        s = facts.shape
+        # A rank's own directory: ranks on one machine share the cache and must not write one file at once.
+        synth: Path | None = (root if share is None else cached.parent) / \
+            f"synth-{s.num_layers}x{s.num_experts}x{s.top_k}.qtrace"
+        try:
+            (root if share is None else cached.parent).mkdir(parents=True, exist_ok=True)
+        except OSError:
+            synth = None  # make_plan writes it (and a rank's restricted log) in the temp dir
         plan = make_plan(facts, budget, log=log, device=cfg.plan.device, cost=cfg.plan.cost_path or None,
-                         context=cfg.plan.context_tokens, cfg=cfg, synth_path=synth)
+                         context=cfg.plan.context_tokens, cfg=cfg, synth_path=synth, share=share)
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
             save_plan(cached, plan)
@@ -146,4 +188,5 @@ def plan_at_startup(cfg: Config, *, say: Callable[[str], None] | None = None,
     return with_overrides(cfg, {**overrides, "plan.memory": ""}), plan
 
 
-__all__ = ["cache_key", "describe_line", "find_log", "model_fingerprint", "plan_at_startup"]
+__all__ = ["cache_key", "describe_line", "find_log", "model_fingerprint", "plan_at_startup", "plan_for_share",
+           "precheck"]

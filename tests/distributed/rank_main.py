@@ -40,6 +40,8 @@ async def main(model_dir: str, out: str, scenario: dict) -> int:
                 saved[f"{name}.sampled"] = np.array(res.tokens)
             else:
                 await _plain(eng, name, prompt, scenario["tokens"], saved)
+            if eng.plan is not None:  # `memory`: rank 0's own plan (qnpipe.plan.ranks)
+                saved[f"{name}.plan_layers"] = np.array(sorted(eng.plan.capacities))
             if scenario.get("loop") and name == list(scenario["engines"])[-1]:
                 np.savez(out, **saved)
                 print("generating", flush=True)

@@ -63,14 +63,21 @@ def test_plan_cached_reused_and_corrupt_cache_ignored(model: Path, tmp_path: Pat
     assert "plan reused from" not in said[-1] and len(list(tmp_path.glob("*/plan.json"))) == 2
 
 
+@pytest.mark.parametrize("distributed", [False, True])
 @pytest.mark.parametrize(("extra", "says"), [
-    ({"distributed.enabled": True}, "with --distributed"),
     ({"pool.capacity_profile_path": "caps.json"}, "both choose the slots per layer"),
     ({"plan.log": "nowhere.qtrace"}, "plan.log=nowhere.qtrace"),
 ])
-def test_conflicts_refused(model: Path, tmp_path: Path, extra: dict[str, object], says: str) -> None:
-    with pytest.raises(ConfigError, match=says):
-        plan_at_startup(cfg_for(model, tmp_path, budget(model), **extra))
+def test_conflicts_refused(model: Path, tmp_path: Path, extra: dict[str, object], says: str,
+                           distributed: bool) -> None:
+    with pytest.raises(ConfigError, match=says):  # distributed too: before the ring starts
+        plan_at_startup(cfg_for(model, tmp_path, budget(model), **extra), distributed=distributed)
+
+
+def test_distributed_leaves_the_plan_to_each_rank(model: Path, tmp_path: Path) -> None:
+    # Each rank plans its own layers once the ring has split them (tests/distributed/test_ring_memory.py).
+    cfg = cfg_for(model, tmp_path, budget(model), **{"distributed.enabled": True})
+    assert plan_at_startup(cfg) == (cfg, None) and not list(tmp_path.iterdir())
 
 
 def test_too_small_refused_before_loading(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -1,20 +1,38 @@
 """Joining the ring at start-up: this rank's layers, a check that every rank runs the same
-model and version, and the settings that must differ per rank."""
+model and version, and the settings that must differ per rank.
+
+The layers are split by parameter bytes, or with `--memory` (`plan.memory`) by the memory account
+(qnpipe.plan.ranks: each rank's fixed bytes balanced); then every rank's budget is checked against its
+share and each rank plans its own layers (qnpipe.plan.startup.plan_for_share), all before loading."""
 
 from __future__ import annotations
 
 import hashlib
+import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+
+import attrs
+import trio
 
 from qnpipe.config import Config, ConfigError, with_overrides
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.ring import Ring
 from qnpipe.live.parallel.split import model_layer_bytes, split_layers
 from qnpipe.model.stage import Stage
+from qnpipe.plan.account import ModelFacts, model_facts
+from qnpipe.plan.plan_file import Plan
+from qnpipe.plan.ranks import Share, Weights, check_ranks, layer_weights, memory_split
+from qnpipe.plan.startup import plan_for_share
+from qnpipe.plan.units import parse_memory
 
 
-async def join(cfg: Config, thread: MLXThread) -> tuple[Ring, Stage, Config]:
-    """(the ring, this rank's stage, its config). DistributedError naming a rank that differs or is lost."""
+async def join(cfg: Config, thread: MLXThread, say: Callable[[str], None] | None = None
+               ) -> tuple[Ring, Stage, Config, Plan | None]:
+    """(the ring, this rank's stage, its config, its `--memory` plan or None). DistributedError naming a
+    rank that differs or is lost; with `plan.memory`, ConfigError naming a rank whose budget cannot hold
+    its share, before anything loads. `say` (default: stderr) gets this rank's plan line."""
     from qnpipe import __version__
     from qnpipe.model.args import args_from_dict, model_id, read_config
 
@@ -26,20 +44,51 @@ async def join(cfg: Config, thread: MLXThread) -> tuple[Ring, Stage, Config]:
     model_dir = Path(cfg.model.model_dir)
     config = read_config(model_dir)
     args = args_from_dict(config, str(model_dir / "config.json"))
-    per, embed, head = model_layer_bytes(model_dir, args.num_hidden_layers,
-                                         Path(cfg.model.expert_dir) if cfg.model.expert_dir else None)
-    if mtp:  # the last rank also holds the MTP head and, to embed the tokens it reads, the embedding
-        mtp_file = Path(cfg.model.mtp_weights_path) if cfg.model.mtp_weights_path else model_dir / "mtp.safetensors"
-        head += embed + (mtp_file.stat().st_size if mtp_file.is_file() else 0)
-    split = split_layers(per, ring.size, first_extra=embed, last_extra=head)
+    by_memory = None
+    if cfg.plan.memory:  # split by the memory account: each rank's fixed bytes balanced (qnpipe.plan.ranks)
+        by_memory = MemorySplit.of(cfg, ring.size)
+        split = [(s.lo, s.hi) for s in by_memory.shares]
+    else:
+        per, embed, head = model_layer_bytes(model_dir, args.num_hidden_layers,
+                                             Path(cfg.model.expert_dir) if cfg.model.expert_dir else None)
+        if mtp:  # the last rank also holds the MTP head and, to embed the tokens it reads, the embedding
+            mtp_file = Path(cfg.model.mtp_weights_path) if cfg.model.mtp_weights_path else model_dir / "mtp.safetensors"
+            head += embed + (mtp_file.stat().st_size if mtp_file.is_file() else 0)
+        split = split_layers(per, ring.size, first_extra=embed, last_extra=head)
     # The same shape is not enough: config.json's bytes tell another checkpoint of it apart.
     key = model_id(args) + hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
     m = cfg.mtp
     mtp_key = f"{mtp} {m.num_draft_tokens} {m.adaptive_depth} {m.conf_tau} {m.depth_max}" if mtp else "False"
     await run_on(thread, ring.check_same_run, key, __version__, split, mtp_key)
+    # Each rank's budget is its own: every rank checks every rank's, so all stop with the same message.
+    budgets = await run_on(thread, ring.gather_budgets, parse_memory(cfg.plan.memory) if cfg.plan.memory else 0)
+    plan = None
+    if by_memory is not None:
+        by_memory.check(cfg, budgets)
+        cfg, plan = await trio.to_thread.run_sync(partial(
+            plan_for_share, cfg, by_memory.facts, by_memory.shares[ring.rank],
+            say=say or (lambda s: print(f"qnpipe: {s}", file=sys.stderr, flush=True))))
     ring.fit(args.hidden_size, (m.depth_max if m.adaptive_depth else m.num_draft_tokens) + 1 if mtp else 1)
     stage = Stage(ring.rank, ring.size, *split[ring.rank], mtp=mtp)
-    return ring, stage, rank_config(cfg, stage)
+    return ring, stage, rank_config(cfg, stage), plan
+
+
+@attrs.frozen
+class MemorySplit:
+    """The split by the memory account (qnpipe.plan.ranks) and what it was made from."""
+
+    facts: ModelFacts
+    weights: Weights
+    shares: list[Share]
+
+    @classmethod
+    def of(cls, cfg: Config, ranks: int) -> MemorySplit:
+        facts = model_facts(Path(cfg.model.model_dir), cfg)
+        weights = layer_weights(facts, cfg)
+        return cls(facts, weights, memory_split(facts, cfg, weights, ranks, context=cfg.plan.context_tokens))
+
+    def check(self, cfg: Config, budgets: list[int]) -> None:
+        check_ranks(self.facts, cfg, self.weights, self.shares, budgets, context=cfg.plan.context_tokens)
 
 
 # MTP variants a ring does not run yet: (setting, is it on).

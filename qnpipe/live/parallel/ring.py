@@ -239,6 +239,20 @@ class Ring:
             raise DistributedError(f"rank {self.rank}: " + "; ".join(bad) +
                                    " (every rank needs the same model files and qnpipe version)")
 
+    def gather_budgets(self, budget: int) -> list[int]:
+        """Every rank's `budget` (bytes, 0 <= budget < 2**62: its `--memory`, 0 for none), by rank."""
+        self._check()
+        mine = np.array([budget >> 31, budget & 0x7FFFFFFF], dtype=np.int32)  # int32: check_same_run's dtype
+        try:
+            with self.deadman.waiting(self.step_timeout_s, f"rank {self.rank}: the ranks' exchange of their "
+                                      f"--memory budgets took over {self.step_timeout_s} s; stopping"):
+                every = mx.distributed.all_gather(mx.array(mine), group=self.group)
+                mx.eval(every)
+        except RuntimeError as e:
+            self.broken = DistributedError(f"rank {self.rank}: the ranks' exchange of their budgets failed ({e})")
+            raise self.broken from None
+        return [(int(hi) << 31) | int(lo) for hi, lo in np.array(every).reshape(self.size, 2).tolist()]
+
 
 def _never_connected(timeout_s: float) -> str:
     from qnpipe.config.launch import launch_rank
