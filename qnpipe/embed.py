@@ -274,7 +274,6 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
 
         ring, stage, cfg, rank_plan = await join(cfg, thread)
         plan = plan if rank_plan is None else rank_plan
-        warm_up = False  # warm_up_core runs the whole model: a rank has only its layers
     core = await run_on(thread, build_core, Path(cfg.model.model_dir), cfg, reader, stage)
     load_s = time.perf_counter() - t0
     try:

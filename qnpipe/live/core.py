@@ -315,10 +315,35 @@ def warm_up_core(core: Core) -> float:
     try:
         cache = model.make_cache()
         n = max(1, min(4, model.args.vocab_size))
-        mx.eval(model(mx.arange(n, dtype=mx.uint32)[None], cache))
-        mx.eval(model(mx.zeros((1, 1), dtype=mx.uint32), cache))
+        if core.stage is None or core.stage.size == 1:
+            mx.eval(model(mx.arange(n, dtype=mx.uint32)[None], cache))
+            mx.eval(model(mx.zeros((1, 1), dtype=mx.uint32), cache))
+        else:
+            mx.eval(_stage_forward(model, core.stage, mx.arange(n, dtype=mx.uint32)[None], cache))
+            mx.eval(_stage_forward(model, core.stage, mx.zeros((1, 1), dtype=mx.uint32), cache))
     finally:
         if streaming is not None:
             model.attach_experts(core.runner.loaded.experts)
         mx.clear_cache()
     return time.perf_counter() - t0
+
+
+def _stage_forward(model: Any, stage: Stage, tokens: Any, cache: list[Any]) -> Any:
+    """A throwaway forward of `stage`'s own layers (warm-up only): rank 0 embeds `tokens`, a later
+    rank starts from zeros of their shape, the last applies the final norm and the LM head."""
+    import mlx.core as mx
+    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+    from qnpipe.model.stage import Remote
+
+    m = model.model
+    own = [(layer, c) for layer, c in zip(m.layers, cache, strict=True) if not isinstance(layer, Remote)]
+    if stage.first:
+        h = m.embed_tokens(tokens)
+    else:
+        h = mx.zeros((*tokens.shape, model.args.hidden_size), dtype=own[0][0].input_layernorm.weight.dtype)
+    for layer, c in own:
+        # Each layer's own mask (another rank holds the cache the model-wide masks are made from).
+        mask = create_attention_mask(h, c) if not layer.is_linear else create_ssm_mask(h, c)
+        h = layer(h, mask, c)
+    return model.head(m.norm(h)) if stage.last else h

@@ -24,7 +24,8 @@ async def main(model_dir: str, out: str, scenario: dict) -> int:
 
     saved: dict[str, Any] = {}
     for name, overrides in scenario["engines"].items():
-        async with open_engine(scenario.get("models", {}).get(name, model_dir), distributed=True, **overrides) as eng:
+        async with open_engine(scenario.get("models", {}).get(name, model_dir), distributed=True, warm_up=True,
+                               **overrides) as eng:
             if eng.rank:
                 continue
             prompt = scenario["prompt"]

@@ -1,15 +1,17 @@
-"""What each rank of an MTP engine loads: the last rank holds the MTP head, and when the experts
-stream, the head's MoE is a layer of that rank's pool (as in one process), not resident."""
+"""A rank's core: what each rank of an MTP engine loads (the last rank holds the MTP head, and when
+the experts stream, the head's MoE is a layer of that rank's pool, as in one process), and the
+warm-up of its own layers."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from qnpipe import config
-from qnpipe.live.core import build_core
+from qnpipe.live.core import build_core, warm_up_core
 from qnpipe.model.args import args_from_dict, read_config
 from qnpipe.model.stage import Stage
 
@@ -39,3 +41,21 @@ def test_the_last_rank_streams_the_mtp_heads_experts_when_the_others_stream(trai
             if core.streaming is not None:
                 core.streaming.close()
         mx.clear_cache()
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_each_rank_warms_up_its_own_layers_and_leaves_its_state_alone(tiny_qn4: Path, ranks: int) -> None:
+    n = args_from_dict(read_config(tiny_qn4), "config.json").num_hidden_layers
+    cuts = [n * r // ranks for r in range(ranks + 1)]
+    for r in range(ranks):
+        core = _core(tiny_qn4, Stage(r, ranks, cuts[r], cuts[r + 1]), **{"mtp.enabled": False, "pool.expert_slots": 4})
+        try:
+            assert core.streaming is not None
+            before = {(layer, k): a.copy() for layer, s in core.streaming.slots.items() for k, a in s.host.items()}
+            assert warm_up_core(core) > 0.0
+            assert all(np.array_equal(s.host[k], before[layer, k]) for layer, s in core.streaming.slots.items()
+                       for k in s.host)
+        finally:
+            if core.streaming is not None:
+                core.streaming.close()
+            mx.clear_cache()
