@@ -26,12 +26,14 @@ import trio
 from qnpipe.actors.pipeline import Pipeline
 from qnpipe.compute import blas
 from qnpipe.config import Config
+from qnpipe.config.launch import launch_rank
 from qnpipe.config.validate import check_generate_args
 from qnpipe.errors import DistributedError, PipelineError
 from qnpipe.io.reader import ExpertReader
 from qnpipe.live import decoding
 from qnpipe.live.core import Core, build_core, open_core_pipeline, release_core, warm_up_core
 from qnpipe.live.mlx_thread import MLXThread, run_on
+from qnpipe.live.parallel.ctrl_c import deferring_ctrl_c
 from qnpipe.live.prefix import PrefixCache
 from qnpipe.live.spec.engine import options as spec_options
 from qnpipe.live.spec.engine import speculate
@@ -289,10 +291,10 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
                 from qnpipe.live.parallel.lead import Lead
 
                 if rank > 0:
+                    opts = spec_options(cfg, mtp_streamed=core.streaming is not None and core.streaming.mtp is not None)
                     try:
-                        await follow(pipe.forward, thread, core.runner.loaded.model, ring, core.mtp,
-                                     spec_options(cfg, mtp_streamed=core.streaming is not None
-                                                  and core.streaming.mtp is not None))
+                        with deferring_ctrl_c(rank):  # rank 0 stops the ring (in trio's main thread)
+                            await follow(pipe.forward, thread, core.runner.loaded.model, ring, core.mtp, opts)
                     except DistributedError as e:  # raised below, not inside the actors' nursery's group
                         lost = e
                 else:
@@ -355,7 +357,9 @@ class Engine:
             # The pipeline's tasks run in the MLX thread's loop: no thread hand-off per MoE layer.
             self.loop_thread = MLXThread.shared().thread
             self._loop = MLXThread.shared().host(partial(self._main, started))
-        started.result()
+        # A later rank of a ring is open once rank 0 stopped it: this thread waits until then.
+        with deferring_ctrl_c(launch_rank()[0] if self.cfg.distributed.enabled else None):
+            started.result()
 
     def _run_own(self, started: concurrent.futures.Future[None]) -> None:
         try:
