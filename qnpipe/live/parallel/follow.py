@@ -5,6 +5,8 @@ The last rank runs the step's tail (qnpipe.model.tails: the final norm and LM he
 sampled token) and sends its value to rank 0, so one step is one pass around the ring. With MTP
 speculation it also runs the MTP head (`_Sequence.spec`): it drafts, accepts and answers with the
 committed tokens and the next drafts; every rank rolls its own layers back (`Verifying`).
+Between steps it keeps, restores and drops its own layers' prefix snapshots as rank 0 says
+(`_snapshot`, qnpipe.live.parallel.snap).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from qnpipe.actors.forward import Forward
 from qnpipe.config import MtpHidden
 from qnpipe.errors import DistributedError
 from qnpipe.live.mlx_thread import MLXThread, run_on
-from qnpipe.live.parallel.ring import Header, Op, Ring, dtype_code
+from qnpipe.live.parallel.ring import SNAP_WORDS, Header, Op, Ring, SnapAction, dtype_code
+from qnpipe.live.parallel.snap import DISK, HEAD, RankStates, SnapWords, decode, encode
 from qnpipe.live.parallel.verify import Verifying, spec_cache
 from qnpipe.live.spec.loop import accept_greedy
 from qnpipe.live.spec.state import SpecOptions, SpecState
@@ -31,33 +34,40 @@ _MTP = (TailKind.MTP_SETTLE, TailKind.MTP_FIRST, TailKind.MTP_VERIFY)
 class _Sequence:
     """One sequence's state on this rank: its cache and, on the last rank, its sampler or its MTP state."""
 
-    def __init__(self, model: Model, header: Header, head: Any, hidden: MtpHidden) -> None:
+    def __init__(self, cache: list[Any]) -> None:
+        self.cache = cache
         self.sampling: Sampling | None = None
         self.spec: SpecState | None = None
         self.verifying: Verifying | None = None
         self.drafts: list[int] = []  # the last rank: the drafts rank 0 verifies next
+
+    @classmethod
+    def start(cls, model: Model, header: Header, head: Any, hidden: MtpHidden) -> _Sequence:
+        """A new sequence for the step `header`: its first."""
         if header.kind not in _MTP:
-            self.cache = model.make_cache()
-            return
+            return cls(model.make_cache())
         if head is not None:
-            self.spec = SpecState(model, head, SpecOptions(k=header.depth, hidden=hidden))
-            self.cache = self.spec.caches.main
+            spec = SpecState(model, head, SpecOptions(k=header.depth, hidden=hidden))
+            seq = cls(spec.caches.main)
+            seq.spec = spec
         else:
-            self.cache = spec_cache(model)
-        self.verifying = Verifying(model, self.cache)
+            seq = cls(spec_cache(model))
+        seq.verifying = Verifying(model, seq.cache)
+        return seq
 
 
 def _receive(ring: Ring, hidden: int) -> tuple[Header, mx.array | None, list[int]]:
-    header, h = ring.recv(ring.prev, lambda hd: (1, hd.rows, hidden), True)
+    header, h = ring.recv(ring.prev, lambda hd: (SNAP_WORDS,) if hd.op is Op.SNAP else (1, hd.rows, hidden), True)
     ids = np.array(ring.recv_ids(ring.prev, header.ids)).tolist() if header.op is Op.STEP and header.ids else []
     return header, h, ids
 
 
-async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, head: Any = None,
+async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, states: RankStates, head: Any = None,
                  mtp_hidden: MtpHidden = MtpHidden.PRE_NORM) -> None:
     """Serve rank 0's steps until it stops the ring; DistributedError naming the rank that was lost.
 
-    `head`: the MTP head (the last rank of an MTP engine), reading the main model's hidden as `mtp_hidden`."""
+    `states`: this rank's prefix snapshots. `head`: the MTP head (the last rank of an MTP engine),
+    reading the main model's hidden as `mtp_hidden`."""
     hidden = model.args.hidden_size
     seq: _Sequence | None = None
     while True:
@@ -74,10 +84,14 @@ async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, head
             await run_on(thread, ring.tell_lost, header.rows, ring.next)
             assert ring.broken is not None
             raise ring.broken
+        if header.op is Op.SNAP:
+            assert h is not None
+            seq = await run_on(thread, _snapshot, ring, states, seq, header, h)
+            continue
         if header.op is not Op.STEP:
             raise DistributedError(f"rank {ring.rank}: rank {ring.prev} sent {header.op.name} where a step was due")
         if header.fresh or seq is None:
-            seq = await run_on(thread, _Sequence, model, header, head, mtp_hidden)
+            seq = await run_on(thread, _Sequence.start, model, header, head, mtp_hidden)
         if (header.kind in _MTP) != (seq.verifying is not None):
             raise DistributedError(f"rank {ring.rank}: a {TailKind(header.kind).name} step in a sequence "
                                    f"that did not start as one")
@@ -88,6 +102,31 @@ async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, head
         tail = (_last_tail(ring, model, seq, header, ids) if ring.rank == ring.size - 1
                 else _pass_on(ring, seq, header, ids))
         await fwd.run(_given(h, seq, header), seq.cache, tail)
+
+
+def _snapshot(ring: Ring, states: RankStates, seq: _Sequence | None, header: Header, payload: mx.array
+              ) -> _Sequence | None:
+    """Rank 0's prefix snapshot message (qnpipe.live.parallel.snap) on this rank; the sequence after it."""
+    words = np.array(payload)
+    msg = decode(words)
+    last = ring.rank == ring.size - 1
+    match SnapAction(header.kind):
+        case SnapAction.RESTORE:  # round the ring: the last rank's copy is rank 0's answer
+            cache = states.restore(msg.key, header.rows, bool(msg.flags & DISK))
+            if cache is not None:
+                seq = _Sequence(cache)
+            elif msg.lacking < 0:
+                words = encode(SnapWords(msg.key, msg.flags, ring.rank))
+            ring.send(header, mx.array(words), ring.next)
+        case SnapAction.CAPTURE:
+            if not last:
+                ring.send(header, payload, ring.next)
+            states.capture(None if seq is None else seq.cache, msg.key, header.rows, bool(msg.flags & HEAD))
+        case SnapAction.DROP:
+            if not last:
+                ring.send(header, payload, ring.next)
+            states.drop(msg.key)
+    return seq
 
 
 def _given(h: mx.array, seq: _Sequence, header: Header) -> Any:
