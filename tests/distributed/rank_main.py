@@ -7,8 +7,8 @@ rounds' acceptance histogram, and the refusal of sampling. `"loop": true` (the l
 generating until the ring fails (the killed-rank test), printing `generating` once it has begun.
 
 An engine named in `"prefix"` runs `"prefix_prompts"` (two prompts sharing a head, then a turn's new
-tokens) through prefix snapshots (`_prefix`); one named `"lossy"` does so with ranks after rank 0
-that keep no state (their captures dropped): rank 0's resume must fail naming the rank.
+tokens) through prefix snapshots (`run_prefix`); one named `"lossy"` does so with rank `"lossy_rank"`
+keeping no state (its captures dropped): rank 0's resume must fail naming that rank.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ async def main(model_dir: str, out: str, scenario: dict) -> int:
 
     saved: dict[str, Any] = {}
     for name, overrides in scenario["engines"].items():
-        lossy = name == scenario.get("lossy")
         keep = RankStates.capture
-        if lossy and int(os.environ["MLX_RANK"]) > 0:
+        if name == scenario.get("lossy") and int(os.environ["MLX_RANK"]) == scenario["lossy_rank"]:
             RankStates.capture = lambda *_: None  # type: ignore[method-assign]
         try:
             async with open_engine(scenario.get("models", {}).get(name, model_dir), distributed=True,

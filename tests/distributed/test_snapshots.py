@@ -44,21 +44,32 @@ def one_process(tiny_qn4: Path) -> dict[str, np.ndarray]:
     return trio.run(run)
 
 
+def _ring(ranks: int, model_dir: Path, tmp: Path, engines: dict[str, dict[str, Any]], lossy_rank: int) -> Path:
+    scenario = {"prompt": FIRST, "tokens": 6, "prefix_prompts": [FIRST, SECOND, NEW],
+                "prefix": [name for name in engines if name != "lossy"], "lossy": "lossy", "lossy_rank": lossy_rank,
+                "engines": engines}
+    results = finish(start(ranks, model_dir, tmp, scenario), timeout_s=240)
+    for r, (rc, err) in enumerate(results):
+        assert rc == 0, f"rank {r} exited {rc}:\n{err[-3000:]}"
+        assert "Warning" not in err, f"rank {r}:\n{err[-3000:]}"  # no file ignored, no state not kept
+    return tmp
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tiny_qn4: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two ranks run, each engine in turn: without snapshots, with them (head files in `snaps`), again
     with them (a new engine: its states come from the files), and with rank 1 keeping none."""
     tmp = tmp_path_factory.mktemp("snap")
     snap = {**BASE, "snapshot_head_tokens": HEAD_TOKENS, "snapshot_dir": str(tmp / "snaps")}
-    scenario = {"prompt": FIRST, "tokens": 6, "prefix_prompts": [FIRST, SECOND, NEW], "prefix": ["plain", "snap", "again"],
-                "lossy": "lossy",
-                "engines": {"plain": {**BASE, "snapshot_head_tokens": 0}, "snap": snap, "again": snap,
-                            "lossy": {**BASE, "snapshot_head_tokens": HEAD_TOKENS}}}
-    results = finish(start(2, tiny_qn4, tmp, scenario), timeout_s=240)
-    for r, (rc, err) in enumerate(results):
-        assert rc == 0, f"rank {r} exited {rc}:\n{err[-3000:]}"
-        assert "Warning" not in err, f"rank {r}:\n{err[-3000:]}"  # no file ignored, no state not kept
-    return tmp
+    return _ring(2, tiny_qn4, tmp, {"plain": {**BASE, "snapshot_head_tokens": 0}, "snap": snap, "again": snap,
+                                    "lossy": {**BASE, "snapshot_head_tokens": HEAD_TOKENS}}, lossy_rank=1)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tiny_qn4: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three ranks: rank 1 passes every message on; then rank 2 keeps no state."""
+    snap = {**BASE, "snapshot_head_tokens": HEAD_TOKENS}
+    return _ring(3, tiny_qn4, tmp_path_factory.mktemp("snap3"), {"snap": snap, "lossy": snap}, lossy_rank=2)
 
 
 def test_two_ranks_resume_from_prefix_snapshots_with_one_process_bits(
@@ -92,6 +103,16 @@ def test_a_rank_that_lacks_the_state_is_named_and_the_prompt_then_prefilled(
         two_ranks: Path, one_process: dict[str, np.ndarray]) -> None:
     got = np.load(two_ranks / "out0.npz")
     assert "rank 1 does not hold the prefix snapshot of 8 tokens" in str(got["lossy.refused"])
+    assert np.array_equal(got["lossy.next1"], one_process["one.next1"])
+
+
+def test_three_ranks_resume_with_one_process_bits_and_name_the_rank_that_lacks_the_state(
+        three_ranks: Path, one_process: dict[str, np.ndarray]) -> None:
+    got = np.load(three_ranks / "out0.npz")
+    for key in ("next0", "next1", "greedy1", "turns"):
+        assert np.array_equal(got[f"snap.{key}"], one_process[f"one.{key}"]), key
+    assert got["snap.reused"].tolist() == [12, HEAD_TOKENS, len(FIRST) - 1]
+    assert "rank 2 does not hold the prefix snapshot of 8 tokens" in str(got["lossy.refused"])
     assert np.array_equal(got["lossy.next1"], one_process["one.next1"])
 
 
