@@ -93,7 +93,9 @@ class _Runtime:
                                   kv_bytes_per_token=model_bytes_per_token(
                                       core.runner.loaded.model, core.cfg.kv if core.cfg.kv.quantize else None))
         # Rank 0 of a ring (`peers`): the other ranks keep their layers' states; files name this rank's.
-        self.prefix = PrefixCache(core.cfg.prefix, lambda: engine_fingerprint(core), lookahead=core.mtp is not None,
+        # An MTP engine's states hold the MTP layer's rows (on a ring, the last rank's: `mtp_ring`).
+        self.prefix = PrefixCache(core.cfg.prefix, lambda: engine_fingerprint(core),
+                                  lookahead=core.mtp is not None or core.mtp_ring,
                                   tag=_layers_tag(core) if peers is not None else "", peers=peers)
 
     def ids(self, prompt: Prompt) -> list[int]:
@@ -136,7 +138,8 @@ class _Runtime:
             return await decoding.next_logits(self.pipe.forward, self.thread, self.core.runner.loaded.model, ids,
                                               self.core.cfg.forward.prefill_chunk_tokens,
                                               # an MTP engine's states hold the MTP rows this prefill does not make
-                                              self.prefix if self.prefix.enabled and self.core.mtp is None else None)
+                                              self.prefix if self.prefix.enabled and self.core.mtp is None
+                                              and not self.core.mtp_ring else None)
 
     def stats(self) -> EngineStats:
         totals = self.totals
@@ -305,7 +308,7 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
                 else:
                     lead = Lead(ring, core.args.vocab_size, pipe.forward)
                     core.backend.ring_tail = lead.tail
-                    peers = RingPeers(lead, thread)
+                    peers = RingPeers(lead, thread, cfg.mtp.num_draft_tokens if core.mtp_ring else 0)
             if lost is None:
                 try:
                     yield AsyncEngine(_Runtime(core, thread, pipe, load_s=load_s, warmup_s=warmup_s, rank=rank,

@@ -84,6 +84,8 @@ async def run_prefix(eng: Any, name: str, prompts: list[list[int]], saved: dict[
     turn2 = await eng.generate([*first, *turn1.tokens, *new], max_tokens=6, stop_at_eos=False)
     saved[f"{name}.turns"] = np.array([*turn1.tokens, *turn2.tokens])
     saved[f"{name}.reused"] = np.array([r.stats.prefix_tokens_reused for r in (res, turn1, turn2)])
+    if turn2.stats.mtp is not None:  # the drafts of a resumed turn: its MTP layer's state
+        saved[f"{name}.accept_hist"] = np.array(turn2.stats.mtp.accept_hist)
     st = eng.stats().prefix
     saved[f"{name}.stats"] = np.array([0] * 5 if st is None else
                                       [st.hits, st.misses, st.captures, st.disk_loads, st.disk_writes])

@@ -28,6 +28,8 @@ NEW = [30, 31]  # a conversation's next turn: the first prompt, its answer, thes
 # the prefill of an engine without snapshots); an LRU of 2 states evicts, so the ranks drop states too.
 BASE: dict[str, Any] = {"expert_slots": 4, "prefill_chunk_tokens": 4, "max_entries": 2}
 HEAD_TOKENS = 8
+# MTP speculation on the trained tiny model (its head drafts well): the last rank's state holds its MTP layer's.
+MTP: dict[str, Any] = {**BASE, "mtp.enabled": True, "mtp.num_draft_tokens": 3, "snapshot_head_tokens": HEAD_TOKENS}
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +46,25 @@ def one_process(tiny_qn4: Path) -> dict[str, np.ndarray]:
     return trio.run(run)
 
 
-def _ring(ranks: int, model_dir: Path, tmp: Path, engines: dict[str, dict[str, Any]], lossy_rank: int) -> Path:
+@pytest.fixture(scope="module")
+def one_process_trained(trained_qn4: Path) -> dict[str, np.ndarray]:
+    """The scenario on the trained model in one process, without snapshots or MTP (plain greedy)."""
+    from qnpipe import open_engine
+
+    async def run() -> dict[str, np.ndarray]:
+        saved: dict[str, Any] = {}
+        async with open_engine(trained_qn4, **BASE, snapshot_head_tokens=0) as eng:
+            await run_prefix(eng, "one", [FIRST, SECOND, NEW], saved)
+        return saved
+
+    return trio.run(run)
+
+
+def _ring(ranks: int, model_dir: Path, tmp: Path, engines: dict[str, dict[str, Any]], lossy_rank: int,
+          models: dict[str, str] | None = None) -> Path:
     scenario = {"prompt": FIRST, "tokens": 6, "prefix_prompts": [FIRST, SECOND, NEW],
                 "prefix": [name for name in engines if name != "lossy"], "lossy": "lossy", "lossy_rank": lossy_rank,
-                "engines": engines}
+                "engines": engines, "models": models or {}}
     results = finish(start(ranks, model_dir, tmp, scenario), timeout_s=240)
     for r, (rc, err) in enumerate(results):
         assert rc == 0, f"rank {r} exited {rc}:\n{err[-3000:]}"
@@ -56,13 +73,16 @@ def _ring(ranks: int, model_dir: Path, tmp: Path, engines: dict[str, dict[str, A
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tiny_qn4: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def two_ranks(tiny_qn4: Path, trained_qn4: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two ranks run, each engine in turn: without snapshots, with them (head files in `snaps`), again
-    with them (a new engine: its states come from the files), and with rank 1 keeping none."""
+    with them (a new engine: its states come from the files), with MTP speculation with and without
+    them, and with rank 1 keeping none."""
     tmp = tmp_path_factory.mktemp("snap")
     snap = {**BASE, "snapshot_head_tokens": HEAD_TOKENS, "snapshot_dir": str(tmp / "snaps")}
     return _ring(2, tiny_qn4, tmp, {"plain": {**BASE, "snapshot_head_tokens": 0}, "snap": snap, "again": snap,
-                                    "lossy": {**BASE, "snapshot_head_tokens": HEAD_TOKENS}}, lossy_rank=1)
+                                    "mtp": MTP, "mtp_plain": {**MTP, "snapshot_head_tokens": 0},
+                                    "lossy": {**BASE, "snapshot_head_tokens": HEAD_TOKENS}},
+                 lossy_rank=1, models={"mtp": str(trained_qn4), "mtp_plain": str(trained_qn4)})
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +117,24 @@ def test_two_ranks_resume_from_prefix_snapshots_with_one_process_bits(
         ranges.add((int(m.group(1)), int(m.group(2))))
     (lo0, hi0), (lo1, hi1) = sorted(ranges)
     assert lo0 == 0 and lo1 == hi0 + 1 and hi1 == layers - 1, ranges
+
+
+def test_mtp_speculation_resumes_the_last_ranks_mtp_state_too(
+        two_ranks: Path, one_process_trained: dict[str, np.ndarray]) -> None:
+    got = np.load(two_ranks / "out0.npz")
+    # greedy with MTP over the ring, resumed == plain greedy in one process, without snapshots (tokens,
+    # as tests/distributed/test_ring.py compares MTP runs)
+    for key in ("greedy1", "turns"):
+        assert np.array_equal(got[f"mtp.{key}"], one_process_trained[f"one.{key}"]), key
+        assert np.array_equal(got[f"mtp_plain.{key}"], one_process_trained[f"one.{key}"]), key
+    # the resumed turn's rounds are those of the ring without snapshots: the last rank's MTP layer resumed too
+    assert got["mtp.accept_hist"].tolist() == got["mtp_plain.accept_hist"].tolist()
+    assert got["mtp_plain.reused"].tolist() == [0, 0, 0]
+    # An MTP state at n reads token n: the second prompt (another token after the shared head) and
+    # the first one again prefill; the next turn resumes from the first one's turn state.
+    assert got["mtp.reused"].tolist() == [0, 0, len(FIRST) - 1]
+    hits, misses, captures, _, _ = got["mtp.stats"].tolist()
+    assert hits == 1 and misses == 2 and captures >= 4
 
 
 def test_a_rank_that_lacks_the_state_is_named_and_the_prompt_then_prefilled(
@@ -146,15 +184,17 @@ def test_a_rank_keeps_restores_and_writes_its_own_layers(tmp_path: Path) -> None
     states.capture(_cache(6), key, 6, head=True)
     assert snapshot_path(tmp_path, key, tag).name == f"{key}.layers4-7{SUFFIX}"
     assert [p.name for p in tmp_path.iterdir()] == [f"{key}.layers4-7{SUFFIX}"]
-    back = states.restore(key, 6, disk=False)
-    assert back is not None and back[0] is None and back[2].offset == 6
+    snap = states.find(key, 6, disk=False)
+    assert snap is not None
+    back = snapshots.restore(snap)
+    assert back[0] is None and back[2].offset == 6
     assert mx.array_equal(back[2].keys, _cache(6)[2].keys[..., :6, :])
-    assert states.restore(key, 5, disk=False) is None  # another length: never a wrong state
+    assert states.find(key, 5, disk=False) is None  # another length: never a wrong state
     states.drop(key)
-    assert states.restore(key, 6, disk=False) is None
-    assert states.restore(key, 6, disk=True) is not None  # its own head file
+    assert states.find(key, 6, disk=False) is None
+    assert states.find(key, 6, disk=True) is not None  # its own head file
     other = RankStates(cfg.prefix, lambda: "fp", "layers0-3", rank=1)  # another split: another file
-    assert other.restore(key, 6, disk=True) is None
+    assert other.find(key, 6, disk=True) is None
     with pytest.warns(SnapshotFileWarning, match="holds \\[5\\] tokens, not 6"):  # a sequence elsewhere: kept nothing
         states.capture(_cache(5), key, 6, head=False)
     assert key not in states.states

@@ -11,6 +11,7 @@ Between steps it keeps, restores and drops its own layers' prefix snapshots as r
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import mlx.core as mx
@@ -18,14 +19,16 @@ import numpy as np
 
 from qnpipe.actors.forward import Forward
 from qnpipe.config import MtpHidden
-from qnpipe.errors import DistributedError
+from qnpipe.errors import DistributedError, SnapshotError
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.ring import SNAP_WORDS, Header, Op, Ring, SnapAction, dtype_code
 from qnpipe.live.parallel.snap import DISK, HEAD, RankStates, SnapWords, decode, encode
-from qnpipe.live.parallel.verify import Verifying, spec_cache
+from qnpipe.live.parallel.verify import Verifying, own_layers, spec_cache, spec_restore
+from qnpipe.live.prefix import SnapshotFileWarning
 from qnpipe.live.spec.loop import accept_greedy
 from qnpipe.live.spec.state import SpecOptions, SpecState
 from qnpipe.model.qwen3_next import Model
+from qnpipe.model.snapshots import Snapshot, restore
 from qnpipe.model.tails import Logits, Sampling, Settle, TailKind
 
 _MTP = (TailKind.MTP_SETTLE, TailKind.MTP_FIRST, TailKind.MTP_VERIFY)
@@ -54,6 +57,26 @@ class _Sequence:
             seq = cls(spec_cache(model))
         seq.verifying = Verifying(model, seq.cache)
         return seq
+
+    @classmethod
+    def resumed(cls, model: Model, snap: Snapshot, depth: int, head: Any, hidden: MtpHidden) -> _Sequence:
+        """A new sequence in the state of this rank's prefix snapshot `snap` (`depth` > 0: an MTP one).
+        SnapshotError when it does not fit this rank's caches."""
+        if depth == 0:
+            return cls(restore(snap))
+        if head is not None:  # the last rank: its state ends with its MTP layer's
+            spec = SpecState(model, head, SpecOptions(k=depth, hidden=hidden))
+            spec.resume(snap)
+            seq = cls(spec.caches.main)
+            seq.spec = spec
+        else:
+            seq = cls(spec_restore(model, snap))
+        seq.verifying = Verifying(model, seq.cache)
+        return seq
+
+    def own(self, model: Model) -> list[Any]:
+        """This rank's caches as a prefix snapshot holds them (with MTP, the last rank's MTP layer's too)."""
+        return own_layers(model, self.spec.caches.all if self.spec is not None else self.cache)
 
 
 def _receive(ring: Ring, hidden: int) -> tuple[Header, mx.array | None, list[int]]:
@@ -86,7 +109,7 @@ async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, stat
             raise ring.broken
         if header.op is Op.SNAP:
             assert h is not None
-            seq = await run_on(thread, _snapshot, ring, states, seq, header, h)
+            seq = await run_on(thread, _snapshot, ring, states, model, seq, header, h, head, mtp_hidden)
             continue
         if header.op is not Op.STEP:
             raise DistributedError(f"rank {ring.rank}: rank {ring.prev} sent {header.op.name} where a step was due")
@@ -104,24 +127,31 @@ async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, stat
         await fwd.run(_given(h, seq, header), seq.cache, tail)
 
 
-def _snapshot(ring: Ring, states: RankStates, seq: _Sequence | None, header: Header, payload: mx.array
-              ) -> _Sequence | None:
+def _snapshot(ring: Ring, states: RankStates, model: Model, seq: _Sequence | None, header: Header,
+              payload: mx.array, head: Any, hidden: MtpHidden) -> _Sequence | None:
     """Rank 0's prefix snapshot message (qnpipe.live.parallel.snap) on this rank; the sequence after it."""
     words = np.array(payload)
     msg = decode(words)
     last = ring.rank == ring.size - 1
     match SnapAction(header.kind):
         case SnapAction.RESTORE:  # round the ring: the last rank's copy is rank 0's answer
-            cache = states.restore(msg.key, header.rows, bool(msg.flags & DISK))
-            if cache is not None:
-                seq = _Sequence(cache)
+            snap = states.find(msg.key, header.rows, bool(msg.flags & DISK))
+            resumed = None
+            if snap is not None:
+                try:
+                    resumed = _Sequence.resumed(model, snap, header.depth, head, hidden)
+                except SnapshotError as e:
+                    warnings.warn(f"rank {ring.rank}: prefix snapshot not restored: {e}", SnapshotFileWarning,
+                                  stacklevel=2)
+            if resumed is not None:
+                seq = resumed
             elif msg.lacking < 0:
                 words = encode(SnapWords(msg.key, msg.flags, ring.rank))
             ring.send(header, mx.array(words), ring.next)
         case SnapAction.CAPTURE:
             if not last:
                 ring.send(header, payload, ring.next)
-            states.capture(None if seq is None else seq.cache, msg.key, header.rows, bool(msg.flags & HEAD))
+            states.capture(None if seq is None else seq.own(model), msg.key, header.rows, bool(msg.flags & HEAD))
         case SnapAction.DROP:
             if not last:
                 ring.send(header, payload, ring.next)

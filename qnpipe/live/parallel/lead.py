@@ -86,12 +86,13 @@ class Lead:
 
         return around
 
-    def snap(self, action: SnapAction, n_tokens: int, words: np.ndarray) -> np.ndarray | None:
+    def snap(self, action: SnapAction, n_tokens: int, words: np.ndarray, depth: int = 0) -> np.ndarray | None:
         """Send a prefix snapshot's message (qnpipe.live.parallel.snap) after the steps sent so far; for a
-        restore, its answer (the words as the last rank passed them on)."""
+        restore, its answer (the words as the last rank passed them on). `depth` > 0: MTP sequences."""
         ring = self.ring
         payload = mx.array(words.astype(np.uint32))
-        ring.send(Header(Op.SNAP, rows=n_tokens, kind=int(action), dtype=dtype_code(payload)), payload, ring.next)
+        ring.send(Header(Op.SNAP, rows=n_tokens, kind=int(action), dtype=dtype_code(payload), depth=depth), payload,
+                  ring.next)
         if action is not SnapAction.RESTORE:
             return None
         self._read_settled()

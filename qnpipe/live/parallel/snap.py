@@ -9,7 +9,8 @@ words `encode` makes), what to do under the same key:
 - RESTORE, when a prompt resumes: each rank starts a new sequence in that state (from memory,
   or from its own head file when rank 0 read its own) and passes the message on, marking the
   first rank that could not; the last rank's copy is rank 0's answer. Rank 0's next step then
-  continues that sequence (`Lead.adopt`).
+  continues that sequence (`Lead.adopt`). With MTP speculation the header's `depth` says the
+  sequence is an MTP one: the last rank's state also holds its MTP layer's cache.
 - DROP, for each state rank 0's LRU evicts. One way.
 
 The other ranks keep exactly what rank 0 told them to (`RankStates`), no policy of their own:
@@ -75,18 +76,21 @@ def layers_tag(stage: Stage) -> str:
 
 
 class RingPeers:
-    """Rank 0's `qnpipe.live.prefix.Peers`: the other ranks, told over the ring."""
+    """Rank 0's `qnpipe.live.prefix.Peers`: the other ranks, told over the ring. `mtp_depth` (MTP
+    speculation: the drafts per round) > 0: the sequences are MTP ones (the last rank's state
+    holds its MTP layer's)."""
 
-    def __init__(self, lead: Lead, thread: MLXThread) -> None:
+    def __init__(self, lead: Lead, thread: MLXThread, mtp_depth: int = 0) -> None:
         self.lead = lead
         self.thread = thread
+        self.mtp_depth = mtp_depth
 
     async def capture(self, key: str, n_tokens: int, head: bool) -> None:
         await run_on(self.thread, self.lead.snap, SnapAction.CAPTURE, n_tokens, encode(SnapWords(key, HEAD if head else 0)))
 
     async def restore(self, key: str, n_tokens: int, disk: bool) -> int | None:
         back = await run_on(self.thread, self.lead.snap, SnapAction.RESTORE, n_tokens,
-                            encode(SnapWords(key, DISK if disk else 0)))
+                            encode(SnapWords(key, DISK if disk else 0)), self.mtp_depth)
         assert back is not None
         got = decode(back)
         if got.key != key:
@@ -143,8 +147,8 @@ class RankStates:
                     warnings.warn(f"rank {self.rank}: prefix snapshot not written to {e.filename or self.dir}: "
                                   f"{e.strerror or e}", SnapshotFileWarning, stacklevel=2)
 
-    def restore(self, key: str, n_tokens: int, disk: bool) -> list[Any] | None:
-        """A new cache list in the state `key` (`disk`: or in its head file's); None when this rank has neither."""
+    def find(self, key: str, n_tokens: int, disk: bool) -> snapshots.Snapshot | None:
+        """The state `key` of `n_tokens` tokens (`disk`: or its head file's); None when this rank has neither."""
         snap = self.states.get(key)
         if snap is None and disk and self.dir is not None:
             path = snapshot_path(self.dir, key, self.tag)
@@ -155,9 +159,7 @@ class RankStates:
                     warnings.warn(f"rank {self.rank}: prefix snapshot ignored: {e}", SnapshotFileWarning, stacklevel=2)
             if snap is not None:
                 self.states[key] = snap
-        if snap is None or snap.n_tokens != n_tokens:
-            return None
-        return snapshots.restore(snap)
+        return snap if snap is not None and snap.n_tokens == n_tokens else None
 
     def drop(self, key: str) -> None:
         self.states.pop(key, None)

@@ -25,12 +25,14 @@ from qnpipe.actors.forward import Forward
 from qnpipe.errors import ConfigError, DistributedError
 from qnpipe.live.decoding import Output, generate_stats
 from qnpipe.live.mlx_thread import MLXThread, run_on
-from qnpipe.live.parallel.verify import Verifying, spec_cache
+from qnpipe.live.parallel.verify import Verifying, own_layers, spec_cache, spec_restore
+from qnpipe.live.prefix import PrefixCache
 from qnpipe.live.spec.loop import Recorder, commit_round
 from qnpipe.live.spec.state import Draft
 from qnpipe.messages import Msg
 from qnpipe.model.decode import chunks
 from qnpipe.model.qwen3_next import Model
+from qnpipe.model.snapshots import Snapshot
 from qnpipe.model.tails import TailKind
 from qnpipe.stats import FinishReason, GenerateResult
 from qnpipe.trace import SpecRound
@@ -55,8 +57,14 @@ class _Rank0:
 
     def __init__(self, model: Model) -> None:
         mx.reset_peak_memory()
+        self.model = model
         self.cache = spec_cache(model)
         self.verifying = Verifying(model, self.cache)
+
+    def resume(self, snap: Snapshot) -> None:
+        """The caches (the list keeps its identity) in the state of rank 0's prefix snapshot."""
+        self.cache[:] = spec_restore(self.model, snap)
+        self.verifying = Verifying(self.model, self.cache)
 
     def inputs(self, tokens: Sequence[int], keep: int, verify_rows: int) -> Callable[[], mx.array]:
         def build() -> mx.array:
@@ -70,14 +78,22 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
                    max_tokens: int, eos: set[int], chunk: int, depth: int, temperature: float = 0.0,
                    emit: Callable[[Msg], None] | None = None, on_text: Callable[[str], None] | None = None,
                    on_prefill: Callable[[int, int], None] | None = None,
-                   partial: list[int] | None = None) -> GenerateResult:
-    """Greedy generation with MTP speculation, the head on the last rank: plain greedy's tokens."""
+                   partial: list[int] | None = None, prefix: PrefixCache | None = None) -> GenerateResult:
+    """Greedy generation with MTP speculation, the head on the last rank: plain greedy's tokens.
+
+    `prefix` (its peers the other ranks) resumes the prompt from a kept state of every rank's
+    layers, the last rank's MTP layer's too, and keeps new ones (qnpipe.live.prefix)."""
     if temperature > 0.0:
         raise ConfigError(f"temperature={temperature}: speculative sampling does not run distributed "
                           f"(mtp.enabled with distributed.enabled is greedy only; set mtp.enabled=false to sample)")
     t0 = trio.current_time()
     st = await run_on(thread, _Rank0, model)
-    spans = chunks(len(tokens), chunk)
+    plan = await prefix.plan(thread, tokens, chunk) if prefix is not None else None
+    if plan is not None and plan.state is not None:
+        assert prefix is not None and prefix.peers is not None
+        await run_on(thread, st.resume, plan.state)
+        await prefix.peers.adopt(st.cache)
+    spans = plan.spans if plan is not None else chunks(len(tokens), chunk)
     answer = np.zeros(0, dtype=np.uint32)
     for i, (lo, hi) in enumerate(spans):
         last = i == len(spans) - 1
@@ -85,6 +101,8 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
         tail = RingMtp(TailKind.MTP_FIRST if last else TailKind.MTP_SETTLE, depth,
                        tuple(tokens[lo + 1:hi] if last else tokens[lo + 1:hi + 1]))
         answer = np.asarray(await fwd.run(st.inputs(tokens[lo:hi], 0, 0), st.cache, tail))
+        if plan is not None and prefix is not None:  # the last rank's MTP rows now pair up to token hi
+            await prefix.reached(thread, plan, hi, own_layers(model, st.cache))
         if on_prefill is not None:
             on_prefill(hi, len(tokens))
     x, drafts = int(answer[0]), [int(t) for t in answer[1:]]
@@ -114,5 +132,6 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
     t_end = trio.current_time()
     text = output.finish()
     peak = await run_on(thread, mx.get_peak_memory)
-    stats = generate_stats(len(tokens), n, t0, t_first, t_end, peak, reason, mtp=rec.stats())
+    stats = generate_stats(len(tokens), n, t0, t_first, t_end, peak, reason, mtp=rec.stats(),
+                           prefix_tokens_reused=plan.start if plan is not None else 0)
     return GenerateResult(tokens=tuple(output.tokens), text=text, stats=stats)

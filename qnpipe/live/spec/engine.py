@@ -39,7 +39,7 @@ async def speculate(fwd: Forward, emit: Callable[[Msg], None] | None, thread: ML
                                    eos=runner.eos_ids if kw["stop_at_eos"] else set(),
                                    chunk=core.cfg.forward.prefill_chunk_tokens, depth=core.cfg.mtp.num_draft_tokens,
                                    temperature=kw["temperature"], emit=emit, on_text=on_text, on_prefill=on_prefill,
-                                   partial=partial)
+                                   partial=partial, prefix=prefix)
     return await loop.generate(fwd, thread, runner.loaded.model, core.mtp, runner.tokenizer, ids,
                                max_tokens=kw["max_tokens"], eos=runner.eos_ids if kw["stop_at_eos"] else set(),
                                chunk=core.cfg.forward.prefill_chunk_tokens, opts=options(core.cfg, emit, temperature=kw["temperature"],
