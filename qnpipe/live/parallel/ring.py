@@ -48,7 +48,8 @@ class Op(enum.IntEnum):
 
 
 class SnapAction(enum.IntEnum):
-    """What a SNAP message asks of every rank (its header's `kind`; `rows` is the state's tokens)."""
+    """What a SNAP message asks of every rank (its header's `kind`; `rows` is the state's tokens, `depth`
+    on a restore the MTP drafts per round: 0 for a sequence without MTP speculation)."""
 
     CAPTURE = 1  # keep the current sequence's state: one way, after the step that reached it
     RESTORE = 2  # start a new sequence in a kept state: round the ring, the last rank answers rank 0
