@@ -34,7 +34,7 @@ from qnpipe.live import decoding
 from qnpipe.live.core import Core, build_core, open_core_pipeline, release_core, warm_up_core
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.ctrl_c import deferring_ctrl_c
-from qnpipe.live.prefix import PrefixCache
+from qnpipe.live.prefix import Peers, PrefixCache
 from qnpipe.live.spec.engine import options as spec_options
 from qnpipe.live.spec.engine import speculate
 from qnpipe.model.kvquant import model_bytes_per_token
@@ -72,11 +72,18 @@ def _gen_kwargs(prompt: Prompt, max_tokens: int, temperature: float, top_p: floa
             "stop_at_eos": stop_at_eos}
 
 
+def _layers_tag(core: Core) -> str:
+    from qnpipe.live.parallel.snap import layers_tag
+
+    assert core.stage is not None
+    return layers_tag(core.stage)
+
+
 class _Runtime:
     """One engine's trio side: its pipeline, one request at a time, and the totals."""
 
     def __init__(self, core: Core, thread: MLXThread, pipe: Pipeline, *, load_s: float = 0.0,
-                 warmup_s: float = 0.0, rank: int = 0) -> None:
+                 warmup_s: float = 0.0, rank: int = 0, peers: Peers | None = None) -> None:
         self.rank = rank
         self.core = core
         self.thread = thread
@@ -88,7 +95,11 @@ class _Runtime:
                                   expert_source="resident" if core.streaming is None else "pool",
                                   kv_bytes_per_token=model_bytes_per_token(
                                       core.runner.loaded.model, core.cfg.kv if core.cfg.kv.quantize else None))
-        self.prefix = PrefixCache(core.cfg.prefix, lambda: engine_fingerprint(core), lookahead=core.mtp is not None)
+        # Rank 0 of a ring (`peers`): the other ranks keep their layers' states; files name this rank's.
+        # An MTP engine's states hold the MTP layer's rows (on a ring, the last rank's: `mtp_ring`).
+        self.prefix = PrefixCache(core.cfg.prefix, lambda: engine_fingerprint(core),
+                                  lookahead=core.mtp is not None or core.mtp_ring,
+                                  tag=_layers_tag(core) if peers is not None else "", peers=peers)
 
     def ids(self, prompt: Prompt) -> list[int]:
         if self.rank:
@@ -130,7 +141,8 @@ class _Runtime:
             return await decoding.next_logits(self.pipe.forward, self.thread, self.core.runner.loaded.model, ids,
                                               self.core.cfg.forward.prefill_chunk_tokens,
                                               # an MTP engine's states hold the MTP rows this prefill does not make
-                                              self.prefix if self.prefix.enabled and self.core.mtp is None else None)
+                                              self.prefix if self.prefix.enabled and self.core.mtp is None
+                                              and not self.core.mtp_ring else None)
 
     def stats(self) -> EngineStats:
         totals = self.totals
@@ -285,25 +297,28 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
         async with open_core_pipeline(core, thread) as pipe:
             load_s += time.perf_counter() - t1
             rank = 0 if ring is None else ring.rank
-            lead = None
+            lead = peers = None
             if ring is not None and ring.size > 1:
                 from qnpipe.live.parallel.follow import follow
                 from qnpipe.live.parallel.lead import Lead
+                from qnpipe.live.parallel.snap import RankStates, RingPeers
 
                 if rank > 0:
+                    states = RankStates(cfg.prefix, lambda: engine_fingerprint(core), _layers_tag(core), rank)
                     opts = spec_options(cfg, mtp_streamed=core.streaming is not None and core.streaming.mtp is not None)
                     try:
                         with deferring_ctrl_c(rank):  # rank 0 stops the ring (in trio's main thread)
-                            await follow(pipe.forward, thread, core.runner.loaded.model, ring, core.mtp, opts)
+                            await follow(pipe.forward, thread, core.runner.loaded.model, ring, states, core.mtp, opts)
                     except DistributedError as e:  # raised below, not inside the actors' nursery's group
                         lost = e
                 else:
                     lead = Lead(ring, core.args.vocab_size, pipe.forward)
                     core.backend.ring_tail = lead.tail
+                    peers = RingPeers(lead, thread, cfg.mtp.num_draft_tokens if core.mtp_ring else 0)
             if lost is None:
                 try:
-                    yield AsyncEngine(_Runtime(core, thread, pipe, load_s=load_s, warmup_s=warmup_s, rank=rank),
-                                      plan)
+                    yield AsyncEngine(_Runtime(core, thread, pipe, load_s=load_s, warmup_s=warmup_s, rank=rank,
+                                               peers=peers), plan)
                 finally:
                     if lead is not None:
                         with trio.CancelScope(shield=True):

@@ -43,7 +43,7 @@ async def next_logits(fwd: Forward, thread: MLXThread, model: Model, tokens: Seq
     ids = await run_on(thread, _ids, tokens)
     plan = await prefix.plan(thread, tokens, chunk) if prefix is not None else None
     if plan is not None:
-        await resume_prefix(thread, plan, cache)
+        await resume_prefix(thread, plan, cache, prefix)
     spans = plan.spans if plan is not None else chunks(len(tokens), chunk)
     tail, settle = Logits(model, last_only=True), Settle(cache)
     out: Any = None
@@ -136,7 +136,7 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
     ids = await run_on(thread, _ids, tokens)
     plan = await prefix.plan(thread, tokens, chunk) if prefix is not None else None
     if plan is not None:
-        await resume_prefix(thread, plan, s.cache)
+        await resume_prefix(thread, plan, s.cache, prefix)
     spans = plan.spans if plan is not None else chunks(len(tokens), chunk)
     y: mx.array | None = None
     for i, (lo, hi) in enumerate(spans):

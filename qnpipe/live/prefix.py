@@ -20,6 +20,11 @@ engine without snapshots. The LRU holds `prefix.max_entries` states, heads and t
 With MTP speculation (`lookahead`) a state at n also holds the MTP layer's rows 0..n-1, and
 row n-1 pairs hidden n-1 with token n: the snapshot records that token and resumes only a
 prompt whose token n is the same (qnpipe.live.spec.loop.prefill, docs/model.md).
+
+Pipeline parallel (`peers`, on rank 0 of a ring): this cache decides everything (keys, LRU,
+which state a prompt resumes from) and holds rank 0's layers; every other rank keeps its own
+layers' state under the same keys, told what to capture, restore and drop
+(qnpipe.live.parallel.snap). Files get the rank's layer range in their name (`tag`).
 """
 
 from __future__ import annotations
@@ -28,13 +33,13 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import msgspec
 
 from qnpipe.config import PrefixCfg
-from qnpipe.errors import SnapshotError
+from qnpipe.errors import DistributedError, SnapshotError
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.model import snapshots
 from qnpipe.stats import PrefixStats
@@ -44,6 +49,32 @@ SUFFIX = ".qnsnap"
 
 class SnapshotFileWarning(UserWarning):
     """A snapshot file was stale or corrupt and was ignored (the prompt is prefilled instead), or could not be written."""
+
+
+def snapshot_path(directory: Path, key: str, tag: str = "") -> Path:
+    """The file of the head state `key` in `directory`; `tag` (a rank's layer range) names a rank's share."""
+    return directory / (f"{key}.{tag}{SUFFIX}" if tag else f"{key}{SUFFIX}")
+
+
+class Peers(Protocol):
+    """The other ranks of a ring, each keeping its own layers' states under rank 0's keys."""
+
+    async def capture(self, key: str, n_tokens: int, head: bool) -> None:
+        """Each keeps the state its current sequence has now (after the step just sent), as `key`."""
+        ...
+
+    async def restore(self, key: str, n_tokens: int, disk: bool) -> int | None:
+        """Each starts a new sequence in the state `key` (`disk`: or in its head file's); None when every
+        rank did, else the first rank that could not."""
+        ...
+
+    async def drop(self, keys: Sequence[str]) -> None:
+        """Each forgets these states."""
+        ...
+
+    async def adopt(self, cache: list[Any]) -> None:
+        """`cache`, restored here, continues the sequences the ranks just restored (not a new one)."""
+        ...
 
 
 def boundaries(n: int, chunk: int, head: int) -> list[int]:
@@ -80,13 +111,16 @@ class PrefixCache:
     files) runs on the MLX thread. `fingerprint` is computed there on first use.
     """
 
-    def __init__(self, prefix_cfg: PrefixCfg, fingerprint: Callable[[], str], lookahead: bool = False):
+    def __init__(self, prefix_cfg: PrefixCfg, fingerprint: Callable[[], str], lookahead: bool = False,
+                 tag: str = "", peers: Peers | None = None):
         self.head = prefix_cfg.snapshot_head_tokens
         self.lookahead = lookahead  # a state at n depends on token n too (the MTP layer's rows)
         self.max_entries = prefix_cfg.max_entries
         self.dir = Path(prefix_cfg.snapshot_dir) if prefix_cfg.snapshot_dir else None
         self._fingerprint_fn = fingerprint
         self._fingerprint: str | None = None
+        self.tag = tag
+        self.peers = peers
         self._lru: OrderedDict[str, _Entry] = OrderedDict()
         self._bad: set[tuple[str, int, int]] = set()  # (file, size, mtime) already warned about
         self._write_warned = False
@@ -124,20 +158,42 @@ class PrefixCache:
             entry = self._lru.get(key)
             if entry is not None and entry.snap.n_tokens == n and entry.snap.follows(tokens):
                 self._lru.move_to_end(key)
+                if self.peers is not None and (lacking := await self.peers.restore(key, n, False)) is not None:
+                    # The ranks were told to keep and drop what this LRU keeps and drops: a bug, or
+                    # a rank whose capture failed. Never a silently wrong state: forget it everywhere.
+                    del self._lru[key]
+                    await self.peers.drop([key])
+                    raise DistributedError(f"rank {lacking} does not hold the prefix snapshot of {n} tokens "
+                                           f"(key {key[:12]}) that rank 0 resumes from; it was dropped on every rank")
                 self._count(hits=1, tokens_reused=n)
                 return n, entry.snap
             if n == self.head and self.dir is not None:
                 snap = await self._read(thread, key)
                 if snap is not None and snap.follows(tokens):  # another next token: valid, not this prompt's
-                    self._put(key, snap, head=True)
+                    if self.peers is not None and not await self._peers_load(key, n):
+                        continue
+                    await self._put(key, snap, head=True)
                     self._count(hits=1, disk_loads=1, tokens_reused=n)
                     return n, snap
         self._count(misses=1)
         return 0, None
 
+    async def _peers_load(self, key: str, n: int) -> bool:
+        """Whether every other rank restored the head `key` too (from memory or its own file)."""
+        assert self.peers is not None
+        lacking = await self.peers.restore(key, n, True)
+        if lacking is None:
+            return True
+        await self.peers.drop([key])  # the ranks that did restore it: this LRU does not keep it
+        self._count(ignored_files=1)
+        warnings.warn(f"prefix snapshot ignored, the prompt head is prefilled instead: rank {lacking} has no "
+                      f"usable file of its layers' state ({key[:12]}…) in its prefix.snapshot_dir",
+                      SnapshotFileWarning, stacklevel=3)
+        return False
+
     def _path(self, key: str) -> Path:
         assert self.dir is not None
-        return self.dir / f"{key}{SUFFIX}"
+        return snapshot_path(self.dir, key, self.tag)
 
     async def fingerprint(self, thread: MLXThread) -> str:
         if self._fingerprint is None:
@@ -162,12 +218,15 @@ class PrefixCache:
                               SnapshotFileWarning, stacklevel=2)
             return None
 
-    def _put(self, key: str, snap: snapshots.Snapshot, head: bool) -> None:
+    async def _put(self, key: str, snap: snapshots.Snapshot, head: bool) -> None:
         self._lru[key] = _Entry(snap, head)
         self._lru.move_to_end(key)
+        evicted = []
         while len(self._lru) > self.max_entries:
-            self._lru.popitem(last=False)
+            evicted.append(self._lru.popitem(last=False)[0])
             self._count(evictions=1)
+        if evicted and self.peers is not None:
+            await self.peers.drop(evicted)
 
     async def reached(self, thread: MLXThread, plan: Plan, end: int, cache: list[Any]) -> None:
         """Called after the span ending at `end`: snapshot `cache` there if the plan says so."""
@@ -181,7 +240,11 @@ class PrefixCache:
             warnings.warn(f"prefix snapshots turned off for this engine: {e}", SnapshotFileWarning, stacklevel=2)
             return
         head = end == self.head
-        self._put(key, snap, head)
+        if self.peers is not None:
+            # Before this LRU keeps it (its evictions are dropped after): the ranks see capture,
+            # then drops, in this order. run_on is not cancelled, so both sides keep it or neither.
+            await self.peers.capture(key, end, head)
+        await self._put(key, snap, head)
         self._count(captures=1)
         if head and self.dir is not None:
             fp = await self.fingerprint(thread)
@@ -201,9 +264,12 @@ class PrefixCache:
         return msgspec.structs.replace(self.stats, entries=len(self._lru),
                                        bytes=sum(e.snap.nbytes for e in self._lru.values()))
 
-    def clear(self) -> None:
-        """Forget the in-memory states (files stay)."""
+    async def clear(self) -> None:
+        """Forget the in-memory states (files stay), on every rank."""
+        keys = list(self._lru)
         self._lru.clear()
+        if keys and self.peers is not None:
+            await self.peers.drop(keys)
 
     def entries(self) -> list[tuple[int, bool]]:
         """(tokens, is head) of each kept state, least recently used first."""
@@ -219,7 +285,10 @@ def _spans(start: int, ends: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-async def resume(thread: MLXThread, plan: Plan, cache: list[Any]) -> None:
-    """Put the plan's saved state into `cache` (in place: the list keeps its identity)."""
+async def resume(thread: MLXThread, plan: Plan, cache: list[Any], prefix: PrefixCache | None = None) -> None:
+    """Put the plan's saved state into `cache` (in place: the list keeps its identity); on rank 0 of a
+    ring (`prefix` with peers), `cache` then continues the sequence the other ranks restored."""
     if plan.state is not None:
         cache[:] = await run_on(thread, snapshots.restore, plan.state)
+        if prefix is not None and prefix.peers is not None:
+            await prefix.peers.adopt(cache)

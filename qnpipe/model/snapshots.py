@@ -7,6 +7,9 @@ it gives a cache that computes exactly what the captured one would have: same ar
 same offsets (qnpipe.live.prefix decides when to capture and resume). With MTP speculation the
 list ends with the MTP layer's KV cache, whose rows at n pair hidden j with token j+1 for
 j < n: that state also depends on token n, which the snapshot records as `next_token`.
+On a rank of a pipeline-parallel ring the layers other ranks run have no cache there (None):
+their entries are `REMOTE`, without arrays, and each rank keeps a snapshot of its own layers
+(qnpipe.live.parallel.snap).
 
 File format (`save` / `load`), little-endian:
 
@@ -44,6 +47,7 @@ MAGIC = b"QNSNAP\x00\x01"
 FORMAT_VERSION = 2  # 2: `next_token` in the header (MTP states)
 _LEN = struct.Struct("<Q")
 MAX_HEADER_BYTES = 16 << 20  # a header lists a few arrays per layer: kilobytes
+REMOTE = "remote"  # the kind of a layer another rank runs (pipeline parallel): no arrays, its cache is None
 
 
 @runtime_checkable
@@ -106,7 +110,9 @@ def capture(cache: Sequence[Any], n_tokens: int, next_token: int = -1) -> Snapsh
     when the state depends on the token after them (MTP rows)."""
     layers: list[LayerState] = []
     for i, c in enumerate(cache):
-        if isinstance(c, KVCache):
+        if c is None:  # a layer another rank runs (pipeline parallel): its state is that rank's
+            layers.append(LayerState(REMOTE, (), n_tokens))
+        elif isinstance(c, KVCache):
             keys, values = c.keys, c.values
             if keys is None or values is None:
                 raise SnapshotError(f"layer {i}: the KV cache is empty (nothing to snapshot)")
@@ -130,7 +136,9 @@ def restore(snap: Snapshot) -> list[Any]:
     """A fresh cache list in the state of `snap` (the snapshot stays valid: nothing is shared to write into)."""
     out: list[Any] = []
     for s in snap.layers:
-        if s.kind == "kv":
+        if s.kind == REMOTE:
+            out.append(None)
+        elif s.kind == "kv":
             c = KVCache()
             # Exactly `offset` long: the next update grows it into a new buffer.
             c.keys, c.values = (mx.array(a) for a in s.arrays)
@@ -272,7 +280,8 @@ def engine_fingerprint(core: Any) -> str:
     """The fingerprint of an engine's states (a qnpipe.live.core.Core): everything that changes the numbers
     of a prefill. The dense weights' bytes, the routed experts (`experts_fingerprint`), the MTP head,
     the whole config.json (shape, norms' eps, rope, quantization), the KV-cache settings, the
-    forward settings (the prefill chunk, a top-k override) and the MTP settings.
+    forward settings (the prefill chunk, a top-k override), the MTP settings and, on a rank of a
+    ring, its layer range.
 
     Two models that differ in any of these never share a snapshot; the cost is one pass over the
     weights in memory, once per engine, when a snapshot is first read or written.
@@ -285,7 +294,10 @@ def engine_fingerprint(core: Any) -> str:
     # An MTP engine's states end with the MTP layer's cache (built from the hidden `mtp.hidden` names):
     # never resumed by an engine without one, nor the other way round.
     mtp = f"on:{core.cfg.mtp.hidden}" if core.mtp is not None else "off"
-    extra = (f"{model_id(core.args)}|config={config}|kv={kv}|forward={fwd}|mtp={mtp}|"
+    # A rank's state is its own layers': never restored into another split of the model.
+    stage = core.stage
+    layers = "" if stage is None or stage.size == 1 else f"layers={stage.lo}-{stage.hi - 1}|"
+    extra = (f"{model_id(core.args)}|config={config}|kv={kv}|forward={fwd}|mtp={mtp}|{layers}"
              f"{experts_fingerprint(core)}")
     return model_fingerprint(core.runner.loaded.model, extra=extra)
 

@@ -1,15 +1,11 @@
 """Pipeline parallel over mx.distributed's ring backend on localhost: the test starts the ranks itself
-(MLX_RANK, MLX_HOSTFILE on free ports, as mlx.launch would) and bounds every wait."""
+(`ranks.py`: MLX_RANK, MLX_HOSTFILE on free ports, as mlx.launch would) and bounds every wait."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import select
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,12 +13,12 @@ import attrs
 import numpy as np
 import pytest
 import trio
+from ranks import finish as _finish
+from ranks import start as _start
 
-from qnpipe.live.parallel.localhost import write_local_hostfile
 from qnpipe.replay.runner import load_log
 from qnpipe.trace.merge import merge
 
-RANK_MAIN = Path(__file__).with_name("rank_main.py")
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
 # A pool of top-k slots per layer (the tiny model's top-k is 4) and prefill in chunks: every path streams.
 # The last one streams: the killed-rank test kills a rank while it generates with it.
@@ -45,35 +41,6 @@ SAMPLED_TOKENS = 16  # speculative sampling at temperature 0.8, seed 3
 def _scenario(trained_qn4: Path) -> dict:
     return {"prompt": PROMPT, "tokens": 6, "engines": {**ENGINES, **MTP_ENGINES}, "mtp_prompt": MTP_PROMPT,
             "mtp_tokens": MTP_TOKENS, "sampled_tokens": SAMPLED_TOKENS, "models": {name: str(trained_qn4) for name in MTP_ENGINES}}
-
-
-def _start(ranks: int, model_dir: Path, tmp: Path, scenario: dict, *, only: list[int] | None = None,
-           env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
-    hostfile = write_local_hostfile(tmp / "hosts.json", ranks)
-    (tmp / "scenario.json").write_text(json.dumps(scenario))
-    procs = []
-    for r in only if only is not None else range(ranks):
-        e = {k: v for k, v in os.environ.items() if not k.startswith(("QNPIPE_", "MLX_"))}
-        e.update(MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile), **(env or {}))
-        procs.append(subprocess.Popen([sys.executable, str(RANK_MAIN), str(model_dir), str(tmp / f"out{r}.npz"),
-                                       str(tmp / "scenario.json")], env=e, cwd=tmp, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    return procs
-
-
-def _finish(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[tuple[int, str]]:
-    deadline = time.monotonic() + timeout_s
-    out = []
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            out.append((p.returncode, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,13 @@ speculation it also runs the MTP head (`_Sequence.spec`): it drafts, accepts and
 committed tokens and the next drafts; every rank rolls its own layers back (`Verifying`). When
 the experts stream, the head's MoE is a layer of the last rank's pool, as in one process: its
 MTP calls are forward steps of their own (`_mtp_streamed`), run before the answer is sent.
+Between steps it keeps, restores and drops its own layers' prefix snapshots as rank 0 says
+(`_snapshot`, qnpipe.live.parallel.snap).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import attrs
@@ -18,14 +21,17 @@ import mlx.core as mx
 import numpy as np
 
 from qnpipe.actors.forward import Forward
-from qnpipe.errors import DistributedError
+from qnpipe.errors import DistributedError, SnapshotError
 from qnpipe.live.mlx_thread import MLXThread, run_on
-from qnpipe.live.parallel.ring import Header, Op, Ring, dtype_code
-from qnpipe.live.parallel.verify import Verifying, spec_cache
+from qnpipe.live.parallel.ring import SNAP_WORDS, Header, Op, Ring, SnapAction, dtype_code
+from qnpipe.live.parallel.snap import DISK, HEAD, RankStates, SnapWords, decode, encode
+from qnpipe.live.parallel.verify import Verifying, own_layers, spec_cache, spec_restore
+from qnpipe.live.prefix import SnapshotFileWarning
 from qnpipe.live.spec.loop import accept_greedy, streamed_drafts
 from qnpipe.live.spec.sampling import accept_sampled
 from qnpipe.live.spec.state import SpecOptions, SpecState
 from qnpipe.model.qwen3_next import Model
+from qnpipe.model.snapshots import Snapshot, restore
 from qnpipe.model.tails import Logits, Sampling, Settle, TailKind
 
 _MTP = (TailKind.MTP_SETTLE, TailKind.MTP_FIRST, TailKind.MTP_VERIFY)
@@ -34,7 +40,8 @@ _MTP = (TailKind.MTP_SETTLE, TailKind.MTP_FIRST, TailKind.MTP_VERIFY)
 class _Sequence:
     """One sequence's state on this rank: its cache and, on the last rank, its sampler or its MTP state."""
 
-    def __init__(self, model: Model, header: Header, head: Any, mtp_opts: SpecOptions) -> None:
+    def __init__(self, cache: list[Any]) -> None:
+        self.cache = cache
         self.sampling: Sampling | None = None
         self.spec: SpecState | None = None
         self.verifying: Verifying | None = None
@@ -42,31 +49,58 @@ class _Sequence:
         # The last rank, the head's experts streamed: this step's MTP rows (hidden, next tokens) and the
         # tokens it commits (None: a settle step), run as steps of their own before the answer goes.
         self.later: tuple[mx.array, list[int], list[int] | None] | None = None
+        # Resumed from a prefix snapshot: the sampler comes with the sequence's first step.
+        self.sampler_due = False
+
+    @classmethod
+    def start(cls, model: Model, header: Header, head: Any, mtp_opts: SpecOptions) -> _Sequence:
+        """A new sequence for the step `header`: its first."""
         if header.kind not in _MTP:
-            self.cache = model.make_cache()
-            return
+            return cls(model.make_cache())
         if head is not None:
-            opts = attrs.evolve(mtp_opts, k=header.depth, temperature=header.temperature, top_p=header.top_p,
-                                seed=None if header.seed < 0 else header.seed)
-            self.spec = SpecState(model, head, opts)
-            self.cache = self.spec.caches.main
+            spec = SpecState(model, head, _with_sampler(mtp_opts, header))
+            seq = cls(spec.caches.main)
+            seq.spec = spec
         else:
-            self.cache = spec_cache(model)
-        self.verifying = Verifying(model, self.cache)
+            seq = cls(spec_cache(model))
+        seq.verifying = Verifying(model, seq.cache)
+        return seq
+
+    @classmethod
+    def resumed(cls, model: Model, snap: Snapshot, depth: int, head: Any, mtp_opts: SpecOptions) -> _Sequence:
+        """A new sequence in the state of this rank's prefix snapshot `snap` (`depth` > 0: an MTP one).
+        SnapshotError when it does not fit this rank's caches."""
+        if depth == 0:
+            return cls(restore(snap))
+        if head is not None:  # the last rank: its state ends with its MTP layer's
+            spec = SpecState(model, head, attrs.evolve(mtp_opts, k=depth))
+            spec.resume(snap)
+            seq = cls(spec.caches.main)
+            seq.spec = spec
+            seq.sampler_due = True
+        else:
+            seq = cls(spec_restore(model, snap))
+        seq.verifying = Verifying(model, seq.cache)
+        return seq
+
+    def own(self, model: Model) -> list[Any]:
+        """This rank's caches as a prefix snapshot holds them (with MTP, the last rank's MTP layer's too)."""
+        return own_layers(model, self.spec.caches.all if self.spec is not None else self.cache)
 
 
 def _receive(ring: Ring, hidden: int) -> tuple[Header, mx.array | None, list[int]]:
-    header, h = ring.recv(ring.prev, lambda hd: (1, hd.rows, hidden), True)
+    header, h = ring.recv(ring.prev, lambda hd: (SNAP_WORDS,) if hd.op is Op.SNAP else (1, hd.rows, hidden), True)
     ids = np.array(ring.recv_ids(ring.prev, header.ids)).tolist() if header.op is Op.STEP and header.ids else []
     return header, h, ids
 
 
-async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, head: Any = None,
+async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, states: RankStates, head: Any = None,
                  mtp_opts: SpecOptions | None = None) -> None:
     """Serve rank 0's steps until it stops the ring; DistributedError naming the rank that was lost.
 
-    `head`: the MTP head (the last rank of an MTP engine); `mtp_opts`: how it drafts (`mtp.hidden`, adaptive
-    depth, whether its experts come from this rank's pool), a step's header giving K and the sampler."""
+    `states`: this rank's prefix snapshots. `head`: the MTP head (the last rank of an MTP engine);
+    `mtp_opts`: how it drafts (`mtp.hidden`, adaptive depth, whether its experts come from this rank's
+    pool), a step's header giving K and the sampler."""
     opts = mtp_opts if mtp_opts is not None else SpecOptions()
     hidden = model.args.hidden_size
     seq: _Sequence | None = None
@@ -84,10 +118,18 @@ async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, head
             await run_on(thread, ring.tell_lost, header.rows, ring.next)
             assert ring.broken is not None
             raise ring.broken
+        if header.op is Op.SNAP:
+            assert h is not None
+            seq = await run_on(thread, _snapshot, ring, states, model, seq, header, h, head, opts)
+            continue
         if header.op is not Op.STEP:
             raise DistributedError(f"rank {ring.rank}: rank {ring.prev} sent {header.op.name} where a step was due")
         if header.fresh or seq is None:
-            seq = await run_on(thread, _Sequence, model, header, head, opts)
+            seq = await run_on(thread, _Sequence.start, model, header, head, opts)
+        elif seq.sampler_due and seq.spec is not None:
+            seq.spec.opts = _with_sampler(seq.spec.opts, header)
+            seq.spec.rng = np.random.default_rng(seq.spec.opts.seed)
+        seq.sampler_due = False
         if (header.kind in _MTP) != (seq.verifying is not None):
             raise DistributedError(f"rank {ring.rank}: a {TailKind(header.kind).name} step in a sequence "
                                    f"that did not start as one")
@@ -100,6 +142,38 @@ async def follow(fwd: Forward, thread: MLXThread, model: Model, ring: Ring, head
         await fwd.run(_given(h, seq, header), seq.cache, tail)
         if seq.later is not None:
             await _mtp_streamed(fwd, thread, ring, seq, header)
+
+
+def _snapshot(ring: Ring, states: RankStates, model: Model, seq: _Sequence | None, header: Header,
+              payload: mx.array, head: Any, mtp_opts: SpecOptions) -> _Sequence | None:
+    """Rank 0's prefix snapshot message (qnpipe.live.parallel.snap) on this rank; the sequence after it."""
+    words = np.array(payload)
+    msg = decode(words)
+    last = ring.rank == ring.size - 1
+    match SnapAction(header.kind):
+        case SnapAction.RESTORE:  # round the ring: the last rank's copy is rank 0's answer
+            snap = states.find(msg.key, header.rows, bool(msg.flags & DISK))
+            resumed = None
+            if snap is not None:
+                try:
+                    resumed = _Sequence.resumed(model, snap, header.depth, head, mtp_opts)
+                except SnapshotError as e:
+                    warnings.warn(f"rank {ring.rank}: prefix snapshot not restored: {e}", SnapshotFileWarning,
+                                  stacklevel=2)
+            if resumed is not None:
+                seq = resumed
+            elif msg.lacking < 0:
+                words = encode(SnapWords(msg.key, msg.flags, ring.rank))
+            ring.send(header, mx.array(words), ring.next)
+        case SnapAction.CAPTURE:
+            if not last:
+                ring.send(header, payload, ring.next)
+            states.capture(None if seq is None else seq.own(model), msg.key, header.rows, bool(msg.flags & HEAD))
+        case SnapAction.DROP:
+            if not last:
+                ring.send(header, payload, ring.next)
+            states.drop(msg.key)
+    return seq
 
 
 def _given(h: mx.array, seq: _Sequence, header: Header) -> Any:
@@ -217,3 +291,9 @@ def _last_tail(ring: Ring, model: Model, seq: _Sequence, header: Header, ids: li
             _answer(ring, header, value)
 
     return tail
+
+
+def _with_sampler(opts: SpecOptions, header: Header) -> SpecOptions:
+    """`opts` with the sampler a step's header carries (temperature 0: greedy)."""
+    return attrs.evolve(opts, k=header.depth, temperature=header.temperature, top_p=header.top_p,
+                        seed=None if header.seed < 0 else header.seed)

@@ -113,9 +113,8 @@ def check_mtp(cfg: Config) -> None:
 
 def rank_config(cfg: Config, stage: Stage) -> Config:
     """`cfg` for `stage`'s rank: files it writes get the rank in their name (ranks may share a disk),
-    the autopin heat file its layers (a run split otherwise reads the heat of its own layers);
-    prefix snapshots are off (each rank would have to keep its own layers' state: not built yet)."""
-    over: dict[str, object] = {"prefix.snapshot_head_tokens": 0}
+    the autopin heat file its layers (a run split otherwise reads the heat of its own layers)."""
+    over: dict[str, object] = {}
     if cfg.pool.autopin:
         over["pool.autopin_usage_file"] = _named(cfg.autopin_usage_path(), f"layers{stage.lo}-{stage.hi - 1}")
     if cfg.trace.event_log_path:

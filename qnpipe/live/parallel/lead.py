@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from qnpipe.errors import DistributedError
-from qnpipe.live.parallel.ring import Header, Op, Ring, dtype_code
+from qnpipe.live.parallel.ring import SNAP_WORDS, Header, Op, Ring, SnapAction, dtype_code
 from qnpipe.model.tails import TailKind
 
 
@@ -52,8 +52,7 @@ class Lead:
     def tail(self, tail: Callable[[mx.array], Any], cache: list[Any]) -> Callable[[mx.array], Any]:
         kind = getattr(tail, "kind", None)
         if kind is None:
-            raise DistributedError(f"this step's end ({tail!r}) does not run distributed yet "
-                                   f"(prefix snapshots are off with distributed.enabled)")
+            raise DistributedError(f"this step's end ({tail!r}) does not run distributed yet")
         fresh = cache is not self._cache
         self._cache = cache
         sampling = getattr(tail, "sampling", None)
@@ -87,14 +86,34 @@ class Lead:
 
         return around
 
-    def _answer(self) -> tuple[Header, mx.array | None]:
+    def snap(self, action: SnapAction, n_tokens: int, words: np.ndarray, depth: int = 0) -> np.ndarray | None:
+        """Send a prefix snapshot's message (qnpipe.live.parallel.snap) after the steps sent so far; for a
+        restore, its answer (the words as the last rank passed them on). `depth` > 0: MTP sequences."""
         ring = self.ring
-        back, value = ring.recv(ring.prev, lambda hd: result_shape(hd.kind, hd.rows, self.vocab))
+        payload = mx.array(words.astype(np.uint32))
+        ring.send(Header(Op.SNAP, rows=n_tokens, kind=int(action), dtype=dtype_code(payload), depth=depth), payload,
+                  ring.next)
+        if action is not SnapAction.RESTORE:
+            return None
+        self._read_settled()
+        _, value = self._answer(Op.SNAP)
+        assert value is not None
+        return np.array(value)
+
+    def adopt(self, cache: list[Any]) -> None:
+        """The next step on `cache` continues the sequence every rank just restored (not a new one)."""
+        self._cache = cache
+
+    def _answer(self, op: Op = Op.RESULT) -> tuple[Header, mx.array | None]:
+        ring = self.ring
+        back, value = ring.recv(ring.prev, lambda hd: (SNAP_WORDS,) if hd.op is Op.SNAP
+                                else result_shape(hd.kind, hd.rows, self.vocab))
         if back.op is Op.FAIL:
             assert ring.broken is not None
             raise ring.broken
-        if back.op is not Op.RESULT:
-            raise DistributedError(f"rank 0: rank {ring.prev} answered a step with {back.op.name}")
+        if back.op is not op:
+            raise DistributedError(f"rank 0: rank {ring.prev} answered a {'step' if op is Op.RESULT else op.name} "
+                                   f"with {back.op.name}")
         return back, value
 
     def _read_settled(self) -> None:

@@ -5,7 +5,8 @@ seed, temperature and top-p as float64 bits, and MTP speculation's token-id coun
 draft depth) and, for a step or a result, one array; a step may carry token ids after it
 (`send_ids`: the prompt tokens the last rank's MTP head reads). A step
 goes from rank r to r + 1 with the hidden state `[1, L, H]`; the last rank sends the step's
-value (a token, logits, or nothing) to rank 0: in a ring both are neighbours.
+value (a token, logits, or nothing) to rank 0: in a ring both are neighbours. A `SNAP` message
+(prefix snapshots: `SnapAction`) goes the same way with `SNAP_WORDS` uint32 (the state's key).
 
 Each message is one frame of `frame_bytes` (the header, then the array's bytes when they fit:
 a decode step's hidden state or a token), so a decode step costs one MLX send and recv per hop;
@@ -43,6 +44,19 @@ class Op(enum.IntEnum):
     STOP = 2
     FAIL = 3
     RESULT = 4
+    SNAP = 5  # a prefix snapshot's capture, restore or drop (qnpipe.live.parallel.snap)
+
+
+class SnapAction(enum.IntEnum):
+    """What a SNAP message asks of every rank (its header's `kind`; `rows` is the state's tokens, `depth`
+    on a restore the MTP drafts per round: 0 for a sequence without MTP speculation)."""
+
+    CAPTURE = 1  # keep the current sequence's state: one way, after the step that reached it
+    RESTORE = 2  # start a new sequence in a kept state: round the ring, the last rank answers rank 0
+    DROP = 3  # forget a kept state: one way
+
+
+SNAP_WORDS = 10  # a SNAP message's uint32 payload (qnpipe.live.parallel.snap.encode)
 
 
 DTYPES: tuple[mx.Dtype, ...] = (mx.float32, mx.bfloat16, mx.float16, mx.uint32, mx.int32)

@@ -27,12 +27,14 @@ from qnpipe.actors.forward import Forward
 from qnpipe.errors import DistributedError
 from qnpipe.live.decoding import Output, generate_stats
 from qnpipe.live.mlx_thread import MLXThread, run_on
-from qnpipe.live.parallel.verify import Verifying, spec_cache
+from qnpipe.live.parallel.verify import Verifying, own_layers, spec_cache, spec_restore
+from qnpipe.live.prefix import PrefixCache
 from qnpipe.live.spec.loop import Recorder, commit_round
 from qnpipe.live.spec.state import Draft
 from qnpipe.messages import Msg
 from qnpipe.model.decode import chunks
 from qnpipe.model.qwen3_next import Model
+from qnpipe.model.snapshots import Snapshot
 from qnpipe.model.tails import TailKind
 from qnpipe.stats import FinishReason, GenerateResult
 from qnpipe.trace import SpecRound
@@ -67,8 +69,14 @@ class _Rank0:
 
     def __init__(self, model: Model) -> None:
         mx.reset_peak_memory()
+        self.model = model
         self.cache = spec_cache(model)
         self.verifying = Verifying(model, self.cache)
+
+    def resume(self, snap: Snapshot) -> None:
+        """The caches (the list keeps its identity) in the state of rank 0's prefix snapshot."""
+        self.cache[:] = spec_restore(self.model, snap)
+        self.verifying = Verifying(self.model, self.cache)
 
     def inputs(self, tokens: Sequence[int], keep: int, verify_rows: int) -> Callable[[], mx.array]:
         def build() -> mx.array:
@@ -84,14 +92,22 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
                    top_p: float = 1.0, seed: int | None = None,
                    emit: Callable[[Msg], None] | None = None, on_text: Callable[[str], None] | None = None,
                    on_prefill: Callable[[int, int], None] | None = None,
-                   partial: list[int] | None = None) -> GenerateResult:
+                   partial: list[int] | None = None, prefix: PrefixCache | None = None) -> GenerateResult:
     """Generation with MTP speculation, the head on the last rank: greedy (plain greedy's tokens) or
     speculative sampling at `temperature` > 0 (one process's tokens with MTP at that seed). `depth`: K;
-    `max_depth`: the most drafts a round may have (adaptive depth's `mtp.depth_max`; default K)."""
+    `max_depth`: the most drafts a round may have (adaptive depth's `mtp.depth_max`; default K).
+
+    `prefix` (its peers the other ranks) resumes the prompt from a kept state of every rank's
+    layers, the last rank's MTP layer's too, and keeps new ones (qnpipe.live.prefix)."""
     sampler = SamplerArgs(temperature, top_p, seed) if temperature > 0.0 else None
     t0 = trio.current_time()
     st = await run_on(thread, _Rank0, model)
-    spans = chunks(len(tokens), chunk)
+    plan = await prefix.plan(thread, tokens, chunk) if prefix is not None else None
+    if plan is not None and plan.state is not None:
+        assert prefix is not None and prefix.peers is not None
+        await run_on(thread, st.resume, plan.state)
+        await prefix.peers.adopt(st.cache)
+    spans = plan.spans if plan is not None else chunks(len(tokens), chunk)
     answer = np.zeros(0, dtype=np.uint32)
     for i, (lo, hi) in enumerate(spans):
         last = i == len(spans) - 1
@@ -99,6 +115,8 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
         tail = RingMtp(TailKind.MTP_FIRST if last else TailKind.MTP_SETTLE, depth,
                        tuple(tokens[lo + 1:hi] if last else tokens[lo + 1:hi + 1]), sampling=sampler)
         answer = np.asarray(await fwd.run(st.inputs(tokens[lo:hi], 0, 0), st.cache, tail))
+        if plan is not None and prefix is not None:  # the last rank's MTP rows now pair up to token hi
+            await prefix.reached(thread, plan, hi, own_layers(model, st.cache))
         if on_prefill is not None:
             on_prefill(hi, len(tokens))
     x, drafts = int(answer[0]), _drafts(answer)
@@ -128,7 +146,8 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
     t_end = trio.current_time()
     text = output.finish()
     peak = await run_on(thread, mx.get_peak_memory)
-    stats = generate_stats(len(tokens), n, t0, t_first, t_end, peak, reason, mtp=rec.stats())
+    stats = generate_stats(len(tokens), n, t0, t_first, t_end, peak, reason, mtp=rec.stats(),
+                           prefix_tokens_reused=plan.start if plan is not None else 0)
     return GenerateResult(tokens=tuple(output.tokens), text=text, stats=stats)
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
-from qnpipe.errors import DistributedError
+from qnpipe.errors import DistributedError, SnapshotError
+from qnpipe.model import snapshots
 from qnpipe.model.qwen3_next import Model
 from qnpipe.model.stage import Remote
 from qnpipe.model.step_cache import StepCache
@@ -22,6 +23,31 @@ from qnpipe.model.step_cache import StepCache
 def spec_cache(model: Model) -> list[Any]:
     """A sequence's cache list as MTP speculation keeps it (qnpipe.live.spec.state.SpecCaches.main)."""
     return [StepCache() if layer.is_linear else KVCache() for layer in model.layers]
+
+
+def spec_restore(model: Model, snap: snapshots.Snapshot) -> list[Any]:
+    """A `spec_cache` in the state of a prefix snapshot of this rank's layers (its Gated DeltaNet
+    layers stay `StepCache`s; the other ranks' layers keep their unused caches)."""
+    cache = spec_cache(model)
+    layers = snapshots.restore(snap)
+    if len(layers) != len(cache):
+        raise SnapshotError(f"a snapshot of {len(layers)} layers, this model has {len(cache)}")
+    for i, c in enumerate(layers):
+        if c is None:
+            continue
+        own = cache[i]
+        if isinstance(own, StepCache) and isinstance(c, ArraysCache):
+            own.cache = c.cache
+        else:
+            cache[i] = c
+    return cache
+
+
+def own_layers(model: Model, cache: list[Any]) -> list[Any]:
+    """`cache` with None for the layers other ranks run (what a prefix snapshot of this rank holds);
+    entries past the model's layers (the MTP layer's) are this rank's."""
+    n = len(model.layers)
+    return [None if i < n and isinstance(model.layers[i], Remote) else c for i, c in enumerate(cache)]
 
 
 class Verifying:

@@ -38,8 +38,9 @@ async def speculate(fwd: Forward, emit: Callable[[Msg], None] | None, thread: ML
         return await ring.generate(fwd, thread, runner.loaded.model, runner.tokenizer, ids, max_tokens=kw["max_tokens"],
                                    eos=runner.eos_ids if kw["stop_at_eos"] else set(),
                                    chunk=core.cfg.forward.prefill_chunk_tokens, depth=core.cfg.mtp.num_draft_tokens,
-                                   max_depth=options(core.cfg).max_depth, temperature=kw["temperature"], top_p=kw["top_p"], seed=kw["seed"], emit=emit, on_text=on_text, on_prefill=on_prefill,
-                                   partial=partial)
+                                   max_depth=options(core.cfg).max_depth, temperature=kw["temperature"],
+                                   top_p=kw["top_p"], seed=kw["seed"], emit=emit, on_text=on_text,
+                                   on_prefill=on_prefill, partial=partial, prefix=prefix)
     return await loop.generate(fwd, thread, runner.loaded.model, core.mtp, runner.tokenizer, ids,
                                max_tokens=kw["max_tokens"], eos=runner.eos_ids if kw["stop_at_eos"] else set(),
                                chunk=core.cfg.forward.prefill_chunk_tokens, opts=options(core.cfg, emit, temperature=kw["temperature"],

@@ -142,6 +142,8 @@ class SpecState:
         if len(layers) != len(self.caches.all):
             raise SnapshotError(f"a snapshot of {len(layers)} layers, this MTP engine has {len(self.caches.all)} caches")
         for i, c in enumerate(layers):
+            if c is None:  # a layer another rank runs (pipeline parallel): its unused cache stays
+                continue
             own = self.caches.all[i]
             if isinstance(own, StepCache) and isinstance(c, ArraysCache):  # keep the kind verify steps record in
                 own.cache = c.cache
