@@ -91,6 +91,10 @@ async def run_prefix(eng: Any, name: str, prompts: list[list[int]], saved: dict[
     st = eng.stats().prefix
     saved[f"{name}.stats"] = np.array([0] * 5 if st is None else
                                       [st.hits, st.misses, st.captures, st.disk_loads, st.disk_writes])
+    if turn2.stats.mtp is not None:  # speculative sampling from a resumed state: the last rank's sampler too
+        res = await eng.generate([*first, *turn1.tokens, *new], max_tokens=8, temperature=0.8, seed=3,
+                                 stop_at_eos=False)
+        saved[f"{name}.sampled"] = np.array([res.stats.prefix_tokens_reused, *res.tokens])
 
 
 async def _lossy(eng: Any, name: str, prompts: list[list[int]], saved: dict[str, Any]) -> None:

@@ -60,6 +60,22 @@ def one_process_trained(trained_qn4: Path) -> dict[str, np.ndarray]:
     return trio.run(run)
 
 
+@pytest.fixture(scope="module")
+def one_process_sampled(trained_qn4: Path) -> list[int]:
+    """Speculative sampling in one process, with MTP and without snapshots, of the prompt the ring's
+    MTP engine samples from a resumed state (`run_prefix`)."""
+    from qnpipe import open_engine
+
+    async def run() -> list[int]:
+        async with open_engine(trained_qn4, **{**MTP, "snapshot_head_tokens": 0}) as eng:
+            turn1 = await eng.generate(FIRST, max_tokens=6, stop_at_eos=False)
+            res = await eng.generate([*FIRST, *turn1.tokens, *NEW], max_tokens=8, temperature=0.8, seed=3,
+                                     stop_at_eos=False)
+            return list(res.tokens)
+
+    return trio.run(run)
+
+
 def _ring(ranks: int, model_dir: Path, tmp: Path, engines: dict[str, dict[str, Any]], lossy_rank: int,
           models: dict[str, str] | None = None) -> Path:
     scenario = {"prompt": FIRST, "tokens": 6, "prefix_prompts": [FIRST, SECOND, NEW],
@@ -120,7 +136,7 @@ def test_two_ranks_resume_from_prefix_snapshots_with_one_process_bits(
 
 
 def test_mtp_speculation_resumes_the_last_ranks_mtp_state_too(
-        two_ranks: Path, one_process_trained: dict[str, np.ndarray]) -> None:
+        two_ranks: Path, one_process_trained: dict[str, np.ndarray], one_process_sampled: list[int]) -> None:
     got = np.load(two_ranks / "out0.npz")
     # greedy with MTP over the ring, resumed == plain greedy in one process, without snapshots (tokens,
     # as tests/distributed/test_ring.py compares MTP runs)
@@ -135,6 +151,9 @@ def test_mtp_speculation_resumes_the_last_ranks_mtp_state_too(
     assert got["mtp.reused"].tolist() == [0, 0, len(FIRST) - 1]
     hits, misses, captures, _, _ = got["mtp.stats"].tolist()
     assert hits == 1 and misses == 2 and captures >= 4
+    # speculative sampling from a resumed state: the sampler reaches the last rank's resumed sequence
+    reused, *sampled = got["mtp.sampled"].tolist()
+    assert reused > 0 and sampled == one_process_sampled
 
 
 def test_a_rank_that_lacks_the_state_is_named_and_the_prompt_then_prefilled(
