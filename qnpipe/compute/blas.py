@@ -27,6 +27,7 @@ import importlib.util
 import os
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import msgspec
@@ -63,6 +64,13 @@ class BlasInfo(msgspec.Struct, frozen=True, kw_only=True):
             return f"cpu blas: MLX's bundled BLAS{f' ({self.note})' if self.note else ''}"
         mode = "batch-invariant kernel" if self.batch_invariant else "not batch-invariant"
         return f"cpu blas: {self.version or self.library}, {self.threads} threads, via {Path(self.via).name}, {mode}"
+
+
+_MLX_FIRST = "MLX was imported before qnpipe could load a BLAS in front of it"
+
+
+class BlasWarning(UserWarning):
+    """The configured CPU BLAS could not be put in front of MLX's (MLX was imported first)."""
 
 
 _lock = threading.Lock()
@@ -118,6 +126,11 @@ def select(setting: str) -> BlasInfo:
                 f"(compute.cpu_blas={_chosen.setting!r}); the BLAS is chosen once per process, before MLX "
                 "loads: set it in the environment (QNPIPE_COMPUTE__CPU_BLAS) or the config file")
         _chosen = _choose(setting)
+        if _chosen.note == _MLX_FIRST:
+            warnings.warn(f"compute.cpu_blas={setting!r}: {_MLX_FIRST}, so MLX's CPU matmuls run on its bundled "
+                          "reference BLAS (much slower, and other bits than the configured BLAS gives); import "
+                          "qnpipe's engine before mlx (qnpipe.Engine, qnpipe.open_engine), or set "
+                          "compute.cpu_blas=bundled", BlasWarning, stacklevel=3)
         return _chosen
 
 
@@ -136,8 +149,7 @@ def _choose(setting: str) -> BlasInfo:
                             note="qnpipe's C shim qnpipe._cblas_shim was not built (no C compiler at install)")
         path = found
     if "mlx.core" in sys.modules:
-        return BlasInfo(setting=setting, kind=BUNDLED,
-                        note="MLX was imported before qnpipe could load a BLAS in front of it")
+        return BlasInfo(setting=setting, kind=BUNDLED, note=_MLX_FIRST)
     return _load(setting, path)
 
 

@@ -139,3 +139,17 @@ def test_auto_without_the_wheel_or_the_shim_says_why_in_one_line(monkeypatch: py
     monkeypatch.setattr(blas, "_wheel_openblas", lambda: None)
     assert "pip install scipy-openblas32" in blas._choose("auto").describe()
     assert blas._choose("bundled").describe() == "cpu blas: MLX's bundled BLAS"
+
+
+def test_mlx_imported_first_leaves_the_bundled_blas_and_says_so_once() -> None:
+    script = ("import warnings, mlx.core, qnpipe\n"
+              "warnings.simplefilter('always')\n"
+              "qnpipe.Engine\n"
+              "from qnpipe.compute import blas\n"
+              "print(blas.in_use().kind)\n")
+    env = {**os.environ, "QNPIPE_COMPUTE__CPU_BLAS": "auto"}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["bundled"]
+    assert p.stderr.count("BlasWarning: compute.cpu_blas='auto': MLX was imported before qnpipe") == 1, p.stderr
+    assert "import qnpipe's engine before mlx" in p.stderr

@@ -21,13 +21,12 @@ from typing import Any
 import numpy as np
 import trio
 
+from qnpipe import open_engine  # before anything imports MLX: it puts compute.cpu_blas in front of MLX's
 from qnpipe.errors import DistributedError
 from qnpipe.live.parallel.snap import RankStates
 
 
 async def main(model_dir: str, out: str, scenario: dict) -> int:
-    from qnpipe import open_engine
-
     saved: dict[str, Any] = {}
     for name, overrides in scenario["engines"].items():
         keep = RankStates.capture

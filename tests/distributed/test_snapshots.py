@@ -140,7 +140,7 @@ def test_mtp_speculation_resumes_the_last_ranks_mtp_state_too(
     got = np.load(two_ranks / "out0.npz")
     # greedy with MTP over the ring, resumed == plain greedy in one process, without snapshots (tokens,
     # as tests/distributed/test_ring.py compares MTP runs)
-    for key in ("greedy1", "turns"):
+    for key in ("next0", "next1", "greedy1", "turns"):  # next-token logits bit for bit too
         assert np.array_equal(got[f"mtp.{key}"], one_process_trained[f"one.{key}"]), key
         assert np.array_equal(got[f"mtp_plain.{key}"], one_process_trained[f"one.{key}"]), key
     # the resumed turn's rounds are those of the ring without snapshots: the last rank's MTP layer resumed too
