@@ -1,6 +1,7 @@
 """The CLI on a ring: `mlx.launch --backend ring -n 2 -- qnpipe generate ... --distributed` prints
-once what one process prints, and a terminal's Ctrl-C (sent to every rank at once) stops the ring
-cleanly. Every wait is bounded."""
+once what one process prints, `qnpipe serve --distributed` listens on rank 0 only and answers as one
+process does, and a terminal's Ctrl-C (sent to every rank at once) stops the ring cleanly. Every wait
+is bounded."""
 
 from __future__ import annotations
 
@@ -82,3 +83,44 @@ def _ctrl_c_when_generating(procs: list[subprocess.Popen[bytes]], tmp_path: Path
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_serve_on_a_ring_listens_on_rank_0_only_and_answers_as_one_process(tiny_qn4: Path, tmp_path: Path) -> None:
+    import json
+    import re
+    import urllib.request
+
+    from qnpipe import Engine
+
+    prompt = "def read_lines(path):"
+    with Engine(tiny_qn4) as eng:
+        want = eng.generate(prompt, max_tokens=6, stop_at_eos=False).text
+    hostfile = write_local_hostfile(tmp_path / "hosts.json", 2)
+    procs: list[subprocess.Popen[bytes]] = []
+    with contextlib.ExitStack() as files:
+        for r in range(2):
+            env = {**_env(), "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}
+            err = files.enter_context((tmp_path / f"err{r}").open("wb"))
+            procs.append(subprocess.Popen([*QNPIPE, "serve", str(tiny_qn4), "--port", "0", "--distributed"], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
+                                          process_group=0 if r == 0 else procs[0].pid))
+        try:
+            deadline = time.monotonic() + 120
+            while (m := re.search(r"qnpipe serve: \S+ on (http://127\.0\.0\.1:\d+)",
+                                  (tmp_path / "err0").read_text())) is None:
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                    [(tmp_path / f"err{r}").read_text() for r in range(2)]
+                time.sleep(0.1)
+            req = urllib.request.Request(f"{m.group(1)}/v1/completions", method="POST", headers={
+                "content-type": "application/json"}, data=json.dumps({"prompt": prompt, "max_tokens": 6,
+                                                                      "temperature": 0}).encode())
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                assert json.loads(resp.read())["choices"][0]["text"] == want
+            os.killpg(procs[0].pid, signal.SIGINT)
+            assert [p.wait(timeout=20) for p in procs] == [0, 0], [(tmp_path / f"err{r}").read_text() for r in range(2)]
+            assert "qnpipe serve:" not in (tmp_path / "err1").read_text()  # rank 1 never listened
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
