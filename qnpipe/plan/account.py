@@ -1,4 +1,4 @@
-"""The memory account: what a run of a model takes besides the expert pool, each line measured or derived.
+"""The memory account: what a run of a model takes besides the expert pool, each line read, derived or measured.
 
     facts = model_facts("qn80b-4bit")                  # or shape_facts("config.json", bits=4)
     acct = account(facts, cfg, caps, side_slots=0, context=8192)
