@@ -24,7 +24,8 @@ made once under --work), `measure_live`:
      `--device measured` reads (`read.device_profile_path`);
   2. cost-fit runs: `qnpipe generate MODEL --tokens 10 -n LIVE_TOKENS --temperature 1 --seed 100 --trace LOG`
      at each of `--live-fit-slots` uniform slots per layer (16, 32, 64: hit rates spanning the budgets';
-     bench_stream's demand settings: direct I/O, 16 reads in flight, no autopin, no chunking), each in a
+     bench_stream's demand settings: direct I/O, 16 reads in flight, no chunking; and as a plan sets the
+     pool: no side region, no autopin, LRU), each in a
      child process; the first log is the one the plans plan from (every run has its routes);
   3. the cost: `qnpipe.replay.cost_fit.fit_cost(LOGS, device, per_miss=True)` (what `qnpipe trace fit-cost
      LOGS --device measured --per-miss` writes): one least squares over every fit run's gaps;
@@ -175,6 +176,9 @@ def table(tmp: Path, log: Path, args: argparse.Namespace) -> list[dict[str, Any]
 
 LIVE_SET = {"read.workers": 16, "read.nocache": True, "forward.prefill_chunk_tokens": 0}  # bench_stream's demand run
 LIVE_PROMPT = "10"  # bench_stream.round_prompt(0): one token
+# The fit runs' pool as a plan sets it (plan_overrides: no side region, no autopin, prefetch off), so
+# they differ from the measured runs only in the slots and the eviction policy.
+FIT_SET = {"pool.autopin": False, "pool.side_region_slots": 0}
 
 
 # The child runs the CLI, then writes its own VmHWM (the resident high-water mark of this process image:
@@ -261,8 +265,7 @@ def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
         """One cost-fit run: a traced run at the next of --live-fit-slots (uniform slots, LRU)."""
         log = tmp / f"fit-{len(fit_logs)}.qtrace"
         out, _, _ = _child([*gen, "-n", str(args.live_tokens), "--trace", str(log), "--json"],
-                           {**base, "pool.expert_slots": fit_slots[len(fit_logs) % len(fit_slots)],
-                            "pool.autopin": False})
+                           {**base, **FIT_SET, "pool.expert_slots": fit_slots[len(fit_logs) % len(fit_slots)]})
         fit_logs.append(log)
         fit_tok_s.append(_steps_tok_s(json.loads(out)))
 
@@ -311,8 +314,8 @@ def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
     from qnpipe.replay.runner import replay
 
     fitted = load_cost(final_cost).cost
-    fit_pred = [replay(f, config.load(None, overrides={**base, "pool.expert_slots": fit_slots[i % len(fit_slots)],
-                                                       "pool.autopin": False}),
+    fit_pred = [replay(f, config.load(None, overrides={**base, **FIT_SET,
+                                                       "pool.expert_slots": fit_slots[i % len(fit_slots)]}),
                        device_profile=device, cost=fitted).tok_s for i, f in enumerate(fit_logs)]
     rows = []
     for b in budgets:
