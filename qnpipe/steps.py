@@ -53,6 +53,7 @@ class PartGrant:
     slots: np.ndarray
     last: bool
     early: bool = False
+    misses: int = 0  # experts the grant read (the replay's cost charges compute per miss: CostModel.per_miss_s)
 
 
 @attrs.frozen

@@ -22,16 +22,25 @@ made once under --work), `measure_live`:
   1. the device: `qnpipe.io.measure.measure_profile` (what `qnpipe bench io` runs) in a directory next to
      the model (same disk), the store's record size among the sizes, saved as the profile file that
      `--device measured` reads (`read.device_profile_path`);
-  2. a live log: `qnpipe generate MODEL --tokens 10 -n LIVE_TOKENS --temperature 1 --seed 100 --trace LOG`
-     (pool.expert_slots 32, bench_stream's demand settings: direct I/O, 16 reads in flight, no autopin,
-     no chunking), in a child process;
-  3. the cost: `qnpipe.replay.cost_fit.fit_cost(LOG, device)` (what `qnpipe trace fit-cost LOG --device
-     measured` writes), saved as the cost file;
-  4. for each of 3 budgets (the fixed lines at `--live-context` plus `--live-fracs` of every expert's
-     record), a child `qnpipe generate ... --memory BUDGET --log LOG --set plan.device=measured --set
-     plan.cost_path=COST` with `-n 1` plans and caches the plan, then the same with `-n LIVE_TOKENS --json`
-     reuses it and is measured: the same prompt and seed as the logged run, so the same tokens and routes
-     (capacity invariance) under the plan's slots and policy.
+  2. cost-fit runs: `qnpipe generate MODEL --tokens 10 -n LIVE_TOKENS --temperature 1 --seed 100 --trace LOG`
+     at each of `--live-fit-slots` uniform slots per layer (16, 32, 64: hit rates spanning the budgets';
+     bench_stream's demand settings: direct I/O, 16 reads in flight, no chunking; and as a plan sets the
+     pool: no side region, no autopin, LRU), each in a
+     child process; the first log is the one the plans plan from (every run has its routes);
+  3. the cost: `qnpipe.replay.cost_fit.fit_cost(LOGS, device, per_miss=True)` (what `qnpipe trace fit-cost
+     LOGS --device measured --per-miss` writes): one least squares over every fit run's gaps;
+  4. for each of 3 budgets (the fixed lines at `--live-context`, as a fresh process measures them, plus
+     `--live-fracs` of every expert's record), a child `qnpipe generate ... --memory BUDGET --log LOG --set
+     plan.device=measured --set plan.cost_path=COST -n 1` plans and caches the plan;
+  5. `--live-rounds` rounds, each: every budget's `-n LIVE_TOKENS --json --trace EVENTS` child (the cached
+     plan; the same prompt and seed, so the same tokens and routes under the plan's slots and policy; an event
+     log written and dropped, as the fit runs write theirs: the cost is fitted from gaps that hold the
+     log's writing), in an order rotated by round, then one more cost-fit run (the next of `--live-fit-slots`);
+  6. the cost refitted from every fit run (before and between the measured ones: the machine's load
+     drifts over minutes, so the cost is fitted side by side with the runs it predicts, never from them),
+     and each budget planned again with it: the prediction compared is that plan's when it chose the slots
+     and policy that ran (`same_choice`), else the replay of the plan that ran under the refitted cost
+     (`replanned_tok_s`: the new plan's own figure).
 
   peak_over_budget      max over the budgets of the measured child's peak RSS (its /proc/self/status VmHWM at
                         exit: the process's resident high-water mark; its plan is read from the cache the
@@ -39,9 +48,16 @@ made once under --work), `measure_live`:
                         must hold. (Not ru_maxrss: a forked child's keeps the parent's peak from before exec.)
   mlx_peak_over_budget  the same with MLX's peak (`mx.get_peak_memory`, the run's `peak_memory_bytes`):
                         MLX's own arrays only (weights, pool, KV, activations), not the interpreter
-  tok_s_rel_err         max over the budgets of |live tok/s - plan's predicted tok/s| / predicted; live: the median
-                        `decode_tok_s` of `--live-rounds` runs
-  live                  per budget: budget, slots, policy, peak RSS, MLX peak, live and predicted tok/s
+  tok_s_rel_err         max over the budgets of |live tok/s - plan's predicted tok/s| / predicted; live: the
+                        median over the rounds of a run's forwards per second, all of them (generated tokens /
+                        (prefill_s + decode_s): the one-token prompt's forward is a step of the log, and the
+                        replay counts it); tok_s_rel_err_decode: the same with `decode_tok_s` (the first
+                        forward left out); tok_s_rel_err_first_cost: against the plans of step 4 (the cost of
+                        the first fit runs alone)
+  live_cost             the refitted cost's terms; live_fit_tok_s: each fit run's tok/s, in order, and
+                        live_fit_predicted_tok_s: each one's replay (its own slots) under that cost
+  live                  per budget: budget, slots, policy, peak RSS, MLX peak, live and predicted tok/s, the
+                        account's non-zero lines
 
     python tools/bench_plan.py
     python tools/bench_plan.py --tokens 2000 --budgets 8GB,16GB --table
@@ -89,9 +105,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--live-tokens", type=int, default=64, help="tokens of each live run (default 64)")
     p.add_argument("--live-fracs", default="0.125,0.25,0.5",
                    help="the 3 budgets: the fixed lines plus these fractions of every expert's record")
-    p.add_argument("--live-rounds", type=int, default=3,
-                   help="measured runs per budget: the median tok/s, the largest peaks (default 3)")
+    p.add_argument("--live-rounds", type=int, default=5,
+                   help="measured runs per budget: the median tok/s, the largest peaks (default 5)")
     p.add_argument("--live-context", type=int, default=256, help="plan.context_tokens of the live runs")
+    p.add_argument("--live-fit-slots", default="16,32,64",
+                   help="pool.expert_slots of the cost-fit runs, cycled: one each before planning, one per round")
     p.add_argument("--profile", type=Path, default=None, help="a `qnpipe bench io` profile instead of measuring")
     p.add_argument("--live-set", action="append", default=[], metavar="KEY=VALUE",
                    help="another config field of the live runs and their plans, e.g. memory.mlx_cache_limit_gb=0.0625")
@@ -159,6 +177,9 @@ def table(tmp: Path, log: Path, args: argparse.Namespace) -> list[dict[str, Any]
 
 LIVE_SET = {"read.workers": 16, "read.nocache": True, "forward.prefill_chunk_tokens": 0}  # bench_stream's demand run
 LIVE_PROMPT = "10"  # bench_stream.round_prompt(0): one token
+# The fit runs' pool as a plan sets it (plan_overrides: no side region, no autopin, prefetch off), so
+# they differ from the measured runs only in the slots and the eviction policy.
+FIT_SET = {"pool.autopin": False, "pool.side_region_slots": 0}
 
 
 # The child runs the CLI, then writes its own VmHWM (the resident high-water mark of this process image:
@@ -190,14 +211,33 @@ def _child(argv: list[str], sets: dict[str, object]) -> tuple[str, str, int]:
         return proc.stdout, proc.stderr, int(hwm.read_text())
 
 
+def _least(model: Path, sets: dict[str, object], context: int) -> int:
+    """The bench model's smallest budget as a fresh process sees it (its own "process outside MLX" line:
+    this process has planned the 80B, and its resident set is not a generate child's)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, json\nfrom qnpipe import config\nfrom qnpipe.plan import minimum_budget, model_facts\n"
+            "sets = json.loads(sys.argv[1])\ncfg = config.load(None, overrides=sets)\n"
+            "print(minimum_budget(model_facts(sets['model.model_dir'], cfg), cfg, context=int(sys.argv[2])))\n")
+    text_of = {True: "true", False: "false"}
+    over = {k: (text_of[v] if isinstance(v, bool) else str(v)) for k, v in {**sets, "model.model_dir": model}.items()}
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(over), str(context)], capture_output=True, text=True,
+                          env=env, check=True)
+    return int(proc.stdout.split()[-1])
+
+
 def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
     """The budget check on the bench model (module doc): peak_over_budget, tok_s_rel_err."""
     import importlib.util
 
+    import msgspec
+
     from qnpipe.io.device_file import load_profile, save_profile
     from qnpipe.io.measure import measure_profile
     from qnpipe.io.store import ExpertStore
-    from qnpipe.plan import load_plan, minimum_budget, model_facts
+    from qnpipe.plan import load_plan, model_facts, replay_plan
     from qnpipe.replay.cost_fit import fit_cost, save_cost
 
     del plans  # the 80B plans are not run: the bench model is
@@ -217,46 +257,115 @@ def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
         measured = measure_profile(Path(model).resolve().parent, records=sorted({13824, 98304, record, 1769472}),
                                    qds=(1, 2, 4, 8, 16), seconds=0.4, size_bytes=2**30)
         save_profile(device_file, measured)
+    device = load_profile(device_file).profile
     base = {**LIVE_SET, "read.device_profile_path": device_file, **dict(kv.split("=", 1) for kv in args.live_set)}
     gen = ["generate", str(model), "--tokens", LIVE_PROMPT, "--temperature", "1", "--seed", "100"]
-    log = tmp / "live.qtrace"
-    _child([*gen, "-n", str(args.live_tokens), "--trace", str(log)], {**base, "pool.expert_slots": 32,
-                                                                      "pool.autopin": False})
-    cost_file = tmp / "cost.json"
-    save_cost(cost_file, fit_cost(log, load_profile(device_file).profile))
-    cfg = config.load(None, overrides={**base, "model.model_dir": str(model)})
-    facts = model_facts(model, cfg)
-    least = minimum_budget(facts, cfg, context=args.live_context)
+    fit_slots = [int(x) for x in args.live_fit_slots.split(",")]
+    fit_logs: list[Path] = []
+    fit_tok_s: list[float] = []
+
+    def fit_run() -> None:
+        """One cost-fit run: a traced run at the next of --live-fit-slots (uniform slots, LRU)."""
+        log = tmp / f"fit-{len(fit_logs)}.qtrace"
+        out, _, _ = _child([*gen, "-n", str(args.live_tokens), "--trace", str(log), "--json"],
+                           {**base, **FIT_SET, "pool.expert_slots": fit_slots[len(fit_logs) % len(fit_slots)]})
+        fit_logs.append(log)
+        fit_tok_s.append(_steps_tok_s(json.loads(out)))
+
+    def cost(name: str) -> Path:
+        path = tmp / name
+        save_cost(path, fit_cost(fit_logs, device, per_miss=True))
+        return path
+
+    for _ in fit_slots:
+        fit_run()
+    log = fit_logs[0]  # the routes every run has (same prompt and seed; capacities never change them)
+    first_cost = cost("cost-first.json")
+    least = _least(model, base, args.live_context)
+    facts = model_facts(model, config.load(None, overrides={**base, "model.model_dir": str(model)}))
     all_records = sum(facts.record_nbytes.values()) * facts.args.num_experts
-    plan_set = {**base, "plan.device": "measured", "plan.cost_path": cost_file, "plan.cache_dir": tmp / "plans",
+    plan_set = {**base, "plan.device": "measured", "plan.cache_dir": tmp / "plans",
                 "plan.context_tokens": args.live_context}
-    rows = []
-    for frac in (float(f) for f in args.live_fracs.split(",")):
-        budget = least + int(frac * all_records)
-        mem = ["--memory", str(budget), "--log", str(log)]
-        _child([*gen, *mem, "-n", "1"], plan_set)  # plans and caches
-        runs = []
-        for _ in range(args.live_rounds):
-            out, err, rss = _child([*gen, *mem, "-n", str(args.live_tokens), "--json"], plan_set)
+    budgets = [least + int(float(f) * all_records) for f in args.live_fracs.split(",")]
+
+    def plan_of(budget: int, cost_file: Path) -> Plan:
+        """Plan (a child: `generate --memory ... -n 1`, cached) and read the plan it made."""
+        _, err, _ = _child([*gen, "--memory", str(budget), "--log", str(log), "-n", "1"],
+                           {**plan_set, "plan.cost_path": cost_file})
+        where = err.split("cached at ")[-1].split("]")[0] if "cached at " in err else err.split("reused from ")[-1]
+        return load_plan(where.split("]")[0].strip())
+
+    planned = {b: plan_of(b, first_cost) for b in budgets}
+    runs: dict[int, list[tuple[dict[str, Any], int]]] = {b: [] for b in budgets}
+    # Rounds: every budget once (in a rotated order), then one more cost-fit run, so the cost is
+    # fitted from runs taken side by side with the measured ones (the machine's load drifts).
+    for r in range(args.live_rounds):
+        for b in budgets[r % len(budgets):] + budgets[:r % len(budgets)]:
+            # Traced as the fit runs are (the event log's writing is in the gaps the cost is fitted
+            # from), so the measured runs differ from them only in the plan's slots and policy.
+            events = tmp / "measured.qtrace"
+            out, err, rss = _child([*gen, "--memory", str(b), "--log", str(log), "-n", str(args.live_tokens),
+                                    "--json", "--trace", str(events)], {**plan_set, "plan.cost_path": first_cost})
+            events.unlink(missing_ok=True)
             assert "plan reused from" in err, err
-            runs.append((json.loads(out), rss))
-        plan = next(p for f in (tmp / "plans").glob("*/plan.json") if (p := load_plan(f)).memory_bytes == budget)
-        tok_s = [r["stats"]["decode_tok_s"] for r, _ in runs]
-        live = statistics.median(tok_s)
-        caps = sorted(plan.capacities.values())
-        rows.append({"budget": budget, "slots": f"{caps[0]}-{caps[-1]}", "policy": plan.evict_policy,
-                     "peak_rss": max(rss for _, rss in runs),
-                     "mlx_peak": max(r["stats"]["peak_memory_bytes"] for r, _ in runs),
-                     "live_tok_s": round(live, 3), "live_tok_s_rounds": [round(t, 3) for t in tok_s],
-                     "predicted_tok_s": round(plan.predicted_tok_s, 3),
-                     "hit_rate_live": round(runs[0][0]["engine"]["pool"]["hit_rate"], 4),
-                     "hit_rate_predicted": round(plan.predicted_hit_rate, 4)})
+            runs[b].append((json.loads(out), rss))
+        fit_run()
+    final_cost = cost("cost.json")
+    # The fit runs' own replays under the final cost: how well the model holds where it was fitted
+    # (run to run, the machine's drift is what is left).
+    from qnpipe.replay.cost_fit import load_cost
+    from qnpipe.replay.runner import replay
+
+    fitted = load_cost(final_cost).cost
+    fit_pred = [replay(f, config.load(None, overrides={**base, **FIT_SET,
+                                                       "pool.expert_slots": fit_slots[i % len(fit_slots)]}),
+                       device_profile=device, cost=fitted).tok_s for i, f in enumerate(fit_logs)]
+    rows = []
+    for b in budgets:
+        plan, first = plan_of(b, final_cost), planned[b]
+        same = (plan.capacities, plan.evict_policy, plan.prefetch) == (first.capacities, first.evict_policy,
+                                                                        first.prefetch)
+        # What ran, under the refitted cost: the new plan's own figure when it chose the same (a
+        # plan's prediction is its replay's, bit for bit), else the replay of the plan that ran.
+        predicted = plan.predicted_tok_s if same else replay_plan(
+            msgspec.structs.replace(first, cost=fitted), tmp / f"ran-{b}",
+            config.load(None, overrides=dict(base))).tok_s
+        tok_s = [_steps_tok_s(r) for r, _ in runs[b]]
+        decode = [r["stats"]["decode_tok_s"] for r, _ in runs[b]]
+        caps = sorted(first.capacities.values())
+        rows.append({"budget": b, "slots": f"{caps[0]}-{caps[-1]}", "policy": first.evict_policy,
+                     "peak_rss": max(rss for _, rss in runs[b]),
+                     "mlx_peak": max(r["stats"]["peak_memory_bytes"] for r, _ in runs[b]),
+                     "live_tok_s": round(statistics.median(tok_s), 3), "live_tok_s_rounds": [round(t, 3) for t in tok_s],
+                     "live_decode_tok_s": round(statistics.median(decode), 3),
+                     "predicted_tok_s": round(predicted, 3), "same_choice": same,
+                     "replanned_tok_s": round(plan.predicted_tok_s, 3),
+                     "predicted_tok_s_first_cost": round(first.predicted_tok_s, 3),
+                     "hit_rate_live": round(runs[b][0][0]["engine"]["pool"]["hit_rate"], 4),
+                     "hit_rate_predicted": round(plan.predicted_hit_rate, 4),
+                     "account": {x.name: x.nbytes for x in first.account.lines if x.nbytes}})
+    fit = json.loads((tmp / "cost.json").read_text())
     shutil.rmtree(tmp, ignore_errors=True)
+
+    def rel(r: dict[str, Any], live: str, pred: str) -> float:
+        return abs(r[live] - r[pred]) / r[pred]
+
     return {"peak_over_budget": round(max(r["peak_rss"] / r["budget"] for r in rows), 4),
             "mlx_peak_over_budget": round(max(r["mlx_peak"] / r["budget"] for r in rows), 4),
-            "tok_s_rel_err": round(max(abs(r["live_tok_s"] - r["predicted_tok_s"]) / r["predicted_tok_s"]
-                                       for r in rows), 4),
-            "live_set": args.live_set, "live_loadavg": [round(x, 2) for x in os.getloadavg()], "live_model": str(model), "live_record_nbytes": record, "live_min_budget": least, "live": rows}
+            "tok_s_rel_err": round(max(rel(r, "live_tok_s", "predicted_tok_s") for r in rows), 4),
+            "tok_s_rel_err_first_cost": round(max(rel(r, "live_tok_s", "predicted_tok_s_first_cost") for r in rows), 4),
+            "tok_s_rel_err_decode": round(max(rel(r, "live_decode_tok_s", "predicted_tok_s") for r in rows), 4),
+            "live_cost": {k: fit["cost"][k] for k in ("per_layer_s", "per_step_s", "per_miss_s", "read_hop_s")},
+            "live_fit_tok_s": [round(t, 3) for t in fit_tok_s], "live_fit_slots": fit_slots,
+            "live_fit_predicted_tok_s": [round(t, 3) for t in fit_pred],
+            "live_set": args.live_set, "live_loadavg": [round(x, 2) for x in os.getloadavg()],
+            "live_model": str(model), "live_record_nbytes": record, "live_min_budget": least, "live": rows}
+
+
+def _steps_tok_s(run: dict[str, Any]) -> float:
+    """A run's forwards per second, every one (the first: the one-token prompt's) as the replay counts them."""
+    s = run["stats"]
+    return s["generated_tokens"] / (s["prefill_s"] + s["decode_s"])
 
 
 MEASURES: list[Callable[..., dict[str, Any]]] = []  # more measures(args, plans) -> dict, merged into the JSON line

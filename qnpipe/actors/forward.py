@@ -177,7 +177,7 @@ class Forward:
             lut[list(g.experts)] = g.slots
             ids = route.ids[lo:hi]
             slots = lut[ids]
-            ev = await self.backend.resume(PartGrant(lo, hi, slots, p == len(parts) - 1))
+            ev = await self.backend.resume(PartGrant(lo, hi, slots, p == len(parts) - 1, misses=g.misses))
             if self.route_verify:
                 rel = Release(**self._st.stamp(), step=key[0], layer=layer, part=p,
                               token_experts=tuple(ids.reshape(-1).tolist()),

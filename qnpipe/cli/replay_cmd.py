@@ -14,7 +14,7 @@ from qnpipe.errors import QnpipeError
 # qnpipe.replay.PREDICTORS, spelled out: importing qnpipe.replay here would load MLX for every command.
 PREDICTORS = ("none", "previous", "recorded", "transition", "oracle")
 DRIVERS = ("fast", "actors")  # qnpipe.replay.DRIVERS
-_REPLAY_KEYS = {"cost.per_layer_s", "cost.per_token_s", "cost.per_step_s", "cost.read_hop_s",
+_REPLAY_KEYS = {"cost.per_layer_s", "cost.per_token_s", "cost.per_step_s", "cost.read_hop_s", "cost.per_miss_s",
                 "device.bandwidth_bytes_per_s", "device.latency_s", "device.per_mb_latency_s", "device.queue_depth",
                 "replay.record_nbytes"}
 
@@ -144,7 +144,8 @@ def register(sub: Any, fmt: Any) -> None:
                        "(--device, device.*), in virtual time: no model, same report on every run.\n"
                        "Reports steps/s, hit rate, misses by cause, bytes and stall per step, device\n"
                        "utilisation, and per layer the hit rate beside Belady's optimum at that capacity.\n"
-                       "Replay settings: cost.per_layer_s, cost.per_token_s, cost.per_step_s, cost.read_hop_s\n"
+                       "Replay settings: cost.per_layer_s, cost.per_token_s, cost.per_step_s, cost.read_hop_s,\n"
+                       "cost.per_miss_s\n"
                        "(over --cost), device.bandwidth_bytes_per_s, device.latency_s, device.per_mb_latency_s,\n"
                        "device.queue_depth (over --device), replay.record_nbytes;\n"
                        "any other --set is a config setting (pool.expert_slots, pool.evict_policy, read.workers).\n"

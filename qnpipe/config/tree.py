@@ -375,6 +375,9 @@ class PlanCfg(_Section, frozen=True):
                                    "the default model)")] = ""
     context_tokens: Annotated[PosInt, _doc("context the planned KV cache must hold, in tokens")] = 8192
     cache_dir: Annotated[str, _doc("where plans are cached (empty = <expert dir>/plans)")] = ""
+    # Measured by default (qnpipe.plan.process): the interpreter and libraries differ by machine and install.
+    process_bytes: Annotated[NonNegInt, _doc("the process outside MLX (interpreter, libraries, tokenizer) the budget "
+                                             "holds, in bytes (0 = measure this process at start-up)")] = 0
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -1,4 +1,4 @@
-"""The memory account: what a run of a model takes besides the expert pool, each line measured or derived.
+"""The memory account: what a run of a model takes besides the expert pool, each line read, derived or measured.
 
     facts = model_facts("qn80b-4bit")                  # or shape_facts("config.json", bits=4)
     acct = account(facts, cfg, caps, side_slots=0, context=8192)
@@ -20,6 +20,27 @@ Where each figure comes from (docs/plan.md, "The memory account"):
   (tests/plan/test_account.py).
 - **MLX buffer cache**: `memory.mlx_cache_limit_gb`, the cap qnpipe sets on the freed buffers MLX keeps
   for reuse (qnpipe.model.memory.apply_memory_limits).
+- **activations**: the largest working set of one layer of a forward of T tokens against a KV cache
+  of `context` tokens, T = `forward.prefill_chunk_tokens` (the whole context when 0: the longest
+  prompt). Per token: the residual stream and its norm (4 x hidden), and the larger of the mixer
+  (full attention: query with its gate, keys, values; plus heads x context attention scores in the
+  activation dtype and their float32 softmax) (linear attention: the q/k/v/z and b/a projections, the
+  conv output and, where mlx-lm runs the delta rule as ops (no Metal GPU: `gated_delta_update`'s
+  fallback), one float32 state per token, value heads x value dim x key dim, and q and k repeated to
+  the value heads in float32 (plus 4 states of one step's products); its Metal kernel keeps one
+  state) and the MoE block (float32 router over every expert, top-k x (hidden + 3 x expert
+  intermediate) for the routed experts' inputs, gate/up and outputs, 3 x shared intermediate); plus
+  the head's float32 logits of the last position and their log-softmax. Checked against MLX's peak
+  over a real prefill of the tiny model at 1 to 1024 tokens (tests/plan/test_account.py: the
+  derived figure bounds the measured one and is within 2.5x of it).
+- **reader buffers**: what the SSD reader allocates beyond the pool's slots: nothing when a record's
+  reads land in place (every tensor of the record starts and ends on `ALIGN`, or reads do not
+  bypass the page cache, or not on Linux: only O_DIRECT has the alignment rule); else one aligned
+  bounce buffer per read in flight, `read.workers` x (record + `ALIGN`) (qnpipe.io.ssd: a batch's
+  bounce buffers exist while its reads are on the device, at most `read.workers` of them).
+- **process outside MLX**: the interpreter, the libraries and their heaps, measured in this process
+  after importing what the engine imports (qnpipe.plan.process: resident set less MLX's memory);
+  `plan.process_bytes` overrides it (planning for another machine: its figure).
 - **headroom**: what the caller keeps for the operating system and the page cache (`headroom_bytes`,
   `qnpipe plan --headroom`); 0 by default, because the budget is what qnpipe may use and
   `read.nocache` (on by default) reads experts around the page cache.
@@ -29,6 +50,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +58,10 @@ import msgspec
 
 from qnpipe.config import Config
 from qnpipe.errors import CheckpointError, ConfigError
+from qnpipe.io.store_format import ALIGN, aligned_len
 from qnpipe.model.args import ModelArgs, args_from_dict, read_config
 from qnpipe.model.memory import GB
+from qnpipe.plan.process import process_nbytes
 from qnpipe.plan.units import fmt_bytes
 from qnpipe.trace import ModelShape
 
@@ -56,6 +80,8 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     non_expert_nbytes: int
     non_expert_source: str
     act_dtype_bytes: int  # activations' dtype (KV cache, conv window)
+    # Some tensor of a record does not start and end on ALIGN: a direct-I/O read bounces (qnpipe.io.ssd)
+    bounce_reads: bool = False
 
     @property
     def shape(self) -> ModelShape:
@@ -114,10 +140,11 @@ def model_facts(model_dir: str | Path, cfg: Config) -> ModelFacts:
                 act = {"F32": 4, "F16": 2, "BF16": 2}.get(info.dtype, 0)
     if not act:
         raise CheckpointError(f"{files[0]}: no float model.norm.weight: cannot tell the activations' dtype")
+    bounce = any(t.offset % ALIGN or t.nbytes % ALIGN for lf in index.layers for t in lf.tensors)
     return ModelFacts(source=str(d), args=args, record_nbytes={ly: records[ly] for ly in args.moe_layers},
                       record_source=f"{index_path_of(d, cfg)}", non_expert_nbytes=non_expert,
                       non_expert_source="safetensors headers of " + ", ".join(f.name for f in files),
-                      act_dtype_bytes=act)
+                      act_dtype_bytes=act, bounce_reads=bounce)
 
 
 def index_path_of(d: Path, cfg: Config) -> str:
@@ -140,6 +167,8 @@ def shape_facts(config_json: str | Path, *, bits: int | None = None, group_size:
     if bits is not None and bits not in (2, 3, 4, 5, 6, 8):
         raise ConfigError(f"bits={bits}: expected 2, 3, 4, 5, 6 or 8")
     rec = sum(_matrix_bytes(o, i, bits, group_size, float_bytes) for o, i in args.expert_dims.values())
+    bounce = any(n % ALIGN for o, i in args.expert_dims.values()
+                 for n in _tensor_bytes(o, i, bits, group_size, float_bytes))
     mats, vecs = nonexpert_params(args)
     non_expert = sum(_matrix_bytes(o, i, bits, group_size, float_bytes) for o, i in mats) + vecs * float_bytes
     how = f"{bits}-bit, group {group_size}, bf16 scales" if bits else f"{dtype}"
@@ -147,7 +176,7 @@ def shape_facts(config_json: str | Path, *, bits: int | None = None, group_size:
                       record_source=f"derived from {p.name}: 3 projections at {how}",
                       non_expert_nbytes=non_expert,
                       non_expert_source=f"derived from {p.name}: tensor shapes at {how}",
-                      act_dtype_bytes=2 if bits else float_bytes)
+                      act_dtype_bytes=2 if bits else float_bytes, bounce_reads=bounce)
 
 
 def _read_json(p: Path) -> dict[str, Any]:
@@ -160,10 +189,14 @@ def _read_json(p: Path) -> dict[str, Any]:
     return raw
 
 
-def _matrix_bytes(out: int, inp: int, bits: int | None, group: int, float_bytes: int) -> int:
+def _tensor_bytes(out: int, inp: int, bits: int | None, group: int, float_bytes: int) -> tuple[int, ...]:
     if bits is None or inp % group:
-        return out * inp * float_bytes
-    return out * inp * bits // 8 + 2 * out * (inp // group) * 2  # packed weight, bf16 scales and biases
+        return (out * inp * float_bytes,)
+    return out * inp * bits // 8, out * (inp // group) * 2, out * (inp // group) * 2  # packed weight, bf16 scales, biases
+
+
+def _matrix_bytes(out: int, inp: int, bits: int | None, group: int, float_bytes: int) -> int:
+    return sum(_tensor_bytes(out, inp, bits, group, float_bytes))
 
 
 def nonexpert_params(args: ModelArgs) -> tuple[list[tuple[int, int]], int]:
@@ -213,16 +246,75 @@ def state_nbytes(facts: ModelFacts) -> int:
     return sum(a.is_linear(i) for i in range(a.num_hidden_layers)) * (conv + delta)
 
 
+def forward_tokens(cfg: Config, context: int) -> int:
+    """Tokens of the largest forward: a prefill chunk (`forward.prefill_chunk_tokens`), the whole
+    context when chunking is off (0)."""
+    chunk = cfg.forward.prefill_chunk_tokens
+    return min(chunk, context) if chunk else context
+
+
+def delta_kernel(facts: ModelFacts) -> bool:
+    """Whether mlx-lm's gated delta rule runs as its Metal kernel here (else as ops: a state per token)."""
+    import mlx.core as mx
+
+    dk = facts.args.linear_key_head_dim
+    return bool(mx.default_device() == mx.gpu and mx.metal.is_available() and dk >= 32 and dk % 32 == 0)
+
+
+def activation_nbytes(facts: ModelFacts, cfg: Config, context: int, *, kernel: bool | None = None) -> int:
+    """The largest layer's working set of a forward of `forward_tokens` tokens with `context` cached
+    (module doc), and the head's last-position logits; `kernel`: the delta rule's Metal kernel
+    (default: whether it runs here, `delta_kernel`)."""
+    a = facts.args
+    t, act = forward_tokens(cfg, context), facts.act_dtype_bytes
+    key_dim = a.linear_num_key_heads * a.linear_key_head_dim
+    value_dim = a.linear_num_value_heads * a.linear_value_head_dim
+    state = a.linear_num_value_heads * a.linear_value_head_dim * a.linear_key_head_dim * STATE_DTYPE_BYTES
+    per_token_state = not (delta_kernel(facts) if kernel is None else kernel)
+    linear = ((2 * key_dim + 2 * value_dim + 2 * a.linear_num_value_heads) * act + (2 * key_dim + value_dim) * act
+              + (state + 2 * a.linear_num_value_heads * a.linear_key_head_dim * 4 if per_token_state else 0))
+    attention = ((2 * a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim * act
+                 + a.num_attention_heads * context * (act + 4))
+    moe = (a.num_experts * 4 + a.num_experts_per_tok * (a.hidden_size + 3 * a.moe_intermediate_size) * act
+           + 3 * a.shared_expert_intermediate_size * act)
+    dense = 3 * a.intermediate_size * act
+    mixer = max(linear if a.is_linear(i) else attention for i in range(a.num_hidden_layers))
+    ffn = max(moe if a.is_moe(i) else dense for i in range(a.num_hidden_layers))
+    # Beside the per-token terms: the head's float32 logits and log-softmax; the delta rule's step
+    # transients (the decayed state, two products and the sum: 4 states; the kernel: its one state).
+    return t * (4 * a.hidden_size * act + max(mixer, ffn)) + 2 * a.vocab_size * 4 + (4 if per_token_state else 1) * state
+
+
+def reader_nbytes(facts: ModelFacts, cfg: Config) -> tuple[int, str]:
+    """The reader's bounce buffers (module doc), and why they are what they are."""
+    if not (facts.bounce_reads and cfg.read.nocache and sys.platform.startswith("linux")):
+        why = ("records' tensors are ALIGN-aligned" if not facts.bounce_reads
+               else "read.nocache off" if not cfg.read.nocache else "no O_DIRECT alignment rule here")
+        return 0, f"reads land in the pool's slots ({why})"
+    rec = max(facts.record_nbytes.values())
+    return (cfg.read.workers * aligned_len(rec + ALIGN),
+            f"read.workers ({cfg.read.workers}) direct-I/O bounce buffers of a record ({rec} bytes) + {ALIGN}")
+
+
 def fixed_lines(facts: ModelFacts, cfg: Config, *, context: int, headroom_bytes: int = 0) -> list[Line]:
     """Every line but the pool and side region (they depend on the plan)."""
     kv_src = (f"{context} tokens in mlx-lm's {KV_STEP}-token steps x "
               f"{'quantized ' if cfg.kv.quantize else ''}KV bytes per token")
+    reader, reader_src = reader_nbytes(facts, cfg)
+    process, process_src = process_nbytes(cfg)
+    tokens = forward_tokens(cfg, context)
     return [Line(name="non-expert weights", nbytes=facts.non_expert_nbytes, source=facts.non_expert_source),
             Line(name="KV cache", nbytes=kv_nbytes(facts, cfg, context), source=kv_src),
             Line(name="recurrent state", nbytes=state_nbytes(facts),
                  source="conv window + float32 delta-rule state per linear-attention layer"),
             Line(name="MLX buffer cache", nbytes=int(cfg.memory.mlx_cache_limit_gb * GB),
                  source="memory.mlx_cache_limit_gb, the cap qnpipe sets on MLX's reusable buffers"),
+            Line(name="activations", nbytes=activation_nbytes(facts, cfg, context),
+                 source=f"the largest layer's working set for a forward of {tokens} tokens "
+                        f"(forward.prefill_chunk_tokens={cfg.forward.prefill_chunk_tokens}) over {context} cached; "
+                        f"delta rule {'as the Metal kernel' if delta_kernel(facts) else 'as ops: a state per token'}"),
+            Line(name="reader buffers", nbytes=reader, source=reader_src),
+            Line(name="process outside MLX", nbytes=process, source=process_src),
             Line(name="OS / page-cache headroom", nbytes=headroom_bytes,
                  source="--headroom (read.nocache keeps expert reads out of the page cache)")]
 
@@ -248,5 +340,6 @@ def minimum_budget(facts: ModelFacts, cfg: Config, *, context: int, headroom_byt
             + k * sum(facts.record_nbytes.values()))
 
 
-__all__ = ["KV_STEP", "Account", "Line", "ModelFacts", "account", "fixed_lines", "kv_nbytes", "minimum_budget",
-           "model_facts", "nonexpert_params", "pool_lines", "shape_facts", "state_nbytes"]
+__all__ = ["KV_STEP", "Account", "Line", "ModelFacts", "account", "activation_nbytes", "fixed_lines", "forward_tokens",
+           "delta_kernel", "kv_nbytes", "minimum_budget", "model_facts", "nonexpert_params", "pool_lines", "reader_nbytes",
+           "shape_facts", "state_nbytes"]

@@ -79,7 +79,9 @@ def cache_key(facts: ModelFacts, cfg: Config, log: Path | None, *, budget: int, 
     parts = {"version": PLAN_VERSION, "model": model_fingerprint(facts, cfg),
              "log": _file_digest(log) if log is not None else {"synthetic": SYNTH},
              "budget": budget, "context": cfg.plan.context_tokens, "device": msgspec.to_builtins(dev),
-             "cost": msgspec.to_builtins(cost), "settings": settings}
+             "cost": msgspec.to_builtins(cost), "settings": settings,
+             # The account's process line when set (measured, it is this machine's, like the device).
+             "process_bytes": cfg.plan.process_bytes}
     if share is not None:
         parts["share"] = msgspec.to_builtins(share)
     return hashlib.sha256(msgspec.json.encode(parts, order="sorted")).hexdigest()

@@ -13,10 +13,13 @@ wait stays in the gap: the replay's pool answers a hit in no virtual time, the l
 few message hops. Each gap is one sample
 
     gap = per_layer_s + per_token_s * tokens + per_step_s * [the next acquire is the next step's]
+          (+ per_miss_s * misses, with `per_miss`)
 
 with `tokens` the part's token count (`plan_parts` on the `trace.route`, as the forward
-splits it; the header's capacities). `fit_cost` solves it by least squares over every gap
-of the log; a coefficient the log cannot determine (every part of one token count: no
+splits it; the header's capacities) and `misses` the experts its grant read. `fit_cost`
+solves it by least squares over every gap of the log (or of several logs together: runs at
+several capacities tell the misses' term from the intercept; runs at several times average a
+busy machine's load); a coefficient the log cannot determine (every part of one token count: no
 per_token_s; one step: no per_step_s) or that comes out negative is fixed at 0 and the rest
 refitted. With `per_layer`, each MoE layer gets its own intercept (`layer_table`; the gap of
 a part of layer L holds L's experts and the next layer's work up to its router); a term the
@@ -26,6 +29,12 @@ next acquire and is not a sample. The log does not
 mark where one generate call ends and the next begins, so a step boundary more than
 `PAUSE_FACTOR` (10) times the median boundary is taken for the caller's pause between calls
 and left out (`CostFit.pauses` counts them).
+
+`per_miss_s` (with `per_miss`): what a miss costs the forward beyond its wait. Measured on the
+shared 2-core VM (docs/measurements.md, "The budget holds, live"): a part's gap grows by
+~0.4-0.6 ms per expert its grant read (the reader's threads and the read scheduler's messages
+share the cores with the compute), so a cost fitted at one hit rate without it predicts too
+little gain at a higher one.
 
 `read_hop_s` (given the device profile the replay will use): the live miss path's time beyond
 that device, the mean over the parts with misses of their wait (`pool.granted` t -
@@ -38,6 +47,7 @@ for a core. The replay adds it to each read batch (with demand reads, one per su
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -53,7 +63,8 @@ from qnpipe.trace import Route, read
 
 COST_KIND = "qnpipe.cost-model"
 COST_VERSION = 1
-TERMS = ("per_layer_s", "per_token_s", "per_step_s", "read_hop_s")
+TERMS = ("per_layer_s", "per_token_s", "per_step_s", "read_hop_s", "per_miss_s")
+COLUMNS = ("per_token_s", "per_step_s", "per_miss_s")  # the gaps' regressors after the intercept(s)
 PAUSE_FACTOR = 10.0
 
 
@@ -80,10 +91,71 @@ class CostFitError(TraceSchemaError):
     """The log cannot give a cost model (no acquires, no grants to pair them with); names the file."""
 
 
-def fit_cost(path: str | Path, device: DeviceProfile | None = None, *, per_layer: bool = False) -> CostFit:
-    """The least-squares `CostModel` of the event log at `path` (see the module doc); with
-    `device`, also its `read_hop_s` against that device; `per_layer`: one `per_layer_s` per
-    MoE layer (`CostModel.layer_table`) instead of one for all."""
+def fit_cost(path: str | Path | Sequence[str | Path], device: DeviceProfile | None = None, *,
+             per_layer: bool = False, per_miss: bool = False) -> CostFit:
+    """The least-squares `CostModel` of the event log at `path` (see the module doc), or of the
+    gaps of several logs together (a list: e.g. runs at several capacities, or taken at several
+    times on a busy machine); with `device`, also its `read_hop_s` against that device;
+    `per_layer`: one `per_layer_s` per MoE layer (`CostModel.layer_table`) instead of one for all;
+    `per_miss`: also `per_miss_s`, the gap's growth with the part's misses."""
+    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    if not paths:
+        raise CostFitError("fit_cost: no log given")
+    logs = [_samples(p) for p in paths]
+    x = np.concatenate([g.x for g in logs])
+    y = np.concatenate([g.y for g in logs])
+    layer_of = np.concatenate([g.layers for g in logs])
+    waits = [w for g in logs for w in g.waits]
+    table_layers = sorted(set(layer_of.tolist())) if per_layer else []
+    base = (np.stack([layer_of == la for la in table_layers], axis=1).astype(np.float64) if per_layer
+            else np.ones((len(y), 1)))
+    design = np.concatenate([base, x], axis=1)  # intercept(s), tokens, step boundary, misses
+    nb = base.shape[1]
+    # In the order they are given up: the step term first, then tokens, the misses last.
+    extra = [nb + j for j in ((2, 0, 1) if per_miss else (0, 1)) if np.ptp(x[:, j]) > 0]
+    # A term the intercepts already explain (per layer: the last layer's gaps are all step
+    # boundaries in decode) cannot be told apart: leave it out, the step term first.
+    while extra and np.linalg.matrix_rank(design[:, list(range(nb)) + extra]) < nb + len(extra):
+        extra.pop()
+    while True:
+        use = list(range(nb)) + extra
+        coef, *_ = np.linalg.lstsq(design[:, use], y, rcond=None)
+        negative = [j for j, c in zip(use, coef, strict=True) if c < 0 and j >= nb]
+        if not negative:
+            break
+        extra.remove(negative[0])
+    full = np.zeros(design.shape[1])
+    full[use] = coef
+    full[:nb] = np.maximum(full[:nb], 0.0)
+    resid = y - design @ full
+    hop, hop_resid = _read_hop(waits, device) if device is not None and waits else (0.0, 0.0)
+    table = {int(la): float(c) for la, c in zip(table_layers, full[:nb], strict=True)} if per_layer else {}
+    # Without a table entry a layer costs the mean: the table's, weighted by its samples.
+    per_layer_s = float(np.mean(design[:, :nb] @ full[:nb]))
+    cost = CostModel(per_layer_s=per_layer_s, per_token_s=float(full[nb]), per_step_s=float(full[nb + 1]),
+                     read_hop_s=hop, layer_table=table, per_miss_s=float(full[nb + 2]))
+    names = ["layer_table" if per_layer else "per_layer_s"] + [COLUMNS[j - nb] for j in sorted(extra)]
+    return CostFit(cost=cost, log=", ".join(str(p) for p in paths), samples=len(y),
+                   pauses=sum(g.pauses for g in logs), steps=sum(g.steps for g in logs),
+                   fitted=names + (["read_hop_s"] if hop else []),
+                   rms_residual_s=float(np.sqrt(np.mean(resid**2))), mean_gap_s=float(y.mean()),
+                   live_s=sum(g.live_s for g in logs), miss_parts=len(waits), read_hop_rms_residual_s=hop_resid,
+                   device=device)
+
+
+class _Samples(msgspec.Struct, frozen=True, kw_only=True):
+    """One log's gaps (pauses left out): x = [tokens, step boundary, misses] per gap."""
+
+    x: np.ndarray
+    y: np.ndarray
+    layers: np.ndarray
+    waits: list[tuple[float, int, int]]  # (live wait, misses, record bytes) of each part with misses
+    pauses: int
+    steps: int
+    live_s: float
+
+
+def _samples(path: str | Path) -> _Samples:
     header, records = read(path)
     if header.model is None:
         raise CostFitError(f"{path}: record 0 (header) has no model shape")
@@ -106,11 +178,11 @@ def fit_cost(path: str | Path, device: DeviceProfile | None = None, *, per_layer
         raise CostFitError(f"{path}: {len(acquires)} pool.acquire record(s): a cost fit needs a streamed run's event "
                            "log (qnpipe generate --trace, with experts not all resident)")
     part_tokens: dict[tuple[int, int, int], int] = {}
-    rows: list[tuple[float, float]] = []
+    rows: list[tuple[float, float, float]] = []
     gaps: list[float] = []
     layers: list[int] = []
     live_s = 0.0
-    waits: list[tuple[float, int, int]] = []  # (live wait, misses, record bytes) of each part with misses
+    waits: list[tuple[float, int, int]] = []
     for a, nxt in zip(acquires, acquires[1:], strict=False):
         key = (a.step, a.layer, a.part)
         g = grants.get(key)
@@ -126,7 +198,7 @@ def fit_cost(path: str | Path, device: DeviceProfile | None = None, *, per_layer
             waits.append((wait, g.misses, nbytes[a.layer]))
         gap = nxt.t - a.t - wait
         live_s += nxt.t - a.t
-        rows.append((float(part_tokens[key]), float(nxt.step != a.step)))
+        rows.append((float(part_tokens[key]), float(nxt.step != a.step), float(g.misses)))
         layers.append(a.layer)
         gaps.append(gap)
     x = np.array(rows)
@@ -136,39 +208,8 @@ def fit_cost(path: str | Path, device: DeviceProfile | None = None, *, per_layer
     # not mark them): a boundary 10x longer than the median one is such a pause, not a step.
     boundary = x[:, 1] > 0
     pauses = boundary & (y > PAUSE_FACTOR * np.median(y[boundary])) if boundary.any() else boundary
-    x, y, layer_of = x[~pauses], y[~pauses], layer_of[~pauses]
-    table_layers = sorted(set(layer_of.tolist())) if per_layer else []
-    base = (np.stack([layer_of == la for la in table_layers], axis=1).astype(np.float64) if per_layer
-            else np.ones((len(y), 1)))
-    design = np.concatenate([base, x], axis=1)  # intercept(s), tokens, step boundary
-    nb = base.shape[1]
-    extra = [nb + j for j in (0, 1) if np.ptp(x[:, j]) > 0]
-    # A term the intercepts already explain (per layer: the last layer's gaps are all step
-    # boundaries in decode) cannot be told apart: leave it out, the step term first.
-    while extra and np.linalg.matrix_rank(design[:, list(range(nb)) + extra]) < nb + len(extra):
-        extra.pop()
-    while True:
-        use = list(range(nb)) + extra
-        coef, *_ = np.linalg.lstsq(design[:, use], y, rcond=None)
-        negative = [j for j, c in zip(use, coef, strict=True) if c < 0 and j >= nb]
-        if not negative:
-            break
-        extra.remove(negative[0])
-    full = np.zeros(design.shape[1])
-    full[use] = coef
-    full[:nb] = np.maximum(full[:nb], 0.0)
-    resid = y - design @ full
-    hop, hop_resid = _read_hop(waits, device) if device is not None and waits else (0.0, 0.0)
-    table = {int(la): float(c) for la, c in zip(table_layers, full[:nb], strict=True)} if per_layer else {}
-    # Without a table entry a layer costs the mean: the table's, weighted by its samples.
-    per_layer_s = float(np.mean(design[:, :nb] @ full[:nb]))
-    cost = CostModel(per_layer_s=per_layer_s, per_token_s=float(full[nb]), per_step_s=float(full[nb + 1]),
-                     read_hop_s=hop, layer_table=table)
-    names = ["layer_table" if per_layer else "per_layer_s"] + [TERMS[1 + j - nb] for j in extra]
-    return CostFit(cost=cost, log=str(path), samples=len(y), pauses=int(pauses.sum()),
-                   steps=len({a.step for a in acquires}), fitted=names + (["read_hop_s"] if hop else []),
-                   rms_residual_s=float(np.sqrt(np.mean(resid**2))), mean_gap_s=float(y.mean()), live_s=live_s,
-                   miss_parts=len(waits), read_hop_rms_residual_s=hop_resid, device=device)
+    return _Samples(x=x[~pauses], y=y[~pauses], layers=layer_of[~pauses], waits=waits, pauses=int(pauses.sum()),
+                    steps=len({a.step for a in acquires}), live_s=live_s)
 
 
 def _read_hop(waits: list[tuple[float, int, int]], device: DeviceProfile) -> tuple[float, float]:

@@ -68,6 +68,7 @@ class FastReplay:
     def __init__(self, steps: list[list[tuple[int, tuple[int, ...]]]], top_k: int, num_experts: int, cfg: Config, *,
                  capacities: dict[int, int], record_nbytes: dict[int, int], per_layer_s: float,
                  per_token_s: float, per_step_s: float, read_hop_s: float, layer_table: dict[int, float],
+                 per_miss_s: float = 0.0,
                  profile: DeviceProfile, predictions: list[list[Predictions]] | None,
                  emit: Callable[[Msg], None] | None = None) -> None:
         self.steps = steps
@@ -90,6 +91,7 @@ class FastReplay:
         self.pace = Pace(dict(self.policy.moe_order))
         self.per_layer_s, self.per_token_s, self.per_step_s = per_layer_s, per_token_s, per_step_s
         self.layer_table = layer_table
+        self.per_miss_s = per_miss_s
         # The actor driver's channel bounds where a full channel drops (qnpipe.actors.pipeline): a
         # receiver holds the message it woke on, so a channel holds one more than its buffer.
         self.pool_cap = sum(capacities.values()) + 4 + 1
@@ -114,8 +116,10 @@ class FastReplay:
         self.seq += 1
         return self.seq
 
-    def _layer_s(self, tokens: int, layer: int) -> float:
-        return self.layer_table.get(layer, self.per_layer_s) + self.per_token_s * tokens
+    def _layer_s(self, tokens: int, layer: int, misses: int) -> float:
+        # CostModel.layer_s's arithmetic, in its order: the actor driver's sleeps, to the bit
+        s = self.layer_table.get(layer, self.per_layer_s) + self.per_token_s * tokens
+        return s + self.per_miss_s * misses if misses and self.per_miss_s else s
 
     # ------------------------------------------------------------------ the forward
 
@@ -151,7 +155,7 @@ class FastReplay:
                     g: Granted = yield _GRANT, (fstep, layer, p)
                     if g.misses:
                         self.stall_s += self.now - t0
-                    yield _SLEEP, self._layer_s(hi - lo, layer)
+                    yield _SLEEP, self._layer_s(hi - lo, layer, g.misses)
                     if lut is not None:
                         assert ids is not None
                         lut[list(g.experts)] = g.slots

@@ -92,7 +92,9 @@ def setting_value(key: str, text: Any) -> Any:
 
 class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Modelled compute: each MoE layer part takes `per_layer_s + per_token_s * tokens` (its layer's
-    `layer_table` entry in place of `per_layer_s` when it has one), and each
+    `layer_table` entry in place of `per_layer_s` when it has one), plus `per_miss_s` for each expert
+    its grant had to read (the compute a miss costs beyond its wait: on a machine whose cores the
+    reader's threads share, the forward's next work runs slower after a read), and each
     step `per_step_s` more before its first MoE layer (head, sampling, the decode loop); each
     read batch waits `read_hop_s` before it reaches the device. Fitted by `qnpipe.replay.cost_fit`."""
 
@@ -101,10 +103,11 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     per_step_s: float = 0.0
     read_hop_s: float = 0.0  # the live read path's time per read batch beyond the device (thread hand-offs)
     layer_table: dict[int, float] = msgspec.field(default_factory=dict)  # per_layer_s of the layers listed
+    per_miss_s: float = 0.0  # compute per expert a part's grant read (after the wait, which the device models)
 
     def check(self, where: str = "cost.") -> CostModel:
         """Self, or ConfigError naming the bad term (`where` + its name) and its value."""
-        for name in ("per_layer_s", "per_token_s", "per_step_s", "read_hop_s"):
+        for name in ("per_layer_s", "per_token_s", "per_step_s", "read_hop_s", "per_miss_s"):
             _check_seconds(f"{where}{name}", getattr(self, name))
         if len(self.layer_table) > MAX_TABLE_LAYERS:
             raise ConfigError(f"{where}layer_table: {len(self.layer_table)} entries: at most {MAX_TABLE_LAYERS} "
@@ -115,9 +118,10 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             _check_seconds(f"{where}layer_table[{layer}]", v)
         return self
 
-    def layer_s(self, tokens: int, layer: int | None = None) -> float:
+    def layer_s(self, tokens: int, layer: int | None = None, misses: int = 0) -> float:
         base = self.per_layer_s if layer is None else self.layer_table.get(layer, self.per_layer_s)
-        return base + self.per_token_s * tokens
+        s = base + self.per_token_s * tokens
+        return s + self.per_miss_s * misses if misses and self.per_miss_s else s
 
 
 class LayerReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -304,7 +308,8 @@ class LogBackend:
         return self._route()
 
     async def resume(self, grant: PartGrant) -> Event:
-        await trio.sleep(self._cost.layer_s(grant.hi - grant.lo, self._log.steps[self._step][self._i][0]))
+        await trio.sleep(self._cost.layer_s(grant.hi - grant.lo, self._log.steps[self._step][self._i][0],
+                                            grant.misses))
         if not grant.last:
             return PartDone()
         self._i += 1
@@ -510,7 +515,8 @@ def _run_fast(log: ReplayLog, cfg: Config, caps: dict[int, int], nbytes: dict[in
     try:
         run = FastReplay(log.steps, log.shape.top_k, log.shape.num_experts, cfg, capacities=caps, record_nbytes=nbytes,
                          per_layer_s=cost.per_layer_s, per_token_s=cost.per_token_s, per_step_s=cost.per_step_s,
-                         read_hop_s=cost.read_hop_s, layer_table=dict(cost.layer_table), profile=profile,
+                         read_hop_s=cost.read_hop_s, layer_table=dict(cost.layer_table), per_miss_s=cost.per_miss_s,
+                         profile=profile,
                          predictions=preds, emit=logs.emit if logs is not None else None)
         res = run.run()
     except BaseException:

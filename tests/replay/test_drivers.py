@@ -75,7 +75,8 @@ def cases(draw: st.DrawFn) -> dict[str, object]:
         "cost": {"per_layer_s": draw(st.sampled_from([0.0, 1e-4, 2e-3])),
                  "per_token_s": draw(st.sampled_from([0.0, 3e-5])),
                  "per_step_s": draw(st.sampled_from([0.0, 5e-4])),
-                 "read_hop_s": draw(st.sampled_from([0.0, 7e-5]))},
+                 "read_hop_s": draw(st.sampled_from([0.0, 7e-5])),
+                 "per_miss_s": draw(st.sampled_from([0.0, 4e-4]))},
         "predictor": predictor,
         "opts": {"train_frac": 0.3 if predictor == "transition" else 0.0, "recall": 0.7},
     }

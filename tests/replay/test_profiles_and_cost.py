@@ -210,3 +210,29 @@ def test_fit_cost_per_layer_recovers_each_layer_s_cost(tmp_path: Path, capsys: p
     assert main(["trace", "fit-cost", str(path), "-o", str(out), "--per-layer"]) == 0
     assert "per layer: 0: 1.000 ms, 1: 2.000 ms, 2: 1.500 ms, 3: 3.000 ms" in capsys.readouterr().out
     assert load_cost(out).cost.layer_table == pytest.approx(table, rel=1e-6)
+
+
+def test_fit_cost_of_two_logs_recovers_the_compute_a_miss_costs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cost = CostModel(per_layer_s=1.5e-3, per_token_s=2e-4, per_step_s=8e-4, per_miss_s=4e-4)
+    paths = []
+    for slots in (6, 12):  # two hit rates: the misses' term apart from the intercept across runs too
+        paths.append(tmp_path / f"s{slots}.qtrace")
+        replay(LOG, _cfg(**{"trace.event_log_path": paths[-1], "pool.expert_slots": slots}), cost=cost,
+               record_nbytes=NBYTES)
+    fit = fit_cost(paths, per_miss=True)
+    assert fit.fitted == ["per_layer_s", "per_token_s", "per_step_s", "per_miss_s"] and fit.rms_residual_s < 1e-9
+    for term in ("per_layer_s", "per_token_s", "per_step_s", "per_miss_s"):
+        assert getattr(fit.cost, term) == pytest.approx(getattr(cost, term), rel=1e-6), term
+    assert fit.samples == sum(fit_cost(p).samples for p in paths) and fit.steps == 80
+    # Without the term, the intercept takes the misses' mean share, so the fit predicts the same
+    # time at the hit rate it saw less well at another one.
+    plain = fit_cost(paths[0])
+    assert plain.cost.per_miss_s == 0.0 and plain.cost.per_layer_s > cost.per_layer_s * 1.1
+    at = _cfg(**{"pool.expert_slots": 12})
+    true_s = replay(LOG, at, cost=cost, record_nbytes=NBYTES).virtual_s
+    assert replay(LOG, at, cost=fit.cost, record_nbytes=NBYTES).virtual_s == pytest.approx(true_s, rel=1e-9)
+    assert abs(replay(LOG, at, cost=plain.cost, record_nbytes=NBYTES).virtual_s - true_s) > 0.01 * true_s
+    out = tmp_path / "c.json"
+    assert main(["trace", "fit-cost", *map(str, paths), "-o", str(out), "--per-miss"]) == 0
+    assert "per_miss_s=0.0004 " in capsys.readouterr().out
+    assert load_cost(out).cost.per_miss_s == pytest.approx(4e-4, rel=1e-6)
