@@ -19,11 +19,14 @@ from tests.distributed.test_ring import PROMPT, _finish, _start
 
 CONTEXT = 512
 STREAM: dict[str, Any] = {"expert_slots": 4, "prefill_chunk_tokens": 5}  # a top-k pool: every expert streamed
+# The account's process line, pinned: measured, it would be each process's own (this one's and the ranks' differ).
+PROCESS = 100 * 2**20
 
 
 def _needs(model: Path) -> tuple[list[tuple[int, int]], list[int], int]:
     """(the memory split of 2 ranks, each rank's smallest budget, the bytes of every MoE layer's record)."""
-    cfg = config.load(None, overrides={"model.model_dir": str(model)})
+    cfg = config.load(None, overrides={"model.model_dir": str(model), "plan.process_bytes": PROCESS,
+                                       "forward.prefill_chunk_tokens": 5})  # the ranks' (the activations line)
     facts = model_facts(model, cfg)
     weights = layer_weights(facts, cfg)
     shares = memory_split(facts, cfg, weights, 2, context=CONTEXT)
@@ -50,7 +53,7 @@ def one_process_stream(tiny_qn4: Path, tmp_path_factory: pytest.TempPathFactory)
 def _scenario(memory: int, cache: Path) -> dict:
     return {"prompt": PROMPT, "tokens": 6,
             "engines": {"mem": {"memory": str(memory), "context_tokens": CONTEXT, "cache_dir": str(cache),
-                                "prefill_chunk_tokens": 5}}}
+                                "prefill_chunk_tokens": 5, "plan.process_bytes": PROCESS}}}
 
 
 def test_two_ranks_plan_their_own_layers_and_give_one_process_bits(tiny_qn4: Path, tmp_path: Path,

@@ -41,18 +41,19 @@ def test_bad_input_is_one_line(tiny_qn4: Path, argv: list[str], says: str, capsy
 def test_ranks_plans_each_ranks_layers_and_the_pipeline(tiny_qn4: Path, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
-    assert main(["plan", str(tiny_qn4), "--memory", "1.01GB", "--context", "512", "--ranks", "2", "-o", str(out),
-                 "--window-layer-steps", "800", "-q"]) == 0
+    pinned = ["--set", f"plan.process_bytes={100 * 2**20}"]  # measured, it would be this test process's size
+    assert main(["plan", str(tiny_qn4), "--memory", "1.2GB", "--context", "512", "--ranks", "2", "-o", str(out),
+                 "--window-layer-steps", "800", "-q", *pinned]) == 0
     text = capsys.readouterr().out
     plans = [load_plan(tmp_path / f"plan.rank{r}.json") for r in range(2)]
     assert [p.share.rank if p.share else None for p in plans] == [0, 1]
     assert sorted(ly for p in plans for ly in p.capacities) == list(range(8))  # each layer on one rank
     for p in plans:
         assert p.share is not None and all(p.share.holds(ly) for ly in p.capacities)
-        assert f"{p.share.label} of 2 in 1.01 GiB" in text and p.account.total <= p.memory_bytes
+        assert f"{p.share.label} of 2 in 1.20 GiB" in text and p.account.total <= p.memory_bytes
     pipeline = 1 / sum(1 / p.predicted_tok_s for p in plans)
-    assert f"pipeline of 2 ranks in 1.01 GiB each: predicted {pipeline:.3f} tok/s" in text
-    assert main(["plan", str(tiny_qn4), "--memory", "1.0GB", "--context", "512", "--ranks", "2", "-q"]) == 2
+    assert f"pipeline of 2 ranks in 1.20 GiB each: predicted {pipeline:.3f} tok/s" in text
+    assert main(["plan", str(tiny_qn4), "--memory", "1.0GB", "--context", "512", "--ranks", "2", "-q", *pinned]) == 2
     err = capsys.readouterr().err
     assert "on rank 1 (layers 4-7) of 2: below the smallest budget that fits its share" in err
     assert len(err.strip().splitlines()) == 1
