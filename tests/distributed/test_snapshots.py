@@ -32,32 +32,27 @@ HEAD_TOKENS = 8
 MTP: dict[str, Any] = {**BASE, "mtp.enabled": True, "mtp.num_draft_tokens": 3, "snapshot_head_tokens": HEAD_TOKENS}
 
 
-@pytest.fixture(scope="module")
-def one_process(tiny_qn4: Path) -> dict[str, np.ndarray]:
-    """The scenario in one process without snapshots."""
+def _one_process(model: Path) -> dict[str, np.ndarray]:
+    """The scenario in one process, without snapshots or MTP (plain greedy)."""
     from qnpipe import open_engine
 
     async def run() -> dict[str, np.ndarray]:
         saved: dict[str, Any] = {}
-        async with open_engine(tiny_qn4, **BASE, snapshot_head_tokens=0) as eng:
+        async with open_engine(model, **BASE, snapshot_head_tokens=0) as eng:
             await run_prefix(eng, "one", [FIRST, SECOND, NEW], saved)
         return saved
 
     return trio.run(run)
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_qn4: Path) -> dict[str, np.ndarray]:
+    return _one_process(tiny_qn4)
 
 
 @pytest.fixture(scope="module")
 def one_process_trained(trained_qn4: Path) -> dict[str, np.ndarray]:
-    """The scenario on the trained model in one process, without snapshots or MTP (plain greedy)."""
-    from qnpipe import open_engine
-
-    async def run() -> dict[str, np.ndarray]:
-        saved: dict[str, Any] = {}
-        async with open_engine(trained_qn4, **BASE, snapshot_head_tokens=0) as eng:
-            await run_prefix(eng, "one", [FIRST, SECOND, NEW], saved)
-        return saved
-
-    return trio.run(run)
+    return _one_process(trained_qn4)
 
 
 @pytest.fixture(scope="module")

@@ -234,19 +234,12 @@ class Ring:
         parts = [model_key, version, json.dumps(split), mtp]
         mine = np.array([int.from_bytes(hashlib.blake2b(p.encode(), digest_size=4).digest(), "little") >> 1
                          for p in parts], dtype=np.int32)
-        try:
-            with self.deadman.waiting(self.step_timeout_s, f"rank {self.rank}: the ranks' start-up check "
-                                      f"took over {self.step_timeout_s} s; stopping"):
-                every = mx.distributed.all_gather(mx.array(mine), group=self.group)
-                mx.eval(every)
-        except RuntimeError as e:
-            self.broken = DistributedError(f"rank {self.rank}: the ranks' start-up check failed ({e})")
-            raise self.broken from None
-        table = np.array(every).reshape(self.size, len(parts))
+        table = self._all_gather(mine, "start-up check")
         bad = []
+        names = ("model", "qnpipe version", "layer split",
+                 "MTP setting (mtp.enabled, num_draft_tokens, adaptive_depth, conf_tau, depth_max)")
         for r in range(1, self.size):
-            for name, a, b in zip(("model", "qnpipe version", "layer split", "MTP setting (mtp.enabled, mtp.num_draft_tokens)"),
-                                  table[0], table[r], strict=True):
+            for name, a, b in zip(names, table[0], table[r], strict=True):
                 if a != b:
                     bad.append(f"rank {r} runs another {name} than rank 0")
         if bad:
@@ -257,15 +250,19 @@ class Ring:
         """Every rank's `budget` (bytes, 0 <= budget < 2**62: its `--memory`, 0 for none), by rank."""
         self._check()
         mine = np.array([budget >> 31, budget & 0x7FFFFFFF], dtype=np.int32)  # int32: check_same_run's dtype
+        return [(int(hi) << 31) | int(lo) for hi, lo in self._all_gather(mine, "exchange of --memory budgets").tolist()]
+
+    def _all_gather(self, mine: np.ndarray, what: str) -> np.ndarray:
+        """Every rank's int32 row `mine`, by rank; DistributedError naming `what` when it fails or hangs."""
         try:
-            with self.deadman.waiting(self.step_timeout_s, f"rank {self.rank}: the ranks' exchange of their "
-                                      f"--memory budgets took over {self.step_timeout_s} s; stopping"):
+            with self.deadman.waiting(self.step_timeout_s, f"rank {self.rank}: the ranks' {what} took over "
+                                      f"{self.step_timeout_s} s; stopping"):
                 every = mx.distributed.all_gather(mx.array(mine), group=self.group)
                 mx.eval(every)
         except RuntimeError as e:
-            self.broken = DistributedError(f"rank {self.rank}: the ranks' exchange of their budgets failed ({e})")
+            self.broken = DistributedError(f"rank {self.rank}: the ranks' {what} failed ({e})")
             raise self.broken from None
-        return [(int(hi) << 31) | int(lo) for hi, lo in np.array(every).reshape(self.size, 2).tolist()]
+        return np.array(every).reshape(self.size, len(mine))
 
 
 def _never_connected(timeout_s: float) -> str:
