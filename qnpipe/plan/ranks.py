@@ -22,7 +22,6 @@ one budget `--memory B` on every rank buys the largest pool on the rank with the
 from __future__ import annotations
 
 import hashlib
-import re
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,13 +30,12 @@ import msgspec
 
 from qnpipe.config import Config
 from qnpipe.errors import CheckpointError, ConfigError, TraceSchemaError
-from qnpipe.live.parallel.split import split_layers
+from qnpipe.live.parallel.split import split_layers, tensor_bytes
 from qnpipe.messages import Candidates, ReadDone
 from qnpipe.plan.account import Line, ModelFacts, fixed_lines, kv_nbytes, state_nbytes
 from qnpipe.plan.units import fmt_bytes
 from qnpipe.trace import Header, ModelShape, Record, Route, TraceWriter, read_all
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 # The account's lines that a rank holds only its own part of (qnpipe.plan.account.fixed_lines' names).
 WEIGHTS, KV, STATE = "non-expert weights", "KV cache", "recurrent state"
 
@@ -106,18 +104,9 @@ def layer_weights(facts: ModelFacts, cfg: Config) -> Weights:
     if not (d / "model.safetensors").is_file():
         raise CheckpointError(f"{d / 'model.safetensors'}: not found: splitting a model's memory over ranks "
                               f"reads a qnpipe model directory's weights")
-    n = facts.args.num_hidden_layers
-    layers = [0] * n
-    embed = head = shared = 0
-    for name, info in read_header(d / "model.safetensors").items():
-        if (m := _LAYER.match(name)) is not None and int(m.group(1)) < n:
-            layers[int(m.group(1))] += info.nbytes
-        elif name.startswith("model.embed_tokens."):
-            embed += info.nbytes
-        elif name.startswith(("model.norm.", "lm_head.")):
-            head += info.nbytes
-        else:
-            shared += info.nbytes
+    layers, embed, head, shared = tensor_bytes(
+        {name: info.nbytes for name, info in read_header(d / "model.safetensors").items()},
+        facts.args.num_hidden_layers)
     mtp = 0
     if cfg.mtp.enabled:
         mtp = sum(info.nbytes for info in read_header(Path(cfg.model.resolved_mtp_weights_path())).values())

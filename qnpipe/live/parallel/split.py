@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from qnpipe.errors import ConfigError
@@ -45,24 +46,33 @@ def split_layers(layer_bytes: Sequence[int], ranks: int, *, first_extra: int = 0
     return out[::-1]
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def tensor_bytes(nbytes: Mapping[str, int], num_layers: int) -> tuple[list[int], int, int, int]:
+    """Tensors' bytes by where a split puts them: (each decoder layer's, the embedding's, the final norm
+    and LM head's, the rest's)."""
+    per = [0] * num_layers
+    embed = head = rest = 0
+    for name, n in nbytes.items():
+        if (m := _LAYER.match(name)) is not None and int(m.group(1)) < num_layers:
+            per[int(m.group(1))] += n
+        elif name.startswith("model.embed_tokens."):
+            embed += n
+        elif name.startswith(("model.norm.", "lm_head.")):
+            head += n
+        else:
+            rest += n
+    return per, embed, head, rest
+
+
 def model_layer_bytes(model_dir: Path, num_layers: int, expert_dir: Path | None = None
                       ) -> tuple[list[int], int, int]:
     """(bytes of each decoder layer, embedding bytes, final norm + LM head bytes) of a model directory,
     from its safetensors headers and, for a qnpipe directory, its expert store's index."""
-    import re
-
     from qnpipe.model.checkpoint import scan
 
-    per = [0] * num_layers
-    embed = head = 0
-    layer = re.compile(r"model\.layers\.(\d+)\.")
-    for name, info in scan(model_dir).items():
-        if (m := layer.match(name)) is not None and int(m.group(1)) < num_layers:
-            per[int(m.group(1))] += info.nbytes
-        elif name.startswith("model.embed_tokens."):
-            embed += info.nbytes
-        elif name.startswith(("model.norm.", "lm_head.")):
-            head += info.nbytes
+    per, embed, head, _ = tensor_bytes({name: info.nbytes for name, info in scan(model_dir).items()}, num_layers)
     root = expert_dir or model_dir
     if (root / "index.json").exists() or (root / "experts" / "index.json").exists():
         from qnpipe.io.store import read_index
