@@ -85,7 +85,8 @@ def apply_memory(args: argparse.Namespace, cfg: Any) -> Any:
     from qnpipe.plan.startup import plan_at_startup
 
     cfg = config.with_overrides(cfg, {"model.model_dir": str(args.model_dir)})  # as Engine(model_dir, cfg) sets it
-    cfg, _ = plan_at_startup(cfg, say=lambda s: print(f"qnpipe {args.command}: {s}", file=sys.stderr, flush=True))
+    with stop_on_signals(args):  # SIGTERM unwinds the planning: its temporary files are removed
+        cfg, _ = plan_at_startup(cfg, say=lambda s: print(f"qnpipe {args.command}: {s}", file=sys.stderr, flush=True))
     return cfg
 
 

@@ -7,13 +7,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qnpipe.cli.common import add_config_flags, config_overrides
+from qnpipe.cli.common import add_config_flags, config_overrides, stop_on_signals
 from qnpipe.errors import QnpipeError
 
 PLOT_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25)  # --plot: budgets between the smallest that fits and 1.25 x --memory
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    with stop_on_signals(args):  # SIGTERM unwinds the planning: its temporary files are removed
+        return _plan(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
     from qnpipe import config
     from qnpipe.plan import fmt_bytes, make_plans, minimum_budget, parse_memory, save_plan
     from qnpipe.plan.make import resolve_model

@@ -41,6 +41,7 @@ from qnpipe.config.loader import (
     TraceCfg,
     check_evict_policy,
     describe_allowed,
+    explicit_settings,
     field_specs,
     format_layer_set,
     load,
@@ -53,7 +54,8 @@ from qnpipe.config.loader import (
 from qnpipe.errors import ConfigError
 
 __all__ = [
-    "ChatCfg", "ComputeCfg", "Config", "ConfigError", "describe_allowed", "DiagCfg", "EvictPolicy", "field_specs",
+    "ChatCfg", "ComputeCfg", "Config", "ConfigError", "describe_allowed", "DiagCfg", "EvictPolicy", "explicit_settings",
+    "field_specs",
     "check_evict_policy", "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
     "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning",
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",

@@ -14,6 +14,7 @@ full story and the generated reference tables.
 from __future__ import annotations
 
 import difflib
+import enum
 import os
 import re
 import sys
@@ -55,8 +56,8 @@ from qnpipe.errors import ConfigError
 from qnpipe.io.files import CONFIG_CAP, read_capped
 
 __all__ = [
-    "ChatCfg", "ComputeCfg", "Config", "describe_allowed", "DiagCfg", "EvictPolicy", "field_specs",
-    "check_evict_policy", "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
+    "ChatCfg", "ComputeCfg", "Config", "describe_allowed", "DiagCfg", "EvictPolicy", "explicit_settings",
+    "field_specs", "check_evict_policy", "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
     "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning",
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",
     "parse_layer_set", "PoolCfg", "PredictAgg", "PredictCfg", "PrefetchInto", "PrefixCfg", "ReadCfg",
@@ -458,13 +459,36 @@ def _warn_not_implemented(cfg: Config) -> None:
         )
 
 
+# The key in a Config's __dict__ (Config is a dict=True struct) under which `_finish` notes the settings given.
+_GIVEN = "_qnpipe_given"
+
+
 def _finish(tree: dict[str, Any], sources: Mapping[str, str]) -> Config:
     try:
         cfg = msgspec.convert(tree, Config, strict=False)
     except msgspec.ValidationError as exc:
         raise _translate(exc, sources) from exc
     _warn_not_implemented(cfg)
+    cfg.__dict__[_GIVEN] = dict(sources)  # frozen fields; the __dict__ beside them is the struct's own
     return cfg
+
+
+def _shown(value: object) -> str:
+    return repr(value.value if isinstance(value, enum.Enum) else value)
+
+
+def explicit_settings(cfg: Config) -> dict[str, str]:
+    """The dotted paths of the settings `cfg` was given, each with where it came from: a TOML file, the
+    environment, overrides (`--set`, the command's flags, `Engine(..., **overrides)`), `with_overrides`
+    (``{"pool.evict_policy": "override pool.evict_policy='lru'"}``). For a Config made otherwise (its
+    constructor, msgspec), every field away from its default counts as given."""
+    given = dict(cfg.__dict__.get(_GIVEN, {}))
+    for path, spec in _FIELDS.items():
+        section, field = path.split(".")
+        value = getattr(getattr(cfg, section), field)
+        if path not in given and value != spec.default:
+            given[path] = f"{path}={_shown(value)}"
+    return given
 
 
 def load(
@@ -516,6 +540,6 @@ def with_overrides(cfg: Config, overrides: Mapping[str, object] | None = None, /
     """
     merged = {**(overrides or {}), **kw}
     tree: dict[str, Any] = msgspec.to_builtins(cfg)
-    sources: dict[str, str] = {}
+    sources: dict[str, str] = dict(cfg.__dict__.get(_GIVEN, {}))  # what `cfg` was given stays given
     _apply(tree, sources, _override_settings(merged))
     return _finish(tree, sources)

@@ -380,7 +380,9 @@ class PlanCfg(_Section, frozen=True):
                                              "holds, in bytes (0 = measure this process at start-up)")] = 0
 
 
-class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+# dict=True: `load` and `with_overrides` note in the instance's __dict__ which settings were given and where
+# (qnpipe.config.loader.explicit_settings), beside the fields: neither the fingerprint nor the encoded tree has it.
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, dict=True):
     """qnpipe's whole configuration. Build it with ``config.load``; derive variants with ``config.with_overrides``."""
 
     model: Annotated[ModelCfg, _doc("model files")] = msgspec.field(default_factory=ModelCfg)

@@ -3,6 +3,10 @@
 A reader never sees a torn file, and a crash, an error or Ctrl-C mid-write leaves the old file
 (or none) in place: the temporary one is removed. Directories written whole: qnpipe.io.outdir.
 
+`nofollow=True` is for files in a directory someone else may have prepared (the plan cache inside a
+model directory): the file and its directory must not be symlinks (OSError ELOOP naming the path), and
+the temporary file is made and renamed relative to the directory opened once, so no link is followed.
+
 The file gets the mode a plain `open(path, "w")` would give it (0o666 less the umask), or
 the mode of the file it replaces: mkstemp's 0600 would lock other users out of a shared
 directory (a snapshot directory, a heat file). Errors name `path`, never the temporary name.
@@ -11,7 +15,9 @@ directory (a snapshot directory, a heat file). Errors name `path`, never the tem
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import secrets
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -58,15 +64,66 @@ def _named(e: OSError, path: Path) -> OSError:
     return OSError(e.errno, e.strerror or os.strerror(e.errno), str(path))
 
 
+def _symlink_error(path: Path, what: str) -> OSError:
+    return OSError(errno.ELOOP, f"{what} is a symlink: not written through", str(path))
+
+
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike[str], *, fsync_dir: bool = False) -> Iterator[BinaryIO]:
+def _nofollow_file(p: Path, fsync_dir: bool) -> Iterator[BinaryIO]:
+    try:
+        dfd = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise (_symlink_error(p, f"its directory {p.parent}") if e.errno == errno.ELOOP else _named(e, p)) from None
+    try:
+        try:
+            st = os.stat(p.name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            mode = 0o666 & ~current_umask()
+        else:
+            if stat.S_ISLNK(st.st_mode):
+                raise _symlink_error(p, "it")
+            mode = stat.S_IMODE(st.st_mode)
+        tmp = f".{p.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        except OSError as e:
+            raise _named(e, p) from None
+        try:
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    os.fchmod(f.fileno(), mode)
+                    yield f
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, p.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except OSError as e:
+                if e.filename is None or os.fsdecode(e.filename) == tmp:
+                    raise _named(e, p) from None
+                raise
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+        if fsync_dir:
+            with contextlib.suppress(OSError):
+                os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str], *, fsync_dir: bool = False, nofollow: bool = False) -> Iterator[BinaryIO]:
     """A binary file that replaces `path` when the block ends without an error (flushed, fsynced, renamed).
 
     `fsync_dir` also syncs the directory, so the rename itself survives a power cut (files that
-    must outlive the process that wrote them, such as the heat file). Raises OSError naming
-    `path` (a write to the file that fails, a full disk for one, names it too).
+    must outlive the process that wrote them, such as the heat file). `nofollow`: see the module
+    doc. Raises OSError naming `path` (a write to the file that fails, a full disk for one, names it too).
     """
     p = Path(path)
+    if nofollow:
+        with _nofollow_file(p, fsync_dir) as f:
+            yield f
+        return
     try:
         mode = stat.S_IMODE(os.stat(p).st_mode)
     except OSError:
@@ -96,9 +153,9 @@ def atomic_file(path: str | os.PathLike[str], *, fsync_dir: bool = False) -> Ite
         _fsync_dir(p.parent)
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes, *, fsync_dir: bool = False) -> None:
+def atomic_write(path: str | os.PathLike[str], data: bytes, *, fsync_dir: bool = False, nofollow: bool = False) -> None:
     """Replace `path` with `data` atomically (atomic_file). Raises OSError naming `path`."""
-    with atomic_file(path, fsync_dir=fsync_dir) as f:
+    with atomic_file(path, fsync_dir=fsync_dir, nofollow=nofollow) as f:
         f.write(data)
 
 

@@ -29,9 +29,9 @@ class Versioned(Protocol):
 T = TypeVar("T", bound=Versioned)
 
 
-def save_versioned(path: str | os.PathLike[str], obj: msgspec.Struct) -> None:
-    """Write `obj` as indented JSON to `path`, atomically. Raises OSError."""
-    atomic_write(Path(path), msgspec.json.format(msgspec.json.encode(obj), indent=2) + b"\n")
+def save_versioned(path: str | os.PathLike[str], obj: msgspec.Struct, *, nofollow: bool = False) -> None:
+    """Write `obj` as indented JSON to `path`, atomically (`nofollow`: qnpipe.io.atomic). Raises OSError."""
+    atomic_write(Path(path), msgspec.json.format(msgspec.json.encode(obj), indent=2) + b"\n", nofollow=nofollow)
 
 
 def load_versioned(path: str | os.PathLike[str], type_: type[T], *, kind: str, version: int,

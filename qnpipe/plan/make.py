@@ -4,12 +4,12 @@
     cfg = config.load(overrides=plan_overrides(plan, "plan-dir"))
 
 Bad input is refused before any replay: an unknown or unreadable device profile, a bad cost file, a
-budget below the smallest that fits (named), a log of another model's shape.
+budget below the smallest that fits (named), a log of another model's shape, a setting given that no
+plan can keep (qnpipe.plan.fixed).
 """
 
 from __future__ import annotations
 
-import hashlib
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -32,23 +32,22 @@ from qnpipe.plan.account import (
     pool_lines,
     shape_facts,
 )
-from qnpipe.plan.plan_file import Plan, plan_overrides
+from qnpipe.plan.fixed import user_fixed
+from qnpipe.plan.plan_file import BUDGET_KEYS, BudgetKey, Plan, plan_overrides
 from qnpipe.plan.ranks import Share, check_ranks, layer_weights, restricted_log, share_lines, share_shape
 from qnpipe.plan.search import WINDOW_LAYER_STEPS, Search, slot_totals
 from qnpipe.plan.units import fmt_bytes, parse_memory
 from qnpipe.replay.runner import CostModel, PredictorOpts, ReplayReport, replay
 from qnpipe.replay.synth import SynthSpec, write_synth
+from qnpipe.trace import ModelShape
 
 # The stand-in for a recorded log: bench_replay's and bench_mrc's mix of popularity, locality and correlation.
 SYNTH = {"tokens": 1000, "seed": 1, "locality": 0.3, "cross_layer": 0.5, "popularity": "zipf:1.0"}
 
 
-def prefetch_budgets(cfg: Config) -> dict[str, int]:
-    """The prefetch budgets a prefetching plan was replayed with, as config overrides."""
-    return {"read.bg_budget_experts": cfg.read.bg_budget_experts,
-            "predict.per_layer_budget_experts": cfg.predict.per_layer_budget_experts,
-            "predict.file_global_budget_experts": cfg.predict.file_global_budget_experts,
-            "predict.stage_global_budget_experts": cfg.predict.stage_global_budget_experts}
+def prefetch_budgets(cfg: Config) -> dict[BudgetKey, int]:
+    """The prefetch budgets a prefetching plan was replayed with, as config overrides: `cfg`'s own."""
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in BUDGET_KEYS}
 
 
 def resolve_device(device: str | Path | DeviceProfile, cfg: Config) -> tuple[str, DeviceProfile]:
@@ -95,19 +94,20 @@ def check_budgets(facts: ModelFacts, cfg: Config, budgets: Sequence[int], *, con
     return least
 
 
-def synthetic_log(facts: ModelFacts, path: str | Path | None = None) -> Path:
-    """A synthetic routing log of the model's shape (SYNTH), written once at `path` (default: the temp dir)."""
+def synth_spec(shape: ModelShape) -> SynthSpec:
+    """The synthetic log's spec for a model of `shape` (every layer a MoE layer)."""
+    return SynthSpec(layers=shape.num_layers, experts=shape.num_experts, top_k=shape.top_k, **SYNTH)
+
+
+def synthetic_log(facts: ModelFacts, path: str | Path) -> Path:
+    """A synthetic routing log of the model's shape (SYNTH), written once at `path`."""
     a = facts.args
     if a.moe_layers != tuple(range(a.num_hidden_layers)):
         raise ConfigError(f"{facts.source}: a synthetic log makes every layer a MoE layer; this model's MoE layers "
                           f"are {list(a.moe_layers)}: give a recorded log (--log)")
-    spec = SynthSpec(layers=a.num_hidden_layers, experts=a.num_experts, top_k=a.num_experts_per_tok, **SYNTH)
-    if path is None:
-        digest = hashlib.sha256(msgspec.json.encode(spec)).hexdigest()[:16]
-        path = Path(tempfile.gettempdir()) / f"qnpipe-plan-synth-{digest}.qtrace"
     p = Path(path)
-    if not p.exists():
-        write_synth(p, spec)
+    if p.is_symlink() or not p.exists():  # written under a temporary name, renamed over a link, never through it
+        write_synth(p, synth_spec(facts.shape))
     return p
 
 
@@ -120,8 +120,23 @@ def make_plans(model: str | Path | ModelFacts, budgets: Sequence[int | str], *, 
     curves; see the module doc. `say` gets one line per step and per replayed candidate.
 
     `share`: plan one rank of a pipeline-parallel run (qnpipe.plan.ranks): its MoE layers only, on the log
-    restricted to them (`restricted_log`, written beside `synth_path` or in the temp dir), in its own
-    account (its layers' weights and state); the budget is that rank's."""
+    restricted to them (`restricted_log`, written beside `synth_path`), in its own account (its layers'
+    weights and state); the budget is that rank's.
+
+    What `cfg` was given of the settings a plan sets is kept (qnpipe.plan.fixed: ConfigError naming one no
+    plan can keep). The run's temporary files (the candidates' capacity profiles; without `synth_path`,
+    the synthetic and restricted logs) are in a private temporary directory, removed when it returns or fails."""
+    with tempfile.TemporaryDirectory(prefix="qnpipe-plan-") as scratch:
+        return _make_plans(model, budgets, log=log, device=device, cost=cost, context=context, cfg=cfg,
+                           headroom_bytes=headroom_bytes, bits=bits, window_layer_steps=window_layer_steps,
+                           synth_path=synth_path, say=say, share=share, scratch=Path(scratch))
+
+
+def _make_plans(model: str | Path | ModelFacts, budgets: Sequence[int | str], *, log: str | Path | None,
+                device: str | Path | DeviceProfile, cost: CostModel | str | Path | None, context: int,
+                cfg: Config | None, headroom_bytes: int, bits: int | None, window_layer_steps: int,
+                synth_path: str | Path | None, say: Callable[[str], None] | None, share: Share | None,
+                scratch: Path) -> list[Plan]:
     t0 = time.perf_counter()
     cfg = cfg if cfg is not None else config_mod.load()
     say = say or (lambda s: None)
@@ -129,6 +144,7 @@ def make_plans(model: str | Path | ModelFacts, budgets: Sequence[int | str], *, 
         raise ConfigError(f"--context {context}: must be at least 1 token")
     if headroom_bytes < 0:
         raise ConfigError(f"--headroom {headroom_bytes}: must be >= 0 bytes")
+    fixed = user_fixed(cfg)
     sizes = [parse_memory(b) if isinstance(b, str) else int(b) for b in budgets]
     facts = resolve_model(model, cfg, bits)
     dev_name, dev = resolve_device(device, cfg)
@@ -146,19 +162,20 @@ def make_plans(model: str | Path | ModelFacts, budgets: Sequence[int | str], *, 
             raise ConfigError(f"{share.label}: no MoE layer: nothing to plan")
     notes = []
     if log is None:
-        log = synthetic_log(facts, synth_path)
-        notes.append(f"no --log: planned on a synthetic log of the model's shape ({log}); record a real one with "
+        log = synthetic_log(facts, synth_path if synth_path is not None else scratch / "synth.qtrace")
+        kept = f" ({log})" if synth_path is not None else " (written for this run only)"
+        notes.append(f"no --log: planned on a synthetic log of the model's shape{kept}; record a real one with "
                      f"`qnpipe generate MODEL_DIR --trace run.qtrace` and plan with --log run.qtrace")
         say(notes[-1])
     if share is not None:
-        log = restricted_log(log, share, Path(synth_path).parent if synth_path is not None else None)
+        log = restricted_log(log, share, Path(synth_path).parent if synth_path is not None else scratch)
     rec = max(facts.record_nbytes[ly] for ly in shape.moe_layers)
-    fixed = sum(x.nbytes for x in lines)
+    fixed_bytes = sum(x.nbytes for x in lines)
     search = Search(log, cfg, device=dev, cost=cost_model, record_nbytes=rec, window_layer_steps=window_layer_steps,
-                    say=say, expect=shape)
+                    work_dir=scratch, say=say, expect=shape, fixed=fixed)
     say(f"curves of {len(search.log.steps)} steps; timing replays of steps {search.first}..{len(search.log.steps) - 1}")
     plans = []
-    for budget, total in zip(sizes, slot_totals(sizes, fixed, rec), strict=True):
+    for budget, total in zip(sizes, slot_totals(sizes, fixed_bytes, rec), strict=True):
         say(f"{fmt_bytes(budget)}: {min(total, search.max_slots)} resident slots")
         best, tried = search.choose(total)
         if share is None:
@@ -187,12 +204,18 @@ def make_plan(model: str | Path | ModelFacts, memory: int | str, **kw: object) -
 
 
 def replay_plan(plan: Plan, work_dir: str | Path, cfg: Config | None = None) -> ReplayReport:
-    """The replay whose figures the plan predicts: its log's timing window under `plan_overrides`."""
+    """The replay whose figures the plan predicts: its log's timing window under `plan_overrides`. A
+    synthetic log written for the planning run only is written again into `work_dir` (the same bytes)."""
     cfg = cfg if cfg is not None else config_mod.load()
     cfg = with_overrides(cfg, plan_overrides(plan, work_dir))
-    return replay(plan.log, cfg, device_profile=plan.device, cost=plan.cost, record_nbytes=plan.record_nbytes,
+    log = Path(plan.log)
+    if plan.log_synthetic and not log.exists():
+        log = write_synth(Path(work_dir) / "synth.qtrace", synth_spec(plan.shape))
+        if plan.share is not None:
+            log = restricted_log(log, plan.share, work_dir)
+    return replay(log, cfg, device_profile=plan.device, cost=plan.cost, record_nbytes=plan.record_nbytes,
                   predictor=plan.predictor, opts=PredictorOpts(train_frac=plan.replay_train_frac))
 
 
 __all__ = ["SYNTH", "check_budgets", "make_plan", "make_plans", "prefetch_budgets", "replay_plan", "resolve_cost",
-           "resolve_device", "resolve_model", "synthetic_log"]
+           "resolve_device", "resolve_model", "synth_spec", "synthetic_log"]

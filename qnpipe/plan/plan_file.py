@@ -1,13 +1,20 @@
-"""The plan file: a versioned JSON file (qnpipe.io.versioned), and the config overrides that apply it."""
+"""The plan file: a versioned JSON file (qnpipe.io.versioned), and the config overrides that apply it.
+
+A plan file is data: its schema holds only what the planner writes (a built-in eviction policy, never
+a plug-in; only the prefetch budgets' keys; counts that are counts), so `load_plan` refuses anything
+else naming the file. Whether a plan fits a run (its model, budget and config) is qnpipe.plan.check's.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
+from qnpipe.config import EvictPolicy, PrefetchInto
 from qnpipe.errors import ConfigError
 from qnpipe.io.atomic import atomic_write
 from qnpipe.io.simssd import DeviceProfile
@@ -20,13 +27,19 @@ from qnpipe.trace import ModelShape
 PLAN_KIND = "qnpipe-plan"
 PLAN_VERSION = 1
 
+# The settings a prefetching plan records as it was replayed (qnpipe.plan.make.prefetch_budgets).
+BudgetKey = Literal["read.bg_budget_experts", "predict.per_layer_budget_experts",
+                    "predict.file_global_budget_experts", "predict.stage_global_budget_experts"]
+BUDGET_KEYS: tuple[BudgetKey, ...] = get_args(BudgetKey)
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
 
 class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     """One configuration the search replayed, and what the replay measured."""
 
     name: str  # e.g. "planned lru", "uniform lfu", "planned lru + prefetch (main)"
     allocation: str  # "planned" or "uniform"
-    evict_policy: str
+    evict_policy: EvictPolicy
     prefetch: bool
     total_slots: int  # resident + side, over all layers: equal memory across a budget's candidates
     tok_s: float
@@ -58,14 +71,14 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     device: DeviceProfile
     cost: CostModel
     record_nbytes: int
-    capacities: dict[int, int]
-    side_region_slots: int
-    evict_policy: str
+    capacities: dict[Count, Count]
+    side_region_slots: Count
+    evict_policy: EvictPolicy
     prefetch: bool
-    prefetch_into: str
-    predictor: str  # the replay's predictor: "none" or "recorded" (the log's own gate candidates)
+    prefetch_into: PrefetchInto
+    predictor: Literal["none", "recorded"]  # the replay's predictor: "recorded" is the log's own gate candidates
     autopin: bool
-    budgets: dict[str, int]  # the prefetch budgets the replay ran with (config keys)
+    budgets: dict[BudgetKey, Count]  # the prefetch budgets the replay ran with (config keys)
     predicted_tok_s: float
     predicted_hit_rate: float
     predicted_bytes_per_token: float
@@ -78,9 +91,9 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     share: Share | None = None
 
 
-def save_plan(path: str | os.PathLike[str], plan: Plan) -> None:
-    """Write `plan` to `path` atomically (OSError names the path)."""
-    save_versioned(path, plan)
+def save_plan(path: str | os.PathLike[str], plan: Plan, *, nofollow: bool = False) -> None:
+    """Write `plan` to `path` atomically (OSError names the path; `nofollow`: qnpipe.io.atomic)."""
+    save_versioned(path, plan, nofollow=nofollow)
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
@@ -94,6 +107,13 @@ def capacity_profile(plan: Plan) -> bytes:
     return json.dumps({"layer_caps": {str(k): v for k, v in sorted(plan.capacities.items())}}, indent=1).encode()
 
 
+def plan_settings(plan: Plan, profile: str | os.PathLike[str]) -> dict[str, object]:
+    """The config overrides that run `plan`, its capacity profile (`capacity_profile`) written at `profile`."""
+    return {"pool.capacity_profile_path": os.fspath(profile), "pool.side_region_slots": plan.side_region_slots,
+            "pool.evict_policy": plan.evict_policy, "predict.cross_layer_prefetch": plan.prefetch,
+            "pool.prefetch_into": plan.prefetch_into, "pool.autopin": plan.autopin, **plan.budgets}
+
+
 def plan_overrides(plan: Plan, out_dir: str | os.PathLike[str]) -> dict[str, object]:
     """The config overrides that run `plan` (`config.load(overrides=...)`, `with_overrides`): writes the
     capacity profile `capacities.json` into `out_dir` (atomically) and points `pool.capacity_profile_path` at it."""
@@ -101,10 +121,8 @@ def plan_overrides(plan: Plan, out_dir: str | os.PathLike[str]) -> dict[str, obj
     d.mkdir(parents=True, exist_ok=True)
     profile = d / "capacities.json"
     atomic_write(profile, capacity_profile(plan))
-    return {"pool.capacity_profile_path": str(profile), "pool.side_region_slots": plan.side_region_slots,
-            "pool.evict_policy": plan.evict_policy, "predict.cross_layer_prefetch": plan.prefetch,
-            "pool.prefetch_into": plan.prefetch_into, "pool.autopin": plan.autopin, **plan.budgets}
+    return plan_settings(plan, profile)
 
 
-__all__ = ["PLAN_KIND", "PLAN_VERSION", "Candidate", "Plan", "capacity_profile", "load_plan", "plan_overrides",
-           "save_plan"]
+__all__ = ["BUDGET_KEYS", "PLAN_KIND", "PLAN_VERSION", "BudgetKey", "Candidate", "Plan", "capacity_profile",
+           "load_plan", "plan_overrides", "plan_settings", "save_plan"]

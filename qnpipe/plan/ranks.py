@@ -22,7 +22,6 @@ one budget `--memory B` on every rank buys the largest pool on the rank with the
 from __future__ import annotations
 
 import hashlib
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -227,8 +226,8 @@ def restrict_log(src: str | Path, dst: str | Path, share: Share) -> Path:
     return Path(dst)
 
 
-def restricted_log(src: str | Path, share: Share, out_dir: str | Path | None = None) -> Path:
-    """`src` restricted to `share` (restrict_log), once per content: `src` itself when it is already."""
+def restricted_log(src: str | Path, share: Share, out_dir: str | Path) -> Path:
+    """`src` restricted to `share` (restrict_log) in `out_dir`, once per content: `src` itself when it is already."""
     from qnpipe.trace import iter_records
 
     header = next(iter_records(src))  # the generator and its file go with this reference
@@ -236,8 +235,7 @@ def restricted_log(src: str | Path, share: Share, out_dir: str | Path | None = N
         return Path(src)
     h = hashlib.sha256(Path(src).read_bytes())
     h.update(msgspec.json.encode(share))
-    d = Path(out_dir) if out_dir is not None else Path(tempfile.gettempdir())
-    dst = d / f"qnpipe-plan-{h.hexdigest()[:16]}.layers{share.lo}-{share.hi - 1}.qtrace"
+    dst = Path(out_dir) / f"qnpipe-plan-{h.hexdigest()[:16]}.layers{share.lo}-{share.hi - 1}.qtrace"
     return dst if dst.is_file() else restrict_log(src, dst, share)
 
 

@@ -7,7 +7,8 @@
    window: planned allocation with LRU and with LFU, uniform allocation with the better of the two and,
    when the log has the live gates' candidates (`predict.candidates`), the best demand-only one with
    prefetch into the main region (no side slots: the same memory). The fastest is kept; prefetch only
-   when it is strictly faster than demand-only.
+   when it is strictly faster than demand-only. What the user fixed (qnpipe.plan.fixed) narrows this:
+   their eviction policy alone; prefetch never, or always (refused on a log without candidates).
 
 The timing window is the log's last `window_layer_steps` layer-steps (whole steps; the whole log when
 shorter): the replay skips the steps before it (PredictorOpts.train_frac), so a plan says exactly
@@ -17,8 +18,10 @@ which replay its figures are, and `replay_plan` runs that replay again.
 from __future__ import annotations
 
 import math
+import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from qnpipe.errors import ConfigError
 from qnpipe.io.atomic import atomic_write
 from qnpipe.io.simssd import DeviceProfile
 from qnpipe.plan.allocate import Allocator, curve_hits, uniform_caps
+from qnpipe.plan.fixed import SIDE_SLOTS, Fixed
 from qnpipe.plan.plan_file import Candidate
 from qnpipe.replay.mrc import MrcResult, mrc
 from qnpipe.replay.runner import CostModel, PredictorOpts, ReplayLog, ReplayReport, load_log, replay
@@ -72,9 +76,10 @@ class Search:
     def __init__(self, log_path: str | Path, cfg: Config, *, device: DeviceProfile, cost: CostModel,
                  record_nbytes: int, window_layer_steps: int = WINDOW_LAYER_STEPS,
                  work_dir: str | Path | None = None, say: Callable[[str], None] | None = None,
-                 expect: ModelShape | None = None) -> None:
+                 expect: ModelShape | None = None, fixed: Fixed | None = None) -> None:
         self.path = str(log_path)
         self.cfg = cfg
+        self.fixed = fixed or Fixed()
         self.device, self.cost, self.nbytes = device, cost, record_nbytes
         self.say = say or (lambda s: None)
         self.log: ReplayLog = load_log(log_path)
@@ -98,7 +103,10 @@ class Search:
         self.first = n - keep
         self.frac = window_frac(n, self.first)
         self.has_candidates = bool(self.log.candidates)
-        self._dir = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="qnpipe-plan-"))
+        if work_dir is None:  # the candidates' capacity profiles: removed with the search (or at exit)
+            work_dir = tempfile.mkdtemp(prefix="qnpipe-plan-")
+            weakref.finalize(self, shutil.rmtree, work_dir, ignore_errors=True)
+        self._dir = Path(work_dir)
         self._n = 0
 
     @property
@@ -135,7 +143,7 @@ class Search:
         atomic_write(profile, msgspec.json.encode({"layer_caps": {str(k): v for k, v in caps.items()}}))
         return {"pool.capacity_profile_path": str(profile), "pool.evict_policy": policy, "pool.autopin": False,
                 "predict.cross_layer_prefetch": prefetch, "pool.prefetch_into": "main" if prefetch else "side",
-                "pool.side_region_slots": 0}
+                "pool.side_region_slots": SIDE_SLOTS}
 
     def run(self, name: str, allocation: str, caps: dict[int, int], policy: str, prefetch: bool) -> Choice:
         predictor = "recorded" if prefetch else "none"
@@ -148,16 +156,23 @@ class Search:
         cand = Candidate(name=name, allocation=allocation, evict_policy=policy, prefetch=prefetch,
                          total_slots=sum(r.slots.values()), tok_s=r.tok_s, hit_rate=r.hit_rate,
                          bytes_per_token=r.bytes_per_token, curve_hit_rate=lru, belady_hit_rate=opt)
-        return Choice(candidate=cand, capacities=caps, side_slots=0, prefetch_into="main" if prefetch else "side",
-                      predictor=predictor, report=r)
+        return Choice(candidate=cand, capacities=caps, side_slots=SIDE_SLOTS,
+                      prefetch_into="main" if prefetch else "side", predictor=predictor, report=r)
 
     def choose(self, total: int) -> tuple[Choice, list[Choice]]:
         """The fastest candidate at `total` resident slots, and every candidate replayed (module doc)."""
         if total < self.min_slots:
             raise ConfigError(f"{total} slots: below top-k ({self.k}) per MoE layer")
         total = min(total, self.max_slots)
+        fixed = self.fixed
+        if fixed.prefetch and not self.has_candidates:
+            raise ConfigError(f"predict.cross_layer_prefetch=true, given, fixes prefetch on: a plan predicts "
+                              f"prefetch from the live gates' candidates a log records (`qnpipe generate MODEL_DIR "
+                              f"--trace run.qtrace --set predict.cross_layer_prefetch=true`, then --log run.qtrace); "
+                              f"{self.path} has none")
         planned, uniform = self.planned(total), self.uniform(total)
-        tried = [self.run(f"planned {p}", "planned", planned, p, False) for p in POLICIES]
+        policies = (fixed.policy,) if fixed.policy is not None else POLICIES
+        tried = [self.run(f"planned {p}", "planned", planned, p, False) for p in policies]
         best = max(tried, key=_rank)
         pol = best.candidate.evict_policy
         if uniform == planned:  # the same replay: not run twice
@@ -166,11 +181,11 @@ class Search:
         else:
             tried.append(self.run(f"uniform {pol}", "uniform", uniform, pol, False))
         best = max(tried, key=_rank)
-        if self.has_candidates:
+        if self.has_candidates and fixed.prefetch is not False:
             pre = self.run(f"{best.candidate.allocation} {pol} + prefetch (main)", best.candidate.allocation,
                            best.capacities, pol, True)
             tried.append(pre)
-            if pre.candidate.tok_s > best.candidate.tok_s:
+            if pre.candidate.tok_s > best.candidate.tok_s or fixed.prefetch:
                 best = pre
         return best, tried
 

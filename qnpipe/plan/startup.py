@@ -8,8 +8,15 @@ file writes, beside autopin's `<expert dir>/pool_usage.json`); else a synthetic 
 
 The plan is cached in `plan.cache_dir` (default `<expert dir>/plans`; `<key>/plan.json`, with the capacity
 profile it applies beside it), keyed by the sha256 of what it depends on: the model (its facts and its store
-index), the log (its bytes; a synthetic log's spec), the budget, context, device profile, cost model and the
-settings the account and the replay read. A cached file that cannot be read is reported and planned again.
+index), the log (its bytes; a synthetic log's spec), the budget, context, device profile, cost model, the
+settings the account and the replay read, and what the user fixed of a plan (qnpipe.plan.fixed).
+
+The cache is in the model directory, whose shipper can compute the key: a cached plan is data. One that
+cannot be read, or is not a plan the planner could have made for this run (qnpipe.plan.check), is said
+("ignoring the cached plan FILE: ...") and planned again. Nothing in the cache is read or written through
+a symlink (the default `plans` directory, `<key>`, `plan.json`, `capacities.json`); a cache that cannot be
+written is said, and the capacity profile goes into a private temporary directory removed at exit. The
+plan never overrides a setting the user gave (qnpipe.config.explicit_settings): it is planned with it.
 
 Distributed, each rank plans its own layers (`plan_for_share`) once the ring has split them by the memory
 account (qnpipe.plan.ranks, qnpipe.live.parallel.join), keyed by its rank and layer range too.
@@ -17,18 +24,23 @@ account (qnpipe.plan.ranks, qnpipe.live.parallel.join), keyed by its rank and la
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
-from qnpipe.config import Config, with_overrides
+from qnpipe.config import Config, explicit_settings, with_overrides
 from qnpipe.errors import ConfigError
+from qnpipe.io.atomic import atomic_write
 from qnpipe.plan.account import ModelFacts, model_facts
+from qnpipe.plan.check import plan_problems
+from qnpipe.plan.fixed import Fixed, user_fixed
 from qnpipe.plan.make import SYNTH, check_budgets, make_plan, resolve_cost, resolve_device
-from qnpipe.plan.plan_file import PLAN_VERSION, Plan, load_plan, plan_overrides, save_plan
+from qnpipe.plan.plan_file import PLAN_VERSION, Plan, capacity_profile, load_plan, plan_settings, save_plan
 from qnpipe.plan.ranks import Share
 from qnpipe.plan.units import fmt_bytes, parse_memory
 
@@ -84,6 +96,8 @@ def cache_key(facts: ModelFacts, cfg: Config, log: Path | None, *, budget: int, 
              "process_bytes": cfg.plan.process_bytes}
     if share is not None:
         parts["share"] = msgspec.to_builtins(share)
+    if (fixed := user_fixed(cfg)) != Fixed():  # the same setting given or defaulted plans otherwise
+        parts["fixed"] = msgspec.to_builtins(fixed)
     return hashlib.sha256(msgspec.json.encode(parts, order="sorted")).hexdigest()
 
 
@@ -99,11 +113,13 @@ def describe_line(plan: Plan, where: str) -> str:
 
 def precheck(cfg: Config) -> int:
     """`plan.memory` in bytes, after the checks that need neither the model's facts nor a layer split:
-    ConfigError for a conflicting capacity profile, a model without an expert store, a `--log` not found."""
+    ConfigError for a conflicting capacity profile or another setting given that no plan can keep
+    (qnpipe.plan.fixed), a model without an expert store, a `--log` not found."""
     budget = parse_memory(cfg.plan.memory, key="--memory")
     if cfg.pool.capacity_profile_path:
         raise ConfigError(f"--memory {cfg.plan.memory} with pool.capacity_profile_path="
                           f"{cfg.pool.capacity_profile_path}: both choose the slots per layer; give one")
+    user_fixed(cfg)
     model_dir = Path(cfg.model.model_dir)
     if not (Path(cfg.model.resolved_expert_dir()) / "index.json").is_file():
         raise ConfigError(f"--memory {cfg.plan.memory}: {model_dir} has no expert store "
@@ -152,42 +168,95 @@ def _plan(cfg: Config, facts: ModelFacts, budget: int, share: Share | None,
     log = find_log(cfg, share)
     key = cache_key(facts, cfg, log, budget=budget, share=share)
     root = Path(cfg.plan.cache_dir or Path(cfg.model.resolved_expert_dir()) / "plans")
-    cached = root / key[:16] / "plan.json"
-    plan: Plan | None = None
-    if cached.is_file():
-        try:
-            plan = load_plan(cached)
-        except ConfigError as e:
-            say(f"ignoring the cached plan: {e}")
-    where = f"plan cached at {cached}"
+    cache = root / key[:16]
+    cached = cache / "plan.json"
+    # The user's own cache directory (plan.cache_dir) may be a link; the model directory's is not followed.
+    links = ([] if cfg.plan.cache_dir else [root]) + [cache, cached]
+    plan = _cached_plan(cached, links, facts, cfg, budget, share, log is None, say)
+    unusable = _cache_dir(root, cache, links[:-1])
     if plan is None:
         s = facts.shape
         # A rank's own directory: ranks on one machine share the cache and must not write one file at once.
-        synth: Path | None = (root if share is None else cached.parent) / \
-            f"synth-{s.num_layers}x{s.num_experts}x{s.top_k}.qtrace"
-        try:
-            (root if share is None else cached.parent).mkdir(parents=True, exist_ok=True)
-        except OSError:
-            synth = None  # make_plan writes it (and a rank's restricted log) in the temp dir
+        synth = None if unusable else (root if share is None else cache) / \
+            f"synth-{s.num_layers}x{s.num_experts}x{s.top_k}.qtrace"  # else make_plan's private temp dir
         plan = make_plan(facts, budget, log=log, device=cfg.plan.device, cost=cfg.plan.cost_path or None,
                          context=cfg.plan.context_tokens, cfg=cfg, synth_path=synth, share=share)
+        where = f"planned in {plan.plan_s:.1f} s, "
         try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            save_plan(cached, plan)
-            where = f"planned in {plan.plan_s:.1f} s, cached at {cached}"
+            if unusable:
+                raise OSError(unusable)
+            save_plan(cached, plan, nofollow=True)
+            where += f"cached at {cached}"
         except OSError as e:
-            where = f"planned in {plan.plan_s:.1f} s, not cached: {e}"
+            unusable = unusable or str(e)
+            where += f"not cached: {e}"
     else:
         where = f"plan reused from {cached}"
     if plan.log_synthetic:
         say(f"no routing log of this model ({cfg.recorded_log_path()}): planned on a synthetic log of its shape; "
             f"record a real one with --trace (qnpipe generate {model_dir} -p TEXT --trace) or give --log")
+    profile = cache / "capacities.json"
     try:
-        overrides = plan_overrides(plan, cached.parent)
-    except OSError:  # a read-only store: the capacity profile goes to the temp dir
-        overrides = plan_overrides(plan, Path(tempfile.gettempdir()) / f"qnpipe-plan-{key[:16]}")
+        if unusable:
+            raise OSError(unusable)
+        atomic_write(profile, capacity_profile(plan), nofollow=True)
+    except OSError:
+        profile = _private_profile(plan)
+        where += f"; its capacity profile in {profile}, removed at exit"
     say(describe_line(plan, where))
+    given = explicit_settings(cfg)  # equal to the plan's (qnpipe.plan.check), or of no effect with its prefetch
+    overrides = {k: v for k, v in plan_settings(plan, profile).items() if k not in given}
     return with_overrides(cfg, {**overrides, "plan.memory": ""}), plan
+
+
+def _linked(paths: list[Path]) -> Path | None:
+    return next((p for p in paths if p.is_symlink()), None)
+
+
+def _cached_plan(cached: Path, links: list[Path], facts: ModelFacts, cfg: Config, budget: int, share: Share | None,
+                 synthetic: bool, say: Callable[[str], None]) -> Plan | None:
+    """The plan cached at `cached` when it is one the planner could have made for this run, else None
+    (said, naming the file and what is wrong with it)."""
+    if (link := _linked(links)) is not None:
+        say(f"ignoring the cached plan {cached}: {link} is a symlink (not followed)")
+        return None
+    if not cached.exists():
+        return None
+    try:
+        plan = load_plan(cached)
+    except ConfigError as e:  # names the file first
+        say(f"ignoring the cached plan {e}")
+        return None
+    problems = plan_problems(plan, facts, cfg, budget=budget, device_name=resolve_device(cfg.plan.device, cfg)[0],
+                             synthetic=synthetic, fixed=user_fixed(cfg), share=share)
+    if problems:
+        say(f"ignoring the cached plan {cached}: {'; '.join(problems)}; planning again")
+        return None
+    return plan
+
+
+def _cache_dir(root: Path, cache: Path, links: list[Path]) -> str:
+    """Make the key's directory `cache` under `root`: '' when it is a directory of its own, else why not."""
+    if (link := _linked(links)) is not None:
+        return f"{link} is a symlink: not written through"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        cache.mkdir(exist_ok=True)
+    except OSError as e:
+        return str(e)
+    if (link := _linked(links)) is not None:  # planted meanwhile
+        return f"{link} is a symlink: not written through"
+    return ""
+
+
+def _private_profile(plan: Plan) -> Path:
+    """The plan's capacity profile in a fresh private temporary directory, removed at exit: the pool reads it
+    when the engine is built, after this returns."""
+    d = Path(tempfile.mkdtemp(prefix="qnpipe-plan-"))
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    profile = d / "capacities.json"
+    atomic_write(profile, capacity_profile(plan), nofollow=True)
+    return profile
 
 
 __all__ = ["cache_key", "describe_line", "find_log", "model_fingerprint", "plan_at_startup", "plan_for_share",
