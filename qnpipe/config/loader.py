@@ -469,7 +469,7 @@ def _finish(tree: dict[str, Any], sources: Mapping[str, str]) -> Config:
     except msgspec.ValidationError as exc:
         raise _translate(exc, sources) from exc
     _warn_not_implemented(cfg)
-    cfg.__dict__[_GIVEN] = dict(sources)  # frozen fields; the __dict__ beside them is the struct's own
+    vars(cfg)[_GIVEN] = dict(sources)  # frozen fields; the __dict__ beside them is the struct's own
     return cfg
 
 
@@ -482,7 +482,7 @@ def explicit_settings(cfg: Config) -> dict[str, str]:
     environment, overrides (`--set`, the command's flags, `Engine(..., **overrides)`), `with_overrides`
     (``{"pool.evict_policy": "override pool.evict_policy='lru'"}``). For a Config made otherwise (its
     constructor, msgspec), every field away from its default counts as given."""
-    given = dict(cfg.__dict__.get(_GIVEN, {}))
+    given = dict(vars(cfg).get(_GIVEN, {}))
     for path, spec in _FIELDS.items():
         section, field = path.split(".")
         value = getattr(getattr(cfg, section), field)
@@ -540,6 +540,6 @@ def with_overrides(cfg: Config, overrides: Mapping[str, object] | None = None, /
     """
     merged = {**(overrides or {}), **kw}
     tree: dict[str, Any] = msgspec.to_builtins(cfg)
-    sources: dict[str, str] = dict(cfg.__dict__.get(_GIVEN, {}))  # what `cfg` was given stays given
+    sources: dict[str, str] = dict(vars(cfg).get(_GIVEN, {}))  # what `cfg` was given stays given
     _apply(tree, sources, _override_settings(merged))
     return _finish(tree, sources)

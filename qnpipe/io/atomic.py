@@ -72,8 +72,9 @@ def _symlink_error(path: Path, what: str) -> OSError:
 def _nofollow_file(p: Path, fsync_dir: bool) -> Iterator[BinaryIO]:
     try:
         dfd = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise (_symlink_error(p, f"its directory {p.parent}") if e.errno == errno.ELOOP else _named(e, p)) from None
+    except OSError as e:  # a link: ELOOP, or ENOTDIR (Linux checks O_DIRECTORY on the link itself)
+        linked = e.errno in (errno.ELOOP, errno.ENOTDIR) and p.parent.is_symlink()
+        raise (_symlink_error(p, f"its directory {p.parent}") if linked else _named(e, p)) from None
     try:
         try:
             st = os.stat(p.name, dir_fd=dfd, follow_symlinks=False)

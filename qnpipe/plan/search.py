@@ -24,10 +24,11 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
-from qnpipe.config import Config, with_overrides
+from qnpipe.config import Config, EvictPolicy, PrefetchInto, with_overrides
 from qnpipe.errors import ConfigError
 from qnpipe.io.atomic import atomic_write
 from qnpipe.io.simssd import DeviceProfile
@@ -65,8 +66,8 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
     candidate: Candidate
     capacities: dict[int, int]
     side_slots: int
-    prefetch_into: str
-    predictor: str
+    prefetch_into: PrefetchInto
+    predictor: Literal["none", "recorded"]
     report: ReplayReport
 
 
@@ -146,18 +147,18 @@ class Search:
                 "pool.side_region_slots": SIDE_SLOTS}
 
     def run(self, name: str, allocation: str, caps: dict[int, int], policy: str, prefetch: bool) -> Choice:
-        predictor = "recorded" if prefetch else "none"
+        predictor: Literal["none", "recorded"] = "recorded" if prefetch else "none"
         cfg = with_overrides(self.cfg, self.overrides(caps, policy, prefetch))
         t0 = time.perf_counter()
         r = replay(self.path, cfg, device_profile=self.device, cost=self.cost, record_nbytes=self.nbytes,
                    predictor=predictor, opts=PredictorOpts(train_frac=self.frac))
         self.say(f"  {name:<34} {r.tok_s:9.3f} tok/s  hit {r.hit_rate:.4f}  ({time.perf_counter() - t0:.1f} s)")
         lru, opt = self.curve_rates(caps)
-        cand = Candidate(name=name, allocation=allocation, evict_policy=policy, prefetch=prefetch,
+        cand = Candidate(name=name, allocation=allocation, evict_policy=EvictPolicy(policy), prefetch=prefetch,
                          total_slots=sum(r.slots.values()), tok_s=r.tok_s, hit_rate=r.hit_rate,
                          bytes_per_token=r.bytes_per_token, curve_hit_rate=lru, belady_hit_rate=opt)
         return Choice(candidate=cand, capacities=caps, side_slots=SIDE_SLOTS,
-                      prefetch_into="main" if prefetch else "side", predictor=predictor, report=r)
+                      prefetch_into=PrefetchInto.MAIN if prefetch else PrefetchInto.SIDE, predictor=predictor, report=r)
 
     def choose(self, total: int) -> tuple[Choice, list[Choice]]:
         """The fastest candidate at `total` resident slots, and every candidate replayed (module doc)."""

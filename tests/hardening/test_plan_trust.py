@@ -17,6 +17,7 @@ In-process rows call `plan_at_startup` (no model loads); the CLI rows run `pytho
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -120,7 +121,7 @@ def _set(**changes: Any) -> Callable[[dict[str, Any]], None]:
     return lambda d: d.update(changes)
 
 
-def _caps(edit: Callable[[dict[str, int]], None]) -> Callable[[dict[str, Any]], None]:
+def _caps(edit: Callable[[dict[str, int]], object]) -> Callable[[dict[str, Any]], object]:
     return lambda d: edit(d["capacities"])
 
 
@@ -132,7 +133,7 @@ BUDGETS = {"read.bg_budget_experts": 12, "predict.per_layer_budget_experts": 4,
            "predict.file_global_budget_experts": 64, "predict.stage_global_budget_experts": 64}
 
 # (name, edit of the genuine plan's JSON, the user's overrides, what the message must name)
-CRAFTED: list[tuple[str, Callable[[dict[str, Any]], None], dict[str, object], tuple[str, ...]]] = [
+CRAFTED: list[tuple[str, Callable[[dict[str, Any]], object], dict[str, object], tuple[str, ...]]] = [
     ("a plug-in policy", _set(evict_policy=f"{PROBE}:P"), {}, ("evict_policy", f"{PROBE}:P")),
     ("a policy the planner never chooses", _set(evict_policy="fifo"), {}, ("evict_policy", "fifo")),
     ("budgets override verify_crc32", _set(budgets={"read.verify_crc32": 0}), {"read.verify_crc32": True},
@@ -157,8 +158,14 @@ CRAFTED: list[tuple[str, Callable[[dict[str, Any]], None], dict[str, object], tu
 
 @pytest.mark.parametrize(("edit", "user", "needles"), [c[1:] for c in CRAFTED], ids=[c[0] for c in CRAFTED])
 def test_a_crafted_cached_plan_is_said_and_planned_again(model: Path, genuine: dict[str, Any], tmp_path: Path,
-                                                        probe: Path, edit: Callable[[dict[str, Any]], None],
-                                                        user: dict[str, object], needles: tuple[str, ...]) -> None:
+                                                        probe: Path, edit: Callable[[dict[str, Any]], object],
+                                                        user: dict[str, object], needles: tuple[str, ...],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from qnpipe.plan import Plan
+
+    # Planning again gives the genuine plan (real replans: the model-directory probe and the rows below).
+    again = msgspec.json.decode(json.dumps(genuine), type=Plan)
+    monkeypatch.setattr("qnpipe.plan.startup.make_plan", lambda *a, **k: again)
     cfg = _cfg(model, tmp_path, _budget(model), **user)
     path = _cached(cfg)
     crafted = json.loads(json.dumps(genuine))
@@ -188,9 +195,9 @@ def _toml(tmp_path: Path, text: str) -> Path:
     return p
 
 
-def _plan(model: Path, tmp_path: Path, *, toml: str | None = None, env: dict[str, str] | None = None,
-          **kw: object) -> tuple[config.Config, Any]:
-    over = _overrides(model, tmp_path / "cache", _budget(model), **kw)
+def _plan(model: Path, tmp_path: Path, given: dict[str, object] | None = None, *, toml: str | None = None,
+          env: dict[str, str] | None = None) -> tuple[config.Config, Any]:
+    over = _overrides(model, tmp_path / "cache", _budget(model), **(given or {}))
     cfg = config.load(_toml(tmp_path, toml) if toml else None, env=env or {}, overrides=over)
     return plan_at_startup(cfg)
 
@@ -201,7 +208,7 @@ def _plan(model: Path, tmp_path: Path, *, toml: str | None = None, env: dict[str
 ])
 def test_the_users_eviction_policy_is_planned_with(model: Path, tmp_path: Path, how: str, policy: str) -> None:
     if how == "--set":
-        cfg, plan = _plan(model, tmp_path, **{"pool.evict_policy": policy})
+        cfg, plan = _plan(model, tmp_path, {"pool.evict_policy": policy})
     elif how == "environment":
         cfg, plan = _plan(model, tmp_path, env={"QNPIPE_POOL__EVICT_POLICY": policy})
     elif how == "TOML":
@@ -226,7 +233,7 @@ def test_a_cached_plan_with_another_policy_than_the_users_is_not_applied(model: 
 
 
 def test_no_prefetch_candidate_when_the_user_turned_prefetch_off(model: Path, tmp_path: Path) -> None:
-    cfg, plan = _plan(model, tmp_path, **{"predict.cross_layer_prefetch": False})
+    cfg, plan = _plan(model, tmp_path, {"predict.cross_layer_prefetch": False})
     assert plan is not None and not plan.prefetch and not any(c.prefetch for c in plan.candidates)
     assert cfg.predict.cross_layer_prefetch is False
 
@@ -241,13 +248,13 @@ def test_no_prefetch_candidate_when_the_user_turned_prefetch_off(model: Path, tm
 def test_a_setting_the_plan_cannot_keep_is_refused_naming_it(model: Path, tmp_path: Path, probe: Path,
                                                              user: dict[str, object], needles: tuple[str, ...]) -> None:
     with pytest.raises(ConfigError) as e:
-        _plan(model, tmp_path, **user)
+        _plan(model, tmp_path, user)
     assert all(n in str(e.value) for n in needles), str(e.value)
     assert not probe.exists()
 
 
 def test_explicit_settings_are_kept_and_the_fingerprint_is_unchanged(model: Path, tmp_path: Path) -> None:
-    cfg, plan = _plan(model, tmp_path, **{"read.verify_crc32": True, "pool.autopin": False})
+    cfg, plan = _plan(model, tmp_path, {"read.verify_crc32": True, "pool.autopin": False})
     assert plan is not None and cfg.read.verify_crc32 is True and cfg.pool.autopin is False
     given = config.load(None, env={}, overrides={"pool.evict_policy": "lru"})
     built = config.Config(pool=config.PoolCfg(evict_policy="lru"))
@@ -358,7 +365,7 @@ def _linked_plan(d: Path, cached: Path, v: Path) -> None:
 
 
 # what is a symlink: the key's directory, plan.json and capacities.json, plans/ itself
-LINKS: dict[str, Callable[[Path, Path, Path], None]] = {
+LINKS: dict[str, Callable[[Path, Path, Path], object]] = {
     "plans/<key>": lambda d, cached, v: (cached.parent.parent.mkdir(parents=True), cached.parent.symlink_to(v)),
     "plan.json and capacities.json": _linked_plan,
     "plans": lambda d, cached, v: cached.parent.parent.symlink_to(v),
@@ -379,6 +386,26 @@ def test_no_write_under_plans_follows_a_symlink(tiny_qn4: Path, tmp_path: Path, 
     assert not Path(out.pool.capacity_profile_path).resolve().is_relative_to(v.resolve())
     caps = json.loads(Path(out.pool.capacity_profile_path).read_text())["layer_caps"]
     assert {int(k): c for k, c in caps.items()} == plan.capacities
+
+
+@pytest.mark.parametrize("link", ["directory", "file"])
+def test_atomic_write_nofollow_refuses_a_link_and_leaves_nothing(tmp_path: Path, link: str) -> None:
+    from qnpipe.io.atomic import atomic_write
+
+    v = _victim(tmp_path)
+    d = tmp_path / "cache"
+    if link == "directory":
+        d.symlink_to(v)
+    else:
+        d.mkdir()
+        (d / "plan.json").symlink_to(v / "plan.json")
+    with pytest.raises(OSError) as e:
+        atomic_write(d / "plan.json", b"{}", nofollow=True)
+    assert e.value.errno == errno.ELOOP and e.value.filename == str(d / "plan.json") and "symlink" in str(e.value)
+    _unchanged(v)
+    assert not [p for p in (*d.iterdir(), *v.iterdir()) if p.name.endswith(".tmp")]
+    atomic_write(tmp_path / "plain.json", b"{}", nofollow=True)  # a directory of its own: written
+    assert (tmp_path / "plain.json").read_bytes() == b"{}" and not list(tmp_path.glob(".plain.json.*"))
 
 
 # --------------------------------------------------------------------------- item 3: the temp directory
