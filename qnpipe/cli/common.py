@@ -69,7 +69,8 @@ def add_memory_flags(p: argparse.ArgumentParser) -> None:
                    help="plan the pool for this budget before loading, e.g. 8GB (GB = 2^30 bytes): slots per "
                         "layer, eviction, prefetch, chosen on --log, else on the log an earlier --trace run "
                         "recorded, else on a synthetic log; cached in <expert dir>/plans (docs/plan.md). "
-                        "Replaces pool.expert_slots; refused with pool.capacity_profile_path. With --distributed, "
+                        "Settings of these you give are kept (planned with, or refused naming them: "
+                        "pool.expert_slots, pool.capacity_profile_path). With --distributed, "
                         "each rank's own budget: layers split by the memory account, each rank plans its own")
     # dest plan_log: `replay` and `sweep` have a positional LOG of their own
     g.add_argument("--log", dest="plan_log", metavar="LOG", help="with --memory: the routing or event log to plan from")

@@ -364,7 +364,8 @@ class DistributedCfg(_Section, frozen=True):
 class PlanCfg(_Section, frozen=True):
     """Planning the pool for a memory budget at start-up (`--memory 8GB`; docs/plan.md)."""
 
-    # Set, it replaces pool.expert_slots, the eviction policy, prefetch and autopin by the plan's.
+    # Set, the plan sets the slots per layer, the eviction policy, prefetch and autopin, each unless given
+    # (qnpipe.plan.fixed: planned with it, or refused).
     memory: Annotated[str, _doc("plan the pool for this budget at start-up, e.g. 8GB (GB = 2^30 bytes; "
                                 "empty = off)")] = ""
     log: Annotated[str, _doc("routing or event log to plan from (empty = <expert dir>/trace.qtrace when "
