@@ -225,7 +225,7 @@ def _cached_plan(cached: Path, links: list[Path], facts: ModelFacts, cfg: Config
     try:
         plan = load_plan(cached)
     except ConfigError as e:  # names the file first
-        say(f"ignoring the cached plan {e}")
+        say(f"ignoring the cached plan {e}; planning again")
         return None
     problems = plan_problems(plan, facts, cfg, budget=budget, device_name=resolve_device(cfg.plan.device, cfg)[0],
                              synthetic=synthetic, fixed=user_fixed(cfg), share=share)
