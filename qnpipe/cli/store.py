@@ -31,11 +31,10 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from qnpipe.convert import convert
 
-    mtp_bits = args.mtp_bits
-    if mtp_bits is None:
-        mtp_bits = load_config(args).mtp.bits
+    cfg = load_config(args)
+    mtp_bits = cfg.mtp.bits if args.mtp_bits is None else args.mtp_bits
     report = convert(args.src, args.out, bits=args.bits, group_size=args.group_size, dtype=args.dtype,
-                     mtp_bits=mtp_bits, mtp_from=args.mtp_from, force=args.force,
+                     mtp_bits=mtp_bits, mtp_from=args.mtp_from, force=args.force, hub_timeout_s=cfg.net.hub_timeout_s,
                      progress=not (args.json or args.quiet),
                      log=lambda msg: print(msg, file=sys.stderr))
     if args.json:

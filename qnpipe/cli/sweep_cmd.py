@@ -150,10 +150,14 @@ def _sweep(args: argparse.Namespace) -> int:
     check_exports(args)
     cfg, base, fixed = _base(args)
     points = plan(args.log, parse_grid(args.grid), cfg, base=base, fixed=fixed, equal_memory=args.equal_memory)
+    wait = cfg.net.dask_connect_timeout_s
+    if args.executor == "dask":
+        print(f"qnpipe sweep: connecting to the Dask scheduler at {args.scheduler} (timeout {wait:g} s: "
+              "net.dask_connect_timeout_s)", file=sys.stderr)
     bar = _Bar(enabled=sys.stderr.isatty() and not args.no_progress)
     try:
         result = run(args.log, points, executor=args.executor, jobs=args.jobs, scheduler=args.scheduler,
-                     progress=bar)
+                     progress=bar, connect_timeout_s=wait)
     finally:
         bar.close()
     if args.output:

@@ -381,6 +381,28 @@ class PlanCfg(_Section, frozen=True):
                                              "holds, in bytes (0 = measure this process at start-up)")] = 0
 
 
+# --------------------------------------------------------------------------- waits on other hosts (issue 34)
+
+# A wait on another host has a bound, always: zero is refused, not "never".
+WaitSeconds = Annotated[float, Meta(gt=0.0, le=3600.0)]
+HUB_TIMEOUT_S = 30.0
+DASK_CONNECT_TIMEOUT_S = 10.0
+
+
+class NetCfg(_Section, frozen=True):
+    """How long qnpipe waits on another host before it gives up, naming the host and the bound."""
+
+    # A Hub endpoint or proxy that accepts and never answers would otherwise stall `convert` for good:
+    # huggingface_hub asks for the repository's file list with no timeout at all.
+    hub_timeout_s: Annotated[WaitSeconds, _doc(
+        "convert OWNER/NAME: the longest wait for a connection to the Hub (or its proxy) and for each "
+        "answer or piece of a download, in s")] = HUB_TIMEOUT_S
+    # distributed's own connect timeout does not cover its handshake: a port that accepts and never
+    # answers held `Client(address)` for good.
+    dask_connect_timeout_s: Annotated[WaitSeconds, _doc(
+        "sweep --executor dask: give up when the scheduler has not answered after N s")] = DASK_CONNECT_TIMEOUT_S
+
+
 # dict=True: `load` and `with_overrides` note in the instance's __dict__ which settings were given and where
 # (qnpipe.config.loader.explicit_settings), beside the fields: neither the fingerprint nor the encoded tree has it.
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, dict=True):
@@ -402,6 +424,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     distributed: Annotated[DistributedCfg, _doc("pipeline parallel over mx.distributed")] = msgspec.field(
         default_factory=DistributedCfg)
     plan: Annotated[PlanCfg, _doc("memory planner at start-up")] = msgspec.field(default_factory=PlanCfg)
+    net: Annotated[NetCfg, _doc("waits on other hosts")] = msgspec.field(default_factory=NetCfg)
 
     def fingerprint(self) -> str:
         """The sha256 hex digest of this config's canonical JSON (sorted keys).

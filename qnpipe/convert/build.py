@@ -177,6 +177,7 @@ def convert(
     force: bool = False,
     progress: bool = False,
     log: Log | None = None,
+    hub_timeout_s: float = hub.HUB_TIMEOUT_S,
     chunk_bytes: int = CHUNK_BYTES,
     row_block_bytes: int = ROW_BLOCK_BYTES,
     max_shard_bytes: int = MAX_SHARD_BYTES,
@@ -184,7 +185,8 @@ def convert(
     """Convert checkpoint `src` (original HF or mlx-lm layout) into the qnpipe model directory `out`.
 
     `src` (and `mtp_from`) is a directory or a Hugging Face repository id (`owner/name[@revision]`),
-    fetched into the hub cache first (qnpipe.convert.hub).
+    fetched into the hub cache first (qnpipe.convert.hub), every connect and read waiting at most
+    `hub_timeout_s`.
 
     `bits`/`group_size` quantize an unquantized source exactly as `mlx_lm.convert -q` does
     (router and shared-expert gate at 8 bits / 64); `dtype` casts float tensors (default: the
@@ -214,8 +216,9 @@ def convert(
         clean_stale(out_p.parent, out_p.name, log)
     if any(p is not None and hub.hub_id(p) is not None for p in (src, mtp_from)):
         check_replaceable(out_p, force, "--out")  # before a download from the Hub, not after
-    src_p = hub.fetch(src, progress=progress).resolve()
-    mtp_p = hub.fetch(mtp_from, what="--mtp-from", progress=progress).resolve() if mtp_from is not None else None
+    src_p = hub.fetch(src, progress=progress, timeout_s=hub_timeout_s, log=log).resolve()
+    mtp_p = (hub.fetch(mtp_from, what="--mtp-from", progress=progress, timeout_s=hub_timeout_s, log=log).resolve()
+             if mtp_from is not None else None)
     _check_paths(src_p, out_p, mtp_p, force)
     existing = check_output_location(out_p, "--out")
 

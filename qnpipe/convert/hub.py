@@ -3,16 +3,28 @@
 `huggingface_hub.snapshot_download` fetches only the files convert reads (`CONVERT_FILES`) into
 the hub cache, resuming a download cut short and skipping what is already there, with its own
 progress bars; it honours the hub's settings (`HF_HUB_OFFLINE`, `HF_HUB_CACHE`, `HF_HOME`,
-`HF_TOKEN`), which it reads itself. Offline, a repository in the cache is used as it is; one that
-is not (or only partly) cached is an error naming it, before any work.
+`HF_TOKEN`, `HF_ENDPOINT`, the proxy variables), which it reads itself. Offline, a repository in
+the cache is used as it is; one that is not (or only partly) cached is an error naming it, before
+any work.
+
+Every connect and every read on the way waits at most `net.hub_timeout_s`: huggingface_hub asks
+for the file list with no timeout at all, so a Hub endpoint or proxy that accepts and never
+answers would stall the convert for good. An endpoint that times out, answers an HTTP error,
+bytes that are not HTTP or a body that is not the Hub's JSON is an error naming the endpoint, the
+bound and the remedies.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+from qnpipe.config.tree import HUB_TIMEOUT_S
 from qnpipe.convert.plan import TOKENIZER_GLOBS
 from qnpipe.errors import CheckpointError
 
@@ -33,30 +45,41 @@ def hub_id(src: str | os.PathLike[str]) -> tuple[str, str | None] | None:
     return m["repo"], m["rev"]
 
 
-def fetch(src: str | os.PathLike[str], *, what: str = "SRC", progress: bool = True) -> Path:
-    """`src` itself when it is a local path; else the cached snapshot of the Hub repository it names."""
+def fetch(src: str | os.PathLike[str], *, what: str = "SRC", progress: bool = True,
+          timeout_s: float = HUB_TIMEOUT_S, log: Callable[[str], None] | None = None) -> Path:
+    """`src` itself when it is a local path; else the cached snapshot of the Hub repository it names.
+
+    Every connect and read waits at most `timeout_s`; `log` is told what is asked of which endpoint
+    before the first wait."""
     named = hub_id(src)
     if named is None:
         return Path(src)
     repo, revision = named
     import huggingface_hub
-    from huggingface_hub import errors
+    from huggingface_hub import constants, errors
     from huggingface_hub.utils import disable_progress_bars
 
     if not progress:
         disable_progress_bars()
+    endpoint = constants.ENDPOINT
+    if log is not None and not constants.is_offline_mode():
+        log(f"qnpipe convert: asking {endpoint} for {repo}'s files (timeout {timeout_s:g} s for each connect "
+            "and read: net.hub_timeout_s)")
+    unreachable = _Unreachable(f"{what} {src}", endpoint, timeout_s)
     try:
-        folder = huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=list(CONVERT_FILES))
+        with _bounded_requests(timeout_s):
+            folder = huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=list(CONVERT_FILES))
     except errors.IncompleteSnapshotError as e:
-        raise CheckpointError(f"{what} {src}: the hub cache holds only part of it and the Hub cannot be reached "
-                              f"({_first_line(e)})") from None
-    except errors.LocalEntryNotFoundError:
-        offline = huggingface_hub.constants.HF_HUB_OFFLINE
-        raise CheckpointError(f"{what} {src}: not in the hub cache ({huggingface_hub.constants.HF_HUB_CACHE}) and "
-                              + ("HF_HUB_OFFLINE is set: download it with network access first, or give a "
-                                 "local checkpoint directory" if offline else
-                                 "the Hub could not be reached: check the network, or give a local checkpoint "
-                                 "directory")) from None
+        if constants.is_offline_mode() or e.__cause__ is None:
+            raise CheckpointError(f"{what} {src}: the hub cache holds only part of it and the Hub cannot be "
+                                  f"reached ({_first_line(e)})") from None
+        raise unreachable.error(e.__cause__, f"the hub cache holds only part of it ({_first_line(e)}) and ") from None
+    except errors.LocalEntryNotFoundError as e:
+        if constants.is_offline_mode():
+            raise CheckpointError(f"{what} {src}: not in the hub cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE "
+                                  "is set: download it with network access first, or give a local checkpoint "
+                                  "directory") from None
+        raise unreachable.error(e.__cause__ or e, f"not in the hub cache ({constants.HF_HUB_CACHE}) and ") from None
     except errors.RevisionNotFoundError:
         raise CheckpointError(f"{what} {src}: the Hub has no revision {revision!r} of {repo}") from None
     except errors.GatedRepoError:
@@ -65,9 +88,80 @@ def fetch(src: str | os.PathLike[str], *, what: str = "SRC", progress: bool = Tr
     except errors.RepositoryNotFoundError:
         raise CheckpointError(f"{what} {src}: no such repository on the Hub (nor a local directory of that name; "
                               "a private one needs `hf auth login` or HF_TOKEN)") from None
-    except errors.HfHubHTTPError as e:
-        raise CheckpointError(f"{what} {src}: the Hub answered {_first_line(e)}") from None
+    except (errors.HfHubHTTPError, *_transport_errors(), json.JSONDecodeError) as e:
+        raise unreachable.error(e) from None
     return Path(folder)
+
+
+def _transport_errors() -> tuple[type[Exception], ...]:
+    import httpx2  # huggingface_hub's HTTP client
+
+    return (httpx2.HTTPError,)
+
+
+@contextlib.contextmanager
+def _bounded_requests(timeout_s: float) -> Iterator[None]:
+    """Every request huggingface_hub sends meanwhile waits at most `timeout_s` to connect and for each read.
+
+    Its calls cannot be given one timeout: `snapshot_download` asks for the file list with none (an
+    endpoint that accepts and never answers holds it for good) and reads its download timeout from
+    the environment. A request hook on its shared HTTP client bounds them all, proxies included (the
+    hook runs before a transport is chosen). The client is its default one (`default_client_factory`,
+    not exported, hence `_http`) with the hook added, put in place by its public `set_client_factory`
+    and replaced by the plain default afterwards (qnpipe sets no other factory).
+    """
+    from huggingface_hub.utils import _http, set_client_factory
+
+    def bound_request(request: Any) -> None:
+        # huggingface_hub's own shorter timeouts stay (3 s for its agent registry); None becomes the bound.
+        asked = request.extensions.get("timeout") or {}
+        request.extensions["timeout"] = {
+            k: timeout_s if asked.get(k) is None else min(asked[k], timeout_s)
+            for k in ("connect", "read", "write", "pool")}
+
+    def make_client() -> Any:
+        client = _http.default_client_factory()
+        hooks = client.event_hooks
+        client.event_hooks = {**hooks, "request": [*hooks.get("request", []), bound_request]}
+        return client
+
+    set_client_factory(make_client)
+    try:
+        yield
+    finally:
+        set_client_factory(_http.default_client_factory)
+
+
+class _Unreachable:
+    """The error for a Hub endpoint that did not give what was asked: what it did, and what to do."""
+
+    def __init__(self, subject: str, endpoint: str, timeout_s: float) -> None:
+        self.subject, self.endpoint, self.timeout_s = subject, endpoint, timeout_s
+
+    def why(self, cause: BaseException) -> str:
+        import httpx2
+        from huggingface_hub import errors
+
+        if isinstance(cause, httpx2.TimeoutException):
+            return (f"no answer from {self.endpoint} within {self.timeout_s:g} s (net.hub_timeout_s; "
+                    f"{type(cause).__name__})")
+        if isinstance(cause, httpx2.ProxyError):
+            return f"the proxy to {self.endpoint} refused ({_first_line(cause)})"
+        if isinstance(cause, httpx2.ConnectError):
+            return f"cannot connect to {self.endpoint} ({_first_line(cause)})"
+        if isinstance(cause, (httpx2.RemoteProtocolError, httpx2.DecodingError)):
+            return f"{self.endpoint} answered bytes that are not HTTP ({_first_line(cause)}): check HF_ENDPOINT"
+        if isinstance(cause, errors.HfHubHTTPError) and cause.response is not None:
+            return f"{self.endpoint} answered HTTP {cause.response.status_code} ({_first_line(cause)})"
+        if isinstance(cause, json.JSONDecodeError):
+            return (f"{self.endpoint} answered something that is not the Hub's JSON ({_first_line(cause)}): "
+                    "check HF_ENDPOINT")
+        return f"{self.endpoint} could not be used ({type(cause).__name__}: {_first_line(cause)})"
+
+    def error(self, cause: BaseException, context: str = "") -> CheckpointError:
+        return CheckpointError(f"{self.subject}: {context}{self.why(cause)}; check the network and the proxy "
+                               "(HTTPS_PROXY, HTTP_PROXY, ALL_PROXY), set HF_HUB_OFFLINE=1 to use the hub cache "
+                               "alone, or give a local checkpoint directory")
 
 
 def _first_line(e: BaseException) -> str:

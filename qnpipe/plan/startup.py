@@ -46,7 +46,7 @@ from qnpipe.plan.units import fmt_bytes, parse_memory
 
 # Sections that neither the account nor the replay reads (or that the plan sets itself: plan, and the
 # model's paths, which the model's own fingerprint covers).
-_NOT_KEYED = ("model", "plan", "trace", "chat", "prefix", "diag", "compute", "distributed")
+_NOT_KEYED = ("model", "plan", "trace", "chat", "prefix", "diag", "compute", "distributed", "net")
 
 
 def find_log(cfg: Config, share: Share | None = None) -> Path | None:

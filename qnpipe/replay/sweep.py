@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from qnpipe.config import Config, override_path, with_overrides
+from qnpipe.config.tree import DASK_CONNECT_TIMEOUT_S
 from qnpipe.errors import ConfigError, QnpipeError
 from qnpipe.io.atomic import atomic_write
 from qnpipe.io.simssd import PROFILES, DeviceProfile
@@ -322,9 +323,11 @@ Progress = Callable[[int, int], None]  # (points done, points in all)
 
 
 def run(log: str | Path, points: Sequence[Point], *, executor: str = "processes", jobs: int | None = None,
-        scheduler: Any = None, progress: Progress | None = None) -> SweepResult:
+        scheduler: Any = None, progress: Progress | None = None,
+        connect_timeout_s: float = DASK_CONNECT_TIMEOUT_S) -> SweepResult:
     """Replay every point: "processes" (`jobs` worker processes, default the machine's cores),
-    "dask" (`scheduler`: a scheduler address or a `dask.distributed.Client`) or "serial" (here).
+    "dask" (`scheduler`: a scheduler address, connected to within `connect_timeout_s`, or a
+    `dask.distributed.Client`) or "serial" (here).
     Results are in grid order whatever the executor; a point that fails (its replay raises, its
     worker dies) is a `PointResult` with its `error`, and the other points still run."""
     if executor not in EXECUTORS:
@@ -350,7 +353,7 @@ def run(log: str | Path, points: Sequence[Point], *, executor: str = "processes"
     else:
         if scheduler is None:
             raise ConfigError("the dask executor needs a scheduler address (--scheduler tcp://HOST:8786)")
-        outcomes = _run_dask(log, points, scheduler, tick)
+        outcomes = _run_dask(log, points, scheduler, tick, connect_timeout_s)
     return SweepResult(log=log, fields=list(points[0].values) if points else [],
                        points=[PointResult(index=p.index, values=p.values, report=o.report, error=o.error,
                                            metrics=metrics(o.report) if o.report is not None else {})
@@ -441,10 +444,13 @@ def _terminate(ex: ProcessPoolExecutor) -> None:
             p.join(timeout=5)
 
 
-def _run_dask(log: str, points: Sequence[Point], scheduler: Any, tick: Callable[[], None]) -> list[Outcome]:
+def _run_dask(log: str, points: Sequence[Point], scheduler: Any, tick: Callable[[], None],
+              connect_timeout_s: float) -> list[Outcome]:
     from dask.distributed import Client, as_completed
 
-    client = scheduler if isinstance(scheduler, Client) else Client(scheduler)
+    from qnpipe.replay.dask_connect import connect
+
+    client = scheduler if isinstance(scheduler, Client) else connect(scheduler, connect_timeout_s)
     try:
         # pure=False: each point is its own task (no hashing of the configs for a cache key).
         futures = client.map(point_outcome, [log] * len(points), list(points), pure=False)
