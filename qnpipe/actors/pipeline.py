@@ -198,7 +198,9 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
                     scopes.append(scope)
                     try:
                         await actor(task_status=task_status)
-                    except Exception as e:  # handed to the forward; the other actors stop with it
+                    # Handed to the forward; the other actors stop with it. Ctrl-C and SIGTERM's SystemExit too:
+                    # in replay (trio in the main thread) they land in the actor running a plug-in's call.
+                    except (Exception, KeyboardInterrupt, SystemExit) as e:
                         fwd.failure.append(root_cause(e))
                         for sc in scopes:
                             sc.cancel()

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from qnpipe.errors import PluginError
+from qnpipe.errors import PluginError, root_cause
 from qnpipe.policy.eviction import Eviction
 
 # thread id -> (the adapter, the method, a call number unique to this call): the calls now running
@@ -30,6 +30,16 @@ RUNNING: dict[int, tuple[CheckedEviction, str, int]] = {}
 IN_USE = threading.Event()
 _calls = itertools.count()
 _SHOWN = 12  # experts listed in a message; the rest are counted
+
+
+def where(exc: BaseException) -> str:
+    """" in <the plug-in, its class and method>" when `exc` (Ctrl-C, SIGTERM's SystemExit, alone or in
+    exception groups) came out of a plug-in's call, else "": what the command says it stopped in."""
+    for e in (exc, root_cause(exc)):
+        for note in getattr(e, "__notes__", ()):
+            if isinstance(note, str) and note.startswith("in the pool.evict_policy plug-in "):
+                return f" {note}"
+    return ""
 
 
 def _show(experts: Iterable[int]) -> str:
@@ -133,4 +143,4 @@ class CheckedEviction:
         return e
 
 
-__all__ = ["IN_USE", "RUNNING", "CheckedEviction"]
+__all__ = ["IN_USE", "RUNNING", "CheckedEviction", "where"]
