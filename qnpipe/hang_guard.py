@@ -36,7 +36,7 @@ from qnpipe.policy.plugin_check import IN_USE, RUNNING
 
 STOP_GRACE_S = 2.0  # a plug-in call still running this long after a signal: the loop cannot act on it
 FLUSH_S = 1.0  # at most this long flushing stdout and stderr before the exit (a reader may be gone)
-POLL_S = 0.05  # how often the guard looks at the plug-in calls in progress
+POLL_S = 0.1  # how often the guard looks at the plug-in calls in progress
 
 # (signal, time.monotonic() it came), appended by signal handlers: no lock, which the interrupted thread may hold.
 _signals: collections.deque[tuple[int, float]] = collections.deque(maxlen=16)
