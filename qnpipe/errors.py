@@ -11,6 +11,14 @@ class ConfigError(QnpipeError, ValueError):
     """A configuration key or value is unknown or invalid (message names key, value, what is allowed)."""
 
 
+class PluginError(ConfigError):
+    """A plug-in (`pool.evict_policy = "package.module:Class"`) answered outside its protocol or raised.
+
+    Raised before the answer is used: the message names the setting's value, the class, the
+    method and the value it returned (or the error it raised), and what it was offered.
+    """
+
+
 class CheckpointError(QnpipeError):
     """A model directory or checkpoint file is missing, corrupt, or does not match its config."""
 

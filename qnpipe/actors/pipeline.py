@@ -198,7 +198,9 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
                     scopes.append(scope)
                     try:
                         await actor(task_status=task_status)
-                    except Exception as e:  # handed to the forward; the other actors stop with it
+                    # Handed to the forward; the other actors stop with it. Ctrl-C and SIGTERM's SystemExit too:
+                    # in replay (trio in the main thread) they land in the actor running a plug-in's call.
+                    except (Exception, KeyboardInterrupt, SystemExit) as e:
                         fwd.failure.append(root_cause(e))
                         for sc in scopes:
                             sc.cancel()
@@ -214,9 +216,16 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
                 after_forward = autopin.after_forward
             if turns is not None:
                 await nursery.start(turns.run)
-            await nursery.start(supervised, partial(pool, pool_rx, read_tx, grant_tx, policy=policy,
-                                                    preload=preloads, after_forward=after_forward, emit=emit,
-                                                    turns=turns))
+            async def pool_actor(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                # The pool works on clones: the forward sees its channels close only once `supervised` has
+                # recorded the pool's error, so it raises that error (a PluginError, a RouteError), not
+                # "the expert pipeline stopped (EndOfChannel)".
+                async with pool_rx, grant_tx:
+                    await supervised(partial(pool, pool_rx.clone(), read_tx, grant_tx.clone(), policy=policy,
+                                             preload=preloads, after_forward=after_forward, emit=emit,
+                                             turns=turns), task_status=task_status)
+
+            await nursery.start(pool_actor)
             if predicting:
                 await nursery.start(supervised, partial(predictor, cand_rx, pool_tx.clone(), predict_cfg=cfg.predict,
                                                         top=hint_top(cfg.predict), stats=pstats, turns=turns))

@@ -71,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # A shell without job control starts background jobs with SIGINT ignored; `kill -INT` must still stop us.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    from qnpipe import hang_guard
+
+    hang_guard.install(args.command)  # a plug-in's call that never returns must not freeze the command
     try:
         try:
             return int(args.func(args) or 0)
@@ -91,8 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"qnpipe {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"\nqnpipe {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        from qnpipe.policy.plugin_check import where
+
+        hang_guard.signalled(signal.SIGINT)  # the exit waits for the engine's thread: not for a stuck plug-in
+        print(f"\nqnpipe {args.command}: interrupted{where(e)}", file=sys.stderr)
         return 130
 
 

@@ -241,31 +241,51 @@ def check_token_ids(ids: list[int], margs: Any, model_dir: str | Path) -> None:
 
 
 @contextlib.contextmanager
-def stop_on_signals(args: argparse.Namespace) -> Iterator[None]:
+def stop_on_signals(args: argparse.Namespace, *, ctrl_c: bool = True) -> Iterator[None]:
     """SIGTERM and SIGHUP stop the command through the engine's close, as Ctrl-C does and `serve` does.
 
     Wrap the open engine in it (`with stop_on_signals(args), eng:`): the signal raises
     SystemExit(128 + signal) in the main thread, the engine closes (the autopin heat is saved,
     the event log closed) and the exit status says which signal it was. A second signal
     during the close takes the default action: who sends two wants the process gone.
+    Ctrl-C raises KeyboardInterrupt as ever; with `ctrl_c` through a handler of this block (not
+    where trio runs in this thread: its Ctrl-C handling needs the default handler). Either
+    signal is told to the hang guard (qnpipe.hang_guard), which ends the process if a plug-in's
+    call keeps the engine from stopping; a signal that came out of a plug-in's call says so.
     """
+    from qnpipe import hang_guard
+    from qnpipe.policy.plugin_check import where
+
     got: list[int] = []
 
     def stop(signum: int, frame: Any) -> None:
+        hang_guard.signalled(signum)
         got.append(signum)
         for s in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, signal.SIG_DFL)
         raise SystemExit(128 + signum)
 
-    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    def interrupt(signum: int, frame: Any) -> None:
+        hang_guard.signalled(signum)
+        raise KeyboardInterrupt
+
+    caught = (signal.SIGTERM, signal.SIGHUP, *((signal.SIGINT,) if ctrl_c else ()))
+    old = {s: signal.signal(s, interrupt if s == signal.SIGINT else stop) for s in caught}
+    came_from = ""
     try:
         yield
+    except BaseException as e:
+        came_from = where(e)
+        if got and not isinstance(e, SystemExit):  # unwinding wrapped it (trio's groups) or the close failed
+            raise SystemExit(128 + got[0]) from None
+        raise
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         if got:
             with contextlib.suppress(OSError, ValueError):  # after SIGHUP the terminal may be gone
-                print(f"\nqnpipe {args.command}: stopped by {signal.Signals(got[0]).name}", file=sys.stderr)
+                print(f"\nqnpipe {args.command}: stopped by {signal.Signals(got[0]).name}{came_from}",
+                      file=sys.stderr)
 
 
 def warn(args: argparse.Namespace, msg: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from qnpipe.cli.common import add_config_flags, config_overrides
+from qnpipe.cli.common import add_config_flags, config_overrides, stop_on_signals
 from qnpipe.errors import QnpipeError
 
 # qnpipe.replay.PREDICTORS, spelled out: importing qnpipe.replay here would load MLX for every command.
@@ -51,8 +51,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     device = msgspec.convert({**base, **own["device"]}, DeviceProfile, strict=False)
     nbytes = own["replay"].get("record_nbytes")
     opts = PredictorOpts(train_frac=args.train_frac, train_log=args.train_log or "", recall=args.recall, seed=args.seed)
-    report = replay(args.log, cfg, device_profile=device, cost=cost, record_nbytes=nbytes, predictor=args.predict,
-                    opts=opts, driver=args.driver)
+    # SIGTERM unwinds (a plug-in's sleep included) and says so; Ctrl-C is trio's where the actors driver runs.
+    with stop_on_signals(args, ctrl_c=False):
+        report = replay(args.log, cfg, device_profile=device, cost=cost, record_nbytes=nbytes,
+                        predictor=args.predict, opts=opts, driver=args.driver)
     if args.csv or args.parquet:
         from qnpipe.config import override_path
         from qnpipe.replay.export import config_columns

@@ -103,6 +103,9 @@ def _sigterm_unwinds() -> Iterator[list[bool]]:
         return
 
     def on_term(signum: int, frame: Any) -> None:
+        from qnpipe import hang_guard
+
+        hang_guard.signalled(signum)  # the serial executor runs plug-ins in this process
         came.append(True)
         raise _Terminated
 
@@ -126,7 +129,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from qnpipe.replay.sweep import check_metric, parse_grid, plan, run, to_json, write_json
+    from qnpipe.replay.sweep import POINT_TIMEOUT_S, check_metric, parse_grid, plan, run, to_json, write_json
 
     if args.log is None:  # `qnpipe sweep --grid a=1,2 LOG`: the list of --grid took the log
         logs = [g for g in args.grid if "=" not in g]
@@ -140,6 +143,11 @@ def _sweep(args: argparse.Namespace) -> int:
         raise QnpipeError("--scheduler is for --executor dask")
     if args.jobs is not None and args.jobs < 1:
         raise QnpipeError(f"--jobs {args.jobs}: must be >= 1")
+    if args.point_timeout is not None and not args.point_timeout >= 0:
+        raise QnpipeError(f"--point-timeout {args.point_timeout:g}: must be >= 0 seconds (0 = no limit)")
+    if args.point_timeout is not None and args.executor != "processes":
+        raise QnpipeError(f"--point-timeout is for --executor processes (a point in a process of its own can be "
+                          f"killed), not {args.executor}")
     metric = check_metric(args.metric)
     if args.output:  # before the sweep, not after hours of it
         from qnpipe.trace import check_output_path
@@ -157,7 +165,8 @@ def _sweep(args: argparse.Namespace) -> int:
     bar = _Bar(enabled=sys.stderr.isatty() and not args.no_progress)
     try:
         result = run(args.log, points, executor=args.executor, jobs=args.jobs, scheduler=args.scheduler,
-                     progress=bar, connect_timeout_s=wait)
+                     progress=bar, connect_timeout_s=wait,
+                     point_timeout_s=POINT_TIMEOUT_S if args.point_timeout is None else args.point_timeout)
     finally:
         bar.close()
     if args.output:
@@ -201,7 +210,8 @@ def register(sub: Any, fmt: Any) -> None:
                        "Values are comma-separated, or ';'-separated when a value holds commas.\n"
                        "Results are in grid order and the same whatever the executor (docs/replay.md).\n"
                        "A point whose replay fails is reported (its row says failed, its JSON point holds the\n"
-                       "error) and the others still run; the exit status is then 1. SIGTERM stops the workers.",
+                       "error) and the others still run; the exit status is then 1. A point still running after\n"
+                       "--point-timeout seconds (default one hour) is killed and fails so. SIGTERM stops the workers.",
                        epilog="examples:\n"
                        "  qnpipe sweep run.qtrace --grid pool.expert_slots=4,8,16 --grid pool.evict_policy=lru,lfu\n"
                        "  qnpipe sweep run.qtrace --grid expert_slots=8,16 replay.predictor=none,previous \\\n"
@@ -227,6 +237,10 @@ def register(sub: Any, fmt: Any) -> None:
                    help="processes (default): local worker processes; dask: a dask.distributed cluster "
                    "(needs --scheduler); serial: one after another in this process")
     s.add_argument("--scheduler", metavar="ADDRESS", help="Dask scheduler address, e.g. tcp://10.0.0.5:8786")
+    s.add_argument("--point-timeout", type=float, metavar="S",
+                   help="--executor processes: a point still replaying S seconds after it started is killed and "
+                   "reported as failed, the others go on (default 3600, qnpipe.replay.sweep.POINT_TIMEOUT_S; "
+                   "0 = no limit)")
     s.add_argument("--device", default="apple-m5-internal", metavar="NAME",
                    help="built-in device profile the device.* settings start from (default %(default)s)")
     s.add_argument("--predict", default="none", metavar="NAME",

@@ -312,7 +312,8 @@ class DiagCfg(_Section, frozen=True):
     union_prof: Annotated[bool, _doc("per-layer expert union size per forward, by sequence length")] = False
     accept_topk: Annotated[NonNegInt, _doc("record whether the true token is in the drafter's top-k (0 = off)")] = 0
     # A generation that makes no progress this long is a deadlock: fail with the evidence, never hang.
-    watchdog_s: Annotated[NonNegFloat, _doc("raise StallError when a step makes no progress for N s (0 = off)")] = 60.0
+    watchdog_s: Annotated[NonNegFloat, _doc("raise StallError when a step makes no progress for N s; a plug-in "
+                                            "eviction policy's call running N s ends the process (0 = off)")] = 60.0
 
 
 class TraceCfg(_Section, frozen=True):

@@ -27,7 +27,7 @@ def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int
                 heat: Heat | None = None) -> PoolPolicy:
     evictions = {layer: make_eviction(cfg.pool.evict_policy, cap,
                                       lfu_decay_interval=cfg.pool.lfu_decay_interval_forwards,
-                                      lrfu_lambda=cfg.pool.lrfu_lambda)
+                                      lrfu_lambda=cfg.pool.lrfu_lambda, watchdog_s=cfg.diag.watchdog_s)
                  for layer, cap in capacities.items()}
     check_placement(cfg)
     # The side region keeps its hot prefetched experts by LFU (side_region_lfu) or is cleared each step.

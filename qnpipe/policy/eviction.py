@@ -209,8 +209,10 @@ class LRFU:
         pass
 
 
-def make_eviction(kind: str, capacity: int, *, lfu_decay_interval: int = 0, lrfu_lambda: float = 0.05) -> Eviction:
-    """A fresh policy for one layer of `capacity` slots: an `EvictPolicy`, or a plug-in's "package.module:Class"."""
+def make_eviction(kind: str, capacity: int, *, lfu_decay_interval: int = 0, lrfu_lambda: float = 0.05,
+                  watchdog_s: float = 0.0) -> Eviction:
+    """A fresh policy for one layer of `capacity` slots: an `EvictPolicy`, or a plug-in's "package.module:Class"
+    (its answers checked; `watchdog_s`, diag.watchdog_s, bounds one of its calls: qnpipe.hang_guard)."""
     match kind:
         case EvictPolicy.LRU:
             return LRU()
@@ -231,4 +233,4 @@ def make_eviction(kind: str, capacity: int, *, lfu_decay_interval: int = 0, lrfu
         case _:
             from qnpipe.policy.eviction_plugin import make_plugin  # it imports Eviction from here
 
-            return make_plugin(kind, capacity)
+            return make_plugin(kind, capacity, watchdog_s)

@@ -3,7 +3,9 @@
 The class is imported when the pool is built and called as `Class(capacity=N)` once per
 layer, N the layer's resident slots; what it returns must have the methods of
 `qnpipe.policy.eviction.Eviction`, taking the arguments the slot table passes. Any failure
-is a ConfigError naming the setting's value and what is wrong.
+is a ConfigError naming the setting's value and what is wrong. The plug-in runs behind a
+`CheckedEviction` (qnpipe.policy.plugin_check): each answer is checked before the slot table
+uses it, a wrong one is a PluginError naming the class, the method and the value.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import cast
 from qnpipe.config import EvictPolicy, check_evict_policy
 from qnpipe.errors import ConfigError
 from qnpipe.policy.eviction import Eviction
+from qnpipe.policy.plugin_check import CheckedEviction
 
 # Each method of the Eviction protocol and the arguments the slot table passes it (self aside).
 PROTOCOL_ARGS: dict[str, tuple[object, ...]] = {
@@ -55,15 +58,16 @@ def load_class(spec: str) -> type:
     return cls
 
 
-def make_plugin(spec: str, capacity: int) -> Eviction:
-    """A fresh plug-in policy for one layer of `capacity` slots."""
+def make_plugin(spec: str, capacity: int, stall_s: float = 0.0) -> Eviction:
+    """A fresh plug-in policy for one layer of `capacity` slots, behind the checking adapter; `stall_s`
+    (diag.watchdog_s) bounds one call (qnpipe.hang_guard)."""
     cls = load_class(spec)
     try:
         policy = cls(capacity=capacity)
     except Exception as exc:
         raise ConfigError(f"pool.evict_policy={spec!r}: {cls.__name__}(capacity={capacity}) failed: "
                           f"{type(exc).__name__}: {exc}") from exc
-    return cast(Eviction, policy)
+    return CheckedEviction(cast(Eviction, policy), spec, stall_s)
 
 
 __all__ = ["PROTOCOL_ARGS", "load_class", "make_plugin"]

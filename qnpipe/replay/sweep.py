@@ -10,7 +10,9 @@ section) or one of the replay's own settings (`cost.*`, `device.*`, `replay.reco
 field or a bad value fails at once, naming it. Each point is a `qnpipe.replay.replay`, which is
 deterministic, so results are the same on every executor; they come back in grid order.
 A point that fails while it replays is reported as failed (`PointResult.error`) and the
-others still run. Remote Dask workers need qnpipe importable and the log at the same path.
+others still run; under the processes executor a point over its time limit (`point_timeout_s`,
+`qnpipe sweep --point-timeout`) is killed and fails the same way. Remote Dask workers need
+qnpipe importable and the log at the same path.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import itertools
 import math
 import multiprocessing
 import os
+import signal
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_all_start_methods, get_context
+from multiprocessing.sharedctypes import RawArray
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +56,10 @@ EXECUTORS = ("processes", "dask", "serial")
 # Points in one sweep: a replay takes ~0.1 s to minutes, so more is days of work, and each
 # point's config is built before anything runs.
 MAX_POINTS = 100_000
+# A point's time limit under the processes executor (`qnpipe sweep --point-timeout`, 0 = none): a replay
+# takes ~0.1 s to minutes, so an hour is a point that will not end (a plug-in's call that never returns).
+POINT_TIMEOUT_S = 3600.0
+_LOOK_S = 0.2  # how often the sweep looks for points over their time limit
 # The replay's own settings besides the cost and device fields (those follow their structs).
 REPLAY_KEYS = ("replay.record_nbytes", "replay.predictor")
 # Columns of the table, when the report has them (any numeric metric can be chosen as well).
@@ -324,14 +333,17 @@ Progress = Callable[[int, int], None]  # (points done, points in all)
 
 def run(log: str | Path, points: Sequence[Point], *, executor: str = "processes", jobs: int | None = None,
         scheduler: Any = None, progress: Progress | None = None,
-        connect_timeout_s: float = DASK_CONNECT_TIMEOUT_S) -> SweepResult:
+        connect_timeout_s: float = DASK_CONNECT_TIMEOUT_S, point_timeout_s: float = POINT_TIMEOUT_S) -> SweepResult:
     """Replay every point: "processes" (`jobs` worker processes, default the machine's cores),
     "dask" (`scheduler`: a scheduler address, connected to within `connect_timeout_s`, or a
     `dask.distributed.Client`) or "serial" (here).
     Results are in grid order whatever the executor; a point that fails (its replay raises, its
-    worker dies) is a `PointResult` with its `error`, and the other points still run."""
+    worker dies, or, with "processes", it runs longer than `point_timeout_s` > 0 and is killed) is
+    a `PointResult` with its `error`, and the other points still run."""
     if executor not in EXECUTORS:
         raise ConfigError(f"executor {executor!r}: unknown, known: {', '.join(EXECUTORS)}")
+    if not point_timeout_s >= 0:
+        raise ConfigError(f"point time limit {point_timeout_s!r}: must be >= 0 seconds (0 = none)")
     log = str(log)
     done = 0
 
@@ -349,7 +361,7 @@ def run(log: str | Path, points: Sequence[Point], *, executor: str = "processes"
             outcomes.append(point_outcome(log, p))
             tick()
     elif executor == "processes":
-        outcomes = _run_processes(log, points, jobs or os.cpu_count() or 1, tick)
+        outcomes = _run_processes(log, points, jobs or os.cpu_count() or 1, tick, point_timeout_s)
     else:
         if scheduler is None:
             raise ConfigError("the dask executor needs a scheduler address (--scheduler tcp://HOST:8786)")
@@ -372,8 +384,13 @@ def _worker_context() -> Any:
     return ctx
 
 
-def _worker_init() -> None:
-    """Make the worker die with the sweep.
+# In a worker: where it notes when it starts each point, and which process runs it (set by _worker_init).
+_starts: Any = None
+_pids: Any = None
+
+
+def _worker_init(starts: Any = None, pids: Any = None) -> None:
+    """Make the worker die with the sweep, and keep where it notes each point's start (`starts`, `pids`).
 
     A worker whose sweep was killed (SIGKILL, the OOM killer) would run its point to the end,
     then wait for work forever. Its parent is the fork server, which outlives the sweep while
@@ -381,6 +398,8 @@ def _worker_init() -> None:
     `parent_process().sentinel` is the sweep's own (forkserver and spawn alike): it reads EOF
     when the sweep is gone, and a daemon thread waits for that.
     """
+    global _starts, _pids
+    _starts, _pids = starts, pids
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -392,13 +411,27 @@ def _worker_init() -> None:
     threading.Thread(target=watch, name="qnpipe-sweep-parent", daemon=True).start()
 
 
-def _run_processes(log: str, points: Sequence[Point], jobs: int, tick: Callable[[], None]) -> list[Outcome]:
+def _point_in_worker(log: str, point: Point, i: int) -> Outcome:
+    """`point_outcome`, its start (`i`: its place in the sweep) and this process noted first: the sweep
+    kills the point when it overruns."""
+    if _starts is not None and _pids is not None:
+        _pids[i] = os.getpid()
+        _starts[i] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
+    return point_outcome(log, point)
+
+
+def _run_processes(log: str, points: Sequence[Point], jobs: int, tick: Callable[[], None],
+                   limit_s: float = 0.0) -> list[Outcome]:
     out: list[Outcome | None] = [None] * len(points)
-    lost = _pool_pass(log, points, range(len(points)), jobs, tick, out)
+    lost, killed = _pool_pass(log, points, range(len(points)), jobs, tick, out, limit_s)
+    # A point killed at its time limit breaks the pool: the points it took down did nothing wrong, so they
+    # run again together, until a pass kills none.
+    while killed and lost:
+        lost, killed = _pool_pass(log, points, lost, jobs, tick, out, limit_s)
     # A worker that dies (killed, out of memory) breaks the pool and every point still in it: run
     # those again, each alone, so only the one that kills its worker is reported.
     for i in lost:
-        if _pool_pass(log, points, [i], 1, tick, out):
+        if _pool_pass(log, points, [i], 1, tick, out, limit_s)[0]:
             out[i] = Outcome(error=_failure(points[i], RuntimeError("its worker process died (killed, out of memory?)")))
             tick()
     assert all(o is not None for o in out)
@@ -406,29 +439,61 @@ def _run_processes(log: str, points: Sequence[Point], jobs: int, tick: Callable[
 
 
 def _pool_pass(log: str, points: Sequence[Point], which: Iterable[int], jobs: int, tick: Callable[[], None],
-               out: list[Outcome | None]) -> list[int]:
-    """Run `points[i]` for each i in `which` on a new pool, the outcomes into `out`; the points a broken pool lost."""
+               out: list[Outcome | None], limit_s: float = 0.0) -> tuple[list[int], bool]:
+    """Run `points[i]` for each i in `which` on a new pool, the outcomes into `out`; (the points a broken pool
+    lost, whether a point was killed at its time limit `limit_s` (0: none), its outcome saying so)."""
     which = list(which)
+    starts = RawArray("d", len(points))  # the monotonic time each point started at, 0 before
+    pids = RawArray("i", len(points))
     ex = ProcessPoolExecutor(max_workers=max(1, min(jobs, len(which))), mp_context=_worker_context(),
-                             initializer=_worker_init)
+                             initializer=_worker_init, initargs=(starts, pids))
     lost: list[int] = []
+    killed: set[int] = set()
     try:
-        futures: dict[Future[Outcome], int] = {ex.submit(point_outcome, log, points[i]): i for i in which}
-        for f in as_completed(futures):
-            i = futures[f]
-            try:
-                out[i] = f.result()
-            except BrokenProcessPool:
-                lost.append(i)
-                continue
-            except Exception as e:  # the outcome could not come back (pickling): this point's failure
-                out[i] = Outcome(error=_failure(points[i], e))
-            tick()
+        futures: dict[Future[Outcome], int] = {ex.submit(_point_in_worker, log, points[i], i): i for i in which}
+        waiting = set(futures)
+        while waiting:
+            done, waiting = wait(waiting, timeout=_LOOK_S if limit_s > 0 else None, return_when=FIRST_COMPLETED)
+            for f in done:
+                i = futures[f]
+                if i in killed:  # its outcome says why already
+                    continue
+                try:
+                    out[i] = f.result()
+                except BrokenProcessPool:
+                    lost.append(i)
+                    continue
+                except Exception as e:  # the outcome could not come back (pickling): this point's failure
+                    out[i] = Outcome(error=_failure(points[i], e))
+                tick()
+            if limit_s > 0:
+                for i in _overrun(waiting, futures, starts, pids, limit_s, killed):
+                    out[i] = Outcome(error=_failure(points[i], QnpipeError(
+                        f"over its time limit of {limit_s:g} s (--point-timeout): its worker was killed")))
+                    tick()
     except BaseException:
         _terminate(ex)  # Ctrl-C, SIGTERM: the points running would otherwise finish first
         raise
     ex.shutdown()
-    return sorted(lost)
+    return sorted(lost), bool(killed)
+
+
+def _overrun(waiting: set[Future[Outcome]], futures: dict[Future[Outcome], int], starts: Any, pids: Any,
+             limit_s: float, killed: set[int]) -> list[int]:
+    """Kill the worker of each point still running `limit_s` after it started; the points killed now."""
+    now = time.monotonic()
+    out = []
+    for f in waiting:
+        i = futures[f]
+        if i in killed or f.done() or not starts[i] or now - starts[i] < limit_s:
+            continue
+        try:
+            os.kill(pids[i], signal.SIGKILL)  # the pool's own worker: a plug-in's call may never return
+        except ProcessLookupError:
+            pass
+        killed.add(i)
+        out.append(i)
+    return out
 
 
 def _terminate(ex: ProcessPoolExecutor) -> None:
@@ -512,7 +577,7 @@ def table_metrics(metric: str) -> list[str]:
     return list(dict.fromkeys([*TABLE_METRICS, metric]))
 
 
-__all__ = ["EXECUTORS", "MAX_POINTS", "REPLAY_KEYS", "Axis", "Outcome", "Point", "PointResult", "Settings",
+__all__ = ["EXECUTORS", "MAX_POINTS", "POINT_TIMEOUT_S", "REPLAY_KEYS", "Axis", "Outcome", "Point", "PointResult", "Settings",
            "SweepResult", "check_metric", "count_points", "fmt_metric", "fmt_value", "metric_names", "metrics",
            "parse_grid", "plan", "point_outcome", "replay_keys", "resolve_key", "run", "run_point", "split_settings",
            "table_metrics", "to_json", "write_json"]

@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import trio
 
+from qnpipe import hang_guard
 from qnpipe.config import Config
 from qnpipe.errors import QnpipeError
 from qnpipe.server.app import build_app
@@ -132,6 +133,8 @@ async def serve_engine(eng: Any, model_dir: str | Path, opts: ServerOptions, *,
                 return
             # SIGHUP too: a server started from a terminal that closes stops cleanly (heat saved).
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+                # This loop answers them; a plug-in's call that never returns would keep it from ever doing so.
+                hang_guard.chain(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
                 async for _ in signals:
                     return
         finally:
