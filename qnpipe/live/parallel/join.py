@@ -17,6 +17,7 @@ import attrs
 import trio
 
 from qnpipe.config import Config, ConfigError, with_overrides
+from qnpipe.config.launch import Launch
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.ring import Ring
 from qnpipe.live.parallel.split import model_layer_bytes, split_layers
@@ -28,7 +29,7 @@ from qnpipe.plan.startup import plan_for_share
 from qnpipe.plan.units import parse_memory
 
 
-async def join(cfg: Config, thread: MLXThread, say: Callable[[str], None] | None = None
+async def join(cfg: Config, thread: MLXThread, launch: Launch, say: Callable[[str], None] | None = None
                ) -> tuple[Ring, Stage, Config, Plan | None]:
     """(the ring, this rank's stage, its config, its `--memory` plan or None). DistributedError naming a
     rank that differs or is lost; with `plan.memory`, ConfigError naming a rank whose budget cannot hold
@@ -40,7 +41,8 @@ async def join(cfg: Config, thread: MLXThread, say: Callable[[str], None] | None
     if mtp:
         check_mtp(cfg)
     distributed_cfg = cfg.distributed
-    ring = await run_on(thread, Ring.connect, distributed_cfg.connect_timeout_s, distributed_cfg.step_timeout_s)
+    ring = await run_on(thread, Ring.connect, launch, distributed_cfg.connect_timeout_s,
+                        distributed_cfg.step_timeout_s)
     model_dir = Path(cfg.model.model_dir)
     config = read_config(model_dir)
     args = args_from_dict(config, str(model_dir / "config.json"))

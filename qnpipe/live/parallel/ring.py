@@ -26,12 +26,14 @@ import hashlib
 import json
 import math
 import threading
+import time
 from typing import Any
 
 import attrs
 import mlx.core as mx
 import numpy as np
 
+from qnpipe.config.launch import Launch
 from qnpipe.errors import DistributedError
 from qnpipe.live.parallel.deadman import Deadman, outside
 
@@ -45,6 +47,7 @@ class Op(enum.IntEnum):
     FAIL = 3
     RESULT = 4
     SNAP = 5  # a prefix snapshot's capture, restore or drop (qnpipe.live.parallel.snap)
+    PING = 6  # rank 0 is alive and sends nothing else (qnpipe.live.parallel.keepalive): passed on, no answer
 
 
 class SnapAction(enum.IntEnum):
@@ -106,6 +109,7 @@ class Ring:
         self.deadman = deadman
         self.step_timeout_s = step_timeout_s
         self.broken: DistributedError | None = None
+        self.sent_at = time.monotonic()  # the last send to the next rank: rank 0's keep-alive pings after a pause
         # Every rank must use the same: set from the model (`fit`) before the first step.
         self.frame_bytes = HEADER_BYTES + 64
 
@@ -115,13 +119,14 @@ class Ring:
         self.frame_bytes = HEADER_BYTES + 4 * hidden_size * rows
 
     @classmethod
-    def connect(cls, connect_timeout_s: float, step_timeout_s: float) -> Ring:
-        """Join the group `mlx.launch` set up (MLX reads MLX_RANK / MLX_HOSTFILE), once per process."""
+    def connect(cls, launch: Launch, connect_timeout_s: float, step_timeout_s: float) -> Ring:
+        """Join the group `mlx.launch` set up, once per process. MLX reads MLX_RANK / MLX_HOSTFILE
+        itself: `launch` is what qnpipe.config.launch.read_launch checked of them first."""
         global _ring
         with _lock:
             if _ring is None:
                 deadman = Deadman()
-                with outside(connect_timeout_s, _never_connected(connect_timeout_s)):
+                with outside(connect_timeout_s, _never_connected(launch, connect_timeout_s)):
                     try:
                         group = mx.distributed.init(strict=True, backend="ring")
                     except RuntimeError as e:
@@ -163,15 +168,15 @@ class Ring:
                     mx.eval(mx.distributed.send(payload, to, group=self.group))
         except RuntimeError as e:
             raise self._fail(to, "sending to", e) from None
+        self.sent_at = time.monotonic()
 
-    def recv(self, frm: int, shape_of: Any, idle: bool = False) -> tuple[Header, mx.array | None]:
-        """A header from rank `frm` and its array, whose shape is `shape_of(header)`.
-
-        `idle`: waiting for the next request may take any time (no deadline); a step's answer has one.
-        A `FAIL` header raises DistributedError naming the rank that was lost.
+    def recv(self, frm: int, shape_of: Any) -> tuple[Header, mx.array | None]:
+        """A header from rank `frm` and its array, whose shape is `shape_of(header)`, within the step
+        timeout (between requests too: an idle rank 0 sends `PING`s). A `FAIL` header raises
+        DistributedError naming the rank that was lost.
         """
         self._check()
-        timeout = 0.0 if idle else self.step_timeout_s
+        timeout = self.step_timeout_s
         try:
             with self.deadman.waiting(timeout, f"rank {self.rank}: no answer from rank {frm} in {timeout} s "
                                       f"(distributed.step_timeout_s): rank {frm} or one before it hangs; stopping"):
@@ -217,6 +222,10 @@ class Ring:
         except RuntimeError as e:
             raise self._fail(frm, "receiving from", e) from None
         return ids
+
+    def ping(self) -> None:
+        """Rank 0's keep-alive to the next rank (qnpipe.live.parallel.keepalive)."""
+        self.send(Header(Op.PING), None, self.next)
 
     def tell_lost(self, lost: int, to: int) -> None:
         """Best effort: tell rank `to` that rank `lost` is gone (its own link may be down too)."""
@@ -265,20 +274,7 @@ class Ring:
         return np.array(every).reshape(self.size, len(mine))
 
 
-def _never_connected(timeout_s: float) -> str:
-    from qnpipe.config.launch import launch_rank
-
-    rank, hostfile = launch_rank()
-    peers = "its neighbours in the ring"
-    if rank is not None and hostfile:
-        try:
-            with open(hostfile) as f:
-                n = len(json.load(f))
-            if n > 1:
-                peers = " and ".join(sorted({f"rank {(rank - 1) % n}", f"rank {(rank + 1) % n}"}))
-        except (OSError, ValueError, TypeError):
-            pass
-    who = f"rank {rank}" if rank is not None else "this rank"
-    return (f"{who}: the mx.distributed ring did not connect within {timeout_s} s "
-            f"(distributed.connect_timeout_s): {peers} (MLX_HOSTFILE {hostfile or 'unset'}) never answered; "
-            f"is qnpipe started on every host of the hostfile?")
+def _never_connected(launch: Launch, timeout_s: float) -> str:
+    return (f"rank {launch.rank}: the mx.distributed ring did not connect within {timeout_s} s "
+            f"(distributed.connect_timeout_s): {launch.neighbours()} (MLX_HOSTFILE {launch.hostfile}) never "
+            f"answered; is qnpipe started on every host of the hostfile?")
