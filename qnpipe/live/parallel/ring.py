@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import json
 import math
 import threading
 import time
@@ -236,24 +235,28 @@ class Ring:
             pass
         self.broken = err
 
-    def check_same_run(self, model_key: str, version: str, split: list[tuple[int, int]], mtp: str = "") -> None:
-        """DistributedError naming each rank whose model, qnpipe version, layer split or MTP settings
-        (`mtp`: they set the frame size) differ from rank 0's."""
+    def check_same_run(self, parts: list[tuple[str, str]]) -> None:
+        """DistributedError naming each rank whose qnpipe version or any of `parts` (what, value: the same
+        list on every rank of one version) differs from rank 0's."""
+        from qnpipe import __version__
+
         self._check()
-        parts = [model_key, version, json.dumps(split), mtp]
-        mine = np.array([int.from_bytes(hashlib.blake2b(p.encode(), digest_size=4).digest(), "little") >> 1
-                         for p in parts], dtype=np.int32)
-        table = self._all_gather(mine, "start-up check")
+        # First the version and the number of parts: the second gather's rows must be as long on every rank.
+        first = self._all_gather(np.array([_word(__version__), len(parts)], dtype=np.int32), "start-up check")
+        other = [r for r in range(1, self.size) if first[r].tolist() != first[0].tolist()]
+        if other:
+            raise DistributedError(f"rank {self.rank}: " + ", ".join(f"rank {r}" for r in other) +
+                                   f" run{'s' if len(other) == 1 else ''} another qnpipe version than rank 0 "
+                                   f"(this rank: {__version__}; every rank needs the same)")
+        table = self._all_gather(np.array([_word(v) for _, v in parts], dtype=np.int32), "start-up check")
         bad = []
-        names = ("model", "qnpipe version", "layer split",
-                 "MTP setting (mtp.enabled, num_draft_tokens, adaptive_depth, conf_tau, depth_max)")
         for r in range(1, self.size):
-            for name, a, b in zip(names, table[0], table[r], strict=True):
-                if a != b:
-                    bad.append(f"rank {r} runs another {name} than rank 0")
+            differ = [what for (what, _), a, b in zip(parts, table[0], table[r], strict=True) if a != b]
+            if differ:
+                bad.append(f"rank {r} differs from rank 0 in its " + ", ".join(differ))
         if bad:
             raise DistributedError(f"rank {self.rank}: " + "; ".join(bad) +
-                                   " (every rank needs the same model files and qnpipe version)")
+                                   " (every rank needs the same model files, qnpipe version and settings)")
 
     def gather_budgets(self, budget: int) -> list[int]:
         """Every rank's `budget` (bytes, 0 <= budget < 2**62: its `--memory`, 0 for none), by rank."""
@@ -272,6 +275,11 @@ class Ring:
             self.broken = DistributedError(f"rank {self.rank}: the ranks' {what} failed ({e})")
             raise self.broken from None
         return np.array(every).reshape(self.size, len(mine))
+
+
+def _word(value: str) -> int:
+    """A 31-bit hash of `value`: one int32 of the start-up check's rows."""
+    return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=4).digest(), "little") >> 1
 
 
 def _never_connected(launch: Launch, timeout_s: float) -> str:
