@@ -26,7 +26,7 @@ import trio
 from qnpipe.actors.pipeline import Pipeline
 from qnpipe.compute import blas
 from qnpipe.config import Config
-from qnpipe.config.launch import launch_rank
+from qnpipe.config.launch import launch_rank, read_launch
 from qnpipe.config.validate import check_generate_args
 from qnpipe.errors import DistributedError, PipelineError
 from qnpipe.io.reader import ExpertReader
@@ -279,14 +279,17 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
     Distributed, the budget is each rank's own: the layers are split by the memory account and each
     rank plans its own (`eng.plan` is this rank's; a rank whose budget is too small is named).
     """
-    cfg, plan = _planned(_resolve(model_dir, cfg, overrides), distributed)
+    cfg = _resolve(model_dir, cfg, overrides)
+    # Checked before anything else: MLX's ring crashes on launch variables it cannot use.
+    launch = read_launch() if (cfg.distributed.enabled if distributed is None else distributed) else None
+    cfg, plan = _planned(cfg, distributed)
     thread = MLXThread.shared()
     t0 = time.perf_counter()
     ring = stage = None
-    if cfg.distributed.enabled if distributed is None else distributed:
+    if launch is not None:
         from qnpipe.live.parallel.join import join
 
-        ring, stage, cfg, rank_plan = await join(cfg, thread)
+        ring, stage, cfg, rank_plan = await join(cfg, thread, launch)
         plan = plan if rank_plan is None else rank_plan
     core = await run_on(thread, build_core, Path(cfg.model.model_dir), cfg, reader, stage)
     load_s = time.perf_counter() - t0
@@ -297,7 +300,7 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
         async with open_core_pipeline(core, thread) as pipe:
             load_s += time.perf_counter() - t1
             rank = 0 if ring is None else ring.rank
-            lead = peers = None
+            lead = peers = keep_alive = None
             if ring is not None and ring.size > 1:
                 from qnpipe.live.parallel.follow import follow
                 from qnpipe.live.parallel.lead import Lead
@@ -312,14 +315,20 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
                     except DistributedError as e:  # raised below, not inside the actors' nursery's group
                         lost = e
                 else:
+                    from qnpipe.live.parallel.keepalive import KeepAlive
+
                     lead = Lead(ring, core.args.vocab_size, pipe.forward)
                     core.backend.ring_tail = lead.tail
                     peers = RingPeers(lead, thread, cfg.mtp.num_draft_tokens if core.mtp_ring else 0)
+                    keep_alive = KeepAlive(ring, thread)
+                    keep_alive.start()
             if lost is None:
                 try:
                     yield AsyncEngine(_Runtime(core, thread, pipe, load_s=load_s, warmup_s=warmup_s, rank=rank,
                                                peers=peers), plan)
                 finally:
+                    if keep_alive is not None:
+                        keep_alive.stop()
                     if lead is not None:
                         with trio.CancelScope(shield=True):
                             await run_on(thread, lead.close)

@@ -62,11 +62,12 @@ def worker(args: argparse.Namespace) -> int:
 
     trio.run(run)
     if args.ranks > 1:
+        from qnpipe.config.launch import read_launch
         from qnpipe.live.parallel.lead import result_shape
         from qnpipe.live.parallel.ring import Header, Op, Ring, dtype_code
         from qnpipe.model.tails import TailKind
 
-        ring = Ring.connect(60.0, 60.0)
+        ring = Ring.connect(read_launch(), 60.0, 60.0)
         hidden = int(np.array(mx.distributed.all_sum(mx.array([out.get("hidden_size", 0)]))).item())
         ring.fit(hidden)
         h = mx.zeros((1, 1, hidden), dtype=mx.bfloat16)  # a real checkpoint's activations are bfloat16

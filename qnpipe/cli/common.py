@@ -223,12 +223,13 @@ def precheck_model(model_dir: str | Path, cfg: Any) -> Any:
     check_topk_override(cfg.forward.moe_topk_override, margs.num_experts)
     if isinstance(config.get("qnpipe"), dict) or (model_dir / "experts" / "index.json").is_file():
         from qnpipe.io.store import ExpertStore
-        from qnpipe.io.store_check import check_against_model
-        from qnpipe.model.args import model_id
+        from qnpipe.io.store_check import check_against_model, check_store_sha256
+        from qnpipe.model.args import model_id, store_sha256
 
         qcfg = config.get("quantization") or config.get("quantization_config")
         with ExpertStore.open(cfg.model.expert_dir or model_dir, expected_model_id=model_id(margs)) as store:
             check_against_model(store.index, store.root / "index.json", margs, qcfg if isinstance(qcfg, dict) else None)
+            check_store_sha256(store.root / "index.json", store.sha256, store_sha256(config, model_dir / "config.json"))
     return margs
 
 

@@ -354,9 +354,10 @@ class DistributedCfg(_Section, frozen=True):
     # A rank named in the hostfile that never starts would leave the others in MLX's connect forever.
     connect_timeout_s: Annotated[NonNegFloat, _doc("give up when the ring is not connected after N s (0 = never)")] = 60.0
     # MLX's ring recv cannot be interrupted: a peer that hangs without closing its socket is only
-    # noticed by a deadline, and then the process exits (docs/distributed.md, "Failures").
-    step_timeout_s: Annotated[NonNegFloat, _doc("exit when a step's answer from another rank takes over N s "
-                                                "(0 = never)")] = 600.0
+    # noticed by a deadline, and then the process exits (docs/distributed.md, "Failures"). An idle
+    # rank 0 sends a keep-alive, so the later ranks' waits between requests have it too.
+    step_timeout_s: Annotated[NonNegFloat, _doc("exit when a wait for another rank (a step's answer, rank 0's "
+                                                "next message) takes over N s (0 = never)")] = 600.0
 
 
 # --------------------------------------------------------------------------- memory planner (issue 26)

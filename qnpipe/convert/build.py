@@ -18,6 +18,7 @@ how each tensor is transformed) is `qnpipe.convert.plan`; the streaming safetens
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -252,10 +253,10 @@ def convert(
     bar = ByteProgress(progress, expert_bytes + main_bytes + mtp_bytes, "non-expert weights")
     try:
         with atomic_dir(out_p, marker="qnpipe convert") as build:
-            index = _write_all(build, plan, records, args, bar, chunk_bytes=chunk_bytes,
-                               max_shard_bytes=max_shard_bytes)
+            index, index_sha256 = _write_all(build, plan, records, args, bar, chunk_bytes=chunk_bytes,
+                                             max_shard_bytes=max_shard_bytes)
             cfg = dict(plan.config)
-            cfg["qnpipe"] = _qnpipe_section(layout, plan, index, mtp_p)
+            cfg["qnpipe"] = _qnpipe_section(layout, plan, index, index_sha256, mtp_p)
             (build / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
             bar.stop()
     finally:
@@ -273,8 +274,9 @@ def convert(
 
 
 def _write_all(build: Path, plan: ConvertPlan, records: list[list[tuple[str, str, tuple[int, ...]]]], args: ModelArgs,
-               bar: ByteProgress, *, chunk_bytes: int, max_shard_bytes: int) -> StoreIndex:
-    """Every file of the model directory except config.json, into `build`; returns the store index."""
+               bar: ByteProgress, *, chunk_bytes: int, max_shard_bytes: int) -> tuple[StoreIndex, str]:
+    """Every file of the model directory except config.json, into `build`; returns the store index and the
+    sha256 of its `index.json` (config.json names the store by it)."""
     (build / st.EXPERTS_DIR).mkdir()
     write_model_shards(build, plan.main, max_shard_bytes, bar.advance)
     if plan.mtp:
@@ -287,11 +289,11 @@ def _write_all(build: Path, plan: ConvertPlan, records: list[list[tuple[str, str
                                                chunk_bytes))
         _clear_mlx_cache()
     index = StoreIndex(model_id=model_id(args), layers=tuple(layer_files))
-    st.write_index(build / st.EXPERTS_DIR, index)
+    index_sha256 = hashlib.sha256(st.write_index(build / st.EXPERTS_DIR, index).read_bytes()).hexdigest()
     fsync_dir(build / st.EXPERTS_DIR)
     for f in plan.extra_files:
         shutil.copyfile(f, build / f.name)
-    return index
+    return index, index_sha256
 
 
 def _clear_mlx_cache() -> None:
@@ -300,7 +302,8 @@ def _clear_mlx_cache() -> None:
     mx.clear_cache()
 
 
-def _qnpipe_section(layout: Layout, plan: ConvertPlan, index: StoreIndex, mtp_from: Path | None) -> dict[str, Any]:
+def _qnpipe_section(layout: Layout, plan: ConvertPlan, index: StoreIndex, index_sha256: str,
+                    mtp_from: Path | None) -> dict[str, Any]:
     lf = index.layers[0]
     q = lf.quant
     return {
@@ -315,6 +318,7 @@ def _qnpipe_section(layout: Layout, plan: ConvertPlan, index: StoreIndex, mtp_fr
             "store_format": FORMAT,
             "store_version": VERSION,
             "model_id": index.model_id,
+            "index_sha256": index_sha256,  # the store of this model, not only of its shape (qnpipe.model.args.store_sha256)
             "align": ALIGN,
             "layers": [x.layer for x in index.layers],
             "num_experts": lf.num_experts,

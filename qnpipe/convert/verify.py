@@ -10,10 +10,10 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from qnpipe.errors import StoreError
+from qnpipe.errors import CheckpointError, StoreError
 from qnpipe.io.outdir import ByteProgress
-from qnpipe.io.store import read_index
-from qnpipe.io.store_check import check_against_model, open_layer_file
+from qnpipe.io.store import read_index_sha256
+from qnpipe.io.store_check import check_against_model, check_store_sha256, open_layer_file
 from qnpipe.model.args import config_model_id
 
 __all__ = ["BadRecord", "VerifyReport", "describe", "verify_store"]
@@ -64,14 +64,23 @@ def verify_store(path: str | os.PathLike[str], *, progress: bool = False) -> Ver
     p = Path(path)
     # lexists: a config.json that is a FIFO or a directory is refused by name, not taken for none.
     expected = config_model_id(p) if os.path.lexists(p / "config.json") else None
-    root, index = read_index(p, expected_model_id=expected)
+    config = sha256 = None
     if expected is not None:
-        from qnpipe.model.args import args_from_dict, read_config
+        from qnpipe.model.args import read_config, store_sha256
 
         config = read_config(p)
+        try:
+            sha256 = store_sha256(config, p / "config.json")
+        except CheckpointError as e:
+            raise StoreError(str(e)) from None
+    root, index, got = read_index_sha256(p, expected_model_id=expected)
+    if config is not None:
+        from qnpipe.model.args import args_from_dict
+
         qcfg = config.get("quantization") or config.get("quantization_config")
         check_against_model(index, root / "index.json", args_from_dict(config, str(p / "config.json")),
                             qcfg if isinstance(qcfg, dict) else None)
+        check_store_sha256(root / "index.json", got, sha256)
     total = sum(lf.num_experts * lf.record_nbytes for lf in index.layers)
     bar = ByteProgress(progress, total, "verifying")
     bad: list[BadRecord] = []

@@ -9,6 +9,7 @@ buffer into numpy views of its tensors (`record_tensors`, no copy).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import zlib
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXPERTS_DIR", "ExpertStore", "as_mx", "layer_file_name",
-    "read_index", "record_layout", "write_index",
+    "read_index", "read_index_sha256", "record_layout", "write_index",
 ]
 
 EXPERTS_DIR = "experts"
@@ -138,6 +139,14 @@ def read_index(path: str | os.PathLike[str], *, expected_model_id: str | None = 
     record geometry, but not the layer files (see `ExpertStore.open`). Raises StoreError
     naming the index file.
     """
+    root, index, _ = read_index_sha256(path, expected_model_id=expected_model_id)
+    return root, index
+
+
+def read_index_sha256(path: str | os.PathLike[str], *,
+                      expected_model_id: str | None = None) -> tuple[Path, StoreIndex, str]:
+    """As `read_index`, and the sha256 (hex) of the file's bytes: what names the store
+    (`store_check.check_store_sha256`)."""
     root = _experts_dir(path)
     index_path = root / INDEX_FILE
     if not os.path.lexists(index_path):
@@ -178,7 +187,7 @@ def read_index(path: str | os.PathLike[str], *, expected_model_id: str | None = 
     total = sum(lf.num_experts for lf in index.layers)
     if total > MAX_RECORDS:
         raise StoreError(f"{index_path}: {total} expert records in all; at most {MAX_RECORDS} are read")
-    return root, index
+    return root, index, hashlib.sha256(raw).hexdigest()
 
 
 def as_mx(a: np.ndarray, dtype: str) -> mx.array:
@@ -192,9 +201,10 @@ def as_mx(a: np.ndarray, dtype: str) -> mx.array:
 class ExpertStore:
     """An open, validated expert store. Use `ExpertStore.open`; close it (or use `with`) when done."""
 
-    def __init__(self, root: Path, index: StoreIndex, fds: dict[int, int]) -> None:
+    def __init__(self, root: Path, index: StoreIndex, fds: dict[int, int], sha256: str = "") -> None:
         self.root = root
         self.index = index
+        self.sha256 = sha256  # of index.json's bytes: the store's name (docs/store-format.md)
         self._layers = {lf.layer: lf for lf in index.layers}
         self._fds = fds
 
@@ -207,7 +217,7 @@ class ExpertStore:
         refused without blocking). Raises StoreError naming the file (and the expected and
         actual sizes for a truncated or oversized one).
         """
-        root, index = read_index(path, expected_model_id=expected_model_id)
+        root, index, sha256 = read_index_sha256(path, expected_model_id=expected_model_id)
         from qnpipe.io.store_check import open_layer_file
 
         fds: dict[int, int] = {}
@@ -218,7 +228,7 @@ class ExpertStore:
             for fd in fds.values():
                 os.close(fd)
             raise
-        return cls(root, index, fds)
+        return cls(root, index, fds, sha256)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -20,7 +20,7 @@ from qnpipe.io.store_format import LayerFile, StoreIndex
 if TYPE_CHECKING:
     from qnpipe.model.args import ModelArgs
 
-__all__ = ["check_against_model", "open_layer_file"]
+__all__ = ["check_against_model", "check_store_sha256", "open_layer_file"]
 
 _FLOATS = ("float32", "float16", "bfloat16")
 _PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -127,3 +127,18 @@ def check_against_model(index: StoreIndex, index_path: Path, args: ModelArgs,
         extra_t = sorted(set(tensors) - set(expected))
         if extra_t:
             raise StoreError(f"{where}: unexpected tensor(s) {extra_t} in the records")
+
+
+def check_store_sha256(index_path: Path, sha256: str, expected: str | None) -> None:
+    """StoreError when the store's `index.json` (bytes hashing to `sha256`) is not the one its model
+    was converted with (`expected`: config.json's `qnpipe.experts.index_sha256`; None for a model
+    converted before it was recorded, which is matched by its model id only).
+
+    Made after every other check, so a store that is wrong in itself says what is wrong first.
+    The model id names a shape: another model of that shape (its store given as model.expert_dir
+    or EXPERT_DIR) would otherwise load and give other tokens."""
+    if expected is not None and sha256 != expected:
+        raise StoreError(f"{index_path}: not this model's expert store: the model's config.json "
+                         f"(qnpipe.experts.index_sha256) names the store whose index.json has sha256 "
+                         f"{expected[:16]}..., this one has {sha256[:16]}... (another model's store, or one "
+                         f"changed since `qnpipe convert` wrote it)")

@@ -225,3 +225,20 @@ def config_model_id(model_dir: Path) -> str | None:
         return model_id(read_config(Path(model_dir)))
     except CheckpointError as e:
         raise StoreError(str(e)) from None
+
+
+def store_sha256(config: Mapping[str, Any], config_path: str | Path) -> str | None:
+    """The sha256 (hex) of the expert store's `index.json` that `qnpipe convert` wrote with this model
+    (config.json `qnpipe.experts.index_sha256`), or None for a directory converted before it was recorded.
+
+    The model id names a shape; this names the store, so another model's store of the same shape
+    is refused (docs/store-format.md). CheckpointError naming config.json for a value that is not one."""
+    section = config.get("qnpipe")
+    experts = section.get("experts") if isinstance(section, dict) else None
+    value = experts.get("index_sha256") if isinstance(experts, dict) else None
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise CheckpointError(f"{config_path}: qnpipe.experts.index_sha256 is {json.dumps(value)[:80]}, "
+                              f"not a sha256 (64 lowercase hex digits)")
+    return value

@@ -15,7 +15,7 @@ from qnpipe.config.validate import check_topk_override
 from qnpipe.errors import CheckpointError
 from qnpipe.io.store import ExpertStore, as_mx
 from qnpipe.io.store_format import Quant
-from qnpipe.model.args import ModelArgs, args_from_dict, model_id, read_config
+from qnpipe.model.args import ModelArgs, args_from_dict, model_id, read_config, store_sha256
 from qnpipe.model.checkpoint import (
     Layout,
     TensorInfo,
@@ -104,24 +104,27 @@ def _expert_weights(args: ModelArgs, w: dict[str, mx.array], qcfg: dict[str, Any
     return ResidentExperts(layers)
 
 
-def open_store(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None) -> ExpertStore:
+def open_store(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None,
+               index_sha256: str | None = None) -> ExpertStore:
     """The expert store of a model (a model dir or its experts dir), checked against its config.
 
-    Raises StoreError for a store of another model or one whose index disagrees with it
-    (`store_check.check_against_model`, the check verify-store makes too).
+    Raises StoreError for a store of another model (another shape, or with `index_sha256`,
+    config.json's `qnpipe.experts.index_sha256`, another store) or one whose index disagrees
+    with it (`store_check.check_against_model`, the check verify-store makes too).
     """
-    from qnpipe.io.store_check import check_against_model
+    from qnpipe.io.store_check import check_against_model, check_store_sha256
 
     store = ExpertStore.open(store_dir, expected_model_id=model_id(args))
     try:
         check_against_model(store.index, store.root / "index.json", args, qcfg)
+        check_store_sha256(store.root / "index.json", store.sha256, index_sha256)
     except BaseException:
         store.close()
         raise
     return store
 
 
-def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None, *,
+def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None, *, index_sha256: str | None,
                    verify: bool = False, stage: Stage | None = None) -> ResidentExperts:
     """Every expert of a store (a model dir or its experts dir), stacked `[E, ...]` per projection (slot == expert id).
 
@@ -129,7 +132,7 @@ def _store_experts(args: ModelArgs, store_dir: Path, qcfg: dict[str, Any] | None
     verify-store makes too). With `verify`, every record's crc32 is checked as its layer is
     read: StoreError names the layer, expert, file and offset of the first bad record.
     """
-    with open_store(args, store_dir, qcfg) as store:
+    with open_store(args, store_dir, qcfg, index_sha256) as store:
         layers: dict[int, LayerExperts] = {}
         for layer in args.moe_layers:
             if stage is not None and not stage.holds(layer):
@@ -268,10 +271,11 @@ def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None, v
         # lexists: an mtp.safetensors that is a FIFO or a directory is refused by read_header, not skipped.
         mtp = load_tensors(read_header(mtp_file)) if os.path.lexists(mtp_file) else {}
         store_dir = Path(expert_dir) if expert_dir else model_dir
+        index_sha256 = store_sha256(config, model_dir / "config.json")
         if resident_experts:
-            experts = _store_experts(args, store_dir, qcfg, verify=verify, stage=stage)
+            experts = _store_experts(args, store_dir, qcfg, index_sha256=index_sha256, verify=verify, stage=stage)
         else:
-            open_store(args, store_dir, qcfg).close()
+            open_store(args, store_dir, qcfg, index_sha256).close()
             experts = ResidentExperts({})
     else:
         layout = detect_layout(infos, model_dir)

@@ -160,9 +160,9 @@ def run_server(model_dir: str | Path, cfg: Config, opts: ServerOptions,
     check_options(opts)
     follower = False
     if cfg.distributed.enabled:
-        from qnpipe.config.launch import launch_rank
+        from qnpipe.config.launch import read_launch
 
-        follower = bool(launch_rank()[0])
+        follower = read_launch().rank > 0  # bad launch variables are refused before the port is bound
     sockets = None if follower else bind(opts)
 
     async def main() -> None:

@@ -4,7 +4,8 @@ Rank 0 runs each engine setting of the scenario through `open_engine(distributed
 what it produced; the other ranks serve it. An engine with `mtp.enabled` runs on its own model
 (`"models"`) and prompt (`"mtp_prompt"`): a generation cancelled part way, then greedy tokens, the
 rounds' acceptance histogram, and speculative sampling's tokens at a seed. `"loop": true` (the last engine only) then keeps rank 0
-generating until the ring fails (the killed-rank test), printing `generating` once it has begun.
+generating until the ring fails (the killed-rank test), printing `generating` once it has begun; with `"idle_s"`
+it first sends nothing for that long, then generates once.
 
 An engine named in `"prefix"` runs `"prefix_prompts"` (two prompts sharing a head, then a turn's new
 tokens) through prefix snapshots (`run_prefix`); one named `"lossy"` does so with rank `"lossy_rank"`
@@ -68,6 +69,9 @@ async def _run(eng: Any, name: str, overrides: dict[str, Any], scenario: dict, s
         saved[f"{name}.plan_layers"] = np.array(sorted(eng.plan.capacities))
     if scenario.get("loop") and name == list(scenario["engines"])[-1]:
         np.savez(out, **saved)
+        if scenario.get("idle_s"):  # no request for that long (the other ranks wait), then one more
+            await trio.sleep(scenario["idle_s"])
+            await eng.generate(prompt, max_tokens=2, stop_at_eos=False)
         print("generating", flush=True)
         while True:
             await eng.generate(prompt, max_tokens=64, stop_at_eos=False)

@@ -62,8 +62,21 @@ class Deadman:
                 self._armed = None  # an `exit` that returns (tests)
 
 
-_KILLER = ("import os, signal, sys, time; time.sleep(float(sys.argv[2])); sys.stderr.write(sys.argv[3] + chr(10)); "
-           "sys.stderr.flush(); os.kill(int(sys.argv[1]), signal.SIGKILL)")
+# The killer leaves quietly when the process it watches is gone first (a crash must not leave it behind).
+_KILLER = """
+import os, signal, sys, time
+pid, end = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+    if os.getppid() != pid:
+        sys.exit(0)
+sys.stderr.write(sys.argv[3] + chr(10))
+sys.stderr.flush()
+try:
+    os.kill(pid, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
 
 
 @contextmanager

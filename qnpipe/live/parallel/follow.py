@@ -89,7 +89,12 @@ class _Sequence:
 
 
 def _receive(ring: Ring, hidden: int) -> tuple[Header, mx.array | None, list[int]]:
-    header, h = ring.recv(ring.prev, lambda hd: (SNAP_WORDS,) if hd.op is Op.SNAP else (1, hd.rows, hidden), True)
+    while True:  # each wait bounded by the step timeout: an idle rank 0 keeps it alive with PINGs
+        header, h = ring.recv(ring.prev, lambda hd: (SNAP_WORDS,) if hd.op is Op.SNAP else (1, hd.rows, hidden))
+        if header.op is not Op.PING:
+            break
+        if ring.next != 0:  # passed on to the last rank, never back to rank 0 (it reads only answers)
+            ring.send(header, None, ring.next)
     ids = np.array(ring.recv_ids(ring.prev, header.ids)).tolist() if header.op is Op.STEP and header.ids else []
     return header, h, ids
 

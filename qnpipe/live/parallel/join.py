@@ -7,7 +7,7 @@ share and each rank plans its own layers (qnpipe.plan.startup.plan_for_share), a
 
 from __future__ import annotations
 
-import hashlib
+import json
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -17,6 +17,7 @@ import attrs
 import trio
 
 from qnpipe.config import Config, ConfigError, with_overrides
+from qnpipe.config.launch import Launch
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.ring import Ring
 from qnpipe.live.parallel.split import model_layer_bytes, split_layers
@@ -28,20 +29,22 @@ from qnpipe.plan.startup import plan_for_share
 from qnpipe.plan.units import parse_memory
 
 
-async def join(cfg: Config, thread: MLXThread, say: Callable[[str], None] | None = None
+async def join(cfg: Config, thread: MLXThread, launch: Launch, say: Callable[[str], None] | None = None
                ) -> tuple[Ring, Stage, Config, Plan | None]:
     """(the ring, this rank's stage, its config, its `--memory` plan or None). DistributedError naming a
     rank that differs or is lost; with `plan.memory`, ConfigError naming a rank whose budget cannot hold
     its share, before anything loads. `say` (default: stderr) gets this rank's plan line."""
-    from qnpipe import __version__
-    from qnpipe.model.args import args_from_dict, model_id, read_config
+    from qnpipe.model.args import args_from_dict, read_config
 
     mtp = cfg.mtp.enabled
     if mtp:
         check_mtp(cfg)
     distributed_cfg = cfg.distributed
-    ring = await run_on(thread, Ring.connect, distributed_cfg.connect_timeout_s, distributed_cfg.step_timeout_s)
+    ring = await run_on(thread, Ring.connect, launch, distributed_cfg.connect_timeout_s,
+                        distributed_cfg.step_timeout_s)
     model_dir = Path(cfg.model.model_dir)
+    expert_dir = Path(cfg.model.expert_dir) if cfg.model.expert_dir else None
+    mtp_file = Path(cfg.model.mtp_weights_path) if cfg.model.mtp_weights_path else model_dir / "mtp.safetensors"
     config = read_config(model_dir)
     args = args_from_dict(config, str(model_dir / "config.json"))
     by_memory = None
@@ -49,17 +52,11 @@ async def join(cfg: Config, thread: MLXThread, say: Callable[[str], None] | None
         by_memory = MemorySplit.of(cfg, ring.size)
         split = [(s.lo, s.hi) for s in by_memory.shares]
     else:
-        per, embed, head = model_layer_bytes(model_dir, args.num_hidden_layers,
-                                             Path(cfg.model.expert_dir) if cfg.model.expert_dir else None)
+        per, embed, head = model_layer_bytes(model_dir, args.num_hidden_layers, expert_dir)
         if mtp:  # the last rank also holds the MTP head and, to embed the tokens it reads, the embedding
-            mtp_file = Path(cfg.model.mtp_weights_path) if cfg.model.mtp_weights_path else model_dir / "mtp.safetensors"
             head += embed + (mtp_file.stat().st_size if mtp_file.is_file() else 0)
         split = split_layers(per, ring.size, first_extra=embed, last_extra=head)
-    # The same shape is not enough: config.json's bytes tell another checkpoint of it apart.
-    key = model_id(args) + hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
-    m = cfg.mtp
-    mtp_key = f"{mtp} {m.num_draft_tokens} {m.adaptive_depth} {m.conf_tau} {m.depth_max}" if mtp else "False"
-    await run_on(thread, ring.check_same_run, key, __version__, split, mtp_key)
+    await run_on(thread, ring.check_same_run, await same_run_parts(cfg, split, expert_dir, mtp_file if mtp else None))
     # Each rank's budget is its own: every rank checks every rank's, so all stop with the same message.
     budgets = await run_on(thread, ring.gather_budgets, parse_memory(cfg.plan.memory) if cfg.plan.memory else 0)
     plan = None
@@ -68,9 +65,25 @@ async def join(cfg: Config, thread: MLXThread, say: Callable[[str], None] | None
         cfg, plan = await trio.to_thread.run_sync(partial(
             plan_for_share, cfg, by_memory.facts, by_memory.shares[ring.rank],
             say=say or (lambda s: print(f"qnpipe: {s}", file=sys.stderr, flush=True))))
+    m = cfg.mtp
     ring.fit(args.hidden_size, (m.depth_max if m.adaptive_depth else m.num_draft_tokens) + 1 if mtp else 1)
     stage = Stage(ring.rank, ring.size, *split[ring.rank], mtp=mtp)
     return ring, stage, rank_config(cfg, stage), plan
+
+
+async def same_run_parts(cfg: Config, split: list[tuple[int, int]], expert_dir: Path | None,
+                         mtp_file: Path | None) -> list[tuple[str, str]]:
+    """What every rank must have the same of (`Ring.check_same_run`): the model's files, named by their
+    contents (qnpipe.model.identity: the same config.json is not the same model), the layer split, the
+    MTP settings (they size the frames) and the step timeout (rank 0's keep-alive follows its own)."""
+    from qnpipe.model.identity import model_identity
+
+    identity = await trio.to_thread.run_sync(model_identity, Path(cfg.model.model_dir), expert_dir, mtp_file)
+    m = cfg.mtp
+    return [*identity.parts(), ("layer split", json.dumps(split)),
+            ("MTP setting (mtp.enabled, num_draft_tokens, adaptive_depth, conf_tau, depth_max)",
+             f"{m.enabled} {m.num_draft_tokens} {m.adaptive_depth} {m.conf_tau} {m.depth_max}" if m.enabled else "off"),
+            ("distributed.step_timeout_s", repr(cfg.distributed.step_timeout_s))]
 
 
 @attrs.frozen

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import json
 import math
 import threading
+import time
 from typing import Any
 
 import attrs
 import mlx.core as mx
 import numpy as np
 
+from qnpipe.config.launch import Launch
 from qnpipe.errors import DistributedError
 from qnpipe.live.parallel.deadman import Deadman, outside
 
@@ -45,6 +46,7 @@ class Op(enum.IntEnum):
     FAIL = 3
     RESULT = 4
     SNAP = 5  # a prefix snapshot's capture, restore or drop (qnpipe.live.parallel.snap)
+    PING = 6  # rank 0 is alive and sends nothing else (qnpipe.live.parallel.keepalive): passed on, no answer
 
 
 class SnapAction(enum.IntEnum):
@@ -106,6 +108,7 @@ class Ring:
         self.deadman = deadman
         self.step_timeout_s = step_timeout_s
         self.broken: DistributedError | None = None
+        self.sent_at = time.monotonic()  # the last send to the next rank: rank 0's keep-alive pings after a pause
         # Every rank must use the same: set from the model (`fit`) before the first step.
         self.frame_bytes = HEADER_BYTES + 64
 
@@ -115,13 +118,14 @@ class Ring:
         self.frame_bytes = HEADER_BYTES + 4 * hidden_size * rows
 
     @classmethod
-    def connect(cls, connect_timeout_s: float, step_timeout_s: float) -> Ring:
-        """Join the group `mlx.launch` set up (MLX reads MLX_RANK / MLX_HOSTFILE), once per process."""
+    def connect(cls, launch: Launch, connect_timeout_s: float, step_timeout_s: float) -> Ring:
+        """Join the group `mlx.launch` set up, once per process. MLX reads MLX_RANK / MLX_HOSTFILE
+        itself: `launch` is what qnpipe.config.launch.read_launch checked of them first."""
         global _ring
         with _lock:
             if _ring is None:
                 deadman = Deadman()
-                with outside(connect_timeout_s, _never_connected(connect_timeout_s)):
+                with outside(connect_timeout_s, _never_connected(launch, connect_timeout_s)):
                     try:
                         group = mx.distributed.init(strict=True, backend="ring")
                     except RuntimeError as e:
@@ -163,15 +167,15 @@ class Ring:
                     mx.eval(mx.distributed.send(payload, to, group=self.group))
         except RuntimeError as e:
             raise self._fail(to, "sending to", e) from None
+        self.sent_at = time.monotonic()
 
-    def recv(self, frm: int, shape_of: Any, idle: bool = False) -> tuple[Header, mx.array | None]:
-        """A header from rank `frm` and its array, whose shape is `shape_of(header)`.
-
-        `idle`: waiting for the next request may take any time (no deadline); a step's answer has one.
-        A `FAIL` header raises DistributedError naming the rank that was lost.
+    def recv(self, frm: int, shape_of: Any) -> tuple[Header, mx.array | None]:
+        """A header from rank `frm` and its array, whose shape is `shape_of(header)`, within the step
+        timeout (between requests too: an idle rank 0 sends `PING`s). A `FAIL` header raises
+        DistributedError naming the rank that was lost.
         """
         self._check()
-        timeout = 0.0 if idle else self.step_timeout_s
+        timeout = self.step_timeout_s
         try:
             with self.deadman.waiting(timeout, f"rank {self.rank}: no answer from rank {frm} in {timeout} s "
                                       f"(distributed.step_timeout_s): rank {frm} or one before it hangs; stopping"):
@@ -218,6 +222,10 @@ class Ring:
             raise self._fail(frm, "receiving from", e) from None
         return ids
 
+    def ping(self) -> None:
+        """Rank 0's keep-alive to the next rank (qnpipe.live.parallel.keepalive)."""
+        self.send(Header(Op.PING), None, self.next)
+
     def tell_lost(self, lost: int, to: int) -> None:
         """Best effort: tell rank `to` that rank `lost` is gone (its own link may be down too)."""
         err, self.broken = self.broken, None
@@ -227,24 +235,28 @@ class Ring:
             pass
         self.broken = err
 
-    def check_same_run(self, model_key: str, version: str, split: list[tuple[int, int]], mtp: str = "") -> None:
-        """DistributedError naming each rank whose model, qnpipe version, layer split or MTP settings
-        (`mtp`: they set the frame size) differ from rank 0's."""
+    def check_same_run(self, parts: list[tuple[str, str]]) -> None:
+        """DistributedError naming each rank whose qnpipe version or any of `parts` (what, value: the same
+        list on every rank of one version) differs from rank 0's."""
+        from qnpipe import __version__
+
         self._check()
-        parts = [model_key, version, json.dumps(split), mtp]
-        mine = np.array([int.from_bytes(hashlib.blake2b(p.encode(), digest_size=4).digest(), "little") >> 1
-                         for p in parts], dtype=np.int32)
-        table = self._all_gather(mine, "start-up check")
+        # First the version and the number of parts: the second gather's rows must be as long on every rank.
+        first = self._all_gather(np.array([_word(__version__), len(parts)], dtype=np.int32), "start-up check")
+        other = [r for r in range(1, self.size) if first[r].tolist() != first[0].tolist()]
+        if other:
+            raise DistributedError(f"rank {self.rank}: " + ", ".join(f"rank {r}" for r in other) +
+                                   f" run{'s' if len(other) == 1 else ''} another qnpipe version than rank 0 "
+                                   f"(this rank: {__version__}; every rank needs the same)")
+        table = self._all_gather(np.array([_word(v) for _, v in parts], dtype=np.int32), "start-up check")
         bad = []
-        names = ("model", "qnpipe version", "layer split",
-                 "MTP setting (mtp.enabled, num_draft_tokens, adaptive_depth, conf_tau, depth_max)")
         for r in range(1, self.size):
-            for name, a, b in zip(names, table[0], table[r], strict=True):
-                if a != b:
-                    bad.append(f"rank {r} runs another {name} than rank 0")
+            differ = [what for (what, _), a, b in zip(parts, table[0], table[r], strict=True) if a != b]
+            if differ:
+                bad.append(f"rank {r} differs from rank 0 in its " + ", ".join(differ))
         if bad:
             raise DistributedError(f"rank {self.rank}: " + "; ".join(bad) +
-                                   " (every rank needs the same model files and qnpipe version)")
+                                   " (every rank needs the same model files, qnpipe version and settings)")
 
     def gather_budgets(self, budget: int) -> list[int]:
         """Every rank's `budget` (bytes, 0 <= budget < 2**62: its `--memory`, 0 for none), by rank."""
@@ -265,20 +277,12 @@ class Ring:
         return np.array(every).reshape(self.size, len(mine))
 
 
-def _never_connected(timeout_s: float) -> str:
-    from qnpipe.config.launch import launch_rank
+def _word(value: str) -> int:
+    """A 31-bit hash of `value`: one int32 of the start-up check's rows."""
+    return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=4).digest(), "little") >> 1
 
-    rank, hostfile = launch_rank()
-    peers = "its neighbours in the ring"
-    if rank is not None and hostfile:
-        try:
-            with open(hostfile) as f:
-                n = len(json.load(f))
-            if n > 1:
-                peers = " and ".join(sorted({f"rank {(rank - 1) % n}", f"rank {(rank + 1) % n}"}))
-        except (OSError, ValueError, TypeError):
-            pass
-    who = f"rank {rank}" if rank is not None else "this rank"
-    return (f"{who}: the mx.distributed ring did not connect within {timeout_s} s "
-            f"(distributed.connect_timeout_s): {peers} (MLX_HOSTFILE {hostfile or 'unset'}) never answered; "
-            f"is qnpipe started on every host of the hostfile?")
+
+def _never_connected(launch: Launch, timeout_s: float) -> str:
+    return (f"rank {launch.rank}: the mx.distributed ring did not connect within {timeout_s} s "
+            f"(distributed.connect_timeout_s): {launch.neighbours()} (MLX_HOSTFILE {launch.hostfile}) never "
+            f"answered; is qnpipe started on every host of the hostfile?")
