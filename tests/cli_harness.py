@@ -10,7 +10,8 @@ A row marked `in_process` (one that fails before a model loads) runs `qnpipe.cli
 process instead (`run_in_process`: the same clean environment, output captured, an uncaught
 exception reported as a traceback, a timer as hang guard): a tenth of a second instead of
 half of one. A row marked `tmp_empty` runs with TMPDIR set to a fresh directory and fails when
-anything is left in it (`run_with_tmpdir` gives the same to other tests).
+anything is left in it (`run_with_tmpdir` gives the same to other tests; `stop_with_tmpdir` sends
+a signal once the command is under way).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -147,6 +150,62 @@ def run_with_tmpdir(argv: Sequence[Any], *, in_process: bool = False, env: tuple
         run = run_in_process if in_process else run_cli
         r = run(argv, env=(*env, ("TMPDIR", str(tmp))), **kw)
         return r, sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p != tmp / MLX_CACHE)
+    finally:
+        with contextlib.suppress(OSError):
+            (tmp / MLX_CACHE).unlink()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _drain(stream: Any, into: bytearray) -> threading.Thread:
+    def read() -> None:
+        with stream:
+            for chunk in iter(lambda: stream.read1(65536), b""):
+                into.extend(chunk)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t
+
+
+def stop_with_tmpdir(argv: Sequence[Any], ready: Callable[[Path, bytes], bool], *, sig: int = signal.SIGTERM,
+                     timeout: float = TIMEOUT, mem: int = MEM_LIMIT, env: tuple[tuple[str, str], ...] = (),
+                     cwd: Path | None = None) -> tuple[subprocess.CompletedProcess[bytes], list[str]]:
+    """Start `qnpipe ARGV` with TMPDIR a fresh directory, send `sig` once `ready(tmpdir, stdout so far)`
+    holds (not at all when it exits first), wait for it; the result and what was left in the directory
+    but MLX's kernel cache (as run_with_tmpdir).
+
+    TimeoutExpired (the process killed) when it is neither ready nor gone, or not gone after the
+    signal, within `timeout` seconds each: hang guards, no timing is asserted.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix="qnpipe-test-tmpdir-"))
+    args = [a if isinstance(a, bytes) else str(a) for a in argv]
+    out, err = bytearray(), bytearray()
+    try:
+        shared = Path(tempfile.gettempdir()) / MLX_CACHE
+        shared.mkdir(exist_ok=True)
+        (tmp / MLX_CACHE).symlink_to(shared, target_is_directory=True)
+        proc = subprocess.Popen([sys.executable, "-m", "qnpipe", *args], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+                                env=clean_env() | dict(env) | {"TMPDIR": str(tmp)}, preexec_fn=lambda: _limit(mem))
+        readers = [_drain(proc.stdout, out), _drain(proc.stderr, err)]
+        try:
+            waited = 0.0
+            while proc.poll() is None and not ready(tmp, bytes(out)):
+                if waited > timeout:
+                    raise subprocess.TimeoutExpired(args, timeout, bytes(out), bytes(err))
+                time.sleep(0.02)
+                waited += 0.02
+            if proc.poll() is None:
+                proc.send_signal(sig)
+            rc = proc.wait(timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for t in readers:
+            t.join(timeout)
+        left = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p != tmp / MLX_CACHE)
+        return subprocess.CompletedProcess(args, rc, bytes(out), bytes(err)), left
     finally:
         with contextlib.suppress(OSError):
             (tmp / MLX_CACHE).unlink()
