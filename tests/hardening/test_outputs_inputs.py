@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from qnpipe.replay.synth import SynthSpec, write_synth
-from tests.cli_harness import Case, check_table
+from tests.cli_harness import Case, check_table, leftovers, stop_with_tmpdir
 
 REC = "replay.record_nbytes=1000000"
 
@@ -162,3 +162,25 @@ def test_no_output_is_an_input(w: dict[str, Path]) -> None:
     changed = [str(p) for p, h in before.items() if after.get(p) != h and p.name not in own]
     assert not table and not changed, f"{table}\ninputs changed or gone: {changed}"
     assert (m / "experts" / "trace.qtrace").is_file() and (d / "out.csv").is_file()
+
+
+def test_sigterm_leaves_nothing_in_tmpdir(w: dict[str, Path]) -> None:
+    """The commands above stopped by SIGTERM under way: exit 128 + 15, their outputs whole or absent,
+    nothing in TMPDIR (a sweep's worker pool keeps its sockets there)."""
+    d, m = w["d"], w["m"]
+    big = d / "big.qtrace"
+    write_synth(big, SynthSpec(layers=8, experts=64, top_k=4, tokens=3000, seed=1))
+    runs = {
+        # under way: a worker is writing its point's event log
+        "sweep": stop_with_tmpdir(["sweep", big, "--set", REC, "--set", "pool.expert_slots=8", "--grid",
+                                   "trace.event_log_path=" + ";".join(f"{d / 'p'}{i}.qtrace" for i in range(4)),
+                                   "--jobs", "2", "--no-progress", "-o", d / "s.json"],
+                                  lambda tmp, out: any(d.glob("p*.qtrace.partial")), cwd=d),
+        "generate": stop_with_tmpdir(["generate", m, "-p", "hi", "-n", "100000", "--trace", d / "g.qtrace"],
+                                     lambda tmp, out: len(out) > 0, cwd=d),
+    }
+    bad = {name: (r.returncode, left, r.stderr.decode(errors="replace")[-400:]) for name, (r, left) in runs.items()
+           if r.returncode != 128 + 15 or left or b"Traceback" in r.stderr}
+    assert not bad, bad
+    assert not (d / "s.json").exists() and (d / "g.qtrace").is_file()
+    assert leftovers(d) == []
