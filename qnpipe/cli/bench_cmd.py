@@ -39,6 +39,9 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
     from qnpipe.trace import check_output_path
 
     check_output_path(out, "device profile")  # before ~20 s of measuring, not after
+    from qnpipe.io.clobber import check_outputs
+
+    check_outputs([("-o" if args.output else "read.device_profile_path", out)], [("--config", args.config)])
     d = Path(args.dir)
     if not d.is_dir():
         raise QnpipeError(f"--dir {d}: not a directory")

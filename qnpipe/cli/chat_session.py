@@ -11,7 +11,7 @@ from typing import Any
 
 from qnpipe.chat.conversation import Conversation
 from qnpipe.cli.common import echo, print_engine_stats, print_stats
-from qnpipe.errors import ChatError
+from qnpipe.errors import ChatError, OutputError
 
 HELP = ("commands: /reset (forget the turns), /system [TEXT] (show or set the system message; "
         "/system - removes it), /stats, /save FILE, /load FILE, /help, /quit or Ctrl-D; "
@@ -81,12 +81,13 @@ class ChatSession:
                 return
             try:
                 if name == "/save":
+                    self.check_save(rest)
                     self.conv.save(rest)
                     say(f"[saved {len(self.conv.turns)} messages to {rest}]")
                 else:
                     self.conv = Conversation.load(rest)
                     say(f"[loaded {len(self.conv.turns)} messages from {rest}]")
-            except ChatError as e:
+            except (ChatError, OutputError) as e:
                 say(f"qnpipe chat: error: {e}")
             except OSError as e:  # a full disk, a missing directory: the file and the reason
                 say(f"qnpipe chat: error: {e.filename or rest}: {e.strerror or e}")
@@ -94,6 +95,14 @@ class ChatSession:
             say(HELP)
         else:
             say(f"qnpipe chat: unknown command {name} ({HELP})")
+
+    def check_save(self, path: str) -> None:
+        """/save FILE replaces none of the files this chat reads or writes (qnpipe.io.clobber)."""
+        from qnpipe.io.clobber import check_outputs
+
+        cfg = self.eng.cfg
+        check_outputs([("--trace", cfg.trace.event_log_path), ("/save", path)], [("--config", self.args.config)],
+                      models=[("MODEL_DIR", self.args.model_dir), ("model.expert_dir", cfg.model.resolved_expert_dir())])
 
     def stats(self) -> None:
         st = self.eng.stats()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -231,6 +232,42 @@ def precheck_model(model_dir: str | Path, cfg: Any) -> Any:
             check_against_model(store.index, store.root / "index.json", margs, qcfg if isinstance(qcfg, dict) else None)
             check_store_sha256(store.root / "index.json", store.sha256, store_sha256(config, model_dir / "config.json"))
     return margs
+
+
+def check_run_outputs(args: argparse.Namespace, cfg: Any, model_dir: str | Path) -> None:
+    """No file a model-running command writes (demo, generate, chat, serve) is one it reads (qnpipe.io.clobber).
+
+    Its outputs: the event log, the routing log, the autopin heat file; its inputs: the model
+    directory and expert store, --config, the plan's log, cost and device files, the capacity
+    profile, the BLAS library, the API key file. The recorded log, the default heat file and the
+    plan cache are the files it writes inside the model directory by design.
+    """
+    from qnpipe import config
+    from qnpipe.io.clobber import check_outputs
+
+    cfg = config.with_overrides(cfg, {"model.model_dir": str(model_dir)})
+    experts = cfg.model.resolved_expert_dir()
+    trace_flag = "--trace" if getattr(args, "trace", None) else "trace.event_log_path"
+    outputs = [(trace_flag, cfg.trace.event_log_path),
+               ("trace.route_trace_path", cfg.trace.route_trace_path if cfg.trace.route_trace else None),
+               ("pool.autopin_usage_file", cfg.autopin_usage_path() if cfg.pool.autopin else None)]
+    planned = bool(cfg.plan.memory)
+    device = cfg.plan.device
+    inputs = [("--config", args.config),
+              ("--log", cfg.plan.log if planned else None),
+              ("plan.cost_path", cfg.plan.cost_path if planned else None),
+              ("plan.device", device if planned and Path(device).is_file() else None),
+              ("read.device_profile_path", cfg.read.device_profile_path if planned and device == "measured" else None),
+              ("pool.capacity_profile_path", cfg.pool.capacity_profile_path),
+              ("compute.cpu_blas", cfg.compute.cpu_blas if os.sep in cfg.compute.cpu_blas else None),
+              ("model.config_path", cfg.model.config_path),
+              ("model.mtp_weights_path", cfg.model.mtp_weights_path),
+              ("--api-key-file", getattr(args, "api_key_file", None))]
+    model_flag = "MODEL_DIR" if args.command != "demo" else "--model" if getattr(args, "model", None) else "demo"
+    models = [(model_flag, model_dir), ("model.expert_dir", experts)]
+    own = [cfg.recorded_log_path(), os.path.join(experts, "pool_usage.json"),
+           cfg.plan.cache_dir or os.path.join(experts, "plans")]
+    check_outputs(outputs, inputs, models=models, own=own)
 
 
 def check_token_ids(ids: list[int], margs: Any, model_dir: str | Path) -> None:

@@ -29,6 +29,7 @@ def _plan(args: argparse.Namespace) -> int:
     memory = parse_memory(args.memory)
     headroom = parse_memory(args.headroom, key="--headroom") if args.headroom not in ("0", "") else 0
     cfg = config.load(args.config, overrides=config_overrides(args))
+    check_plan_outputs(args, cfg)
     facts = resolve_model(Path(model), cfg, args.bits)
     if args.ranks is not None:
         return plan_ranks(args, cfg, facts, memory, headroom)
@@ -52,6 +53,27 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def rank_output(out: Path, rank: int) -> Path:
+    """Rank `rank`'s plan file of `-o out` (named as a distributed run names a rank's files: qnpipe.live.parallel.join)."""
+    return out.with_name(f"{out.stem}.rank{rank}{out.suffix}")
+
+
+def check_plan_outputs(args: argparse.Namespace, cfg: Any) -> None:
+    """-o, its ranks' files, the synthetic log beside it and --plot are none of the files the plan reads."""
+    from qnpipe.io.clobber import check_outputs
+
+    out = Path(args.output) if args.output else None
+    plans = [("-o", out)] if args.ranks is None else [("-o", rank_output(out, r)) for r in range(max(args.ranks, 0))
+                                                      if out is not None]
+    synth = ("the synthetic log beside -o", Path(f"{out}.synth.qtrace") if out is not None and not args.log else None)
+    device = args.device
+    inputs = [("--log", args.log), ("--cost", args.cost), ("--shape", args.shape), ("--config", args.config),
+              ("--device", device if Path(device).is_file() else None),
+              ("read.device_profile_path", cfg.read.device_profile_path if device == "measured" else None)]
+    check_outputs([*plans, synth, ("--plot", args.plot)], inputs,
+                  models=[("MODEL_DIR", args.model_dir if not args.shape else None)])
+
+
 def plan_ranks(args: argparse.Namespace, cfg: Any, facts: Any, memory: int, headroom: int) -> int:
     """`--ranks N`: the split by the memory account and each rank's plan in `memory` (docs/distributed.md)."""
     from qnpipe.plan import fmt_bytes, make_plans, save_plan
@@ -73,8 +95,8 @@ def plan_ranks(args: argparse.Namespace, cfg: Any, facts: Any, memory: int, head
                             cfg=cfg, headroom_bytes=headroom, window_layer_steps=args.window_layer_steps,
                             synth_path=Path(f"{out}.synth.qtrace") if out and not args.log else None, say=say,
                             share=share)
-        if out is not None:  # named as a distributed run names a rank's files (qnpipe.live.parallel.join)
-            save_plan(out.with_name(f"{out.stem}.rank{share.rank}{out.suffix}"), plan)
+        if out is not None:
+            save_plan(rank_output(out, share.rank), plan)
         print(describe(plan, fmt_bytes))
         plans.append(plan)
     # One sequence visits the ranks in turn: a token takes the sum of their times (hand-off not counted).

@@ -10,6 +10,7 @@ import msgspec
 
 from qnpipe.cli.common import add_config_flags, config_overrides, stop_on_signals
 from qnpipe.errors import QnpipeError
+from qnpipe.io.clobber import check_outputs
 
 # qnpipe.replay.PREDICTORS, spelled out: importing qnpipe.replay here would load MLX for every command.
 PREDICTORS = ("none", "previous", "recorded", "transition", "oracle")
@@ -44,6 +45,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     args.sets = rest
     check_exports(args)  # before the replay, not after it
     cfg = config.load(args.config, overrides=config_overrides(args))
+    check_outputs([("--csv", args.csv), ("--parquet", args.parquet), *log_outputs(cfg)], replay_inputs(args, cfg))
     fitted = msgspec.to_builtins(load_cost(args.cost).cost) if args.cost else {}
     # The values were typed above, so these convert; replay checks each against its bounds, naming it.
     cost = msgspec.convert({**fitted, **own["cost"]}, CostModel, strict=False)
@@ -75,6 +77,21 @@ def check_exports(args: argparse.Namespace) -> None:
 
         pyarrow()
         check_output_path(args.parquet, "Parquet file (--parquet)")
+
+
+def replay_inputs(args: argparse.Namespace, cfg: Any) -> list[tuple[str, Any]]:
+    """The files a replay reads, named by their flag or setting, for qnpipe.io.clobber.check_outputs."""
+    measured = getattr(args, "device", None) == "measured"
+    return [("LOG", args.log), ("--config", args.config), ("--train-log", getattr(args, "train_log", None)),
+            ("--cost", getattr(args, "cost", None)),
+            ("read.device_profile_path", cfg.read.device_profile_path if measured else None),
+            ("pool.capacity_profile_path", cfg.pool.capacity_profile_path)]
+
+
+def log_outputs(cfg: Any) -> list[tuple[str, Any]]:
+    """The logs a replay of `cfg` writes (trace.event_log_path, the routing log), named by their setting."""
+    return [("trace.event_log_path", cfg.trace.event_log_path),
+            ("trace.route_trace_path", cfg.trace.route_trace_path if cfg.trace.route_trace else None)]
 
 
 def write_exports(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
@@ -114,6 +131,8 @@ def _mrc(args: argparse.Namespace) -> int:
     check_exports(args)
     csv_path = Path(args.csv or f"{stem}.mrc.csv")
     png_path = Path(args.plot or f"{stem}.mrc.png")
+    check_outputs([("--csv" if args.csv else "the curves' CSV", csv_path), ("--plot" if args.plot else "the plot", png_path),
+                   ("--parquet", args.parquet)], [("LOG", args.log), ("--config", args.config)])
     for p in (csv_path, png_path):
         if p.is_dir():
             raise QnpipeError(f"{p}: is a directory, give a file name")

@@ -15,6 +15,7 @@ from qnpipe.cli.common import (
     add_memory_flags,
     add_mtp_flags,
     apply_memory,
+    check_run_outputs,
     check_token_ids,
     load_config,
     precheck_model,
@@ -30,6 +31,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"model: {model_dir}", file=sys.stderr)
     cfg = load_config(args)
+    check_run_outputs(args, cfg, model_dir)
     precheck_model(model_dir, cfg)
     from qnpipe.embed import Engine
 
@@ -62,6 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if tokens is not None and args.chat:
         raise QnpipeError("--chat needs --prompt TEXT (token ids are sent as they are)")
     cfg = load_config(args)
+    check_run_outputs(args, cfg, args.model_dir)
     margs = precheck_model(args.model_dir, cfg)
     if tokens is not None:
         check_token_ids(tokens, margs, args.model_dir)
@@ -87,6 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     cfg = load_config(args)
+    check_run_outputs(args, cfg, args.model_dir)
     precheck_model(args.model_dir, cfg)
     cfg = apply_memory(args, cfg)
     from qnpipe.cli.chat_session import ChatSession

@@ -13,6 +13,7 @@ from qnpipe.cli.common import (
     add_distributed_flag,
     add_memory_flags,
     apply_memory,
+    check_run_outputs,
     checked,
     int_arg,
     load_config,
@@ -81,6 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          model_name=args.model_name)
     check_options(opts)  # before the model loads
     cfg = load_config(args)
+    check_run_outputs(args, cfg, args.model_dir)
     precheck_model(args.model_dir, cfg)
     cfg = apply_memory(args, cfg)
 

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from qnpipe.cli.common import add_config_flags
-from qnpipe.cli.replay_cmd import add_export_flags, check_exports, write_exports
+from qnpipe.cli.replay_cmd import add_export_flags, check_exports, log_outputs, write_exports
 from qnpipe.errors import QnpipeError
+from qnpipe.io.clobber import check_outputs
 from qnpipe.io.figure import PLOT_FORMATS
 
 
@@ -128,6 +129,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 128 + signal.SIGTERM
 
 
+def _outputs(args: argparse.Namespace, metric: str, points: list[Any]) -> list[tuple[str, Any]]:
+    """Every file the sweep will write, named by its flag: -o, --csv, --parquet, the plots, the points' logs."""
+    from qnpipe.replay.sweep_plot import file_name
+
+    fields = list(points[0].values) if points else []
+    plots = [Path(args.plot_dir) / file_name(metric, f, args.plot_format) for f in fields] if args.plot_dir else []
+    return [("-o", args.output), ("--csv", args.csv), ("--parquet", args.parquet),
+            *(("--plot-dir", p) for p in plots),
+            *((f"grid point {p.index}: {what}", path) for p in points for what, path in log_outputs(p.cfg))]
+
+
 def _sweep(args: argparse.Namespace) -> int:
     from qnpipe.replay.sweep import POINT_TIMEOUT_S, check_metric, parse_grid, plan, run, to_json, write_json
 
@@ -158,6 +170,7 @@ def _sweep(args: argparse.Namespace) -> int:
     check_exports(args)
     cfg, base, fixed = _base(args)
     points = plan(args.log, parse_grid(args.grid), cfg, base=base, fixed=fixed, equal_memory=args.equal_memory)
+    check_outputs(_outputs(args, metric, points), [("LOG", args.log), ("--config", args.config)])
     wait = cfg.net.dask_connect_timeout_s
     if args.executor == "dask":
         print(f"qnpipe sweep: connecting to the Dask scheduler at {args.scheduler} (timeout {wait:g} s: "

@@ -12,15 +12,17 @@ def cmd_fit_cost(args: argparse.Namespace) -> int:
     import msgspec
 
     from qnpipe import config
+    from qnpipe.io.clobber import check_outputs
     from qnpipe.io.device_file import named_profile
     from qnpipe.replay.cost_fit import fit_cost, save_cost
     from qnpipe.trace import check_output_path
 
     check_output_path(args.output, "cost file (-o)")
-    device = None
-    if args.device:
-        cfg = config.load(args.config, overrides=config_overrides(args))
-        device = named_profile(args.device, cfg.read.device_profile_path)
+    cfg = config.load(args.config, overrides=config_overrides(args))
+    measured = cfg.read.device_profile_path if args.device == "measured" else None
+    check_outputs([("-o", args.output)], [*(("LOG", p) for p in args.log), ("--config", args.config),
+                                          ("read.device_profile_path", measured)])
+    device = named_profile(args.device, cfg.read.device_profile_path) if args.device else None
     fit = fit_cost(args.log, device, per_layer=args.per_layer, per_miss=args.per_miss)
     save_cost(args.output, fit)
     if args.json:

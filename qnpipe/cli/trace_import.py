@@ -17,10 +17,12 @@ def _size(src: Path) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     import msgspec
 
+    from qnpipe.io.clobber import check_outputs
     from qnpipe.io.outdir import ByteProgress
     from qnpipe.trace.importers import describe, import_log, sources
 
     paths = sources(args.format, args.src)
+    check_outputs([("-o", args.out)], [("SRC", p) for p in [*map(Path, args.src), *paths]])
     total = sum(_size(p) for p in paths)
     name = paths[0].name if len(paths) == 1 else f"{len(paths)} files"
     bar = ByteProgress(sys.stderr.isatty() and not args.quiet and total > 8 << 20, total, f"importing {name}")

@@ -11,12 +11,14 @@ from qnpipe.io.figure import PLOT_FORMATS
 def cmd_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from qnpipe.io.clobber import check_outputs
     from qnpipe.io.figure import check_format, format_of
     from qnpipe.trace import read
     from qnpipe.trace.plot import draw
     from qnpipe.trace.timeline import parse_steps, timeline
 
     fmt = check_format(args.plot_format) if args.plot_format else format_of(args.output)
+    check_outputs([("-o", args.output)], [("LOG", args.log)])
     window = parse_steps(args.steps) if args.steps else (None, None)
     header, records = read(args.log)
     tl = timeline(header, records, window, path=args.log)

@@ -7,8 +7,11 @@ from typing import Any
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
+    from qnpipe.io.clobber import check_outputs
     from qnpipe.replay.synth import SynthSpec, write_synth
 
+    popularity = args.popularity if args.popularity != "uniform" and not args.popularity.startswith("zipf:") else None
+    check_outputs([("-o", args.output)], [("--popularity", popularity)])
     spec = SynthSpec(layers=args.layers, experts=args.experts, top_k=args.top_k, tokens=args.tokens, seed=args.seed,
                      locality=args.locality, cross_layer=args.cross_layer, popularity=args.popularity)
     path = write_synth(args.output, spec)

@@ -163,6 +163,9 @@ def _check_paths(src: Path, out: Path, mtp_from: Path | None, force: bool) -> No
     for p, what in ((src, "SRC"), (mtp_from, "--mtp-from")):
         if p is not None and (p == out or out in p.parents):
             raise ConfigError(f"--out {out} must not be {what} {p} or contain it")
+    from qnpipe.io.clobber import check_outputs
+
+    check_outputs([("--out", out)], models=[("SRC", src), ("--mtp-from", mtp_from)])
     check_replaceable(out, force, "--out")
 
 

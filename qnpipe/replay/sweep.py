@@ -51,6 +51,7 @@ from qnpipe.replay.runner import (
     setting_value,
 )
 from qnpipe.trace import check_log_paths
+from qnpipe.trace.format import partial_path
 
 EXECUTORS = ("processes", "dask", "serial")
 # Points in one sweep: a replay takes ~0.1 s to minutes, so more is days of work, and each
@@ -470,9 +471,11 @@ def _pool_pass(log: str, points: Sequence[Point], which: Iterable[int], jobs: in
                 for i in _overrun(waiting, futures, starts, pids, limit_s, killed):
                     out[i] = Outcome(error=_failure(points[i], QnpipeError(
                         f"over its time limit of {limit_s:g} s (--point-timeout): its worker was killed")))
+                    _remove_partial_logs([points[i]])
                     tick()
     except BaseException:
         _terminate(ex)  # Ctrl-C, SIGTERM: the points running would otherwise finish first
+        _remove_partial_logs([points[i] for i in which if out[i] is None])
         raise
     ex.shutdown()
     return sorted(lost), bool(killed)
@@ -507,6 +510,14 @@ def _terminate(ex: ProcessPoolExecutor) -> None:
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
+
+
+def _remove_partial_logs(points: Iterable[Point]) -> None:
+    """The logs the terminated workers of `points` were writing: a worker killed mid-point cannot remove its own."""
+    for p in points:
+        for path in (p.cfg.trace.event_log_path, p.cfg.trace.route_trace_path if p.cfg.trace.route_trace else ""):
+            if path:
+                partial_path(path).unlink(missing_ok=True)
 
 
 def _run_dask(log: str, points: Sequence[Point], scheduler: Any, tick: Callable[[], None],

@@ -224,6 +224,12 @@ def check_output_path(path: str | Path, what: str = "event log", *, probe: bool 
         os.unlink(tmp)
 
 
+def partial_path(path: str | Path) -> Path:
+    """Where a TraceWriter of `path` writes until it closes: `<path>.partial`."""
+    p = Path(path)
+    return p.with_name(p.name + ".partial")
+
+
 def check_log_paths(cfg: Any) -> None:
     """`check_output_path` of the logs a Config asks for (`trace.event_log_path`, the routing log)."""
     if cfg.trace.event_log_path:
@@ -243,7 +249,7 @@ class TraceWriter:
 
     def __init__(self, path: str | Path, header: Header) -> None:
         self.path = Path(path)
-        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.partial = partial_path(self.path)
         self.what = "routing log" if header.contents == "routes" else "event log"
         self.records = 0
         self._f: IO[bytes] | None = None
