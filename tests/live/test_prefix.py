@@ -233,7 +233,11 @@ def test_a_file_made_with_another_prefill_chunk_is_ignored(prompts: list[list[in
 
 def _reverse_experts(experts_dir: Path) -> None:
     """Rewrite a store in place with every layer's records in reverse order (and their crc32s with them):
-    a valid store of other experts under the same dense weights (an expert-only fine-tune)."""
+    a valid store of other experts under the same dense weights (an expert-only fine-tune), named by its
+    model's config.json as `qnpipe convert` names the store it writes."""
+    import hashlib
+    import json
+
     import msgspec
 
     from qnpipe.io.store import read_index, write_index
@@ -246,7 +250,11 @@ def _reverse_experts(experts_dir: Path) -> None:
         records = [data[e * lf.stride:(e + 1) * lf.stride].ljust(lf.stride, b"\0") for e in range(lf.num_experts)]
         path.write_bytes(b"".join(reversed(records))[:lf.file_nbytes])
         layers.append(msgspec.structs.replace(lf, checksums=tuple(reversed(lf.checksums))))
-    write_index(root, msgspec.structs.replace(index, layers=tuple(layers)))
+    written = write_index(root, msgspec.structs.replace(index, layers=tuple(layers)))
+    config_path = experts_dir.parent / "config.json"
+    config = json.loads(config_path.read_text())
+    config["qnpipe"]["experts"]["index_sha256"] = hashlib.sha256(written.read_bytes()).hexdigest()
+    config_path.write_text(json.dumps(config, indent=1))
 
 
 def test_a_store_of_other_experts_does_not_resume_the_first_ones_head(prompts: list[list[int]],
