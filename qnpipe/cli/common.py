@@ -260,7 +260,6 @@ def check_run_outputs(args: argparse.Namespace, cfg: Any, model_dir: str | Path)
               ("read.device_profile_path", cfg.read.device_profile_path if planned and device == "measured" else None),
               ("pool.capacity_profile_path", cfg.pool.capacity_profile_path),
               ("compute.cpu_blas", cfg.compute.cpu_blas if os.sep in cfg.compute.cpu_blas else None),
-              ("model.config_path", cfg.model.config_path),
               ("model.mtp_weights_path", cfg.model.mtp_weights_path),
               ("--api-key-file", getattr(args, "api_key_file", None))]
     model_flag = "MODEL_DIR" if args.command != "demo" else "--model" if getattr(args, "model", None) else "demo"

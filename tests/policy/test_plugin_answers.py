@@ -77,10 +77,10 @@ class Boom(LRUish):
 
 class HeldLater(LRUish):
     """As LRUish for its first 150 picks (a few tokens of the demo model at 8 slots), then the held expert
-    with the lowest id."""
+    with the lowest id among those not loading (one still loading is refused as loading, checked first)."""
 
     def pick(self, loading, held, pinned, incoming):
-        if next(_picks) >= 150 and (mine := sorted(e for e in self.last if e in held)):
+        if next(_picks) >= 150 and (mine := sorted(e for e in self.last if e in held and e not in loading)):
             return mine[0]
         return super().pick(loading, held, pinned, incoming)
 
