@@ -19,7 +19,6 @@ import errno
 import os
 import secrets
 import stat
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -68,22 +67,39 @@ def _symlink_error(path: Path, what: str) -> OSError:
     return OSError(errno.ELOOP, f"{what} is a symlink: not written through", str(path))
 
 
-@contextlib.contextmanager
-def _nofollow_file(p: Path, fsync_dir: bool) -> Iterator[BinaryIO]:
+def _open_dir(p: Path, nofollow: bool) -> int:
+    """A descriptor of `p`'s directory, which the temporary file is made in and renamed relative to."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0)
     try:
-        dfd = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return os.open(p.parent, flags)
     except OSError as e:  # a link: ELOOP, or ENOTDIR (Linux checks O_DIRECTORY on the link itself)
-        linked = e.errno in (errno.ELOOP, errno.ENOTDIR) and p.parent.is_symlink()
+        linked = nofollow and e.errno in (errno.ELOOP, errno.ENOTDIR) and p.parent.is_symlink()
         raise (_symlink_error(p, f"its directory {p.parent}") if linked else _named(e, p)) from None
+
+
+def _mode(p: Path, dfd: int, nofollow: bool) -> int:
+    """The mode of the file `p` replaces, else what `open(p, "w")` would give; a link refused with `nofollow`."""
     try:
-        try:
-            st = os.stat(p.name, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            mode = 0o666 & ~current_umask()
-        else:
-            if stat.S_ISLNK(st.st_mode):
-                raise _symlink_error(p, "it")
-            mode = stat.S_IMODE(st.st_mode)
+        st = os.stat(p.name, dir_fd=dfd, follow_symlinks=not nofollow)
+    except OSError:
+        return 0o666 & ~current_umask()
+    if stat.S_ISLNK(st.st_mode):
+        raise _symlink_error(p, "it")
+    return stat.S_IMODE(st.st_mode)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str], *, fsync_dir: bool = False, nofollow: bool = False) -> Iterator[BinaryIO]:
+    """A binary file that replaces `path` when the block ends without an error (flushed, fsynced, renamed).
+
+    `fsync_dir` also syncs the directory, so the rename itself survives a power cut (files that
+    must outlive the process that wrote them, such as the heat file). `nofollow`: see the module
+    doc. Raises OSError naming `path` (a write to the file that fails, a full disk for one, names it too).
+    """
+    p = Path(path)
+    dfd = _open_dir(p, nofollow)
+    try:
+        mode = _mode(p, dfd, nofollow)
         tmp = f".{p.name}.{secrets.token_hex(6)}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
@@ -98,6 +114,7 @@ def _nofollow_file(p: Path, fsync_dir: bool) -> Iterator[BinaryIO]:
                     os.fsync(f.fileno())
                 os.replace(tmp, p.name, src_dir_fd=dfd, dst_dir_fd=dfd)
             except OSError as e:
+                # Ours (the temporary file, or a write with no name: ENOSPC from f.write) or the caller's (another file).
                 if e.filename is None or os.fsdecode(e.filename) == tmp:
                     raise _named(e, p) from None
                 raise
@@ -106,69 +123,14 @@ def _nofollow_file(p: Path, fsync_dir: bool) -> Iterator[BinaryIO]:
                 os.unlink(tmp, dir_fd=dfd)
             raise
         if fsync_dir:
+            # Best effort: some filesystems cannot sync a directory; the data itself is synced.
             with contextlib.suppress(OSError):
                 os.fsync(dfd)
     finally:
         os.close(dfd)
 
 
-@contextlib.contextmanager
-def atomic_file(path: str | os.PathLike[str], *, fsync_dir: bool = False, nofollow: bool = False) -> Iterator[BinaryIO]:
-    """A binary file that replaces `path` when the block ends without an error (flushed, fsynced, renamed).
-
-    `fsync_dir` also syncs the directory, so the rename itself survives a power cut (files that
-    must outlive the process that wrote them, such as the heat file). `nofollow`: see the module
-    doc. Raises OSError naming `path` (a write to the file that fails, a full disk for one, names it too).
-    """
-    p = Path(path)
-    if nofollow:
-        with _nofollow_file(p, fsync_dir) as f:
-            yield f
-        return
-    try:
-        mode = stat.S_IMODE(os.stat(p).st_mode)
-    except OSError:
-        mode = 0o666 & ~current_umask()
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    except OSError as e:
-        raise _named(e, p) from None
-    try:
-        try:
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), mode)
-                yield f
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except OSError as e:
-            # Ours (the temporary file, or a write with no name: ENOSPC from f.write) or the caller's (another file).
-            if e.filename is None or os.fsdecode(e.filename) == tmp:
-                raise _named(e, p) from None
-            raise
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if fsync_dir:
-        _fsync_dir(p.parent)
-
-
 def atomic_write(path: str | os.PathLike[str], data: bytes, *, fsync_dir: bool = False, nofollow: bool = False) -> None:
     """Replace `path` with `data` atomically (atomic_file). Raises OSError naming `path`."""
     with atomic_file(path, fsync_dir=fsync_dir, nofollow=nofollow) as f:
         f.write(data)
-
-
-def _fsync_dir(d: Path) -> None:
-    # Best effort: some filesystems cannot open or sync a directory; the data itself is synced.
-    try:
-        dfd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
