@@ -55,6 +55,22 @@ def check_regular(path: str | os.PathLike[str], *, cap: int | None = None,
     return st.st_size
 
 
+def open_regular(path: str | os.PathLike[str], *, error: type[Exception] = InputFileError) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of `path` and its stat, checked to be a regular file on the descriptor itself.
+
+    O_NONBLOCK: a FIFO (even one swapped in after a check by name) cannot block the open. The caller closes it."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise error(f"{p}: cannot read ({e.strerror or e})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise error(f"{p}: not a regular file ({_kind(st.st_mode)})")
+    return fd, st
+
+
 def read_capped(path: str | os.PathLike[str], cap: int, *, error: type[Exception] = InputFileError) -> bytes:
     """The bytes of `path`, a regular file of at most `cap` bytes; `error(message naming the file)` otherwise.
 
@@ -63,14 +79,8 @@ def read_capped(path: str | os.PathLike[str], cap: int, *, error: type[Exception
     """
     p = Path(path)
     check_regular(p, cap=cap, error=error)
+    fd, _ = open_regular(p, error=error)
     try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise error(f"{p}: cannot read ({e.strerror or e})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{p}: not a regular file ({_kind(st.st_mode)})")
         chunks: list[bytes] = []
         left = cap + 1
         while left > 0:

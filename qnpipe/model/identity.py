@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import attrs
 
 from qnpipe.errors import CheckpointError
-from qnpipe.io.files import CONFIG_CAP, read_capped
+from qnpipe.io.files import CONFIG_CAP, open_regular, read_capped
 from qnpipe.model.checkpoint import TensorInfo, is_qnpipe_dir, read_header, weight_files
 
 _PIECE = 16 << 20  # bytes per crc32 call: several threads, 128 MiB in flight at most
@@ -96,14 +95,8 @@ def _sampled(info: TensorInfo) -> list[tuple[int, int]]:
 
 def _digest(path: Path, ranges: list[tuple[int, int]] | None) -> str:
     """sha256 of the crc32s of `path`'s bytes in `ranges` (None: the whole file), in pieces on several threads."""
+    fd, st = open_regular(path, error=CheckpointError)  # a FIFO or a device: refused, never read
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # a FIFO or a device: refused, never read
-            raise CheckpointError(f"{path}: not a regular file")
         spans = ranges if ranges is not None else [(0, st.st_size)]
         pieces = [(off, min(_PIECE, hi - off)) for lo, hi in spans for off in range(lo, hi, _PIECE)]
 
