@@ -25,6 +25,7 @@ import ctypes.util
 import importlib.machinery
 import importlib.util
 import os
+import stat
 import sys
 import threading
 import warnings
@@ -119,7 +120,7 @@ def select(setting: str) -> BlasInfo:
         if _chosen is not None and _chosen.setting == setting:
             return _chosen
         if setting not in (AUTO, BUNDLED):
-            _check_path(setting)
+            check_library(setting)
         if _chosen is not None and _chosen.kind != BUNDLED:
             raise ConfigError(
                 f"compute.cpu_blas={setting!r}: this process already runs MLX on {_chosen.library} "
@@ -194,15 +195,67 @@ def _prefix_of(lib: ctypes.CDLL, path: str) -> str:
         f"nor their {_PREFIX}-prefixed names (give auto, bundled, or the path of an OpenBLAS)")
 
 
-def _check_path(path: str) -> None:
-    if not os.path.isfile(path):
-        raise ConfigError(f"compute.cpu_blas={path!r}: no such file (give auto, bundled, or a BLAS library path)")
-    _prefix_of(_open(path), path)
+def check_library(path: str) -> None:
+    """Raise ConfigError naming ``path`` unless it is a regular file, a CBLAS, and computes a product right."""
+    # stat before dlopen: opening a FIFO blocks until a writer comes, and a directory or a device is no library.
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"compute.cpu_blas={path!r}: no such file (give auto, bundled, or a BLAS library path)") \
+            from None
+    except OSError as e:
+        raise ConfigError(f"compute.cpu_blas={path!r}: cannot read it ({e.strerror})") from None
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"compute.cpu_blas={path!r}: is a directory (give auto, bundled, or a BLAS library path)")
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"compute.cpu_blas={path!r}: not a regular file (a FIFO, device or socket; give auto, "
+                          "bundled, or a BLAS library path)")
+    lib = _open(path)
+    check_product(lib, _prefix_of(lib, path), f"compute.cpu_blas={path!r}")
+
+
+_N = 8  # the check's product: 8x8 by 8x8, small integers, so every correct BLAS gives it exactly
+_UNWRITTEN = 12345.0  # C's elements before the call (beta = 0: a BLAS must overwrite them)
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+
+
+def check_product(lib: ctypes.CDLL, prefix: str, label: str) -> None:
+    """Compute one small sgemm and one dgemm on ``lib`` itself and compare them with a float64 reference.
+
+    These are the functions the shim forwards to (or, without the shim, the ones libmlx binds to), so
+    a library that exports the names but computes wrong (writes zeros, writes nothing) is refused
+    before MLX can use it. sgemm runs with B transposed, as MLX's ``x @ W.T`` calls it; dgemm without.
+    It costs microseconds (docs/measurements.md, "CPU BLAS").
+    """
+    a = [float((3 * i + 5 * k) % 7 - 3) for i in range(_N) for k in range(_N)]
+    b = [float((2 * j + 3 * k) % 5 - 2) for j in range(_N) for k in range(_N)]
+    # sgemm: C = A @ B.T (B read as N x K); dgemm: C = A @ B (B read as K x N).
+    want_t = [sum(a[i * _N + k] * b[j * _N + k] for k in range(_N)) for i in range(_N) for j in range(_N)]
+    want = [sum(a[i * _N + k] * b[k * _N + j] for k in range(_N)) for i in range(_N) for j in range(_N)]
+    for name, ctype, trans, ref in (("cblas_sgemm", ctypes.c_float, _TRANS, want_t),
+                                    ("cblas_dgemm", ctypes.c_double, _NO_TRANS, want)):
+        arr = ctype * (_N * _N)
+        c = arr(*([_UNWRITTEN] * (_N * _N)))
+        fn = getattr(lib, prefix + name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_int] * 6 + [ctype, arr, ctypes.c_int, arr, ctypes.c_int, ctype, arr, ctypes.c_int]
+        fn(_ROW_MAJOR, _NO_TRANS, trans, _N, _N, _N, 1.0, arr(*a), _N, arr(*b), _N, 0.0, c, _N)
+        got = list(c)
+        diff = max(abs(x - y) for x, y in zip(got, ref, strict=True))
+        if diff <= 1e-4 * max(1.0, *map(abs, ref)):  # not-a-number compares False: refused too
+            continue
+        why = ("writes nothing?" if all(x == _UNWRITTEN for x in got) else "returns zeros?" if not any(got)
+               else "not a number" if any(x != x for x in got) else "computes wrong")
+        raise ConfigError(f"{label}: {prefix}{name} of an {_N}x{_N} by {_N}x{_N} "
+                          f"{'float32' if ctype is ctypes.c_float else 'float64'} product differs from the "
+                          f"reference by {diff:.3g} ({why}); give a working BLAS, or compute.cpu_blas=bundled")
 
 
 def _load(setting: str, path: str) -> BlasInfo:
     lib = _open(path)
     prefix = _prefix_of(lib, path)
+    if setting == AUTO:  # a path given was checked by select; the wheel's library is checked here, before binding
+        check_product(lib, prefix, f"compute.cpu_blas={setting!r} ({path})")
     shim_path = _shim_path()
     if shim_path is None:
         if prefix:
