@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from qnpipe.trace.format import MAGIC, Footer, Route
 from tests.cli_harness import Case, check_table
 
