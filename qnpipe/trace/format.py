@@ -101,7 +101,8 @@ class Header(msgspec.Struct, frozen=True, kw_only=True):
     contents: str  # "events" (the event log) or "routes" (the routing log: `Route` records only)
     layers: tuple[int, ...] = ()  # routing log: the layers recorded (empty = all)
     capacities: dict[int, int] = {}  # slots per MoE layer
-    run: RunPart | None = None  # a rank of a distributed run; None for one process (and logs written before)
+    # A rank of a distributed run; UNSET (not written: a one-process log's bytes are those of before) otherwise.
+    run: RunPart | msgspec.UnsetType = msgspec.UNSET
 
 
 class Route(Msg, frozen=True, kw_only=True, tag="trace.route"):
@@ -407,7 +408,7 @@ def check_header(path: str | Path, header: Header) -> None:
             bad("capacities", header.capacities, f"layers in 0..{top_layer}")
         if not 1 <= cap <= experts:
             bad(f"capacities[{layer}]", cap, f"1..{experts} slots")
-    if (run := header.run) is not None:
+    if isinstance(run := header.run, RunPart):
         if not 1 <= run.ranks <= MAX_RANKS:
             bad("run.ranks", run.ranks, f"1..{MAX_RANKS}")
         if not 0 <= run.rank < run.ranks:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import attrs
+import msgspec
 
 from qnpipe.config import Config
 from qnpipe.messages import Granted, Msg
@@ -59,7 +60,8 @@ def open_writers(cfg: Config, specs: list[LogSpec], *, shape: ModelShape | None,
         for s in specs:
             header = Header(schema_version=SCHEMA_VERSION, fingerprint=fingerprint, model=shape,
                             clock_start_t=clock_start_t, wall_start_unix_s=wall_start_unix_s, contents=s.contents,
-                            layers=s.layers, capacities=dict(capacities or {}), run=run)
+                            layers=s.layers, capacities=dict(capacities or {}),
+                            run=msgspec.UNSET if run is None else run)
             writers.append(TraceWriter(s.path, header))
     except BaseException:
         for w in writers:

@@ -39,8 +39,9 @@ def rank_of(path: Path) -> int | None:
 
 
 def _ranks(paths: Sequence[Path], headers: Sequence[Header]) -> list[int]:
-    if all(h.run is not None for h in headers):
-        return [h.run.rank for h in headers if h.run is not None]  # checked once each by _check_runs
+    runs = [_run(h) for h in headers]
+    if all(r is not None for r in runs):
+        return [r.rank for r in runs if r is not None]  # checked once each by _check_runs
     named = [rank_of(p) for p in paths]
     if all(r is not None for r in named):
         ranks = [r for r in named if r is not None]
@@ -50,6 +51,10 @@ def _ranks(paths: Sequence[Path], headers: Sequence[Header]) -> list[int]:
                                    f"two logs of rank {dup}")
         return ranks
     return list(range(len(paths)))  # names without a rank: the order given is the ranks' order
+
+
+def _run(header: Header) -> RunPart | None:
+    return header.run if isinstance(header.run, RunPart) else None
 
 
 def _check_files(paths: Sequence[Path]) -> None:
@@ -81,7 +86,7 @@ def _check_same_run(paths: Sequence[Path], headers: Sequence[Header]) -> None:
 
 def _check_runs(paths: Sequence[Path], headers: Sequence[Header]) -> None:
     """The run ids one, each rank of the run once, their layers each once and all of them."""
-    runs = [h.run for h in headers]
+    runs = [_run(h) for h in headers]
     if all(r is None for r in runs):
         return  # logs written before runs had ids: the layer checks alone (_check_layers)
     wp, w = next((p, r) for p, r in zip(paths, runs, strict=True) if r is not None)
@@ -135,7 +140,7 @@ def _check_layers(paths: Sequence[Path], headers: Sequence[Header], records: Seq
     h0 = headers[0]
     # A log that names no layer (an event log of a run with every layer resident) cannot be placed: then
     # only the run ids tell whether a rank is missing.
-    if h0.run is not None or h0.model is None or not all(held):
+    if _run(h0) is not None or h0.model is None or not all(held):
         return
     wanted = h0.layers or h0.model.moe_layers
     if none := [layer for layer in wanted if layer not in seen]:
