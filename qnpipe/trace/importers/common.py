@@ -140,6 +140,9 @@ class _Metered:
         self.consumed += len(buf)
         return buf
 
+    def seek(self, offset: int, whence: int = 0) -> int:  # gzip's file protocol; a line-by-line read never seeks
+        return self.raw.seek(offset, whence)
+
 
 class Expansion:
     """The cap on what a compressed source may decompress to, checked as it streams (`check`, each line)."""
@@ -167,7 +170,7 @@ def open_source(path: Path, cap: int) -> tuple[IO[bytes], IO[bytes] | gzip.GzipF
     raw = open_regular(path, cap)
     if path.suffix == ".gz":
         metered = _Metered(raw)
-        return raw, gzip.GzipFile(fileobj=metered, mode="rb"), Expansion(path, metered)  # type: ignore[arg-type]
+        return raw, gzip.GzipFile(fileobj=metered, mode="rb"), Expansion(path, metered)
     return raw, raw, Expansion(path, None)
 
 
