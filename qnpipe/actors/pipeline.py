@@ -45,6 +45,7 @@ from qnpipe.policy.pool import PoolPolicy
 from qnpipe.policy.predict import hint_top
 from qnpipe.policy.read_queue import ReadQueue
 from qnpipe.trace import ModelShape
+from qnpipe.trace.format import RunPart
 
 
 def layer_capacities(cfg: Config, args: ModelArgs) -> dict[int, int]:
@@ -126,11 +127,12 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
                         device: ExpertDevice | None, record_nbytes: dict[int, int] | None = None,
                         check_bytes: Callable[[int, tuple[int, ...], tuple[int, ...]], Awaitable[None]] | None = None,
                         autopin: Autopin | None = None, shape: ModelShape | None = None,
-                        wall_start_unix_s: float = 0.0, turns: Turnstile | None = None) -> AsyncIterator[Pipeline]:
+                        wall_start_unix_s: float = 0.0, turns: Turnstile | None = None,
+                        run: RunPart | None = None) -> AsyncIterator[Pipeline]:
     """Start the actors (none when `capacities` is None: all resident) and yield the pipeline.
 
     With `trace.event_log_path` (or `trace.route_trace`) set, a recorder per log gets every
-    actor's events (qnpipe.actors.recorder); `shape` goes in the log's header.
+    actor's events (qnpipe.actors.recorder); `shape` and `run` (a distributed rank's) go in the log's header.
 
     With `autopin`, the pool counts routing heat, starts with each layer's hottest experts
     pinned (their reads issued before the first step), and the heat is saved every
@@ -147,7 +149,7 @@ async def open_pipeline(cfg: Config, backend: Any, *, num_experts: int, capaciti
     # recorder at least once per layer-step: 8 per slot (at least 4096) never fills.
     size = max(4096, 8 * sum((capacities or {}).values()))
     async with open_recording(cfg, shape=shape, capacities=capacities, channel_size=size,
-                              wall_start_unix_s=wall_start_unix_s) as emit:
+                              wall_start_unix_s=wall_start_unix_s, run=run) as emit:
         async with _open_actors(cfg, backend, num_experts=num_experts, capacities=capacities, device=device,
                                 record_nbytes=record_nbytes, check_bytes=check_bytes, autopin=autopin,
                                 emit=emit, turns=turns) as p:

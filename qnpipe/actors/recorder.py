@@ -40,6 +40,7 @@ from qnpipe.config import Config
 from qnpipe.errors import OutputError
 from qnpipe.messages import Candidates, Msg
 from qnpipe.trace import ModelShape, Record, Route, SpecRound, TraceWriter, UnionSize
+from qnpipe.trace.format import RunPart
 from qnpipe.trace.logs import open_writers, wanted_logs, write_event
 
 Emit = Callable[[Msg], None]
@@ -163,11 +164,13 @@ def _rest(inbox: trio.MemoryReceiveChannel[Record]) -> list[Record]:
 
 @asynccontextmanager
 async def open_recording(cfg: Config, *, shape: ModelShape | None, capacities: dict[int, int] | None,
-                         channel_size: int, wall_start_unix_s: float = 0.0) -> AsyncIterator[Emitter | None]:
+                         channel_size: int, wall_start_unix_s: float = 0.0,
+                         run: RunPart | None = None) -> AsyncIterator[Emitter | None]:
     """Start a recorder per configured log and yield the `Emitter` for the actors (None: nothing configured).
 
     `wall_start_unix_s` goes in the header for humans only; the caller reads the wall clock
-    (the live engine does, replay leaves 0), so nothing here depends on it.
+    (the live engine does, replay leaves 0), so nothing here depends on it. `run`: this rank's part of a
+    distributed run, in the header too (`trace merge` takes the logs of one run only).
 
     `trace.event_log_path` gets every event; `trace.route_trace` writes `trace.route_trace_path`
     with only the `Route` records of `trace.route_trace_layers` (empty = all layers). Leaving
@@ -178,7 +181,7 @@ async def open_recording(cfg: Config, *, shape: ModelShape | None, capacities: d
         yield None
         return
     writers = open_writers(cfg, specs, shape=shape, capacities=capacities, clock_start_t=trio.current_time(),
-                           wall_start_unix_s=wall_start_unix_s)
+                           wall_start_unix_s=wall_start_unix_s, run=run)
     sinks = []
     for spec, writer in zip(specs, writers, strict=True):
         tx, rx = trio.open_memory_channel[Record](channel_size)

@@ -25,7 +25,10 @@ def register(tsub: Any, fmt: Any) -> None:
                         "the first rank's clock by the wall-clock reading in each header, records ordered by\n"
                         "(time, rank), the layers and capacities of all ranks. The result works with every\n"
                         "tool that takes a log (trace stats, trace plot, replay, sweep). Ranks come from the\n"
-                        "`.rank<N>` in the names, else from the order given.",
+                        "run each rank's header names (a distributed run writes its id, the rank and its\n"
+                        "layers), else from the `.rank<N>` in the names, else from the order given. Refused,\n"
+                        "naming the file: a log given twice, logs of two runs, a rank twice or missing, a\n"
+                        "layer in two logs or in none.",
                         epilog="examples:\n"
                         "  mlx.launch --backend ring -n 2 -- qnpipe generate ./m -p 'hi' --trace run.qtrace\n"
                         "  qnpipe trace merge run.rank0.qtrace run.rank1.qtrace -o run.qtrace\n"

@@ -37,6 +37,7 @@ from qnpipe.model.stepper import MlxBackend
 from qnpipe.policy.predict import predict_targets
 from qnpipe.steps import Event, PartGrant, PredictPlan, Tail
 from qnpipe.trace import ModelShape
+from qnpipe.trace.format import RunPart
 
 
 @attrs.define
@@ -242,7 +243,8 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
     st = core.streaming
     if st is None:
         async with open_pipeline(core.cfg, backend, num_experts=core.args.num_experts, capacities=None,
-                                 device=None, shape=ModelShape.of(core.args), wall_start_unix_s=time.time()) as p:
+                                 device=None, shape=ModelShape.of(core.args), wall_start_unix_s=time.time(),
+                                 run=_run_part(core.stage)) as p:
             yield p
         return
     store_device = StoreDevice(st.store, st.reader, lambda layer, slot: st.slots[layer].dest(slot),
@@ -267,10 +269,17 @@ async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pip
                                  device=device, record_nbytes=nbytes,
                                  check_bytes=check_bytes if core.cfg.read.verify_hit_bytes else None,
                                  autopin=autopin, shape=ModelShape.of(core.args),
-                                 wall_start_unix_s=time.time()) as p:
+                                 wall_start_unix_s=time.time(), run=_run_part(core.stage)) as p:
             yield p
     finally:
         store_device.close()
+
+
+def _run_part(stage: Stage | None) -> RunPart | None:
+    """What a rank's log headers say of its run (`trace merge` checks it); None outside a distributed run."""
+    if stage is None or not stage.run_id:
+        return None
+    return RunPart(id=stage.run_id, rank=stage.rank, ranks=stage.size, lo=stage.lo, hi=stage.hi)
 
 
 __all__ = ["Core", "Streaming", "ThreadedBackend", "build_core", "compare_slots_with_disk", "open_core_pipeline",

@@ -16,13 +16,15 @@ import mlx.nn as nn
 
 @attrs.frozen
 class Stage:
-    """Rank `rank` of `size` runs decoder layers `lo..hi-1`; `mtp`: the last rank runs the MTP head."""
+    """Rank `rank` of `size` runs decoder layers `lo..hi-1`; `mtp`: the last rank runs the MTP head;
+    `run_id`: the run's, the same on every rank (`Ring.run_id`), for the headers of the rank's logs."""
 
     rank: int
     size: int
     lo: int
     hi: int
     mtp: bool = False
+    run_id: str = ""
 
     @property
     def first(self) -> bool:

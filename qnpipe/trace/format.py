@@ -55,6 +55,7 @@ _LEN = struct.Struct("<I")
 MAX_LAYERS = 1 << 16
 MAX_EXPERTS = 1 << 12
 MAX_HIDDEN = 1 << 20
+MAX_RANKS = 1 << 12
 MAX_FRAME = 256 * MiB  # one record: the route of a 256k-token prefill at top-10 with weights is ~30 MB
 TRACE_CAP = 64 << 30  # a whole log (a long 80B run logging every event writes a few GB)
 
@@ -75,6 +76,20 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
                    num_experts=args.num_experts, top_k=args.num_experts_per_tok, hidden_size=args.hidden_size)
 
 
+class RunPart(msgspec.Struct, frozen=True, kw_only=True):
+    """What a rank of a distributed run writes in its log's header: which run, which rank, which layers.
+
+    `id` is rank 0's, shared with every rank at start-up (qnpipe.live.parallel.join), so the logs of
+    one run carry one id; `trace merge` takes only a whole run's logs, each rank once.
+    """
+
+    id: str
+    rank: int
+    ranks: int
+    lo: int  # the rank's decoder layers lo..hi-1 (the last rank also holds the MTP head's layer, num_layers)
+    hi: int
+
+
 class Header(msgspec.Struct, frozen=True, kw_only=True):
     """Frame 0. `clock_start_t` is trio.current_time() when the log opened; `wall_start_unix_s` is for humans."""
 
@@ -86,6 +101,8 @@ class Header(msgspec.Struct, frozen=True, kw_only=True):
     contents: str  # "events" (the event log) or "routes" (the routing log: `Route` records only)
     layers: tuple[int, ...] = ()  # routing log: the layers recorded (empty = all)
     capacities: dict[int, int] = {}  # slots per MoE layer
+    # A rank of a distributed run; UNSET (not written: a one-process log's bytes are those of before) otherwise.
+    run: RunPart | msgspec.UnsetType = msgspec.UNSET
 
 
 class Route(Msg, frozen=True, kw_only=True, tag="trace.route"):
@@ -391,6 +408,15 @@ def check_header(path: str | Path, header: Header) -> None:
             bad("capacities", header.capacities, f"layers in 0..{top_layer}")
         if not 1 <= cap <= experts:
             bad(f"capacities[{layer}]", cap, f"1..{experts} slots")
+    if isinstance(run := header.run, RunPart):
+        if not 1 <= run.ranks <= MAX_RANKS:
+            bad("run.ranks", run.ranks, f"1..{MAX_RANKS}")
+        if not 0 <= run.rank < run.ranks:
+            bad("run.rank", run.rank, f"0..run.ranks - 1 ({run.ranks - 1})")
+        if not 0 <= run.lo <= run.hi <= top_layer:
+            bad("run.lo, run.hi", (run.lo, run.hi), f"0 <= lo <= hi <= {top_layer}")
+        if not 0 < len(run.id) <= 64:
+            bad("run.id", run.id, "1 to 64 characters")
 
 
 def iter_records(path: str | Path) -> Iterator[Header | Record | Footer]:
@@ -477,6 +503,7 @@ def read(path: str | Path) -> tuple[Header, list[Record]]:
 
 
 __all__ = ["MAGIC", "MAX_EXPERTS", "MAX_FRAME", "MAX_HIDDEN", "MAX_LAYERS", "SCHEMA_VERSION", "TRACE_CAP", "Candidates", "Evicted", "RecallSample", "SpecRound", "UnionSize", "Footer", "Header",
-           "PrefetchHint", "ModelShape", "ReadStarted", "Record", "RequestStart", "Route", "Stalled", "TraceWriter",
+           "PrefetchHint", "ModelShape", "ReadStarted", "Record", "RequestStart", "Route", "RunPart", "Stalled",
+           "TraceWriter",
            "canonical", "check_header", "check_log_paths", "check_output_path", "iter_records", "read", "read_all",
            "route_record"]

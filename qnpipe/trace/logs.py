@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import attrs
+import msgspec
 
 from qnpipe.config import Config
 from qnpipe.messages import Granted, Msg
-from qnpipe.trace.format import SCHEMA_VERSION, Header, ModelShape, Record, Route, Stalled, TraceWriter
+from qnpipe.trace.format import SCHEMA_VERSION, Header, ModelShape, Record, Route, RunPart, Stalled, TraceWriter
 
 Accept = Callable[[Msg], bool]
 
@@ -50,15 +51,17 @@ def wanted_logs(cfg: Config) -> list[LogSpec]:
 
 
 def open_writers(cfg: Config, specs: list[LogSpec], *, shape: ModelShape | None, capacities: dict[int, int] | None,
-                 clock_start_t: float, wall_start_unix_s: float) -> list[TraceWriter]:
-    """A writer per log with its header; on a failure the ones opened are abandoned (nothing left)."""
+                 clock_start_t: float, wall_start_unix_s: float, run: RunPart | None = None) -> list[TraceWriter]:
+    """A writer per log with its header (`run`: a distributed run's rank); on a failure the ones opened are
+    abandoned (nothing left)."""
     fingerprint = cfg.fingerprint()
     writers: list[TraceWriter] = []
     try:
         for s in specs:
             header = Header(schema_version=SCHEMA_VERSION, fingerprint=fingerprint, model=shape,
                             clock_start_t=clock_start_t, wall_start_unix_s=wall_start_unix_s, contents=s.contents,
-                            layers=s.layers, capacities=dict(capacities or {}))
+                            layers=s.layers, capacities=dict(capacities or {}),
+                            run=msgspec.UNSET if run is None else run)
             writers.append(TraceWriter(s.path, header))
     except BaseException:
         for w in writers:

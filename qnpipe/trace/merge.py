@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from qnpipe.errors import TraceSchemaError
-from qnpipe.trace.format import SCHEMA_VERSION, Header, Record, TraceWriter, read_all
+from qnpipe.trace.format import SCHEMA_VERSION, Header, Record, RunPart, TraceWriter, read_all
 
 _RANK = re.compile(r"\.rank(\d+)(\.[^.]*)?$")
 
@@ -38,7 +38,10 @@ def rank_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _ranks(paths: Sequence[Path]) -> list[int]:
+def _ranks(paths: Sequence[Path], headers: Sequence[Header]) -> list[int]:
+    runs = [_run(h) for h in headers]
+    if all(r is not None for r in runs):
+        return [r.rank for r in runs if r is not None]  # checked once each by _check_runs
     named = [rank_of(p) for p in paths]
     if all(r is not None for r in named):
         ranks = [r for r in named if r is not None]
@@ -50,30 +53,116 @@ def _ranks(paths: Sequence[Path]) -> list[int]:
     return list(range(len(paths)))  # names without a rank: the order given is the ranks' order
 
 
+def _run(header: Header) -> RunPart | None:
+    return header.run if isinstance(header.run, RunPart) else None
+
+
+def _check_files(paths: Sequence[Path]) -> None:
+    """Each file once: the same path twice, or a link to a file already given, is one rank's log twice."""
+    seen: dict[tuple[int, int], Path] = {}
+    for p in paths:
+        try:
+            st = p.stat()
+        except OSError:
+            continue  # read_all names what is wrong with it
+        key = (st.st_dev, st.st_ino)
+        if key in seen:
+            q = seen[key]
+            if q == p:
+                raise TraceSchemaError(f"{p}: given twice: merge takes each rank's log once")
+            raise TraceSchemaError(f"{p}: the same file as {q} (a link to it): merge takes each rank's log once")
+        seen[key] = p
+
+
 def _check_same_run(paths: Sequence[Path], headers: Sequence[Header]) -> None:
     first, h0 = paths[0], headers[0]
-    seen: dict[int, Path] = {}
     for path, h in zip(paths, headers, strict=True):
         if h.model != h0.model:
             raise TraceSchemaError(f"{path}: its model shape differs from {first}'s: not logs of one run")
         if h.contents != h0.contents:
             raise TraceSchemaError(f"{path}: holds {h.contents!r} where {first} holds {h0.contents!r}")
-        for layer in h.capacities:
+    _check_runs(paths, headers)
+
+
+def _check_runs(paths: Sequence[Path], headers: Sequence[Header]) -> None:
+    """The run ids one, each rank of the run once, their layers each once and all of them."""
+    runs = [_run(h) for h in headers]
+    if all(r is None for r in runs):
+        return  # logs written before runs had ids: the layer checks alone (_check_layers)
+    wp, w = next((p, r) for p, r in zip(paths, runs, strict=True) if r is not None)
+    by_rank: dict[int, tuple[Path, RunPart]] = {}
+    for p, r in zip(paths, runs, strict=True):
+        if r is None:
+            raise TraceSchemaError(f"{p}: has no run id, {wp} is rank {w.rank} of run {w.id}: not logs of one run")
+        if r.id != w.id:
+            raise TraceSchemaError(f"{p}: is rank {r.rank} of run {r.id}, {wp} of run {w.id}: not logs of one run")
+        if r.ranks != w.ranks:
+            raise TraceSchemaError(f"{p}: says run {r.id} has {r.ranks} ranks, {wp} says {w.ranks}")
+        if r.rank in by_rank:
+            raise TraceSchemaError(f"{p}: is rank {r.rank} of run {r.id}, as {by_rank[r.rank][0]} is: merge takes "
+                                   f"each rank's log once")
+        by_rank[r.rank] = (p, r)
+    if missing := [r for r in range(w.ranks) if r not in by_rank]:
+        raise TraceSchemaError(f"{', '.join(map(str, paths))}: run {w.id} has {w.ranks} ranks: the log of "
+                               f"rank {', '.join(map(str, missing))} is missing (merge takes every rank's log)")
+    owner: dict[int, tuple[Path, RunPart]] = {}
+    for rank in range(w.ranks):
+        p, r = by_rank[rank]
+        for layer in range(r.lo, r.hi):
+            if layer in owner:
+                q, o = owner[layer]
+                raise TraceSchemaError(f"{p}: rank {rank} holds layers {r.lo}..{r.hi - 1}: layer {layer} is also "
+                                       f"in {q} (rank {o.rank}, layers {o.lo}..{o.hi - 1})")
+            owner[layer] = (p, r)
+    m = headers[0].model
+    if m is not None and (none := [layer for layer in range(m.num_layers) if layer not in owner]):
+        raise TraceSchemaError(f"{', '.join(map(str, paths))}: layer {', '.join(map(str, none))} of run {w.id} is "
+                               f"in none of the logs (each rank's layers are in its header)")
+
+
+def _held(header: Header, records: Sequence[Record]) -> set[int]:
+    """The layers a log holds: those it has capacities for and those its records name."""
+    held = set(header.capacities)
+    held.update(layer for r in records if isinstance(layer := getattr(r, "layer", None), int))
+    return held
+
+
+def _check_layers(paths: Sequence[Path], headers: Sequence[Header], records: Sequence[Sequence[Record]]) -> None:
+    """Each layer in one log only; without run ids, every layer the logs are of in one of them."""
+    held = [_held(h, rs) for h, rs in zip(headers, records, strict=True)]
+    seen: dict[int, Path] = {}
+    for path, layers in zip(paths, held, strict=True):
+        for layer in sorted(layers):
             if layer in seen:
                 raise TraceSchemaError(f"{path}: layer {layer} is also in {seen[layer]}: "
                                        "each rank's log holds its own layers")
             seen[layer] = path
+    h0 = headers[0]
+    # A log that names no layer (an event log of a run with every layer resident) cannot be placed: then
+    # only the run ids tell whether a rank is missing.
+    if _run(h0) is not None or h0.model is None or not all(held):
+        return
+    wanted = h0.layers or h0.model.moe_layers
+    if none := [layer for layer in wanted if layer not in seen]:
+        raise TraceSchemaError(f"{', '.join(map(str, paths))}: layer {', '.join(map(str, none))} is in none of the "
+                               f"logs: a rank's log is missing (merge takes every rank's log)")
 
 
 def merge(paths: Sequence[str | Path], out: str | Path) -> Merged:
-    """Write `out`, the merge of `paths` (one log per rank of one run); TraceSchemaError names a log that does not fit."""
+    """Write `out`, the merge of `paths` (one log per rank of one run); TraceSchemaError names a log that does not fit.
+
+    Refused: a file given twice, logs of other model shapes or contents, of two runs (`Header.run`), a
+    rank twice or missing, a layer in two logs or, when the logs say which layers they hold, in none.
+    """
     ps = [Path(p) for p in paths]
     if len(ps) < 2:
         raise TraceSchemaError(f"{', '.join(map(str, ps)) or 'no log'}: merging needs the logs of two ranks or more")
+    _check_files(ps)
     logs = [read_all(p) for p in ps]
     headers = [h for h, _, _ in logs]
     _check_same_run(ps, headers)
-    ranks = _ranks(ps)
+    _check_layers(ps, headers, [rs for _, rs, _ in logs])
+    ranks = _ranks(ps, headers)
     base = headers[ranks.index(min(ranks))]
     timed: list[tuple[float, int, int, Record]] = []
     end = base.clock_start_t

@@ -17,6 +17,8 @@ from ranks import finish as _finish
 from ranks import start as _start
 
 from qnpipe.replay.runner import load_log
+from qnpipe.trace import read
+from qnpipe.trace.format import RunPart
 from qnpipe.trace.merge import merge
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
@@ -130,6 +132,10 @@ def test_two_ranks_give_one_process_bits_streamed_and_resident(tiny_qn4: Path, t
     for r, (rc, err) in enumerate(results):
         assert rc == 0, f"rank {r} exited {rc}:\n{err[-3000:]}"
     _check_bits(tmp_path, results, one_process, one_process_mtp)
+    # each rank's log names the run (one id, rank 0's) and the rank's layers, so merge can tell one run's logs
+    r0, r1 = (read(tmp_path / f"routes.rank{r}.qtrace")[0].run for r in (0, 1))
+    assert isinstance(r0, RunPart) and isinstance(r1, RunPart) and r0.id == r1.id
+    assert (r0.rank, r0.ranks, r1.rank, r1.ranks) == (0, 2, 1, 2) and r0.lo == 0 and r0.hi == r1.lo
     # the ranks' routing logs, merged, are the one process's
     merge([tmp_path / "routes.rank0.qtrace", tmp_path / "routes.rank1.qtrace"], tmp_path / "routes.qtrace")
     assert load_log(tmp_path / "routes.qtrace").steps == load_log(one_process_dir / "routes.qtrace").steps

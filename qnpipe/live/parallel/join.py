@@ -57,6 +57,7 @@ async def join(cfg: Config, thread: MLXThread, launch: Launch, say: Callable[[st
             head += embed + (mtp_file.stat().st_size if mtp_file.is_file() else 0)
         split = split_layers(per, ring.size, first_extra=embed, last_extra=head)
     await run_on(thread, ring.check_same_run, await same_run_parts(cfg, split, expert_dir, mtp_file if mtp else None))
+    run_id = await run_on(thread, ring.run_id)
     # Each rank's budget is its own: every rank checks every rank's, so all stop with the same message.
     budgets = await run_on(thread, ring.gather_budgets, parse_memory(cfg.plan.memory) if cfg.plan.memory else 0)
     plan = None
@@ -67,7 +68,7 @@ async def join(cfg: Config, thread: MLXThread, launch: Launch, say: Callable[[st
             say=say or (lambda s: print(f"qnpipe: {s}", file=sys.stderr, flush=True))))
     m = cfg.mtp
     ring.fit(args.hidden_size, (m.depth_max if m.adaptive_depth else m.num_draft_tokens) + 1 if mtp else 1)
-    stage = Stage(ring.rank, ring.size, *split[ring.rank], mtp=mtp)
+    stage = Stage(ring.rank, ring.size, *split[ring.rank], mtp=mtp, run_id=run_id)
     return ring, stage, rank_config(cfg, stage), plan
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+import secrets
 import threading
 import time
 from typing import Any
@@ -263,6 +264,13 @@ class Ring:
         self._check()
         mine = np.array([budget >> 31, budget & 0x7FFFFFFF], dtype=np.int32)  # int32: check_same_run's dtype
         return [(int(hi) << 31) | int(lo) for hi, lo in self._all_gather(mine, "exchange of --memory budgets").tolist()]
+
+    def run_id(self) -> str:
+        """Rank 0's random id, the same on every rank: the run's in each rank's log header (`Header.run`), by
+        which `trace merge` tells the logs of one run from another's."""
+        self._check()
+        mine = np.frombuffer(secrets.token_bytes(8), dtype=np.int32)
+        return "".join(f"{int(w) & 0xFFFFFFFF:08x}" for w in self._all_gather(mine, "exchange of the run id")[0])
 
     def _all_gather(self, mine: np.ndarray, what: str) -> np.ndarray:
         """Every rank's int32 row `mine`, by rank; DistributedError naming `what` when it fails or hangs."""

@@ -32,6 +32,11 @@ Progress = Callable[[int], None]  # called with the bytes of the source consumed
 MAX_BYTES = 1 << 30
 # The longest JSON line read: a routing record is ~200 bytes; a longer line is not one.
 LINE_CAP = 1 << 20
+# How far a compressed source may expand as it streams: bytes out <= MAX_RATIO x compressed bytes read
+# + RATIO_SLACK. Routing tables gzip 3-10x; gzip of one repeated row or of zeros reaches 1000x, and a
+# 4 MB such file would otherwise be parsed up to the 1 GiB import limit (minutes, gigabytes).
+MAX_RATIO = 100
+RATIO_SLACK = 1 << 20
 
 
 class Budget:
@@ -120,23 +125,65 @@ QWEN15_MOE_A27B = ModelShape(num_layers=24, moe_layers=tuple(range(24)), num_exp
 VLLM_MODELS = {"Qwen/Qwen1.5-MoE-A2.7B-Chat": QWEN15_MOE_A27B, "Qwen/Qwen1.5-MoE-A2.7B": QWEN15_MOE_A27B}
 
 
-def open_source(path: Path, cap: int) -> tuple[IO[bytes], IO[bytes] | gzip.GzipFile]:
-    """`(raw, text)`: the file as stored (for progress by its position) and its content (gunzipped if `.gz`)."""
+class _Metered:
+    """The compressed file as gzip reads it, in small reads, counting them: `Expansion` compares the bytes
+    gunzipped with these as they stream (gzip's own read-ahead of 128 kB would let a bomb expand 100 MB)."""
+
+    CHUNK = 16 << 10
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw = raw
+        self.consumed = 0
+
+    def read(self, n: int = -1) -> bytes:
+        buf = self.raw.read(self.CHUNK if n is None or n < 0 else min(n, self.CHUNK))
+        self.consumed += len(buf)
+        return buf
+
+    def seek(self, offset: int, whence: int = 0) -> int:  # gzip's file protocol; a line-by-line read never seeks
+        return self.raw.seek(offset, whence)
+
+
+class Expansion:
+    """The cap on what a compressed source may decompress to, checked as it streams (`check`, each line)."""
+
+    def __init__(self, path: Path, metered: _Metered | None) -> None:
+        self.path = path
+        self.metered = metered
+        self.out = 0
+
+    def check(self, n: int, line: int) -> None:
+        if self.metered is None:
+            return
+        self.out += n
+        cap = MAX_RATIO * self.metered.consumed + RATIO_SLACK
+        if self.out > cap:
+            raise TraceImportError(f"{self.path}: line {line}: {self.out} bytes decompressed from the first "
+                                   f"{self.metered.consumed} compressed bytes, over the cap of {MAX_RATIO} times "
+                                   f"the compressed bytes read + {RATIO_SLACK} (a routing table does not compress "
+                                   f"that well: a gzip bomb? gunzip it first to import it under --max-bytes alone)")
+
+
+def open_source(path: Path, cap: int) -> tuple[IO[bytes], IO[bytes] | gzip.GzipFile, Expansion]:
+    """`(raw, text, expansion)`: the file as stored (for progress by its position), its content (gunzipped
+    if `.gz`) and the cap on how far that content may expand (none for a file read as stored)."""
     raw = open_regular(path, cap)
     if path.suffix == ".gz":
-        return raw, gzip.GzipFile(fileobj=raw, mode="rb")
-    return raw, raw
+        metered = _Metered(raw)
+        return raw, gzip.GzipFile(fileobj=metered, mode="rb"), Expansion(path, metered)
+    return raw, raw, Expansion(path, None)
 
 
 def jsonl_lines(path: Path, progress: Progress | None = None,
                 budget: Budget | None = None) -> Iterator[tuple[int, bytes]]:
     """`(line number from 1, line)` of a JSON-lines file, blank lines skipped; a torn `.gz` names the line.
 
-    Streamed: a line longer than LINE_CAP is an error (read no further than that), and the
-    lines' bytes are taken from `budget` (whose limit also caps the file's size on disk).
+    Streamed: a line longer than LINE_CAP is an error (read no further than that), the lines'
+    bytes are taken from `budget` (whose limit also caps the file's size on disk), and a `.gz`
+    may expand no further than MAX_RATIO times the compressed bytes read (`Expansion`).
     """
     budget = budget or Budget(MAX_BYTES)
-    raw, f = open_source(path, budget.limit)
+    raw, f, expansion = open_source(path, budget.limit)
     done = 0
     n = 0
     try:
@@ -151,6 +198,7 @@ def jsonl_lines(path: Path, progress: Progress | None = None,
                 n += 1
                 if len(line) > LINE_CAP:
                     raise TraceImportError(f"{path}: line {n}: longer than {LINE_CAP} bytes: not a routing record")
+                expansion.check(len(line), n)
                 budget.take(len(line), f"{path}: line {n}")
                 if progress is not None and n % 4096 == 0:
                     pos = raw.tell()

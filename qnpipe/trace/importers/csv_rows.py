@@ -13,9 +13,10 @@ top_k). Rows may come in any order: steps are ordered by their value and renumbe
 and a step may lack some layers. The model's shape is inferred: the layers seen are its MoE
 layers, `num_experts` is the largest expert id + 1 unless given (`experts=`, `--experts N`:
 then every id must be below it), `hidden_size` 0 (unknown). The file is one request.
-Values may be quoted; a `.csv.gz` is read gunzipped. Each (step, layer) group also takes
-ROUTE_BYTES from the import's byte budget (`--max-bytes`): a row is a few bytes, its route in
-memory ~150, and the budget bounds the import's memory.
+Values may be quoted; a `.csv.gz` is read gunzipped (no further than MAX_RATIO times its compressed
+bytes: qnpipe.trace.importers.common). Each row also takes ROW_BYTES from the import's byte budget
+(`--max-bytes`) as it is read, each (step, layer) group ROUTE_BYTES: a row is a few bytes, its
+columns in memory ~200, its route ~150, and the budget bounds the import's memory.
 
 Several files (`import_csv_files`) are one table split in files, e.g. one per layer: their rows
 are matched by their step values (a layer may lack a step another has), and no layer may be in
@@ -49,6 +50,10 @@ COLUMNS = ("step", "layer", "expert", "score")
 MAX_STEP = 1 << 40
 # What one (step, layer)'s route costs in memory (its LayerRoute, tuples, list slot), taken from the import's budget.
 ROUTE_BYTES = 160
+# What one row costs in memory at the peak of the import (its columns as read, concatenated, sorted and
+# reordered: ~25 int64s; 1M rows measured 220 MB), taken from the budget as each row is read, so that the
+# budget bounds the memory.
+ROW_BYTES = 200
 
 
 def _fields(line: bytes) -> list[str]:
@@ -98,6 +103,7 @@ class _Rows(NamedTuple):
 
 
 def _rows(src: Path, progress: Progress | None, budget: Budget | None, opts: Options) -> _Rows:
+    budget = budget or Budget(MAX_BYTES)
     lines = jsonl_lines(src, progress, budget)
     first = next(lines, None)
     if first is None:
@@ -142,6 +148,7 @@ def _rows(src: Path, progress: Progress | None, budget: Budget | None, opts: Opt
             if not math.isfinite(score):
                 raise TraceImportError(f"{src}: line {n}: score {score}: not finite")
             scores.append(score)
+        budget.take(ROW_BYTES, f"{src}: line {n} (its columns)")
         steps.append(step)
         layers.append(layer)
         experts.append(expert)

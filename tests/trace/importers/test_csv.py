@@ -114,7 +114,11 @@ def test_cli_csv_help_teaches_the_format(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_the_routes_a_small_file_becomes_are_charged_to_the_byte_budget(tmp_path: Path) -> None:
     src = _csv(tmp_path, "step,layer,expert\n" + "".join(f"{i},0,1\n" for i in range(1000)))  # ~7 kB, 1000 routes
-    with pytest.raises(TraceImportError, match=r"r.csv: the routes of 1000 \(step, layer\) groups: 160000 more bytes "
-                                               r"would pass the import's limit of 100000 bytes"):
+    # each row's columns as it is read (1000 x ROW_BYTES), then the routes of its groups (1000 x ROUTE_BYTES)
+    with pytest.raises(TraceImportError, match=r"r.csv: line \d+ \(its columns\): 200 more bytes would pass the "
+                                               r"import's limit of 100000 bytes"):
         import_log("csv", src, tmp_path / "out.qtrace", max_bytes=100_000)
-    assert import_log("csv", src, tmp_path / "out.qtrace", max_bytes=200_000).steps == 1000
+    with pytest.raises(TraceImportError, match=r"r.csv: the routes of 1000 \(step, layer\) groups: 160000 more bytes "
+                                               r"would pass the import's limit of 300000 bytes"):
+        import_log("csv", src, tmp_path / "out.qtrace", max_bytes=300_000)
+    assert import_log("csv", src, tmp_path / "out.qtrace", max_bytes=400_000).steps == 1000
