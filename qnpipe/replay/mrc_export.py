@@ -78,7 +78,8 @@ def plot(result: MrcResult, path: str | Path, *, layers: Sequence[int] = ()) -> 
     ax.set_xlabel("capacity (expert slots per layer)")
     ax.set_ylabel("hit rate (fraction of expert requests)")
     ax.set_ylim(0.0, 1.0)
-    ax.set_xlim(result.min_capacity, result.shape.num_experts)
+    # top-k = the expert count leaves one capacity: a zero-width range, which matplotlib warns of on stderr
+    ax.set_xlim(min(result.min_capacity, result.shape.num_experts - 1), result.shape.num_experts)
     ax.set_title(f"miss-ratio curves of {Path(result.log).name} (demand only)", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")

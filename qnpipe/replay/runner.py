@@ -463,7 +463,7 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
         nbytes = {layer: log.record_nbytes[layer] for layer in caps}
     else:
         raise ConfigError(f"{log_path}: the log has no read.done record of layers "
-                          f"{sorted(set(caps) - set(log.record_nbytes))}: give the record size "
+                          f"{caveats.spans(set(caps) - set(log.record_nbytes))}: give the record size "
                           f"(record_nbytes, --set replay.record_nbytes=N)")
     belady = _belady(log, caps)
     profile = device_profile

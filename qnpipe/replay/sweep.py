@@ -40,6 +40,7 @@ from qnpipe.errors import ConfigError, QnpipeError
 from qnpipe.io.atomic import atomic_write
 from qnpipe.io.simssd import PROFILES, DeviceProfile
 from qnpipe.policy.build import check_placement
+from qnpipe.replay.caveats import spans
 from qnpipe.replay.runner import (
     PREDICTORS,
     CostModel,
@@ -222,7 +223,7 @@ def plan(log: str | Path, axes: Sequence[Axis], cfg: Config, *, base: Settings |
             raise ConfigError(f"{where}: {e}") from None
         if s.record_nbytes is None and not set(caps) <= set(shape.record_nbytes):
             raise ConfigError(f"{where}: the log {log} has no read.done record of layers "
-                              f"{sorted(set(caps) - set(shape.record_nbytes))}: give the record size "
+                              f"{spans(set(caps) - set(shape.record_nbytes))}: give the record size "
                               f"(--set replay.record_nbytes=N)")
         for path in (pcfg.trace.event_log_path, pcfg.trace.route_trace_path if pcfg.trace.route_trace else ""):
             if path and path in logs:

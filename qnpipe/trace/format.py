@@ -266,11 +266,11 @@ class TraceWriter:
 
     def __init__(self, path: str | Path, header: Header) -> None:
         self.path = Path(path)
-        self.partial = partial_path(self.path)
         self.what = "routing log" if header.contents == "routes" else "event log"
         self.records = 0
         self._f: IO[bytes] | None = None
-        check_output_path(self.path, self.what, probe=False)
+        check_output_path(self.path, self.what, probe=False)  # first: `.` has no name to put `.partial` on
+        self.partial = partial_path(self.path)
         try:
             # O_NONBLOCK: a FIFO left at the partial name must not block the open; O_NOFOLLOW: nor a link redirect it.
             fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK

@@ -253,7 +253,7 @@ def _total(layers: list[LayerStats], pairs: list[tuple[int, int]]) -> TotalStats
     width = max(len(x.reuse_counts) for x in layers)
     counts = np.zeros(width, dtype=np.int64)
     for x in layers:
-        counts[:len(x.reuse_counts)] += x.reuse_counts
+        counts[:len(x.reuse_counts)] += np.asarray(x.reuse_counts, dtype=np.int64)  # [] alone would be float64
     exact = counts.tolist()
     hits, tries = sum(h for h, _ in pairs), sum(t for _, t in pairs)
     steps = sum(x.layer_steps for x in layers)
