@@ -8,8 +8,10 @@ from typing import Any
 
 def cmd_merge(args: argparse.Namespace) -> int:
     from qnpipe.io.clobber import check_outputs
+    from qnpipe.trace import check_output_path
     from qnpipe.trace.merge import merge
 
+    check_output_path(args.output, "merged log (-o)")  # before the inputs are read
     check_outputs([("-o", args.output)], [("LOG", p) for p in args.logs])
     m = merge(args.logs, args.output)
     print(f"{m.path}: {m.records} records of ranks {', '.join(map(str, m.ranks))}"
