@@ -22,7 +22,11 @@ class Allocator:
     def __init__(self, hits: Sequence[Sequence[int]], lo: int, max_total: int) -> None:
         self.n = len(hits)
         self.lo = lo
-        self.curves = [np.asarray(h, dtype=np.int64) for h in hits]
+        # Each curve up to its first maximum: a slot past it never gains, so the fewest-slot optimum never
+        # takes it, and the table stays as wide as the slots that can matter (a short log of many layers
+        # of 4096 experts would otherwise make it layers x experts wide, for each of every layer's points).
+        self.curves = [c[:int(np.argmax(c)) + 1] if len(c) else c
+                       for c in (np.asarray(h, dtype=np.int64) for h in hits)]
         top = sum(lo + len(h) - 1 for h in self.curves)
         self.max_total = min(max_total, top)
         size = self.max_total + 1

@@ -46,3 +46,13 @@ def test_one_pass_serves_every_total() -> None:
     assert a.caps(7) == [2, 5]  # 0 + 10 beats 5 + 2 and 6 + 1
     assert a.caps(8) == [3, 5]
     assert a.caps(100) == [4, 5]  # not [5, 5]: no slot where it saves nothing
+
+
+def test_slots_past_a_curves_maximum_are_never_tabled() -> None:
+    """Issue 34: a short log of 300 layers x 4096 experts planned for minutes (a table as wide as every slot of
+    every layer, for each of every layer's points). A slot past a curve's first maximum never gains, so the
+    table ends there, and the allocation is the same."""
+    flat = [0, 3, 7] + [7] * 4093
+    a = Allocator([flat] * 300, LO, 300 * (LO + len(flat) - 1))
+    assert a.max_total == 300 * (LO + 2)
+    assert a.caps(10**9) == [LO + 2] * 300 and a.hits(10**9) == 300 * 7
