@@ -25,10 +25,11 @@ from pathlib import Path
 
 import pytest
 from cli_harness import MEM_LIMIT, clean_env
+from plugin_lru import LRU_SOURCE
 
 from qnpipe.replay.synth import SynthSpec, write_synth
 
-PLUGIN = '''
+PLUGIN = LRU_SOURCE + '''
 import itertools
 import os
 import pathlib
@@ -37,33 +38,14 @@ import time
 _picks = itertools.count()
 
 
-class Sleep:
+class Sleep(LRUish):
     """Least recently used, until pick number HP_AFTER: that one touches HP_MARK and sleeps for good."""
-
-    def __init__(self, capacity):
-        self.last = {}
-
-    def inserted(self, expert, tick):
-        self.last[expert] = tick
-
-    def accessed(self, expert, tick):
-        self.last[expert] = tick
-
-    def removed(self, expert):
-        del self.last[expert]
-
-    def victim(self, candidates, incoming):
-        return min(candidates, key=self.last.__getitem__)
 
     def pick(self, loading, held, pinned, incoming):
         if next(_picks) >= int(os.environ.get("HP_AFTER", "0")):
             pathlib.Path(os.environ["HP_MARK"]).touch()
             time.sleep(10**6)
-        free = [e for e in self.last if e not in loading and e not in held and e not in pinned]
-        return min(free, key=self.last.__getitem__) if free else None
-
-    def forward_done(self):
-        pass
+        return super().pick(loading, held, pinned, incoming)
 
 
 class Spin(Sleep):

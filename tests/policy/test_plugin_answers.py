@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from cli_harness import Case, check_table, run_cli
+from plugin_lru import LRU_SOURCE
 
 from qnpipe.errors import QnpipeError
 from qnpipe.messages import Acquire, ReadsDone, Release
@@ -26,36 +27,10 @@ from qnpipe.policy.slot_table import SlotTable
 from qnpipe.replay.synth import SynthSpec, write_synth
 
 # The plug-ins, as a user's module would hold them: written to a temp directory put on the path.
-PLUGIN = '''
+PLUGIN = LRU_SOURCE + '''
 import itertools
 
 _picks = itertools.count()  # over every layer's instance: the n-th pick of the run
-
-
-class LRUish:
-    """Least recently used, as the built-in lru evicts (the last tick is unique)."""
-
-    def __init__(self, capacity):
-        self.last = {}
-
-    def inserted(self, expert, tick):
-        self.last[expert] = tick
-
-    def accessed(self, expert, tick):
-        self.last[expert] = tick
-
-    def removed(self, expert):
-        del self.last[expert]
-
-    def victim(self, candidates, incoming):
-        return min(candidates, key=self.last.__getitem__)
-
-    def pick(self, loading, held, pinned, incoming):
-        free = [e for e in self.last if e not in loading and e not in held and e not in pinned]
-        return min(free, key=self.last.__getitem__) if free else None
-
-    def forward_done(self):
-        pass
 
 
 class Answer(LRUish):
