@@ -5,15 +5,46 @@ sender's counter), which give a total, deterministic order. Messages hold ids on
 never arrays: the slot buffers stay with the pool's arrays and the forward.
 Commands are imperative (`Acquire`), events past tense (`ReadDone`). Tags never change;
 add a new one instead.
+
+The read unit lives here too, at the bottom of the house: `ReadClass` and `Job` (one read
+of `ReadExperts`, what the read queue orders and a device reads), so qnpipe.policy and
+qnpipe.io both take it from below instead of one from the other.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 
+import attrs
 import msgspec
 
-from qnpipe.policy.read_queue import ReadClass
+
+class ReadClass(enum.IntEnum):
+    """Priority class of a read; lower goes first."""
+
+    DEMAND = 0
+    PREFETCH = 1
+
+
+@attrs.frozen(slots=True)
+class Job:
+    """Read expert `expert` of `layer` into `slot` (one read of a `ReadExperts`).
+
+    Prefetches carry the time the forward is expected to need them (`deadline`, trio
+    clock seconds) and the predictor's `score`; demand reads have neither.
+    """
+
+    layer: int
+    expert: int
+    slot: int
+    cls: ReadClass = ReadClass.DEMAND
+    deadline: float = math.inf
+    score: float = 0.0
+    key: tuple[int, int] = attrs.field(init=False, eq=False, repr=False)  # (layer, expert): what merges
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.layer, self.expert))  # frozen: set once, read per queue operation
 
 
 class Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", gc=False):

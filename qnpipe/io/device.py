@@ -17,7 +17,7 @@ import trio
 
 from qnpipe.io.reader import ExpertReader, ReaderStats, ReadRequest, WritableBuffer, scatter_buffers
 from qnpipe.io.store import ExpertStore
-from qnpipe.policy.read_queue import Job
+from qnpipe.messages import Job
 
 T = TypeVar("T")
 SlotDest = Callable[[int, int], Mapping[str, WritableBuffer]]  # (layer, slot) -> tensor name -> buffer

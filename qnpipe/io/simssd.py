@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from qnpipe.io.sim_model import PROFILES, DeviceModel, DeviceProfile, SimStats
-from qnpipe.policy.read_queue import Job
+from qnpipe.messages import Job
 
 
 class SimSSD:

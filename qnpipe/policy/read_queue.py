@@ -5,43 +5,20 @@ device. Demand reads (a step is waiting) always go before prefetches; within a c
 first come first served. A job for an expert already queued or in flight is merged into
 it (read once, every asker told); a demand merged into a queued prefetch promotes it to
 the back of the demand queue. At most `max_in_flight` reads are on the device at once.
+`Job` and `ReadClass`, the read unit, are qnpipe.messages' (re-exported here).
 """
 
 from __future__ import annotations
 
-import enum
 import heapq
 import math
 from collections import deque
 
 import attrs
 
+from qnpipe.messages import Job, ReadClass
 
-class ReadClass(enum.IntEnum):
-    """Priority class of a read; lower goes first."""
-
-    DEMAND = 0
-    PREFETCH = 1
-
-
-@attrs.frozen(slots=True)
-class Job:
-    """Read expert `expert` of `layer` into `slot`.
-
-    Prefetches carry the time the forward is expected to need them (`deadline`, trio
-    clock seconds) and the predictor's `score`; demand reads have neither.
-    """
-
-    layer: int
-    expert: int
-    slot: int
-    cls: ReadClass = ReadClass.DEMAND
-    deadline: float = math.inf
-    score: float = 0.0
-    key: tuple[int, int] = attrs.field(init=False, eq=False, repr=False)  # (layer, expert): what merges
-
-    def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "key", (self.layer, self.expert))  # frozen: set once, read per queue operation
+__all__ = ["Job", "ReadClass", "ReadQueue"]
 
 
 @attrs.define(slots=True)

@@ -25,8 +25,7 @@ from collections.abc import Sequence
 import msgspec
 
 from qnpipe.errors import QnpipeError, TraceSchemaError
-from qnpipe.messages import Acquire, ForwardDone, Granted, PrefetchHint, ReadDone, ReadExpert, Release
-from qnpipe.policy.read_queue import ReadClass
+from qnpipe.messages import Acquire, ForwardDone, Granted, PrefetchHint, ReadClass, ReadDone, ReadExpert, Release
 from qnpipe.trace.format import Header, Record, Stalled
 
 DEFAULT_STEPS = 4  # a window of the first four steps when none is given
