@@ -1,6 +1,6 @@
-"""Build hook for the optional C parts: the reader `qnpipe._preadx` (cextensions/preadx.c),
-Belady's miss-ratio curve loop `qnpipe._mrc_opt` (cextensions/mrc_opt.c) and, on Linux, the CBLAS
-shim `qnpipe._cblas_shim` (cextensions/cblas_shim.c).
+"""Build hook for the optional C parts, each inside the package that uses it: the reader
+`qnpipe.io._preadx` (cextensions/preadx.c), Belady's miss-ratio curve loop `qnpipe.replay._mrc_opt`
+(cextensions/mrc_opt.c) and, on Linux, the CBLAS shim `qnpipe.compute._cblas_shim` (cextensions/cblas_shim.c).
 
 Everything else about the package lives in pyproject.toml. Both are optional: when no
 compiler (or no Python headers) is available the build prints a warning and the install
@@ -41,14 +41,14 @@ class OptionalBuildExt(build_ext):
         )
 
 
-FALLBACKS = {"qnpipe._preadx": "its pure-Python reader", "qnpipe._cblas_shim": "MLX's bundled BLAS",
-             "qnpipe._mrc_opt": "its numpy Belady curves"}
+FALLBACKS = {"qnpipe.io._preadx": "its pure-Python reader", "qnpipe.compute._cblas_shim": "MLX's bundled BLAS",
+             "qnpipe.replay._mrc_opt": "its numpy Belady curves"}
 
 ext_modules = []
 if sys.platform != "win32":
     ext_modules.append(
         Extension(
-            "qnpipe._preadx",
+            "qnpipe.io._preadx",
             sources=["cextensions/preadx.c"],
             extra_compile_args=["-O2", "-Wall"],
             extra_link_args=["-pthread"] if sys.platform.startswith("linux") else [],
@@ -56,13 +56,13 @@ if sys.platform != "win32":
     )
 
     # A plain shared library loaded with ctypes (qnpipe/replay/mrc.py), never imported: no Python API.
-    ext_modules.append(Extension("qnpipe._mrc_opt", sources=["cextensions/mrc_opt.c"],
+    ext_modules.append(Extension("qnpipe.replay._mrc_opt", sources=["cextensions/mrc_opt.c"],
                                  extra_compile_args=["-O2", "-Wall"]))
 
 if sys.platform.startswith("linux"):
     # A plain shared library loaded with ctypes (qnpipe/compute/blas.py), never imported: no Python
     # API, and no link to a BLAS (its targets are bound at run time).
-    ext_modules.append(Extension("qnpipe._cblas_shim", sources=["cextensions/cblas_shim.c"],
+    ext_modules.append(Extension("qnpipe.compute._cblas_shim", sources=["cextensions/cblas_shim.c"],
                                  extra_compile_args=["-O3", "-Wall", "-Wno-psabi", "-ffp-contract=off"]))
 
 setup(ext_modules=ext_modules, cmdclass={"build_ext": OptionalBuildExt})

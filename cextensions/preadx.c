@@ -1,4 +1,4 @@
-/* qnpipe._preadx: a batch of preads into caller buffers, on a persistent pthread pool,
+/* qnpipe.io._preadx: a batch of preads into caller buffers, on a persistent pthread pool,
  * with the GIL released. Optional: qnpipe/io/ssd.py falls back to os.preadv in a
  * ThreadPoolExecutor when this module is missing; both must produce identical bytes.
  *
@@ -317,7 +317,7 @@ static PyGetSetDef Pool_getset[] = {
 
 static PyTypeObject PoolType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "qnpipe._preadx.Pool",
+    .tp_name = "qnpipe.io._preadx.Pool",
     .tp_basicsize = sizeof(PoolObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Pool(nthreads): persistent pthreads doing batches of pread into caller buffers.",
@@ -329,7 +329,7 @@ static PyTypeObject PoolType = {
 };
 
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "qnpipe._preadx", "Batched pread on a pthread pool with the GIL released.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "qnpipe.io._preadx", "Batched pread on a pthread pool with the GIL released.", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__preadx(void) {

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 # The configuration is light (msgspec only) and every entry point needs it, so it is
 # always there: `import qnpipe; qnpipe.config.load()`.
 from qnpipe import config
+from qnpipe._version import __version__
 from qnpipe.config import Config
 
-__version__ = "0.1.0"
 __all__ = ["Config", "Engine", "config", "open_engine", "__version__"]
 
 if TYPE_CHECKING:

@@ -20,12 +20,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "qnpipe"
-# The C extension is a private module by name only (the Python fallback stands beside it).
-PRIVATE_OK = {"qnpipe._preadx"}
+# Private modules by name only: the C extension (the Python fallback stands beside it) and the version.
+PRIVATE_OK = {"qnpipe.io._preadx", "qnpipe._version"}
 
-# qnpipe.io.files (read a small file whole, capped and regular-only) is a leaf below every
-# layer: it imports nothing of qnpipe but errors, so the config modules may read TOML through it.
-LEAVES = {"qnpipe.io.files"}
+# Leaves below every layer: they import nothing of qnpipe but errors, so the config modules may read
+# TOML through qnpipe.files (read a small file whole, capped and regular-only).
+LEAVES = {"qnpipe.files", "qnpipe._version"}
 MLX = ("mlx", "mlx_lm")
 RULES: dict[str, tuple[str, ...]] = {
     "qnpipe/policy/": ("trio", *MLX, "qnpipe.io", "qnpipe.actors"),
@@ -62,7 +62,7 @@ def private_imports(rel: str, text: str) -> list[str]:
             continue
         full = [f"{module}.{n}" for n in names] or [module]
         for f in full:
-            if f not in PRIVATE_OK and any(part.startswith("_") and not part.startswith("__")
+            if f not in PRIVATE_OK and module not in PRIVATE_OK and any(part.startswith("_") and not part.startswith("__")
                                            for part in f.split(".")):
                 hits.append(f"{rel}:{line}: {f}")
     return hits
@@ -128,7 +128,8 @@ def test_the_checks_catch_violations() -> None:
     bad = "from qnpipe.convert.safetensors_out import _Job, write_safetensors\nimport qnpipe._hidden\nimport qnpipe.config\n"
     assert private_imports("qnpipe/x.py", bad) == [
         "qnpipe/x.py:1: qnpipe.convert.safetensors_out._Job", "qnpipe/x.py:2: qnpipe._hidden"]
-    assert private_imports("qnpipe/x.py", "from qnpipe import _preadx\n") == []
+    assert private_imports("qnpipe/x.py", "from qnpipe.io import _preadx\nfrom qnpipe._version import __version__\n") == []
+    assert private_imports("qnpipe/x.py", "from qnpipe import _preadx\n") == ["qnpipe/x.py:1: qnpipe._preadx"]
     policy = "import trio\n\ndef f():\n    import mlx.core as mx\n    from qnpipe.io.store import ExpertStore\n"
     assert layering_violations("qnpipe/policy/eviction.py", policy) == [
         "qnpipe/policy/eviction.py:1: imports trio (forbidden here: trio)",
@@ -142,7 +143,7 @@ def test_the_checks_catch_violations() -> None:
 
 
 def test_the_package_rules_catch_violations() -> None:
-    config = "import msgspec\nfrom qnpipe.errors import ConfigError\nfrom qnpipe.io.files import read_capped\n" \
+    config = "import msgspec\nfrom qnpipe.errors import ConfigError\nfrom qnpipe.files import read_capped\n" \
              "from qnpipe.config.tree import Config\nfrom qnpipe.io.store import ExpertStore\n" \
              "def f():\n    from qnpipe.policy.pool import PoolPolicy\n"
     assert layering_violations("qnpipe/config/loader.py", config) == [

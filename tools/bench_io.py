@@ -3,7 +3,7 @@
 Creates layer files of random bytes (`--size-gib` in total, in `--dir`), then for each record
 size and each queue depth reads random experts across the files with direct I/O:
 
-  c        SsdReader(backend="c"): the qnpipe._preadx pthread pool, `qd` workers
+  c        SsdReader(backend="c"): the qnpipe.io._preadx pthread pool, `qd` workers
   c_scatter  the same, each 80B record scattered into its 9 tensors' buffers (one preadv)
   python   SsdReader(backend="python"): os.preadv in a ThreadPoolExecutor, `qd` workers
   fio      fio --ioengine=psync --numjobs=qd --direct=1 --bs=<stride>: qd threads, each with one
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     qds = [int(x) for x in args.qd.split(",")]
     backends = ([ReadBackend.C] if c_extension_available() else []) + ([] if args.no_python else [ReadBackend.PYTHON])
     if not c_extension_available():
-        log("bench_io: the C extension qnpipe._preadx is not built; measuring the Python fallback only")
+        log("bench_io: the C extension qnpipe.io._preadx is not built; measuring the Python fallback only")
     total = int(args.size_gib * 2**30)
     unit = int(np.lcm.reduce([aligned_len(r) for r in records]))
 

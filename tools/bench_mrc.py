@@ -10,7 +10,7 @@ core. Prints one JSON line:
   mrc_cpu_s        ... in this process's CPU seconds (the figure to compare on a loaded machine)
   load_s, lru_s, belady_s  wall seconds of `load_log`, and of each curve alone on the loaded log
                    (measured after mrc_s, apart from it)
-  native           whether the C loops (qnpipe._mrc_opt, built at install) ran; else the numpy ones
+  native           whether the C loops (qnpipe.replay._mrc_opt, built at install) ran; else the numpy ones
   layer_steps, requests  layer-steps and expert requests of the log (each counted once per curve)
   capacities       capacities per curve (top-k .. experts)
   hit_rate_lru, hit_rate_belady  the totals at a few capacities (a sanity check, and what the CSV holds)
@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cross-layer", type=float, default=0.5)
     p.add_argument("--popularity", default="zipf:1.0")
     p.add_argument("--policies", default="lru,belady", help="comma-separated, of lru and belady (default both)")
-    p.add_argument("--numpy", action="store_true", help="the numpy loops even when the C ones (qnpipe._mrc_opt) are built")
+    p.add_argument("--numpy", action="store_true", help="the numpy loops even when the C ones (qnpipe.replay._mrc_opt) are built")
     return p.parse_args(argv)
 
 

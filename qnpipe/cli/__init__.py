@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="qnpipe", formatter_class=fmt, epilog=EPILOG,
         description="Run mixture-of-experts models (Qwen3-Next) whose experts do not fit in memory.",
     )
-    from qnpipe import __version__
+    from qnpipe._version import __version__
 
     p.add_argument("--version", action="version", version=f"qnpipe {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -7,7 +7,7 @@ loaded RTLD_LOCAL by Python, so the dynamic linker looks them up in the global s
 first: a library loaded RTLD_GLOBAL before MLX is imported wins over the bundled one.
 
 ``auto`` takes the OpenBLAS of the ``scipy-openblas32`` wheel (a dependency on Linux). Its
-symbols carry a ``scipy_`` prefix, so qnpipe's C shim (``qnpipe._cblas_shim``, from
+symbols carry a ``scipy_`` prefix, so qnpipe's C shim (``qnpipe.compute._cblas_shim``, from
 cextensions/cblas_shim.c) exports the unprefixed names and forwards to it. A library path
 may be a plain CBLAS (``libopenblas.so.0``: loaded RTLD_GLOBAL as it is) or a
 ``scipy_``-prefixed one (through the shim). The choice is made once per process, before
@@ -147,7 +147,7 @@ def _choose(setting: str) -> BlasInfo:
             return BlasInfo(setting=setting, kind=BUNDLED, note="no optimized BLAS found (pip install scipy-openblas32)")
         if _shim_path() is None:
             return BlasInfo(setting=setting, kind=BUNDLED,
-                            note="qnpipe's C shim qnpipe._cblas_shim was not built (no C compiler at install)")
+                            note="qnpipe's C shim qnpipe.compute._cblas_shim was not built (no C compiler at install)")
         path = found
     if "mlx.core" in sys.modules:
         return BlasInfo(setting=setting, kind=BUNDLED, note=_MLX_FIRST)
@@ -163,7 +163,7 @@ def _wheel_openblas() -> str | None:
 
 
 def _shim_path() -> str | None:
-    here = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         p = here / f"_cblas_shim{suffix}"
         if p.is_file():
@@ -260,7 +260,7 @@ def _load(setting: str, path: str) -> BlasInfo:
     if shim_path is None:
         if prefix:
             raise ConfigError(f"compute.cpu_blas={setting!r}: {path} has {prefix}-prefixed symbols, which need "
-                              "qnpipe's C shim qnpipe._cblas_shim, and it was not built (no C compiler at install)")
+                              "qnpipe's C shim qnpipe.compute._cblas_shim, and it was not built (no C compiler at install)")
         # A plain CBLAS (a system OpenBLAS) in the global scope is found before libmlx's own.
         lib = _open(path, os.RTLD_NOW | os.RTLD_GLOBAL)
         via = path

@@ -5,7 +5,7 @@
 sections and their fields), `loader` (`load`, `with_overrides`, the field specs), `aliases` and
 `layersets` (the previous system's names and layer-set syntax), `pending` (fields declared but
 not yet consumed) and `validate` (the checks of a generation's arguments). This package imports
-nothing of qnpipe but `qnpipe.errors` and the leaf `qnpipe.io.files` (tests/test_imports.py), so
+nothing of qnpipe but `qnpipe.errors` and the leaf `qnpipe.files` (tests/test_imports.py), so
 every layer may depend on it.
 """
 

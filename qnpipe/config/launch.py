@@ -62,7 +62,7 @@ def read_launch(env: Mapping[str, str] | None = None) -> Launch:
     rank, at least two) of non-empty lists of `host:port` strings, as `mlx.launch --backend ring`
     writes it: every rank with as many addresses, none listed twice, hosts an IPv4 address or a
     DNS name, ports 1..65535; `MLX_RANK` a whole number below the number of ranks."""
-    from qnpipe.io.files import read_capped
+    from qnpipe.files import read_capped
 
     env = os.environ if env is None else env
     rank_raw, path = env.get("MLX_RANK"), env.get("MLX_HOSTFILE")

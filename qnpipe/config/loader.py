@@ -53,7 +53,7 @@ from qnpipe.config.tree import (
     check_evict_policy,
 )
 from qnpipe.errors import ConfigError
-from qnpipe.io.files import CONFIG_CAP, read_capped
+from qnpipe.files import CONFIG_CAP, read_capped
 
 __all__ = [
     "ChatCfg", "ComputeCfg", "Config", "describe_allowed", "DiagCfg", "EvictPolicy", "explicit_settings",

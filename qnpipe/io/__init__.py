@@ -1,13 +1,13 @@
 """Bytes on disk: the expert store, the real SSD reader, the simulated SSD, and safe file writing.
 
 `store`/`store_format`/`store_check` are the expert store's layout; `reader` and `ssd` read
-records into aligned buffers (the C extension `qnpipe._preadx` when built), `device` puts a
+records into aligned buffers (the C extension `qnpipe.io._preadx` when built), `device` puts a
 reader behind the read scheduler, `simssd` is the simulated SSD replay and the tests run
-against, `device_file`/`measure` the measured device profiles; `files` (capped whole-file
-reads, a leaf the config may import), `atomic`/`outdir` (files and directories that appear
+against, `device_file`/`measure` the measured device profiles; `files` (the capped whole-file
+reads of the leaf `qnpipe.files`, under their old path), `atomic`/`outdir` (files and directories that appear
 whole), `figure` (plots as PNG, PDF or SVG, through `atomic`) and `heat_file`. It may import
-qnpipe.config, qnpipe.errors and the pure qnpipe.policy, never the model, the actors or the
-live engine.
+qnpipe.config, qnpipe.errors, qnpipe.messages and the leaves, never qnpipe.policy, the model,
+the actors or the live engine (tests/test_imports.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from qnpipe.io.ssd import SsdReader
     from qnpipe.io.store import ExpertStore, read_index, write_index
 
-# Loaded on first use, not here: qnpipe.config imports the leaf `qnpipe.io.files`, which runs this
-# file first; it must not pull in MLX (`reader`, `store`).
+# Loaded on first use, not here: importing any submodule runs this file first, and most users
+# (replay, the trace tools) must not pull in MLX (`reader`, `store`).
 _LAZY = {
     "ExpertStore": "qnpipe.io.store",
     "read_index": "qnpipe.io.store",

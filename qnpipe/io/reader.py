@@ -99,7 +99,7 @@ class ReaderStats(msgspec.Struct, frozen=True, kw_only=True):
     short read or a checksum mismatch; `errors` the `ReadError`s raised.
     """
 
-    backend: str  # "c" (qnpipe._preadx) or "python" (os.preadv in a thread pool)
+    backend: str  # "c" (qnpipe.io._preadx) or "python" (os.preadv in a thread pool)
     workers: int
     mode: CacheMode  # requested mode; files that fell back are counted in direct_fallbacks
     batches: int = 0

@@ -3,7 +3,7 @@
 Files open with O_DIRECT on Linux and F_NOCACHE on macOS (`nocache=True`), or through
 the page cache. A file system that refuses O_DIRECT (EINVAL, e.g. tmpfs) gets a buffered
 fallback, counted in `statistics().direct_fallbacks`. A batch runs on the C extension
-`qnpipe._preadx` (pthreads, GIL released) when it is built, else on `os.preadv` in a
+`qnpipe.io._preadx` (pthreads, GIL released) when it is built, else on `os.preadv` in a
 `ThreadPoolExecutor`; both read straight into the caller's buffers. Design: docs/io.md.
 """
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["PreadvFn", "SsdReader", "c_extension_available", "choose_backend", "nocache_mode"]
 
 try:
-    from qnpipe import _preadx
+    import qnpipe.io._preadx as _preadx
 except ImportError:  # the optional extension was not built (no compiler at install time)
     _preadx = None
 
@@ -53,7 +53,7 @@ PreadvFn = Callable[[int, list[memoryview], int], int]
 
 
 def c_extension_available() -> bool:
-    """Whether `qnpipe._preadx` was built and imports."""
+    """Whether `qnpipe.io._preadx` was built and imports."""
     return _preadx is not None
 
 
@@ -71,7 +71,7 @@ def choose_backend(backend: ReadBackend | str, *, hooked: bool, c_available: boo
     if backend is ReadBackend.AUTO:
         return ReadBackend.C if c_available else ReadBackend.PYTHON
     if backend is ReadBackend.C and not c_available:
-        raise ValueError("backend='c' but the C extension qnpipe._preadx is not built")
+        raise ValueError("backend='c' but the C extension qnpipe.io._preadx is not built")
     return backend
 
 

@@ -24,7 +24,7 @@ to the expert count.
   fewer than C - D of those q rank above e at C: each needs its own miss status at t at C, which
   its access's record (D, D + q, a bit per capacity between) gives.
 
-Both passes run as C loops (cextensions/mrc_opt.c: `qnpipe._mrc_opt`, optional, built at install,
+Both passes run as C loops (cextensions/mrc_opt.c: `qnpipe.replay._mrc_opt`, optional, built at install,
 loaded with ctypes) when it was built, else in numpy, a step of all layers at a time: the same
 numbers (tests/replay/test_mrc.py runs both), the numpy ones tens of times slower.
 
@@ -111,7 +111,7 @@ def lru_one_pass(reqs: np.ndarray, num_experts: int, *, native: bool | None = No
     of -1 = the layer has no request at that step; each request of distinct experts).
 
     Returns (hits [L, E + 1] indexed by capacity, requests [L]); valid at capacities >= every request's size.
-    `native`: the C loop (`qnpipe._mrc_opt`, the same algorithm a layer at a time; None = when it was
+    `native`: the C loop (`qnpipe.replay._mrc_opt`, the same algorithm a layer at a time; None = when it was
     built) or this one, all layers a step at a time in numpy."""
     n_steps, n_layers, w = reqs.shape
     e_count = num_experts
@@ -248,14 +248,14 @@ def belady_one_pass(requests: Sequence[Sequence[int]], num_experts: int, *, nati
 
 
 def native_available() -> bool:
-    """Whether the C loop `qnpipe._mrc_opt` (cextensions/mrc_opt.c, built at install when a compiler is there) loaded."""
+    """Whether the C loop `qnpipe.replay._mrc_opt` (cextensions/mrc_opt.c, built at install when a compiler is there) loaded."""
     return _native() is not None
 
 
 @functools.cache
 def _native() -> Any:
     """The C library's two functions (a namespace with `belady`, `lru`), or None when it was not built."""
-    here = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         p = here / f"_mrc_opt{suffix}"
         if p.is_file():
@@ -274,24 +274,24 @@ def _native() -> Any:
 def _native_for(native: bool | None) -> Any:
     lib = _native() if native is not False else None
     if native and lib is None:
-        raise RuntimeError("qnpipe._mrc_opt was not built (no C compiler at install): use native=None or False")
+        raise RuntimeError("qnpipe.replay._mrc_opt was not built (no C compiler at install): use native=None or False")
     return lib
 
 
 def _native_ok(code: int, num_experts: int) -> None:
     if code == -1:
-        raise MemoryError("qnpipe._mrc_opt: out of memory")
+        raise MemoryError("qnpipe.replay._mrc_opt: out of memory")
     if code == -3:
         raise ValueError(f"a request repeats an expert or names one outside 0..{num_experts - 1}")
     if code != 0:
-        raise ValueError(f"qnpipe._mrc_opt: refused the requests (code {code})")
+        raise ValueError(f"qnpipe.replay._mrc_opt: refused the requests (code {code})")
 
 
 def belady_layers(reqs: np.ndarray, num_experts: int, *, native: bool | None = None) -> np.ndarray:
     """Belady's hits at every capacity per layer by the OPT stack (module doc): `reqs [S, L, W]` as for
     `lru_one_pass`. Returns hits [L, E + 1] indexed by capacity, valid at capacities >= every request's size.
 
-    `native`: the C loop (`qnpipe._mrc_opt`, the same algorithm; None = when it was built) or this
+    `native`: the C loop (`qnpipe.replay._mrc_opt`, the same algorithm; None = when it was built) or this
     module's own: the stacks' bookkeeping in numpy over all layers at once, the carry a plain loop per
     layer over the few entries that can move (R's old slots, and entries worse than the buffer's first
     best: the buffer's best only gets worse as it carries)."""

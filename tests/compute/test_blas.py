@@ -134,7 +134,7 @@ def test_auto_without_the_wheel_or_the_shim_says_why_in_one_line(monkeypatch: py
     monkeypatch.setattr(blas, "_shim_path", lambda: None)
     info = blas._choose("auto")
     assert info.kind == blas.BUNDLED
-    assert info.describe() == ("cpu blas: MLX's bundled BLAS (qnpipe's C shim qnpipe._cblas_shim was not built "
+    assert info.describe() == ("cpu blas: MLX's bundled BLAS (qnpipe's C shim qnpipe.compute._cblas_shim was not built "
                                "(no C compiler at install))")
     monkeypatch.setattr(blas, "_wheel_openblas", lambda: None)
     assert "pip install scipy-openblas32" in blas._choose("auto").describe()

@@ -123,10 +123,10 @@ def test_one_pass_equals_the_slot_table_and_belady_per_capacity(case: tuple[list
 
 
 def test_the_c_loops_are_built_here_and_refused_when_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A source checkout built with a compiler has qnpipe._mrc_opt; without it, asking for it says why."""
+    """A source checkout built with a compiler has qnpipe.replay._mrc_opt; without it, asking for it says why."""
     import qnpipe.replay.mrc as m
 
-    assert native_available() == any(Path(m.__file__).parent.parent.glob("_mrc_opt*"))
+    assert native_available() == any(Path(m.__file__).parent.glob("_mrc_opt*"))
     monkeypatch.setattr(m, "_native", lambda: None)
     arr = np.asarray([[[0, 1]], [[1, 2]]], dtype=np.int64)
     assert belady_layers(arr, 3).tolist() == belady_layers(arr, 3, native=False).tolist()

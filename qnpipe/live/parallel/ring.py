@@ -239,7 +239,7 @@ class Ring:
     def check_same_run(self, parts: list[tuple[str, str]]) -> None:
         """DistributedError naming each rank whose qnpipe version or any of `parts` (what, value: the same
         list on every rank of one version) differs from rank 0's."""
-        from qnpipe import __version__
+        from qnpipe._version import __version__
 
         self._check()
         # First the version and the number of parts: the second gather's rows must be as long on every rank.
