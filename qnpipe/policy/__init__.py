@@ -1,7 +1,7 @@
 """Pure, synchronous decision logic of the pipeline: slot tables, eviction, the read queue, the pool.
 
 `slot_table` (one layer's slots) and `eviction` (whom to evict; `eviction_hand`, `_arc`,
-`_s3fifo` hold libCacheSim's policies, `_plugin` loads plug-ins) under `pool` (every layer's
+`_s3fifo` hold libCacheSim's policies, `_plugin` loads plug-ins, `_protocol` is their interface) under `pool` (every layer's
 grants, reads and counters), `read_queue` (the order reads go to the device), `predict`
 (which experts to prefetch), `parts` (a step split into parts), `heat` (autopin's counts and
 plan). Nothing here imports trio, MLX, qnpipe.io or qnpipe.actors (tests/test_imports.py), so

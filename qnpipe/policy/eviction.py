@@ -1,9 +1,9 @@
 """Eviction policies: which resident expert of a layer gives up its slot.
 
-`Eviction` is the interface every policy implements, the built-in ones and the plug-ins
-`pool.evict_policy = "package.module:Class"` names (`qnpipe.policy.eviction_plugin`,
-docs/pool.md). The score policies here (LRU, FIFO, LFU, LRFU) keep a score per resident
-expert and evict the lowest among the evictable ones (never held, pinned or loading: the
+`Eviction` (qnpipe.policy.eviction_protocol, re-exported here) is the interface every policy
+implements, the built-in ones and the plug-ins `pool.evict_policy = "package.module:Class"` names
+(`qnpipe.policy.eviction_plugin`, docs/pool.md). The score policies here (LRU, FIFO, LFU, LRFU)
+keep a score per resident expert and evict the lowest among the evictable ones (never held, pinned or loading: the
 table says which are blocked). Scores are unique (time is the table's access counter, a
 tie-breaker in every score), so the victim does not depend on the order candidates are
 looked at, and a policy is deterministic and clock-free. `pick` finds it without a scan in
@@ -18,52 +18,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable
-from typing import Protocol
 
 import attrs
 
 from qnpipe.config import EvictPolicy
 from qnpipe.policy.eviction_arc import ARC
 from qnpipe.policy.eviction_hand import Clock, Sieve
+from qnpipe.policy.eviction_plugin import make_plugin
+from qnpipe.policy.eviction_protocol import Eviction
 from qnpipe.policy.eviction_s3fifo import S3FIFO
-
-
-class Eviction(Protocol):
-    """The interface of one layer's eviction policy, built-in or plug-in (docs/pool.md, "Plug-in policies").
-
-    The slot table calls, for each step that uses the layer: `accessed` for every expert it
-    finds in the pool, then for each miss either `inserted` (a free slot) or `pick`, then
-    `removed` of the expert `pick` named, then `inserted`. `pick` is only asked when every
-    slot holds an expert, so the policy has been told of `capacity` residents then.
-    """
-
-    def inserted(self, expert: int, tick: int) -> None:
-        """`expert` was given a slot at `tick` (counts as its first access)."""
-        ...
-
-    def accessed(self, expert: int, tick: int) -> None:
-        """A step used resident `expert` at `tick`."""
-        ...
-
-    def removed(self, expert: int) -> None:
-        """`expert` left the pool (evicted: `pick` named it just before; else its read was cancelled)."""
-        ...
-
-    def victim(self, candidates: Iterable[int], incoming: int) -> int:
-        """The candidate `pick` would evict if only `candidates` were evictable (never empty), for
-        `incoming`; changes nothing. The reference `pick` is tested against."""
-        ...
-
-    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int],
-             incoming: int) -> int | None:
-        """The resident expert to evict so that `incoming` (not resident) gets its slot: none of
-        `loading`, `held`, `pinned` (None: every one is blocked). The table evicts it."""
-        ...
-
-    def forward_done(self) -> None:
-        """One forward step of the model finished (LFU decay counts these)."""
-        ...
-
 
 _TICK_BITS = 48  # ticks count accesses of one layer: 2^48 outlasts any run
 
@@ -231,6 +194,4 @@ def make_eviction(kind: str, capacity: int, *, lfu_decay_interval: int = 0, lrfu
         case EvictPolicy.S3FIFO:
             return S3FIFO(capacity)
         case _:
-            from qnpipe.policy.eviction_plugin import make_plugin  # it imports Eviction from here
-
             return make_plugin(kind, capacity, watchdog_s)

@@ -2,7 +2,7 @@
 
 The class is imported when the pool is built and called as `Class(capacity=N)` once per
 layer, N the layer's resident slots; what it returns must have the methods of
-`qnpipe.policy.eviction.Eviction`, taking the arguments the slot table passes. Any failure
+`qnpipe.policy.eviction_protocol.Eviction`, taking the arguments the slot table passes. Any failure
 is a ConfigError naming the setting's value and what is wrong. The plug-in runs behind a
 `CheckedEviction` (qnpipe.policy.plugin_check): each answer is checked before the slot table
 uses it, a wrong one is a PluginError naming the class, the method and the value.
@@ -16,7 +16,7 @@ from typing import cast
 
 from qnpipe.config import EvictPolicy, check_evict_policy
 from qnpipe.errors import ConfigError
-from qnpipe.policy.eviction import Eviction
+from qnpipe.policy.eviction_protocol import Eviction
 from qnpipe.policy.plugin_check import CheckedEviction
 
 # Each method of the Eviction protocol and the arguments the slot table passes it (self aside).

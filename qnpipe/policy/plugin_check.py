@@ -22,7 +22,7 @@ from collections.abc import Collection, Iterable
 from typing import Any
 
 from qnpipe.errors import PluginError, root_cause
-from qnpipe.policy.eviction import Eviction
+from qnpipe.policy.eviction_protocol import Eviction
 
 # thread id -> (the adapter, the method, a call number unique to this call): the calls now running
 RUNNING: dict[int, tuple[CheckedEviction, str, int]] = {}
