@@ -15,7 +15,7 @@ buffer cache, the headroom, the process) is per process: each rank has it whole.
 
 The split balances what each rank must hold whatever its pool: those bytes plus top-k slots of each of
 its MoE layers. Contiguous ranges minimising the largest rank's fixed bytes
-(qnpipe.live.parallel.split.split_layers) leave the fullest rank the most room a split can give it, so
+(qnpipe.plan.layer_split.split_layers) leave the fullest rank the most room a split can give it, so
 one budget `--memory B` on every rank buys the largest pool on the rank with the least.
 """
 
@@ -29,9 +29,9 @@ import msgspec
 
 from qnpipe.config import Config
 from qnpipe.errors import CheckpointError, ConfigError, TraceSchemaError
-from qnpipe.live.parallel.split import split_layers, tensor_bytes
 from qnpipe.messages import Candidates, ReadDone
 from qnpipe.plan.account import Line, ModelFacts, fixed_lines, kv_nbytes, state_nbytes
+from qnpipe.plan.layer_split import split_layers, tensor_bytes
 from qnpipe.plan.units import fmt_bytes
 from qnpipe.trace import Header, ModelShape, Record, Route, TraceWriter, read_all
 

@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 from qnpipe.errors import ConfigError
-from qnpipe.live.parallel.split import split_layers
+from qnpipe.plan.layer_split import split_layers
+
+
+def test_the_old_path_names_the_same_functions() -> None:
+    import qnpipe.live.parallel.split as old
+    import qnpipe.plan.layer_split as new
+
+    assert (old.split_layers, old.tensor_bytes, old.model_layer_bytes) == (
+        new.split_layers, new.tensor_bytes, new.model_layer_bytes)
 
 
 def test_equal_layers_split_evenly_and_cover_every_layer() -> None:

@@ -20,9 +20,9 @@ from qnpipe.config import Config, ConfigError, with_overrides
 from qnpipe.config.launch import Launch
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.ring import Ring
-from qnpipe.live.parallel.split import model_layer_bytes, split_layers
 from qnpipe.model.stage import Stage
 from qnpipe.plan.account import ModelFacts, model_facts
+from qnpipe.plan.layer_split import model_layer_bytes, split_layers
 from qnpipe.plan.plan_file import Plan
 from qnpipe.plan.ranks import Share, Weights, check_ranks, layer_weights, memory_split
 from qnpipe.plan.startup import plan_for_share
