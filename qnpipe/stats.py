@@ -7,7 +7,7 @@ import enum
 import msgspec
 
 from qnpipe.compute.blas import BlasInfo
-from qnpipe.live.spec.stats import SpecStats
+from qnpipe.mtp_stats import SpecStats
 
 
 class FinishReason(enum.StrEnum):
