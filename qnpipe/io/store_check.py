@@ -12,18 +12,26 @@ import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from qnpipe.errors import StoreError
 from qnpipe.io.store_format import LayerFile, StoreIndex
-
-if TYPE_CHECKING:
-    from qnpipe.model.args import ModelArgs
 
 __all__ = ["check_against_model", "check_store_sha256", "open_layer_file"]
 
 _FLOATS = ("float32", "float16", "bfloat16")
 _PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+class ModelExperts(Protocol):
+    """What the store is checked against: qnpipe.model.args.ModelArgs (above this layer) has these."""
+
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def moe_layers(self) -> tuple[int, ...]: ...
+    @property
+    def expert_dims(self) -> Mapping[str, tuple[int, int]]: ...
 
 
 def open_layer_file(root: Path, lf: LayerFile, *, check_size: bool = True) -> int:
@@ -67,7 +75,7 @@ def _config_quant(qcfg: Mapping[str, Any] | None, path: str) -> tuple[int, int] 
     return p.get("bits"), p.get("group_size")
 
 
-def check_against_model(index: StoreIndex, index_path: Path, args: ModelArgs,
+def check_against_model(index: StoreIndex, index_path: Path, args: ModelExperts,
                         qcfg: Mapping[str, Any] | None = None) -> None:
     """Check that `index` holds exactly the routed experts of the model `args` describes.
 
