@@ -1,13 +1,14 @@
 """Import rules: no module takes another module's _private names, each package imports only what its layer may,
-and qnpipe's modules import each other without cycles.
+no import runs back up the layers, and qnpipe's modules import each other without cycles.
 
 The rules (RULES, per package; each package's __init__ docstring says the same): qnpipe/config/ imports
 nothing of qnpipe but qnpipe.errors and the leaves (LEAVES); qnpipe/policy/ and qnpipe/messages.py no
 trio, MLX, qnpipe.io or qnpipe.actors; qnpipe/trace/ and qnpipe/replay/ no MLX and no model or live code;
-qnpipe/model/ no trio; qnpipe/convert/ no trio, actors or live engine; qnpipe/io/ no actors or live
-engine; and only qnpipe/live/ imports both trio and MLX. The checks read the source (every import
-statement, including those inside functions), so they hold for modules that do not exist yet the
-moment they are added.
+qnpipe/model/ no trio; qnpipe/convert/ no trio, actors or live engine; qnpipe/io/ no policy, actors or
+live engine; and only qnpipe/live/ imports both trio and MLX. LAYERS orders qnpipe's packages and
+top-level modules bottom to top: each imports only from its own or a lower layer. The checks read the
+source (every import statement, including those inside functions and under `if TYPE_CHECKING:`), so
+they hold for modules that do not exist yet the moment they are added.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "qnpipe/replay/": (*MLX, "qnpipe.model", "qnpipe.live"),
     "qnpipe/model/": ("trio",),
     "qnpipe/convert/": ("trio", "qnpipe.actors", "qnpipe.live"),
-    "qnpipe/io/": ("qnpipe.actors", "qnpipe.live"),
+    "qnpipe/io/": ("qnpipe.policy", "qnpipe.actors", "qnpipe.live"),
 }
 # Packages that import nothing of qnpipe but themselves, these and the leaves.
 ONLY: dict[str, tuple[str, ...]] = {"qnpipe/config/": ("qnpipe.config", "qnpipe.errors")}
@@ -83,6 +84,85 @@ def layering_violations(rel: str, text: str) -> list[str]:
         if only and module.startswith("qnpipe") and not any(module == a or module.startswith(a + ".") for a in only):
             hits.append(f"{rel}:{line}: imports {module} (only {', '.join(only)} and the leaves here)")
     return hits
+
+
+# qnpipe's packages and top-level modules, bottom to top. A module imports from its own package or
+# module and from lower layers only: never from its own layer's others (they stand side by side) nor
+# from above. A new top-level module or package is placed here when it is added.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("qnpipe.errors", "qnpipe._version", "qnpipe.steps", "qnpipe.mtp_stats"),
+    ("qnpipe.files", "qnpipe.messages"),
+    ("qnpipe.config",),
+    ("qnpipe.io", "qnpipe.compute"),
+    ("qnpipe.trace", "qnpipe.chat", "qnpipe.stats"),
+    ("qnpipe.policy", "qnpipe.model"),
+    ("qnpipe.hang_guard", "qnpipe.actors"),
+    ("qnpipe.replay", "qnpipe.convert"),
+    ("qnpipe.plan",),
+    ("qnpipe.live",),
+    ("qnpipe.embed",),
+    ("qnpipe.server",),
+    ("qnpipe.cli",),
+    ("qnpipe", "qnpipe.__main__"),
+)
+_RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
+
+def _unit(module: str) -> str | None:
+    """The LAYERS entry `module` belongs to (None: a qnpipe module no layer names)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "qnpipe" if module == "qnpipe" else None
+    return ".".join(parts[:2]) if ".".join(parts[:2]) in _RANK else None
+
+
+def upward_imports(rel: str, text: str) -> list[str]:
+    """Each import of `rel` (a path under the repository) from its own layer's others or a higher layer."""
+    unit = _unit(_module_name(rel))
+    if unit is None:
+        return [f"{rel}: in no layer (add it to LAYERS)"]
+    hits = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            targets = [(a.name, _unit(a.name)) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module == "qnpipe" and node.level == 0:
+            # `from qnpipe import x`: module x's layer, else a name of the package root.
+            targets = [(f"qnpipe.{a.name}", _unit(f"qnpipe.{a.name}") or "qnpipe") for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets = [(node.module, _unit(node.module))]
+        else:
+            continue
+        for m, to in targets:
+            if not (m == "qnpipe" or m.startswith("qnpipe.")):
+                continue
+            if to != unit and (to is None or _RANK[to] >= _RANK[unit]):
+                where = "its own layer" if to is not None and _RANK[to] == _RANK[unit] else "a higher layer"
+                hits.append(f"{rel}:{node.lineno}: imports {m} ({where}: {to} over {unit})")
+    return hits
+
+
+def test_no_import_runs_back_up_the_layers() -> None:
+    sources = _sources("qnpipe")
+    hits = [h for rel, text in sources.items() for h in upward_imports(rel, text)]
+    assert not hits, "\n".join(hits)
+    assert {_unit(_module_name(rel)) for rel in sources} == set(_RANK)  # every layer entry exists
+
+
+def test_the_layer_rule_catches_violations() -> None:
+    assert upward_imports("qnpipe/plan/ranks.py", "from qnpipe.live.parallel.split import split_layers\n") == [
+        "qnpipe/plan/ranks.py:1: imports qnpipe.live.parallel.split (a higher layer: qnpipe.live over qnpipe.plan)"]
+    # Inside a function and under TYPE_CHECKING too; `from qnpipe import x` names its module.
+    lazy = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from qnpipe.model.args import ModelArgs\n"
+            "def f():\n    from qnpipe import __version__, config\n")
+    assert upward_imports("qnpipe/io/store_check.py", lazy) == [
+        "qnpipe/io/store_check.py:3: imports qnpipe.model.args (a higher layer: qnpipe.model over qnpipe.io)",
+        "qnpipe/io/store_check.py:5: imports qnpipe.__version__ (a higher layer: qnpipe over qnpipe.io)"]
+    assert upward_imports("qnpipe/messages.py", "from qnpipe.policy.read_queue import ReadClass\n") != []
+    assert upward_imports("qnpipe/trace/timeline.py", "from qnpipe.chat.template import render\n") == [
+        "qnpipe/trace/timeline.py:1: imports qnpipe.chat.template (its own layer: qnpipe.chat over qnpipe.trace)"]
+    assert upward_imports("qnpipe/newthing.py", "import os\n") == ["qnpipe/newthing.py: in no layer (add it to LAYERS)"]
+    assert upward_imports("qnpipe/cli/run.py", "from qnpipe.server.run import serve\nimport qnpipe.config\n") == []
+    assert upward_imports("qnpipe/policy/eviction.py", "from qnpipe.policy.eviction_plugin import make_plugin\n") == []
 
 
 def trio_and_mlx(rel: str, text: str) -> list[str]:
@@ -162,6 +242,9 @@ def test_the_package_rules_catch_violations() -> None:
         "qnpipe/convert/build.py:2: imports trio (forbidden here: trio)"]
     assert layering_violations("qnpipe/io/store.py", "from qnpipe.live.core import Core\n") == [
         "qnpipe/io/store.py:1: imports qnpipe.live.core (forbidden here: qnpipe.live)"]
+    assert layering_violations("qnpipe/io/device.py", "def f():\n    from qnpipe.policy.read_queue import Job\n") == [
+        "qnpipe/io/device.py:2: imports qnpipe.policy.read_queue (forbidden here: qnpipe.policy)"]
+    assert layering_violations("qnpipe/io/device.py", "from qnpipe.messages import Job\n") == []
     both = "import trio\n\ndef f():\n    import mlx.core as mx\n"
     assert trio_and_mlx("qnpipe/embed.py", both) == ["qnpipe/embed.py: imports both trio and mlx (only qnpipe/live/ may)"]
     assert trio_and_mlx("qnpipe/actors/pool.py", both) != []
@@ -193,47 +276,52 @@ def _module_name(rel: str) -> str:
     return name.removesuffix(".__init__")
 
 
-def load_time_imports(text: str, modules: set[str]) -> set[str]:
-    """The qnpipe modules a module's source imports while it loads.
+# Modules heavy enough (they load MLX or mlx-lm) that their users import them inside a function, at
+# the moment they are needed. Such a lazy import is not an edge of the cycle check: it cannot meet a
+# half-initialised module, and it is how a light module reaches a heavy one on demand. (The layer
+# rule below still counts it: a lazy import may not run back up either.)
+LAZY_OK = {"qnpipe.embed", "qnpipe.model.kvquant"}
 
-    The statements of the module's body count, with its class bodies and `if`/`try` blocks,
-    `if TYPE_CHECKING:` included: such an import never runs, but it is still an arrow of the
-    design (policy/heat <-> policy/pool was one). Function bodies do not count: they run at
-    call time, once every module has loaded, so they cannot meet a half-initialised one, and
-    they are how a command loads its layer lazily (the layering rules above still read them).
-    `from a import b` is an edge
-    to `a.b` when that is a module, else to `a` (its __init__ has to have bound `b` already).
-    The implicit import of a module's parent package is not an edge: a package __init__ that
-    re-exports its submodules is the normal case, and Python binds a submodule under a
-    package still being initialised.
+# Cycles other branches of the same change remove (issue 35): the lead drops an entry at merge, when
+# test_no_import_cycles says it is gone.
+KNOWN_CYCLES = [{"qnpipe.replay.export", "qnpipe.replay.runner", "qnpipe.replay.sweep"}]  # h-replay's branch
+
+
+def module_imports(text: str, modules: set[str]) -> set[str]:
+    """The qnpipe modules a module's source imports, anywhere in it.
+
+    The module's body counts, with its class bodies and `if`/`try` blocks, `if TYPE_CHECKING:`
+    included (such an import never runs, but it is still an arrow of the design: policy/heat <->
+    policy/pool was one), and so do function bodies (a lazy import is an arrow too:
+    policy/eviction <-> eviction_plugin was one), except a lazy import of a LAZY_OK module.
+    `from a import b` is an edge to `a.b` when that is a module, else to `a` (its __init__ has
+    to have bound `b` already). The implicit import of a module's parent package is not an edge: a
+    package __init__ that re-exports its submodules is the normal case, and Python binds a
+    submodule under a package still being initialised.
     """
     out: set[str] = set()
 
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            if isinstance(node, ast.Import):
-                out.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for a in node.names:
-                    full = f"{node.module}.{a.name}"
-                    out.add(full if full in modules else node.module)
-            elif isinstance(node, ast.If):
-                visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
-                    visit(block)
-            elif isinstance(node, ast.ClassDef | ast.With):
-                visit(node.body)
+    def visit(node: ast.AST, lazy: bool) -> None:
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if not (lazy and a.name in LAZY_OK))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                target = full if full in modules else node.module
+                if not (lazy and target in LAZY_OK):
+                    out.add(target)
+        inner = lazy or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
 
-    visit(ast.parse(text).body)
+    visit(ast.parse(text), False)
     return {m for m in out if m in modules}
 
 
 def import_cycles(sources: dict[str, str]) -> list[list[str]]:
     """Each cycle of load-time imports among `sources` (path -> text), as a list of modules, first repeated last."""
     names = {_module_name(rel): text for rel, text in sources.items()}
-    graph = {m: sorted(load_time_imports(text, set(names))) for m, text in names.items()}
+    graph = {m: sorted(module_imports(text, set(names))) for m, text in names.items()}
     cycles, done, path = [], set(), []
 
     def walk(m: str) -> None:
@@ -255,8 +343,43 @@ def import_cycles(sources: dict[str, str]) -> list[list[str]]:
 
 def test_no_import_cycles() -> None:
     sources = _sources("qnpipe")
-    assert import_cycles(sources) == []
+    cycles = import_cycles(sources)
+    assert [c for c in cycles if not any(set(c) <= known for known in KNOWN_CYCLES)] == []
+    gone = [known for known in KNOWN_CYCLES if not any(set(c) <= known for c in cycles)]
+    assert gone == [], f"no longer cycles: remove them from KNOWN_CYCLES: {gone}"
     assert len(sources) > 100  # the check saw the real tree
+
+
+def test_lazy_ok_names_heavy_modules_imported_lazily() -> None:
+    """Each LAZY_OK module exists, loads MLX (or mlx-lm) at import, and some module imports it in a function."""
+    sources = _sources("qnpipe")
+    names = {_module_name(rel): text for rel, text in sources.items()}
+    lazy_targets = set()
+    for text in names.values():
+        for fn in ast.walk(ast.parse(text)):
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                lazy_targets |= {m for _, m, _ in _imports(fn)}
+    for m in LAZY_OK:
+        assert m in names and m in lazy_targets, m
+        assert any(i.split(".")[0] in MLX or i in HEAVY for i in load_time_imports_of(names[m])), m
+
+
+def load_time_imports_of(text: str) -> set[str]:
+    """Every module a source imports outside its functions (what loading it loads)."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            return
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(text))
+    return out
 
 
 def test_the_cycle_check_catches_a_cycle() -> None:
@@ -268,9 +391,18 @@ def test_the_cycle_check_catches_a_cycle() -> None:
     assert import_cycles(fake) == [["qnpipe.policy.pool", "qnpipe.policy.heat", "qnpipe.policy.pool"]]
     typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from qnpipe.policy.pool import PoolPolicy\n"
     assert import_cycles({**fake, "qnpipe/policy/heat.py": typing_only}) != []
-    # Inside a function the import runs at call time, after every module has loaded.
+    # Inside a function too (a lazy import is an arrow of the design), and in a method.
     late = "def f():\n    from qnpipe.policy.pool import PoolPolicy\n"
-    assert import_cycles({**fake, "qnpipe/policy/heat.py": late}) == []
+    assert import_cycles({**fake, "qnpipe/policy/heat.py": late}) == [
+        ["qnpipe.policy.pool", "qnpipe.policy.heat", "qnpipe.policy.pool"]]
+    method = "class H:\n    async def f(self):\n        import qnpipe.policy.pool\n"
+    assert import_cycles({**fake, "qnpipe/policy/heat.py": method}) != []
+    # ...but not a lazy import of a heavy module LAZY_OK names (that module may import its user).
+    heavy = {"qnpipe/__init__.py": "def __getattr__(name):\n    from qnpipe import embed\n",
+             "qnpipe/embed.py": "import mlx.core\nfrom qnpipe import __version__\n"}
+    assert import_cycles(heavy) == []
+    assert import_cycles({**heavy, "qnpipe/__init__.py": "from qnpipe import embed\n"}) == [
+        ["qnpipe", "qnpipe.embed", "qnpipe"]]
     # A submodule importing a name from its own package's __init__, which imports that submodule.
     pkg = {"qnpipe/trace/__init__.py": "from qnpipe.trace.stats import trace_stats\n",
            "qnpipe/trace/stats.py": "from qnpipe.trace import read\n"}
