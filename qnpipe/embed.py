@@ -39,7 +39,7 @@ from qnpipe.live.spec.engine import options as spec_options
 from qnpipe.live.spec.engine import speculate
 from qnpipe.model.kvquant import model_bytes_per_token
 from qnpipe.model.snapshots import engine_fingerprint
-from qnpipe.stats import EngineStats, GenerateResult, LayerPoolStats, PoolStats, UnionProf
+from qnpipe.stats import EngineStats, GenerateResult, engine_stats
 
 Prompt = str | Sequence[int]
 
@@ -148,44 +148,9 @@ class _Runtime:
         totals = self.totals
         if self.prefix.enabled:
             totals = msgspec.structs.replace(totals, prefix=self.prefix.current_stats())
-        pol = self.pipe.policy
-        if pol is None:
-            return totals
-        fs = self.pipe.forward.stats
-        rs = self.pipe.read_stats
-        ps = self.pipe.predictor_stats
-        assert rs is not None
-        pst = pol.statistics()
-        counters, hits, misses, by_cause = pst.layers, pst.hits, pst.misses, pst.causes
         st = self.core.streaming
-        layers = tuple(LayerPoolStats(layer=layer, capacity=t.capacity, occupancy=t.occupancy,
-                                      hits=counters[layer].hits, misses=counters[layer].misses,
-                                      evictions=counters[layer].evictions,
-                                      prefetch_recall=counters[layer].predicted_used / counters[layer].used
-                                      if pol.predicting and counters[layer].used else 0.0)
-                       for layer, t in sorted(pol.tables.items()))
-        pool = PoolStats(hits=hits, misses=misses, misses_by_cause=by_cause,
-                         hit_rate=hits / (hits + misses) if hits + misses else 0.0, reads=rs.reads,
-                         bytes_read=rs.bytes_read, merged_reads=rs.merged, peak_reads_in_flight=rs.peak_in_flight,
-                         device_s=rs.device_s, stall_s=fs.stall_s, steps=fs.steps, layer_steps=fs.layer_steps,
-                         split_layer_steps=fs.split_layer_steps, early_grants=fs.early_grants,
-                         slot_bytes=sum(s.nbytes for s in st.slots.values()) if st is not None else 0,
-                         layers=layers, pinned=sum(len(t.pinned) for t in pol.tables.values()),
-                         side_hits=pst.side_hits,
-                         prefetch_issued=pst.prefetches_issued, prefetch_done=pst.prefetches_done,
-                         prefetch_used=pst.prefetches_used, prefetch_expired=pst.prefetches_expired,
-                         useful_prefetch_ratio=pst.prefetches_used / pst.prefetches_issued
-                         if pst.prefetches_issued else 0.0,
-                         prefetch_recall=pst.recall,
-                         wasted_bytes=pst.wasted_bytes,
-                         hints=ps.hints if ps is not None else 0,
-                         hints_dropped_full=ps.hints_dropped_full if ps is not None else 0,
-                         hints_dropped_budget=pst.hints_dropped_budget, candidates_dropped=fs.candidates_dropped,
-                         stall_s_by_layer=dict(fs.stall_by_layer),
-                         union_prof=tuple(UnionProf(tokens=n, layer=ly, layer_steps=c, mean_union=s / c, max_union=mx)
-                                          for (n, ly), (c, s, mx) in sorted(fs.union_sizes.items())))
-        return msgspec.structs.replace(totals, expert_bytes_read=rs.bytes_read,
-                                       expert_misses_by_cause=by_cause, pool=pool)
+        return engine_stats(totals, self.pipe.statistics(),
+                            slot_bytes=sum(s.nbytes for s in st.slots.values()) if st is not None else 0)
 
 
 class AsyncEngine:

@@ -44,6 +44,7 @@ from qnpipe.policy.build import make_policy, side_slots
 from qnpipe.policy.pool import PoolPolicy
 from qnpipe.policy.predict import hint_top
 from qnpipe.policy.read_queue import ReadQueue
+from qnpipe.stats_snapshot import ForwardStatistics, LayerTable, PipelineStatistics, PredictorStatistics, ReadStatistics
 from qnpipe.trace import ModelShape
 from qnpipe.trace.format import RunPart
 
@@ -77,7 +78,7 @@ def layer_capacities(cfg: Config, args: ModelArgs) -> dict[int, int]:
 
 @attrs.define
 class Pipeline:
-    """A running pipeline: the forward to drive, and the actors' state to report on."""
+    """A running pipeline: the forward to drive, and the actors' state to report on (`statistics()`)."""
 
     forward: Forward
     policy: PoolPolicy | None = None
@@ -86,6 +87,30 @@ class Pipeline:
     predictor_stats: PredictorStats | None = None
     autopin: Autopin | None = None
     recording: Emitter | None = None  # the recorders' emitter when a trace is written (statistics())
+
+    def statistics(self) -> PipelineStatistics:
+        """Every actor's figures now, frozen: each copied from the one actor that counts it."""
+        fs = self.forward.stats
+        forward = ForwardStatistics(
+            steps=fs.steps, layer_steps=fs.layer_steps, parts=fs.parts, split_layer_steps=fs.split_layer_steps,
+            early_grants=fs.early_grants, stall_s=fs.stall_s, stall_by_layer=dict(fs.stall_by_layer),
+            candidates_dropped=fs.candidates_dropped,
+            union_sizes={k: (c, s, mx) for k, (c, s, mx) in fs.union_sizes.items()})
+        pol, rs, ps = self.policy, self.read_stats, self.predictor_stats
+        if pol is None:
+            return PipelineStatistics(forward=forward)
+        assert rs is not None
+        return PipelineStatistics(
+            forward=forward, pool=pol.statistics(), predicting=pol.predicting,
+            tables=tuple(LayerTable(layer=layer, capacity=t.capacity, occupancy=t.occupancy, pinned=len(t.pinned))
+                         for layer, t in sorted(pol.tables.items())),
+            reads=ReadStatistics(requests=rs.requests, merged=rs.merged, batches=rs.batches, reads=rs.reads,
+                                 bytes_read=rs.bytes_read, device_s=rs.device_s, peak_in_flight=rs.peak_in_flight,
+                                 promoted=rs.promoted, expired=rs.expired),
+            predictor=None if ps is None else PredictorStatistics(
+                candidates=ps.candidates, hints=ps.hints, hints_dropped_full=ps.hints_dropped_full,
+                experts_hinted=ps.experts_hinted),
+            device=self.device.statistics() if self.device is not None else None)
 
 
 async def watchdog(fwd: Forward, limit_s: float, dump: Callable[[], str], *,

@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 import trio
 
 from qnpipe.io.reader import ExpertReader, ReaderStats, ReadRequest, WritableBuffer, scatter_buffers
+from qnpipe.io.sim_model import SimStatistics
 from qnpipe.io.store import ExpertStore
 from qnpipe.messages import Job
 
@@ -30,8 +31,8 @@ class ExpertDevice(Protocol):
         """Read every job (all of them, or raise `qnpipe.errors.ReadError`); the bytes read per job."""
         ...
 
-    def statistics(self) -> ReaderStats | None:
-        """The underlying reader's counters, when there is one."""
+    def statistics(self) -> ReaderStats | SimStatistics | None:
+        """A frozen snapshot of the device's counters: its reader's, or a simulated device's; None without."""
         ...
 
 

@@ -74,6 +74,23 @@ class SimStats:
     peak_in_service: int = 0
     peak_waiting: int = 0
 
+    def snapshot(self) -> SimStatistics:
+        return SimStatistics(reads=self.reads, bytes_read=self.bytes_read, busy_s=self.busy_s,
+                             service_s=self.service_s, peak_in_service=self.peak_in_service,
+                             peak_waiting=self.peak_waiting)
+
+
+@attrs.frozen(kw_only=True)
+class SimStatistics:
+    """A frozen copy of a simulated device's `SimStats` (`SimSSD.statistics()`)."""
+
+    reads: int
+    bytes_read: int
+    busy_s: float  # closed busy intervals only, as SimStats counts them
+    service_s: float
+    peak_in_service: int
+    peak_waiting: int
+
 
 class DeviceModel:
     """Reads in service, waiting and on their way, for one simulated device (see the module doc)."""
@@ -151,4 +168,4 @@ class DeviceModel:
         return not (self._heap or self._waiting or self._arrivals)
 
 
-__all__ = ["PROFILES", "DeviceModel", "DeviceProfile", "SimStats"]
+__all__ = ["PROFILES", "DeviceModel", "DeviceProfile", "SimStatistics", "SimStats"]

@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from qnpipe.io.sim_model import PROFILES, DeviceModel, DeviceProfile, SimStats
+from qnpipe.io.sim_model import PROFILES, DeviceModel, DeviceProfile, SimStatistics, SimStats
 from qnpipe.messages import Job
 
 
@@ -63,8 +63,9 @@ class SimSSD:
     async def read(self, jobs: Sequence[Job]) -> list[int]:
         return await self.submit(jobs)
 
-    def statistics(self) -> None:
-        return None
+    def statistics(self) -> SimStatistics:
+        """The device's counters now, frozen (`busy_s` without the interval still open: see `busy_s()`)."""
+        return self.model.stats.snapshot()
 
     def busy_s(self) -> float:
         """Seconds so far with at least one read in service (including the interval still open)."""
@@ -96,4 +97,4 @@ async def open_simssd(profile: DeviceProfile, record_nbytes: Mapping[int, int], 
             nursery.cancel_scope.cancel()
 
 
-__all__ = ["PROFILES", "DeviceProfile", "SimSSD", "SimStats", "open_simssd"]
+__all__ = ["PROFILES", "DeviceProfile", "SimSSD", "SimStatistics", "SimStats", "open_simssd"]
