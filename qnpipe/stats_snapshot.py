@@ -48,7 +48,6 @@ class ForwardStatistics:
 
     steps: int
     layer_steps: int
-    parts: int
     split_layer_steps: int
     early_grants: int
     stall_s: float

@@ -151,7 +151,7 @@ def _snapshot() -> PipelineStatistics:
                           prefetches_done=9, prefetches_used=4, prefetches_expired=2, hints_dropped_budget=13,
                           wasted_bytes=1400)
     return PipelineStatistics(
-        forward=ForwardStatistics(steps=21, layer_steps=42, parts=44, split_layer_steps=1, early_grants=17,
+        forward=ForwardStatistics(steps=21, layer_steps=42, split_layer_steps=1, early_grants=17,
                                   stall_s=0.25, stall_by_layer={0: 0.125, 2: 0.125}, candidates_dropped=19,
                                   union_sizes={(1, 2): (4, 10, 3), (1, 0): (2, 6, 4)}),
         pool=pool, predicting=True,
@@ -164,6 +164,7 @@ def _snapshot() -> PipelineStatistics:
 
 def test_pool_stats_maps_each_figure_from_its_one_source() -> None:
     p = pool_stats(_snapshot(), slot_bytes=4096)
+    assert p is not None
     assert p == PoolStats(
         hits=7, misses=8, misses_by_cause={"cold": 5, "late": 3}, hit_rate=7 / 15, reads=24, bytes_read=2400,
         merged_reads=23, peak_reads_in_flight=25, device_s=0.5, stall_s=0.25, steps=21, layer_steps=42,
@@ -175,6 +176,9 @@ def test_pool_stats_maps_each_figure_from_its_one_source() -> None:
         hints_dropped_budget=13, candidates_dropped=19, stall_s_by_layer={0: 0.125, 2: 0.125},
         union_prof=(UnionProf(tokens=1, layer=0, layer_steps=2, mean_union=3.0, max_union=4),
                     UnionProf(tokens=1, layer=2, layer_steps=4, mean_union=2.5, max_union=3)))
+    # A field added to PoolStats and left at its default by pool_stats shows here.
+    assert unset_fields(p) == []
+    assert unset_fields(msgspec.structs.replace(p, hints=0, layers=())) == ["layers", "hints"]
     e = engine_stats(EngineStats(requests=2, expert_source="pool"), _snapshot(), slot_bytes=4096)
     assert e.pool == p and e.expert_bytes_read == 2400 and e.expert_misses_by_cause == {"cold": 5, "late": 3}
     assert e.requests == 2
@@ -185,7 +189,38 @@ def test_pool_stats_maps_each_figure_from_its_one_source() -> None:
     assert q.hints_dropped_full == 0 and q.slot_bytes == 0
 
 
+def unset_fields(p: PoolStats) -> list[str]:
+    """The fields of `p` still at their default."""
+    out = []
+    for f in msgspec.structs.fields(p):
+        default = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+        if getattr(p, f.name) == default:
+            out.append(f.name)
+    return out
+
+
+def mutable_classes(module: Any) -> list[str]:
+    """The attrs classes `module` defines that are not frozen."""
+    return [name for name, cls in vars(module).items()
+            if isinstance(cls, type) and cls.__module__ == module.__name__ and attrs.has(cls)
+            and getattr(cls.__setattr__, "__name__", "") != "_frozen_setattrs"]
+
+
 def test_snapshots_are_frozen() -> None:
+    import types
+
+    from qnpipe import stats_snapshot
+
+    assert mutable_classes(stats_snapshot) == []
+    made_up = types.ModuleType("made_up")
+
+    @attrs.define
+    class Live:
+        n: int = 0
+
+    Live.__module__ = "made_up"
+    made_up.Live = Live  # type: ignore[attr-defined]
+    assert mutable_classes(made_up) == ["Live"]
     snap = _snapshot()
     for obj, field in ((snap, "predicting"), (snap.forward, "steps"), (snap.reads, "reads"),
                        (snap.predictor, "hints"), (snap.tables[0], "occupancy")):

@@ -92,7 +92,7 @@ class Pipeline:
         """Every actor's figures now, frozen: each copied from the one actor that counts it."""
         fs = self.forward.stats
         forward = ForwardStatistics(
-            steps=fs.steps, layer_steps=fs.layer_steps, parts=fs.parts, split_layer_steps=fs.split_layer_steps,
+            steps=fs.steps, layer_steps=fs.layer_steps, split_layer_steps=fs.split_layer_steps,
             early_grants=fs.early_grants, stall_s=fs.stall_s, stall_by_layer=dict(fs.stall_by_layer),
             candidates_dropped=fs.candidates_dropped,
             union_sizes={k: (c, s, mx) for k, (c, s, mx) in fs.union_sizes.items()})
