@@ -29,7 +29,10 @@ class LayerTable:
 
 @attrs.frozen(kw_only=True)
 class ReadStatistics:
-    """The read scheduler's counters (device time sums batch wall times, which may overlap)."""
+    """The read scheduler's counters (device time sums batch wall times, which may overlap).
+
+    `merged` and `peak_in_flight` are its queue's (qnpipe.policy.read_queue): the queue merges and starts reads.
+    """
 
     requests: int
     merged: int

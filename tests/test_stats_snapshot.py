@@ -7,6 +7,7 @@ public figures made of the snapshot are the ones it made, field for field and by
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -246,3 +247,31 @@ def test_simulated_device_statistics_is_a_detached_snapshot() -> None:
     assert one.peak_in_service == 2
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         one.reads = 0  # type: ignore[misc]
+
+
+def test_the_read_queue_counts_merges_and_the_peak_as_the_read_scheduler_did() -> None:
+    """`Pipeline.statistics()` takes merged reads and the peak in flight from the queue, once counted twice."""
+    import random
+
+    from qnpipe.messages import ReadExperts
+    from qnpipe.policy.pool_core import Outbox
+    from qnpipe.policy.read_core import ReadCore
+    from qnpipe.policy.read_queue import ReadQueue
+
+    rng = random.Random(5)
+    core = ReadCore(ReadQueue(3, batch=True, max_prefetch_in_flight=2))
+    on_device: list[Any] = []
+    for t in range(300):
+        out = Outbox()
+        if rng.random() < 0.6:
+            experts = tuple(rng.sample(range(8), rng.randint(1, 3)))
+            cls = rng.choice([ReadClass.DEMAND, ReadClass.PREFETCH])
+            core.handle(ReadExperts(t=t, seq=t, layer=0, experts=experts, slots=experts, cls=cls,
+                                    deadline=t + 5.0 if cls is ReadClass.PREFETCH else math.inf,
+                                    scores=(1.0,) * len(experts) if cls is ReadClass.PREFETCH else ()), t, out)
+        on_device += core.dispatch(t, out)
+        if on_device and rng.random() < 0.5:
+            b = on_device.pop(rng.randrange(len(on_device)))
+            on_device += core.complete(b, [100] * len(b.jobs), t, out)
+        assert (core.stats.merged, core.stats.peak_in_flight) == (core.queue.merged, core.queue.peak_in_flight)
+    assert core.queue.merged > 0 and core.queue.peak_in_flight == 3

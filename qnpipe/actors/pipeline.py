@@ -87,6 +87,7 @@ class Pipeline:
     predictor_stats: PredictorStats | None = None
     autopin: Autopin | None = None
     recording: Emitter | None = None  # the recorders' emitter when a trace is written (statistics())
+    read_queue: ReadQueue | None = None  # the read scheduler's queue: it counts merged reads and the peak in flight
 
     def statistics(self) -> PipelineStatistics:
         """Every actor's figures now, frozen: each copied from the one actor that counts it."""
@@ -96,16 +97,16 @@ class Pipeline:
             early_grants=fs.early_grants, stall_s=fs.stall_s, stall_by_layer=dict(fs.stall_by_layer),
             candidates_dropped=fs.candidates_dropped,
             union_sizes={k: (c, s, mx) for k, (c, s, mx) in fs.union_sizes.items()})
-        pol, rs, ps = self.policy, self.read_stats, self.predictor_stats
+        pol, rs, ps, queue = self.policy, self.read_stats, self.predictor_stats, self.read_queue
         if pol is None:
             return PipelineStatistics(forward=forward)
-        assert rs is not None
+        assert rs is not None and queue is not None
         return PipelineStatistics(
             forward=forward, pool=pol.statistics(), predicting=pol.predicting,
             tables=tuple(LayerTable(layer=layer, capacity=t.capacity, occupancy=t.occupancy, pinned=len(t.pinned))
                          for layer, t in sorted(pol.tables.items())),
-            reads=ReadStatistics(requests=rs.requests, merged=rs.merged, batches=rs.batches, reads=rs.reads,
-                                 bytes_read=rs.bytes_read, device_s=rs.device_s, peak_in_flight=rs.peak_in_flight,
+            reads=ReadStatistics(requests=rs.requests, merged=queue.merged, batches=rs.batches, reads=rs.reads,
+                                 bytes_read=rs.bytes_read, device_s=rs.device_s, peak_in_flight=queue.peak_in_flight,
                                  promoted=rs.promoted, expired=rs.expired),
             predictor=None if ps is None else PredictorStatistics(
                 candidates=ps.candidates, hints=ps.hints, hints_dropped_full=ps.hints_dropped_full,
@@ -259,7 +260,7 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
             await nursery.start(supervised, partial(read_scheduler, read_rx, pool_tx.clone(), device=device,
                                                     queue=queue, stats=rstats, emit=emit, turns=turns))
             try:
-                yield Pipeline(fwd, policy, rstats, device, pstats, autopin)
+                yield Pipeline(fwd, policy, rstats, device, pstats, autopin, read_queue=queue)
             finally:
                 nursery.cancel_scope.cancel()
     finally:
