@@ -79,7 +79,7 @@ class PipelineStatistics:
     predicting: bool = False
     reads: ReadStatistics | None = None
     predictor: PredictorStatistics | None = None
-    device: ReaderStats | SimStatistics | None = None  # the device's own view (its reader's, or simulated)
+    device: ReaderStats | SimStatistics | None = None  # the device's own (qnpipe.io.device.DeviceStatistics)
 
 
 __all__ = ["ForwardStatistics", "LayerTable", "PipelineStatistics", "PredictorStatistics", "ReadStatistics"]

@@ -21,6 +21,7 @@ from qnpipe.io.store import ExpertStore
 from qnpipe.messages import Job
 
 T = TypeVar("T")
+DeviceStatistics = ReaderStats | SimStatistics  # a device's own counters, frozen: its reader's, or simulated
 SlotDest = Callable[[int, int], Mapping[str, WritableBuffer]]  # (layer, slot) -> tensor name -> buffer
 
 
@@ -31,7 +32,7 @@ class ExpertDevice(Protocol):
         """Read every job (all of them, or raise `qnpipe.errors.ReadError`); the bytes read per job."""
         ...
 
-    def statistics(self) -> ReaderStats | SimStatistics | None:
+    def statistics(self) -> DeviceStatistics | None:
         """A frozen snapshot of the device's counters: its reader's, or a simulated device's; None without."""
         ...
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import trio
 
 from qnpipe.errors import CheckpointError
-from qnpipe.io.device import ExpertDevice, SlotDest, submit
+from qnpipe.io.device import DeviceStatistics, ExpertDevice, SlotDest, submit
 from qnpipe.io.reader import ExpertReader, ReaderStats, ReadRequest
 from qnpipe.io.store_format import LayerFile, Quant, TensorSlot
 from qnpipe.model.args import ModelArgs
@@ -136,7 +136,7 @@ class RoutedDevice:
                  for layer, idx in groups.items()]
         return _gather(len(jobs), parts)
 
-    def statistics(self) -> ReaderStats | None:
+    def statistics(self) -> DeviceStatistics | None:
         return self._default.statistics()
 
     def close(self) -> None:
