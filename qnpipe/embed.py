@@ -39,7 +39,8 @@ from qnpipe.live.spec.engine import options as spec_options
 from qnpipe.live.spec.engine import speculate
 from qnpipe.model.kvquant import model_bytes_per_token
 from qnpipe.model.snapshots import engine_fingerprint
-from qnpipe.stats import EngineStats, GenerateResult, engine_stats
+from qnpipe.stats import EngineStats, GenerateResult
+from qnpipe.stats_snapshot import engine_stats
 
 Prompt = str | Sequence[int]
 

@@ -96,6 +96,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("qnpipe.io", "qnpipe.compute"),
     ("qnpipe.trace", "qnpipe.chat", "qnpipe.stats"),
     ("qnpipe.policy", "qnpipe.model"),
+    ("qnpipe.stats_snapshot",),  # the pipeline's figures: the pool policy's snapshot in, the public stats out
     ("qnpipe.hang_guard", "qnpipe.actors"),
     ("qnpipe.replay", "qnpipe.convert"),
     ("qnpipe.plan",),

@@ -23,8 +23,16 @@ from qnpipe.io.sim_model import DeviceProfile, SimStatistics
 from qnpipe.io.simssd import open_simssd
 from qnpipe.policy.pool import LayerCounters, PoolStatistics
 from qnpipe.policy.read_queue import Job, ReadClass
-from qnpipe.stats import EngineStats, LayerPoolStats, PoolStats, UnionProf, engine_stats, pool_stats
-from qnpipe.stats_snapshot import ForwardStatistics, LayerTable, PipelineStatistics, PredictorStatistics, ReadStatistics
+from qnpipe.stats import EngineStats, LayerPoolStats, PoolStats, UnionProf
+from qnpipe.stats_snapshot import (
+    ForwardStatistics,
+    LayerTable,
+    PipelineStatistics,
+    PredictorStatistics,
+    ReadStatistics,
+    engine_stats,
+    pool_stats,
+)
 
 PROMPT = [5, 17, 300, 42, 9, 77, 11, 12, 13]
 
