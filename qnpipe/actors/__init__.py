@@ -5,7 +5,8 @@ arguments, and reports `task_status.started()` once it listens: `forward` (the s
 `pool` (slots), `read_scheduler` (reads), `predictor` (prefetch hints), `recorder` (the routing
 log). `pipeline` wires them (`open_pipeline`) and `autopin` keeps the heat file. Actors import
 trio, qnpipe.policy, qnpipe.io and qnpipe.messages, never MLX: the model is behind the forward's
-`Backend`, so replay runs these same actors without a model.
+`Backend`, so replay's actor driver (qnpipe.replay.actor_driver, `--driver actors`) runs these same
+actors without a model; replay's default fast driver runs the policies' cores without them.
 """
 
 from __future__ import annotations
