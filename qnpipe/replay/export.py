@@ -9,7 +9,7 @@ sweep; any `settings` given, such as `config_columns`: `pool.expert_slots`, `poo
 `pool.side_region_slots` and the config's overrides; then `log`, `replay.*`, `cost.*`, `device.*` from the report),
 then `layer` (the MoE layer, or "all" for the whole run), `metric` and `value` (a float). A
 layer's metrics are its `LayerReport` numbers and `slots`; the run's are the sweep metrics
-(`qnpipe.replay.sweep.metrics`), `misses.<cause>` and, with a predictor, `prefetch.<field>`.
+(`qnpipe.replay.report.metrics`), `misses.<cause>` and, with a predictor, `prefetch.<field>`.
 Layers absent from the log have no rows (the report lists them in `absent_layers`). A failed
 sweep point has no rows (its error is in the sweep's JSON). The rows are built beside the types they
 come from (qnpipe.replay.report, qnpipe.replay.sweep_result: `report.rows()` needs no import back up);
