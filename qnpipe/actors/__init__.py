@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from qnpipe.actors.autopin import Autopin
     from qnpipe.actors.forward import Backend, Forward, ForwardStats
-    from qnpipe.actors.pipeline import Pipeline, layer_capacities, make_policy, open_pipeline
+    from qnpipe.actors.pipeline import Pipeline, make_policy, open_pipeline
     from qnpipe.actors.recorder import Emitter, RecorderStats, open_recording
+    from qnpipe.policy.build import layer_capacities
 
 # Loaded on first use, not here: qnpipe.messages and the policies import nothing of this package,
 # but importing it eagerly would start every actor's imports for a caller that wants one.
@@ -26,7 +27,7 @@ _LAZY = {
     "Pipeline": "qnpipe.actors.pipeline",
     "open_pipeline": "qnpipe.actors.pipeline",
     "make_policy": "qnpipe.actors.pipeline",
-    "layer_capacities": "qnpipe.actors.pipeline",
+    "layer_capacities": "qnpipe.policy.build",  # the policy's now; kept here for callers of the old path
     "Autopin": "qnpipe.actors.autopin",
     "Backend": "qnpipe.actors.forward",
     "Forward": "qnpipe.actors.forward",

@@ -146,3 +146,38 @@ def test_layer_capacities_is_one_function_wherever_it_is_imported_from() -> None
     from qnpipe.policy.build import layer_capacities as b
 
     assert a is p is b
+
+
+def test_a_replay_reads_and_parses_its_capacity_profile_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from qnpipe import config, trace
+    from qnpipe.policy import build
+    from qnpipe.replay import caveats, replay, runner
+
+    log = tmp_path / "small.qtrace"
+    shape = trace.ModelShape(num_layers=2, moe_layers=(0, 1), num_experts=8, top_k=2, hidden_size=8)
+    w = trace.TraceWriter(log, trace.Header(schema_version=trace.SCHEMA_VERSION, fingerprint="layout", model=shape,
+                                            clock_start_t=0.0, wall_start_unix_s=0.0, contents="routes",
+                                            capacities={}))
+    for step in range(1, 4):
+        w.write(trace.Route(t=0.0, seq=2 * step, step=step, layer=0, top_k=2, experts=(step % 8, 7)))
+        w.write(trace.Route(t=0.0, seq=2 * step + 1, step=step, layer=1, top_k=2, experts=(0, step)))
+    w.close(0, 0.0)
+    profile = tmp_path / "caps.json"
+    profile.write_text('{"layer_caps": {"0": 3, "1": 12}}')  # layer 1 above the 8 experts: a warning from it
+    parsed: list[str] = []
+    real = runner.parse_capacity_profile
+
+    def once(path: str, data: bytes | str) -> dict[int, int]:
+        parsed.append(path)
+        return real(path, data)
+
+    def never(path: str) -> dict[int, int]:
+        raise AssertionError(f"{path} read a second time")
+
+    monkeypatch.setattr(runner, "parse_capacity_profile", once)
+    monkeypatch.setattr(build, "read_capacity_profile", never)
+    monkeypatch.setattr(caveats, "read_capacity_profile", never)
+    r = replay(log, config.load(None, overrides={"pool.capacity_profile_path": str(profile)}), record_nbytes=64)
+    assert parsed == [str(profile)]
+    assert r.capacities == {0: 3, 1: 8}
+    assert len(r.warnings) == 1 and "(layers 1)" in r.warnings[0]
