@@ -130,10 +130,10 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
     first = int(len(log.steps) * opts.train_frac)
     if first >= len(log.steps):
         raise ConfigError(f"train_frac={opts.train_frac}: leaves none of the log's {len(log.steps)} steps to replay")
-    preds = None
+    preds: list[list[Predictions]] | None = None
     if predictor != "none":
         key = (predictor, opts, cfg.predict.width_experts, first)
-        preds: list[list[Predictions]] | None = guessed.get(key) if not opts.train_log else None
+        preds = guessed.get(key) if not opts.train_log else None
         if preds is None:
             preds = predictions(log, predictor, opts, width=cfg.predict.width_experts, first=first)
             if not opts.train_log:  # another log's contents are not in the key
