@@ -9,7 +9,7 @@ import qnpipe
 
 ROOT = Path(qnpipe.__file__).parent
 CLOCKED = [*(ROOT / "actors").glob("*.py"), *(ROOT / "policy").glob("*.py"), ROOT / "replay" / "runner.py",
-           ROOT / "io" / "simssd.py", ROOT / "live" / "decoding.py"]
+           ROOT / "replay" / "actor_driver.py", ROOT / "io" / "simssd.py", ROOT / "live" / "decoding.py"]
 WALL = re.compile(r"\btime\.(time|perf_counter|monotonic|process_time)\(|\bdatetime\.now\(")
 
 

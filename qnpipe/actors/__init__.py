@@ -5,7 +5,8 @@ arguments, and reports `task_status.started()` once it listens: `forward` (the s
 `pool` (slots), `read_scheduler` (reads), `predictor` (prefetch hints), `recorder` (the routing
 log). `pipeline` wires them (`open_pipeline`) and `autopin` keeps the heat file. Actors import
 trio, qnpipe.policy, qnpipe.io and qnpipe.messages, never MLX: the model is behind the forward's
-`Backend`, so replay runs these same actors without a model.
+`Backend`, so replay's actor driver (qnpipe.replay.actor_driver, `--driver actors`) runs these same
+actors without a model; replay's default fast driver runs the policies' cores without them.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from qnpipe.actors.autopin import Autopin
     from qnpipe.actors.forward import Backend, Forward, ForwardStats
-    from qnpipe.actors.pipeline import Pipeline, layer_capacities, make_policy, open_pipeline
+    from qnpipe.actors.pipeline import Pipeline, make_policy, open_pipeline
     from qnpipe.actors.recorder import Emitter, RecorderStats, open_recording
+    from qnpipe.policy.build import layer_capacities
 
 # Loaded on first use, not here: qnpipe.messages and the policies import nothing of this package,
 # but importing it eagerly would start every actor's imports for a caller that wants one.
@@ -25,7 +27,7 @@ _LAZY = {
     "Pipeline": "qnpipe.actors.pipeline",
     "open_pipeline": "qnpipe.actors.pipeline",
     "make_policy": "qnpipe.actors.pipeline",
-    "layer_capacities": "qnpipe.actors.pipeline",
+    "layer_capacities": "qnpipe.policy.build",  # the policy's now; kept here for callers of the old path
     "Autopin": "qnpipe.actors.autopin",
     "Backend": "qnpipe.actors.forward",
     "Forward": "qnpipe.actors.forward",

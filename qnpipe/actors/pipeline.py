@@ -16,7 +16,6 @@ imports no MLX model code, so replay starts fast.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -35,45 +34,16 @@ from qnpipe.actors.read_scheduler import ReadSchedulerStats, read_scheduler
 from qnpipe.actors.recorder import Emit, Emitter, open_recording
 from qnpipe.actors.turns import Turnstile
 from qnpipe.config import Config
-from qnpipe.errors import CapacityError, ConfigError, StallError, root_cause
+from qnpipe.errors import CapacityError, StallError, root_cause
 from qnpipe.io.device import ExpertDevice
-from qnpipe.io.files import CONFIG_CAP, read_capped
 from qnpipe.messages import Candidates, ForwardInbox, PoolInbox, ReadInbox
-from qnpipe.model.args import ModelArgs
-from qnpipe.policy.build import make_policy, side_slots
+from qnpipe.policy.build import layer_capacities, make_policy, side_slots
 from qnpipe.policy.pool import PoolPolicy
 from qnpipe.policy.predict import hint_top
 from qnpipe.policy.read_queue import ReadQueue
 from qnpipe.stats_snapshot import ForwardStatistics, LayerTable, PipelineStatistics, PredictorStatistics, ReadStatistics
 from qnpipe.trace import ModelShape
 from qnpipe.trace.format import RunPart
-
-
-def layer_capacities(cfg: Config, args: ModelArgs) -> dict[int, int]:
-    """Slots per MoE layer: `pool.expert_slots`, or the profile file's `layer_caps`, at most every expert.
-
-    Raises ConfigError for an unreadable profile or a capacity below top-k, naming the layer.
-    """
-    caps = {layer: cfg.pool.expert_slots for layer in args.moe_layers}
-    path = cfg.pool.capacity_profile_path
-    if path:
-        try:
-            raw = json.loads(read_capped(path, CONFIG_CAP, error=OSError))
-            given = {int(k): int(v) for k, v in raw["layer_caps"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(f"pool.capacity_profile_path={path}: not a capacity profile "
-                              f'{{"layer_caps": {{"0": n, ...}}}} ({e})') from None
-        for layer, cap in given.items():
-            if layer in caps:
-                caps[layer] = cap
-    out = {}
-    for layer, cap in caps.items():
-        if cap < args.num_experts_per_tok:
-            where = f"pool.capacity_profile_path={path}" if path else f"pool.expert_slots={cfg.pool.expert_slots}"
-            raise ConfigError(f"{where}: layer {layer} gets {cap} slots, below the model's top-k "
-                              f"({args.num_experts_per_tok} experts per token)")
-        out[layer] = min(cap, args.num_experts)
-    return out
 
 
 @attrs.define

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 
 from qnpipe.errors import ConfigError, DeviceProfileError
-from qnpipe.io.simssd import PROFILES, DeviceProfile
+from qnpipe.io.sim_model import PROFILES, DeviceProfile
 from qnpipe.io.versioned import load_versioned, save_versioned
 
 PROFILE_KIND = "qnpipe.device-profile"

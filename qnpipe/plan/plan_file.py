@@ -103,7 +103,7 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
 
 
 def capacity_profile(plan: Plan) -> bytes:
-    """The plan's capacities in `pool.capacity_profile_path`'s format (qnpipe.actors.pipeline.layer_capacities)."""
+    """The plan's capacities in `pool.capacity_profile_path`'s format (qnpipe.policy.build.layer_capacities)."""
     return json.dumps({"layer_caps": {str(k): v for k, v in sorted(plan.capacities.items())}}, indent=1).encode()
 
 

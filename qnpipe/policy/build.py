@@ -2,11 +2,70 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
 from qnpipe.config import Config, PrefetchInto
 from qnpipe.errors import ConfigError
+from qnpipe.io.files import CONFIG_CAP, read_capped
 from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.heat import Heat
 from qnpipe.policy.pool import PoolOptions, PoolPolicy, PrefetchBudgets
+
+
+class ExpertShape(Protocol):
+    """What `layer_capacities` reads of a model: a ModelArgs, or replay's view of a log's ModelShape."""
+
+    @property
+    def moe_layers(self) -> Sequence[int]: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def num_experts_per_tok(self) -> int: ...
+
+
+def parse_capacity_profile(path: str, data: bytes | str) -> dict[int, int]:
+    """The `layer_caps` of a capacity profile's contents `data` (read from `path`); ConfigError when it is not one."""
+    try:
+        raw = json.loads(data)
+        return {int(k): int(v) for k, v in raw["layer_caps"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"pool.capacity_profile_path={path}: not a capacity profile "
+                          f'{{"layer_caps": {{"0": n, ...}}}} ({e})') from None
+
+
+def read_capacity_profile(path: str) -> dict[int, int]:
+    """`parse_capacity_profile` of the file at `path` (capped, a regular file only: a FIFO cannot block)."""
+    try:
+        data = read_capped(path, CONFIG_CAP, error=OSError)
+    except OSError as e:
+        raise ConfigError(f"pool.capacity_profile_path={path}: not a capacity profile "
+                          f'{{"layer_caps": {{"0": n, ...}}}} ({e})') from None
+    return parse_capacity_profile(path, data)
+
+
+def layer_capacities(cfg: Config, args: ExpertShape, *, profile: Mapping[int, int] | None = None) -> dict[int, int]:
+    """Slots per MoE layer: `pool.expert_slots`, or the profile file's `layer_caps`, at most every expert.
+
+    `profile`: the profile's `layer_caps` when the caller has read it already (`read_capacity_profile`).
+    Raises ConfigError for an unreadable profile or a capacity below top-k, naming the layer.
+    """
+    caps = {layer: cfg.pool.expert_slots for layer in args.moe_layers}
+    path = cfg.pool.capacity_profile_path
+    if path:
+        given = profile if profile is not None else read_capacity_profile(path)
+        for layer, cap in given.items():
+            if layer in caps:
+                caps[layer] = cap
+    out = {}
+    for layer, cap in caps.items():
+        if cap < args.num_experts_per_tok:
+            where = f"pool.capacity_profile_path={path}" if path else f"pool.expert_slots={cfg.pool.expert_slots}"
+            raise ConfigError(f"{where}: layer {layer} gets {cap} slots, below the model's top-k "
+                              f"({args.num_experts_per_tok} experts per token)")
+        out[layer] = min(cap, args.num_experts)
+    return out
 
 
 def side_slots(cfg: Config) -> int:
@@ -43,4 +102,5 @@ def make_policy(cfg: Config, capacities: dict[int, int], record_nbytes: dict[int
     return PoolPolicy.build(capacities, evictions, record_nbytes, options, heat)
 
 
-__all__ = ["check_placement", "make_policy", "side_slots"]
+__all__ = ["ExpertShape", "check_placement", "layer_capacities", "make_policy", "parse_capacity_profile",
+           "read_capacity_profile", "side_slots"]

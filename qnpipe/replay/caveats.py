@@ -8,12 +8,10 @@ cover however good the predictor is. Each becomes one sentence naming the settin
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from qnpipe.config import Config
-from qnpipe.errors import ConfigError
-from qnpipe.io.files import CONFIG_CAP, read_text_capped
+from qnpipe.policy.build import read_capacity_profile
 from qnpipe.trace import ModelShape
 
 
@@ -38,25 +36,27 @@ def absent_layers(shape: ModelShape, routed: Iterable[int]) -> list[int]:
     return sorted(set(shape.moe_layers) - set(routed))
 
 
-def _asked(cfg: Config, shape: ModelShape) -> dict[int, int]:
+def _asked(cfg: Config, shape: ModelShape, profile: Mapping[int, int] | None) -> dict[int, int]:
     """Slots per MoE layer as the config asks for them, before `layer_capacities` clamps them to the expert count."""
     asked = dict.fromkeys(shape.moe_layers, cfg.pool.expert_slots)
     path = cfg.pool.capacity_profile_path
-    if path:  # replay_capacities has already read and checked it
-        given = json.loads(read_text_capped(path, CONFIG_CAP, error=ConfigError))["layer_caps"]
-        asked |= {int(k): int(v) for k, v in given.items() if int(k) in asked}
+    if path:
+        given = profile if profile is not None else read_capacity_profile(path)
+        asked |= {k: v for k, v in given.items() if k in asked}
     return asked
 
 
-def warnings(cfg: Config, shape: ModelShape, absent: list[int], predictor: str) -> list[str]:
-    """The report's warnings (see the module doc), in a fixed order."""
+def warnings(cfg: Config, shape: ModelShape, absent: list[int], predictor: str, *,
+             profile: Mapping[int, int] | None = None) -> list[str]:
+    """The report's warnings (see the module doc), in a fixed order. `profile`: the capacity profile's
+    `layer_caps` when the caller has read it (the replay has), else it is read here."""
     out: list[str] = []
     moe = len(shape.moe_layers)
     if absent:
         out.append(f"{len(absent)} of {moe} MoE layers have no route in the log (layers {spans(absent)}): "
                    "they are left out of the per-layer table and of every total, not counted as 0 hits")
     num, k = shape.num_experts, shape.top_k
-    over = sorted(layer for layer, cap in _asked(cfg, shape).items() if cap > num)
+    over = sorted(layer for layer, cap in _asked(cfg, shape, profile).items() if cap > num)
     if over:
         where = (f"pool.capacity_profile_path={cfg.pool.capacity_profile_path} (layers {spans(over)})"
                  if cfg.pool.capacity_profile_path else f"pool.expert_slots={cfg.pool.expert_slots}")

@@ -54,11 +54,11 @@ import msgspec
 import numpy as np
 
 from qnpipe.errors import ConfigError, TraceSchemaError
-from qnpipe.io.simssd import DeviceProfile
+from qnpipe.io.sim_model import DeviceProfile
 from qnpipe.io.versioned import load_versioned, save_versioned
 from qnpipe.messages import Acquire, Granted, ReadDone
 from qnpipe.policy.parts import plan_parts
-from qnpipe.replay.runner import CostModel
+from qnpipe.replay.cost import CostModel
 from qnpipe.trace import Route, read
 
 COST_KIND = "qnpipe.cost-model"

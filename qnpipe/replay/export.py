@@ -9,9 +9,11 @@ sweep; any `settings` given, such as `config_columns`: `pool.expert_slots`, `poo
 `pool.side_region_slots` and the config's overrides; then `log`, `replay.*`, `cost.*`, `device.*` from the report),
 then `layer` (the MoE layer, or "all" for the whole run), `metric` and `value` (a float). A
 layer's metrics are its `LayerReport` numbers and `slots`; the run's are the sweep metrics
-(`qnpipe.replay.sweep.metrics`), `misses.<cause>` and, with a predictor, `prefetch.<field>`.
+(`qnpipe.replay.report.metrics`), `misses.<cause>` and, with a predictor, `prefetch.<field>`.
 Layers absent from the log have no rows (the report lists them in `absent_layers`). A failed
-sweep point has no rows (its error is in the sweep's JSON).
+sweep point has no rows (its error is in the sweep's JSON). The rows are built beside the types they
+come from (qnpipe.replay.report, qnpipe.replay.sweep_result: `report.rows()` needs no import back up);
+this module adds the config's columns and writes the files.
 """
 
 from __future__ import annotations
@@ -29,61 +31,13 @@ import msgspec
 from qnpipe.config import Config
 from qnpipe.errors import ConfigError
 from qnpipe.io.atomic import atomic_file, atomic_write
-from qnpipe.replay.runner import LayerReport, ReplayReport
-from qnpipe.replay.sweep import SweepResult, fmt_value, metrics
+from qnpipe.replay.report import ALL_LAYERS, LAYER_METRICS, cell, report_rows, report_settings
+from qnpipe.replay.sweep_result import sweep_rows
 
 # Config settings every exported row carries (the report itself does not hold the config).
 CONFIG_COLUMNS = ("pool.expert_slots", "pool.evict_policy", "pool.side_region_slots")
-ALL_LAYERS = "all"  # the `layer` of a row about the whole run
-LAYER_METRICS = tuple(f for f in LayerReport.__struct_fields__ if f != "layer")
 # pyarrow is an optional extra (`pip install qnpipe[parquet]`): tested with these versions.
 PYARROW_RANGE = ">=26.0.1,<27"  # pyproject.toml's [parquet] extra
-
-
-def _cell(v: Any) -> Any:
-    """A setting as one table cell: scalars as they are, sequences and mappings as text (a layer set: "0,1,2")."""
-    if isinstance(v, list | tuple | dict):
-        return fmt_value(v) if not isinstance(v, dict) else msgspec.json.encode(v).decode()
-    return v
-
-
-def report_settings(r: ReplayReport) -> dict[str, Any]:
-    """The settings a report records about itself, as columns: its log, predictor and options, cost and device."""
-    out: dict[str, Any] = {"log": r.log, "replay.predictor": r.predictor}
-    out |= {f"replay.{k}": v for k, v in msgspec.structs.asdict(r.predictor_opts).items()}
-    out |= {f"cost.{k}": _cell(v) for k, v in msgspec.structs.asdict(r.cost).items()}
-    out |= {f"device.{k}": _cell(v) for k, v in msgspec.structs.asdict(r.device).items()}
-    return out
-
-
-def _run_metrics(r: ReplayReport) -> dict[str, float]:
-    out = metrics(r)
-    out |= {f"misses.{cause}": float(n) for cause, n in r.misses_by_cause.items()}
-    if r.prefetch is not None:
-        out |= {f"prefetch.{k}": float(v) for k, v in msgspec.structs.asdict(r.prefetch).items()}
-    return out
-
-
-def report_rows(r: ReplayReport, settings: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The report's rows (see the module doc); `settings` are extra columns (given first, they win on a clash)."""
-    cols = {k: _cell(v) for k, v in (settings or {}).items()}
-    cols |= {k: v for k, v in report_settings(r).items() if k not in cols}
-    rows = [{**cols, "layer": ALL_LAYERS, "metric": m, "value": v} for m, v in _run_metrics(r).items()]
-    for x in r.layers:
-        values = {m: float(getattr(x, m)) for m in LAYER_METRICS} | {"slots": float(r.capacities[x.layer])}
-        rows += [{**cols, "layer": x.layer, "metric": m, "value": v} for m, v in values.items()]
-    return rows
-
-
-def sweep_rows(result: SweepResult, settings: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Every replayed point's `report_rows`, led by `point` (its grid index) and the swept fields' values."""
-    rows: list[dict[str, Any]] = []
-    for p in result.points:
-        if p.report is None:
-            continue
-        cols = {"point": p.index, **p.values}
-        rows += report_rows(p.report, cols | {k: v for k, v in (settings or {}).items() if k not in cols})
-    return rows
 
 
 def config_columns(cfg: Config, keys: Iterable[str] = ()) -> dict[str, Any]:
@@ -91,7 +45,7 @@ def config_columns(cfg: Config, keys: Iterable[str] = ()) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in dict.fromkeys([*CONFIG_COLUMNS, *keys]):
         section, _, name = key.partition(".")
-        out[key] = _cell(msgspec.to_builtins(getattr(getattr(cfg, section), name)))
+        out[key] = cell(msgspec.to_builtins(getattr(getattr(cfg, section), name)))
     return out
 
 

@@ -6,7 +6,7 @@
 The pool's own semantics, as a demand-only replay (`qnpipe replay`, no prediction) counts them:
 a layer-step's experts are acquired together and held together, so an expert of the step is
 never evicted to make room for another of the same step; capacities run from the model's
-top-k (the pool refuses fewer slots than a token's experts: qnpipe.actors.pipeline.layer_capacities)
+top-k (the pool refuses fewer slots than a token's experts: qnpipe.policy.build.layer_capacities)
 to the expert count.
 
 - **Belady** (farthest next use, ties to the higher id: qnpipe.replay.belady) keeps the inclusion
@@ -50,6 +50,7 @@ import numpy as np
 
 from qnpipe.policy.parts import plan_parts_flat
 from qnpipe.replay.belady import belady_hits
+from qnpipe.replay.log import load_log
 from qnpipe.trace import ModelShape
 
 POLICIES = ("lru", "belady")
@@ -488,8 +489,6 @@ def _dense(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelS
 
 def miss_ratio_curves(path: str | Path, *, policies: Sequence[str] = POLICIES, native: bool | None = None) -> MrcResult:
     """`mrc` of the log at `path` (qnpipe.replay.load_log checks it)."""
-    from qnpipe.replay.runner import load_log
-
     log = load_log(path)
     return mrc(log.steps, log.shape, policies=policies, log=str(path), native=native)
 

@@ -34,22 +34,25 @@ from typing import Any
 
 import msgspec
 
-from qnpipe.config import Config, override_path, with_overrides
+from qnpipe.config import Config, with_overrides
 from qnpipe.config.tree import DASK_CONNECT_TIMEOUT_S
 from qnpipe.errors import ConfigError, QnpipeError
 from qnpipe.io.atomic import atomic_write
-from qnpipe.io.simssd import PROFILES, DeviceProfile
+from qnpipe.io.sim_model import PROFILES, DeviceProfile
 from qnpipe.policy.build import check_placement
 from qnpipe.replay.caveats import spans
-from qnpipe.replay.runner import (
-    PREDICTORS,
-    CostModel,
-    ReplayReport,
-    check_record_nbytes,
-    load_log,
-    replay,
-    replay_capacities,
-    setting_value,
+from qnpipe.replay.cost import CostModel
+from qnpipe.replay.log import load_log
+from qnpipe.replay.report import ReplayReport, fmt_value, metric_names, metrics
+from qnpipe.replay.runner import replay, replay_capacities
+from qnpipe.replay.settings import REPLAY_KEYS, Settings, replay_keys, resolve_key, settings_of, split_settings
+from qnpipe.replay.sweep_result import (
+    TABLE_METRICS,
+    PointResult,
+    SweepResult,
+    check_metric,
+    fmt_metric,
+    table_metrics,
 )
 from qnpipe.trace import check_log_paths
 from qnpipe.trace.format import partial_path
@@ -62,32 +65,6 @@ MAX_POINTS = 100_000
 # takes ~0.1 s to minutes, so an hour is a point that will not end (a plug-in's call that never returns).
 POINT_TIMEOUT_S = 3600.0
 _LOOK_S = 0.2  # how often the sweep looks for points over their time limit
-# The replay's own settings besides the cost and device fields (those follow their structs).
-REPLAY_KEYS = ("replay.record_nbytes", "replay.predictor")
-# Columns of the table, when the report has them (any numeric metric can be chosen as well).
-TABLE_METRICS = ("slots_per_layer", "memory_bytes", "tok_s", "hit_rate", "belady_hit_rate", "misses",
-                 "stall_s_per_token", "bytes_per_token", "device_utilisation")
-
-
-def replay_keys() -> tuple[str, ...]:
-    """Every replay setting a grid or `--set` may name: cost.*, device.*, replay.*."""
-    return (*(f"cost.{f.name}" for f in msgspec.structs.fields(CostModel)),
-            *(f"device.{f.name}" for f in msgspec.structs.fields(DeviceProfile)), *REPLAY_KEYS)
-
-
-def resolve_key(key: str) -> str:
-    """The dotted name of a grid or `--set` key: a replay setting, else a config field (as config resolves it)."""
-    key = key.strip()
-    own = replay_keys()
-    if key in own:
-        return key
-    try:
-        return override_path(key)
-    except ConfigError:
-        short = [k for k in own if k.partition(".")[2] == key]
-        if len(short) == 1:
-            return short[0]
-        raise
 
 
 class Axis(msgspec.Struct, frozen=True, kw_only=True):
@@ -132,49 +109,6 @@ class Point(msgspec.Struct, frozen=True, kw_only=True):
     predictor: str
 
 
-class Settings(msgspec.Struct, frozen=True, kw_only=True):
-    """The replay's own settings of a point (everything besides the config)."""
-
-    device: DeviceProfile
-    cost: CostModel
-    record_nbytes: int | None = None
-    predictor: str = "none"
-
-
-def split_settings(settings: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """(config overrides, {"cost": ..., "device": ..., "replay": ...}) of resolved `settings`."""
-    conf: dict[str, Any] = {}
-    own: dict[str, dict[str, Any]] = {"cost": {}, "device": {}, "replay": {}}
-    keys = set(replay_keys())
-    for key, value in settings.items():
-        if key in keys:
-            section, _, name = key.partition(".")
-            own[section][name] = value
-        else:
-            conf[key] = value
-    return conf, own
-
-
-def _settings(own: Mapping[str, Mapping[str, Any]], base: Settings, where: str) -> Settings:
-    try:
-        typed = {section: {name: setting_value(f"{section}.{name}", v) for name, v in values.items()}
-                 for section, values in own.items()}
-        # typed above, so these convert; each value is then checked against its bounds, named
-        cost = msgspec.convert({**msgspec.to_builtins(base.cost), **typed["cost"]}, CostModel, strict=False).check()
-        device = msgspec.convert({**msgspec.to_builtins(base.device), **typed["device"]}, DeviceProfile,
-                                 strict=False).check(where="device.")
-        rep = typed["replay"]
-        nbytes = rep.get("record_nbytes", base.record_nbytes)
-        if nbytes is not None:
-            check_record_nbytes(nbytes)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    predictor = str(rep.get("predictor", base.predictor))
-    if predictor not in PREDICTORS:
-        raise ConfigError(f"{where}: replay.predictor={predictor!r}: unknown, known: {', '.join(PREDICTORS)}")
-    return Settings(device=device, cost=cost, record_nbytes=nbytes, predictor=predictor)
-
-
 def _typed(field: str, cfg: Config, s: Settings) -> Any:
     section, _, name = field.partition(".")
     if section in ("cost", "device"):
@@ -210,7 +144,7 @@ def plan(log: str | Path, axes: Sequence[Axis], cfg: Config, *, base: Settings |
         given = dict(zip((a.field for a in axes), combo, strict=True))
         where = "grid point " + ", ".join(f"{k}={v}" for k, v in given.items())
         conf, own = split_settings({**(fixed or {}), **given})
-        s = _settings(own, base, where)
+        s = settings_of(own, base, where)
         try:
             pcfg = with_overrides(cfg, conf) if conf else cfg
             if equal_memory:
@@ -273,63 +207,6 @@ def _failure(p: Point, e: BaseException) -> str:
     return f"grid point {p.index} ({where}): {what}"
 
 
-class PointResult(msgspec.Struct, frozen=True, kw_only=True):
-    """One point: its report and metrics, or (`error`, then no report and no metrics) why it failed."""
-
-    index: int
-    values: dict[str, Any]
-    metrics: dict[str, float]
-    report: ReplayReport | None
-    error: str | None = None
-
-
-class SweepResult(msgspec.Struct, frozen=True, kw_only=True):
-    """A sweep: the swept fields and every point's values, headline metrics and whole report, in grid order."""
-
-    log: str
-    fields: list[str]
-    points: list[PointResult]
-
-    @property
-    def failed(self) -> list[int]:
-        """The indices of the points that failed."""
-        return [p.index for p in self.points if p.error is not None]
-
-    def rows(self, settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        """Every replayed point's tidy rows, the swept values as columns (qnpipe.replay.export.sweep_rows)."""
-        from qnpipe.replay.export import sweep_rows
-
-        return sweep_rows(self, settings)
-
-
-def metric_names() -> tuple[str, ...]:
-    """The metrics a sweep can plot: the report's numeric fields, `misses`, `belady_hit_rate` and
-    `slots_per_layer` (resident + side, averaged over layers)."""
-    info = msgspec.inspect.type_info(ReplayReport)
-    assert isinstance(info, msgspec.inspect.StructType)
-    numeric = [f.name for f in info.fields
-               if isinstance(f.type, msgspec.inspect.IntType | msgspec.inspect.FloatType)]
-    return tuple(dict.fromkeys([*numeric, "misses", "belady_hit_rate", "slots_per_layer"]))
-
-
-def metrics(r: ReplayReport) -> dict[str, float]:
-    """The report's headline numbers by name (`metric_names`); `belady_hit_rate` over all layers
-    when the report does not give it (the per-layer optima weighted by requests)."""
-    out = {name: float(getattr(r, name)) for name in metric_names() if hasattr(r, name)}
-    out["misses"] = float(sum(r.misses_by_cause.values()))
-    out["slots_per_layer"] = sum(r.slots.values()) / len(r.slots) if r.slots else 0.0
-    if "belady_hit_rate" not in out:
-        requests = sum(x.requests for x in r.layers)
-        out["belady_hit_rate"] = sum(x.belady_hit_rate * x.requests for x in r.layers) / requests if requests else 0.0
-    return out
-
-
-def check_metric(name: str) -> str:
-    if name not in metric_names():
-        raise ConfigError(f"--metric {name!r}: unknown, known: {', '.join(metric_names())}")
-    return name
-
-
 Progress = Callable[[int, int], None]  # (points done, points in all)
 
 
@@ -375,7 +252,7 @@ def run(log: str | Path, points: Sequence[Point], *, executor: str = "processes"
 
 
 def _worker_context() -> Any:
-    """Workers forked from a fork server that imported qnpipe once (this module: replay, numpy, trio),
+    """Workers forked from a fork server that imported qnpipe once (this module: replay, numpy),
     or spawned where there is none. Not a plain fork: this process may hold threads (MLX, a progress
     bar) that fork would copy half-way. Measured here: a 4-point sweep on 2 workers took 6.8 s with a
     new fork server, 0.7 s with a running one, 14-19 s spawning (each worker imports qnpipe anew)."""
@@ -563,33 +440,7 @@ def write_json(result: SweepResult, path: str | Path) -> Path:
     return path
 
 
-def fmt_value(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    if isinstance(v, list | tuple):
-        return ",".join(map(str, v)) or "-"
-    return str(v)
-
-
-def fmt_metric(name: str, v: float) -> str:
-    if not math.isfinite(v):
-        return str(v)
-    if name == "memory_bytes":
-        return f"{v / 2**20:.1f} MiB"
-    if name == "bytes_per_token":
-        return f"{v / 2**20:.3f} MiB"
-    if name.endswith("_s_per_token") or name == "virtual_s":
-        return f"{v * 1e3:.3f} ms"
-    if name in ("misses", "reads", "steps", "tokens"):
-        return f"{v:.0f}"
-    return f"{v:.4g}"
-
-
-def table_metrics(metric: str) -> list[str]:
-    return list(dict.fromkeys([*TABLE_METRICS, metric]))
-
-
-__all__ = ["EXECUTORS", "MAX_POINTS", "POINT_TIMEOUT_S", "REPLAY_KEYS", "Axis", "Outcome", "Point", "PointResult", "Settings",
+__all__ = ["EXECUTORS", "MAX_POINTS", "POINT_TIMEOUT_S", "REPLAY_KEYS", "TABLE_METRICS", "Axis", "Outcome", "Point", "PointResult", "Settings",
            "SweepResult", "check_metric", "count_points", "fmt_metric", "fmt_value", "metric_names", "metrics",
            "parse_grid", "plan", "point_outcome", "replay_keys", "resolve_key", "run", "run_point", "split_settings",
            "table_metrics", "to_json", "write_json"]
