@@ -285,7 +285,7 @@ LAZY_OK = {"qnpipe.embed", "qnpipe.model.kvquant"}
 
 # Cycles other branches of the same change remove (issue 35): the lead drops an entry at merge, when
 # test_no_import_cycles says it is gone.
-KNOWN_CYCLES = [{"qnpipe.replay.export", "qnpipe.replay.runner", "qnpipe.replay.sweep"}]  # h-replay's branch
+KNOWN_CYCLES: list[set[str]] = []
 
 
 def module_imports(text: str, modules: set[str]) -> set[str]:

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from qnpipe.config import Config, PrefetchInto
 from qnpipe.errors import ConfigError
-from qnpipe.io.files import CONFIG_CAP, read_capped
+from qnpipe.files import CONFIG_CAP, read_capped
 from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.heat import Heat
 from qnpipe.policy.pool import PoolOptions, PoolPolicy, PrefetchBudgets
