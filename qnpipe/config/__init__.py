@@ -2,7 +2,9 @@
 
 `qnpipe.config.load()` is the only place in qnpipe that reads the environment or a TOML file
 (tests/test_no_env_reads.py); everything else is handed a `Config`. Inside: `tree` (the
-sections and their fields), `loader` (`load`, `with_overrides`, the field specs), `aliases` and
+sections and their fields, each with its bounds in its type), `fields` (the field specs read from
+it), `sources` (the environment, TOML and override readers), `loader` (`load`, `with_overrides`,
+`explicit_settings`; it re-exports the names of the two before it), `aliases` and
 `layersets` (the previous system's names and layer-set syntax), `pending` (fields declared but
 not yet consumed) and `validate` (the checks of a generation's arguments). This package imports
 nothing of qnpipe but `qnpipe.errors` and the leaf `qnpipe.files` (tests/test_imports.py), so

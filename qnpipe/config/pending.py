@@ -12,14 +12,15 @@ from collections.abc import Mapping
 
 # The feature names, shared so that one feature's warnings read the same.
 SIDE_REGION_COPY = "a side region copied into the resident region (qnpipe's is always read in place)"
-MTP = "MTP self-speculative decoding"
+# MTP itself is implemented (docs/model.md, "MTP speculation"); the hidden state its drafter reads is `mtp.hidden`.
+HIDDEN_VARIANT = "a choice of the hidden state the main model records and feeds onward (MTP's drafter reads mtp.hidden)"
 PROBES = "the diagnostic probes (recorder's event log)"
-LOADER_PATHS = "the loader (it reads <model_dir>/config.json)"
+LOADER_PATHS = "a model config.json outside the model directory (the loader reads <model_dir>/config.json)"
 
 NOT_YET_IMPLEMENTED: Mapping[str, str] = {
     # -- later features
     "model.config_path": LOADER_PATHS,
-    "model.hidden_variant": MTP,
+    "model.hidden_variant": HIDDEN_VARIANT,
     "pool.side_region_zerocopy": SIDE_REGION_COPY,
     **{f"diag.{f}": PROBES for f in (
         "window_prof", "stream_prof", "prefetch_tprof", "miss_attrib")},

@@ -26,6 +26,15 @@ def _doc(text: str) -> Meta:
     return Meta(description=text)
 
 
+def _cap(n: int) -> Meta:
+    # The upper bound of a count that sizes something (threads, slots, arrays, loops): far above any use
+    # (the 80B has 512 experts a layer, a draft is a few tokens), far below what would exhaust memory or
+    # threads, so `read.workers=10**9` is an error naming the key at start-up, not a crash while the engine
+    # builds. Counts that size nothing (periods, seeds, token thresholds) have none. `extra` tells a cap
+    # ("at most N" in the loader's messages) from a range such as `kv.k_bits`'s.
+    return Meta(le=n, extra={"cap": n})
+
+
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
@@ -153,7 +162,8 @@ class MemoryCfg(_Section, frozen=True):
 class PoolCfg(_Section, frozen=True):
     """Resident expert pool, side region, eviction and autopin (persisted heat)."""
 
-    expert_slots: Annotated[PosInt, _doc("resident expert slots per layer")] = 64
+    # The cap is no use limit: the slots are clamped to the model's experts per layer anyway.
+    expert_slots: Annotated[PosInt, _cap(1 << 16), _doc("resident expert slots per layer")] = 64
     capacity_profile_path: Annotated[str, _doc("file of per-layer capacities (empty = expert_slots everywhere)")] = ""
     eager_load: Annotated[bool, _doc("load every expert up front (all-resident reference mode)")] = False
     # A str, not the enum: a plug-in is any "package.module:Class" (checked in __post_init__).
@@ -167,7 +177,8 @@ class PoolCfg(_Section, frozen=True):
     autopin_save_every_forwards: Annotated[PosInt, _doc("persist heat every N forwards (and at exit)")] = 200
     # Pinned slots never leave: above ~0.5 the demand path runs short of free slots.
     autopin_budget_frac: Annotated[Fraction, _doc("pinned share of each layer's capacity, 0..1")] = 0.5
-    side_region_slots: Annotated[NonNegInt, _doc("side-region (speculative) slots per layer")] = 3
+    # Allocated per layer beside the slots; more than a layer has experts is no use.
+    side_region_slots: Annotated[NonNegInt, _cap(1024), _doc("side-region (speculative) slots per layer")] = 3
     # qnpipe's side slots live in the resident slots' stacked arrays, so there is no copy to
     # skip: false (the legacy default) only warns.
     side_region_zerocopy: Annotated[bool, _doc(
@@ -185,15 +196,17 @@ class PoolCfg(_Section, frozen=True):
 class ReadCfg(_Section, frozen=True):
     """The read scheduler and the SSD reader."""
 
-    workers: Annotated[PosInt, _doc("parallel reader threads (device queue depth)")] = 8
-    window_layers: Annotated[NonNegInt, _doc("layers of lookahead the reader keeps")] = 3
+    # The C reader's thread pool takes at most 1024.
+    workers: Annotated[PosInt, _cap(1024), _doc("parallel reader threads (device queue depth)")] = 8
+    window_layers: Annotated[NonNegInt, _cap(4096), _doc("layers of lookahead the reader keeps")] = 3
     # On by default so every benchmark measures real cold reads, not the page cache.
     nocache: Annotated[bool, _doc("bypass the OS page cache (F_NOCACHE / O_DIRECT)")] = True
     # Measured best: larger budgets flood the shared queue and prefetches land later.
-    bg_budget_experts: Annotated[NonNegInt, _doc("background prefetch budget, experts in flight")] = 12
+    bg_budget_experts: Annotated[NonNegInt, _cap(1 << 20), _doc("background prefetch budget, experts in flight")] = 12
     # Measured 6.4 GB/s serial vs 22 GB/s 8-way.
     batch_miss_read: Annotated[bool, _doc("read all of a layer's misses as one parallel batch")] = True
-    prefetch_budget_experts: Annotated[NonNegInt | None, _doc("per-call prefetch budget (none = the caller's)")] = None
+    prefetch_budget_experts: Annotated[Annotated[NonNegInt, _cap(1 << 20)] | None, _doc(
+        "per-call prefetch budget (none = the caller's)")] = None
     verify_hit_bytes: Annotated[bool, _doc("diagnostic: after a hit, compare slot bytes with disk")] = False
     verify_crc32: Annotated[bool, _doc("diagnostic: check each record's crc32 as it is read")] = False
     backend: Annotated[ReadBackend, _doc("preads via the C extension, the Python fallback, or auto")] = ReadBackend.AUTO
@@ -205,24 +218,26 @@ class PredictCfg(_Section, frozen=True):
     """Cross-layer expert prediction and the prefetch budgets it feeds."""
 
     cross_layer_prefetch: Annotated[bool, _doc("predict and prefetch experts of later layers")] = False
-    ahead_layers: Annotated[NonNegInt, _doc("fixed layers ahead (0 = ahead_lo/ahead_hi by cutoff_layer)")] = 0
+    ahead_layers: Annotated[NonNegInt, _cap(4096), _doc(
+        "fixed layers ahead (0 = ahead_lo/ahead_hi by cutoff_layer)")] = 0
     # One token lists W candidates per target; a step of several tokens (prefill chunk, verify)
     # lists more, all of which its layer may need: keep up to W x mult of them.
-    candidate_mult: Annotated[PosInt, _doc(
+    candidate_mult: Annotated[PosInt, _cap(4096), _doc(
         "a step's hint per target layer names at most width_experts x candidate_mult experts")] = 2
     # Realised hit tops out at 24 (~0.90); wider reads miss their window and steal bandwidth.
-    width_experts: Annotated[PosInt, _doc("candidates per predicted layer (top-W of its gate)")] = 24
-    cutoff_layer: Annotated[NonNegInt, _doc("layers below predict ahead_lo_layers ahead, the rest ahead_hi_layers")] = 6
-    ahead_lo_layers: Annotated[PosInt, _doc("layers ahead below the cutoff (recall)")] = 1
-    ahead_hi_layers: Annotated[PosInt, _doc("layers ahead from the cutoff on (time)")] = 3
+    width_experts: Annotated[PosInt, _cap(1 << 16), _doc("candidates per predicted layer (top-W of its gate)")] = 24
+    cutoff_layer: Annotated[NonNegInt, _cap(4096), _doc(
+        "layers below predict ahead_lo_layers ahead, the rest ahead_hi_layers")] = 6
+    ahead_lo_layers: Annotated[PosInt, _cap(4096), _doc("layers ahead below the cutoff (recall)")] = 1
+    ahead_hi_layers: Annotated[PosInt, _cap(4096), _doc("layers ahead from the cutoff on (time)")] = 3
     # Measured +3.6 points of recall over the normed residual.
     use_moe_input: Annotated[bool, _doc("feed the target gate this layer's MoE input")] = True
     aggregate: Annotated[PredictAgg, _doc("combine the tokens of a verify step")] = PredictAgg.MAX
-    union_k: Annotated[PosInt, _doc("per-token top-k for union aggregation")] = 8
-    file_global_budget_experts: Annotated[NonNegInt, _doc("global cap on file prefetches")] = 64
-    stage_global_budget_experts: Annotated[NonNegInt, _doc("global cap on staged prefetches")] = 64
+    union_k: Annotated[PosInt, _cap(1 << 16), _doc("per-token top-k for union aggregation")] = 8
+    file_global_budget_experts: Annotated[NonNegInt, _cap(1 << 20), _doc("global cap on file prefetches")] = 64
+    stage_global_budget_experts: Annotated[NonNegInt, _cap(1 << 20), _doc("global cap on staged prefetches")] = 64
     min_score: Annotated[float, _doc("drop candidates scoring below this")] = 0.0
-    per_layer_budget_experts: Annotated[NonNegInt, _doc("per-layer prefetch cap")] = 4
+    per_layer_budget_experts: Annotated[NonNegInt, _cap(1 << 16), _doc("per-layer prefetch cap")] = 4
 
 
 class PrefixCfg(_Section, frozen=True):
@@ -230,7 +245,7 @@ class PrefixCfg(_Section, frozen=True):
 
     # An agent's ~2600-token system+tools head took 158 s to prefill.
     snapshot_head_tokens: Annotated[NonNegInt, _doc("snapshot model state after the first N prompt tokens (0 = off)")] = 2048
-    max_entries: Annotated[PosInt, _doc("snapshots kept (LRU, tens of MB each)")] = 4
+    max_entries: Annotated[PosInt, _cap(4096), _doc("snapshots kept (LRU, tens of MB each)")] = 4
     snapshot_dir: Annotated[str, _doc("directory of head snapshots shared across processes (empty = memory only)")] = ""
 
 
@@ -252,16 +267,17 @@ class MtpCfg(_Section, frozen=True):
     verify_mode: Annotated[MtpVerifyMode, _doc("verify drafts in one forward, or one at a time")] = MtpVerifyMode.BATCH
     bits: Annotated[Literal[2, 3, 4, 5, 6, 8], _doc("drafter quantization bits (8: better acceptance, +0.7 GB)")] = 4
     hidden: Annotated[MtpHidden, _doc("hidden state that feeds the drafter")] = MtpHidden.PRE_NORM
-    num_draft_tokens: Annotated[PosInt, _doc("drafts per step (K) with fixed depth")] = 3
+    # Each draft is one MTP forward and one verify row.
+    num_draft_tokens: Annotated[PosInt, _cap(64), _doc("drafts per step (K) with fixed depth")] = 3
     adaptive_depth: Annotated[bool, _doc("draft while cumulative confidence >= conf_tau")] = False
     conf_tau: Annotated[Fraction, _doc("confidence threshold of adaptive depth")] = 0.3
     # Deeper than the slot budget allows must split the step, never overflow.
-    depth_max: Annotated[PosInt, _doc("maximum adaptive draft depth")] = 3
+    depth_max: Annotated[PosInt, _cap(64), _doc("maximum adaptive draft depth")] = 3
     adaptive_rescue: Annotated[bool, _doc("adaptive depth plus top-2 rescue on deep chains")] = False
     tree_top2: Annotated[bool, _doc("verify the 2nd choice when the first draft is rejected")] = False
     tree_top2_p1: Annotated[bool, _doc("the same at the second draft position")] = False
     tree_verify: Annotated[bool, _doc("verify tree_branches candidate paths as one batch")] = False
-    tree_branches: Annotated[Annotated[int, Meta(ge=2)], _doc("candidate paths for tree verify")] = 2
+    tree_branches: Annotated[int, Meta(ge=2), _cap(64), _doc("candidate paths for tree verify")] = 2
 
     def __post_init__(self) -> None:
         # The legacy system silently let one variant win; qnpipe makes the choice explicit.
@@ -284,7 +300,8 @@ class ForwardCfg(_Section, frozen=True):
 
     # Peak memory tracks the chunk, not the prompt; 2 keeps each chunk on the pool's cheap path.
     prefill_chunk_tokens: Annotated[NonNegInt, _doc("prefill in chunks of N tokens (0 = whole prompt)")] = 2
-    moe_topk_override: Annotated[PosInt | None, _doc("diagnostic: change the router's top-k (breaks exactness)")] = None
+    moe_topk_override: Annotated[Annotated[PosInt, _cap(1 << 16)] | None, _doc(
+        "diagnostic: change the router's top-k (breaks exactness)")] = None
     # Not a switch of the system qnpipe replaces: off is the A/B reference (tools/bench_stream.py).
     early_grants: Annotated[bool, _doc("start a layer's experts already in memory while its misses are read")] = True
 
@@ -295,7 +312,7 @@ class KvCfg(_Section, frozen=True):
     quantize: Annotated[bool, _doc("quantize the KV cache of the full-attention layers")] = False
     k_bits: Annotated[QuantBits, _doc("key bits")] = 4
     v_bits: Annotated[QuantBits, _doc("value bits")] = 3
-    group_size: Annotated[PosInt, _doc("affine quantization group size (must divide head_dim)")] = 64
+    group_size: Annotated[PosInt, _cap(1 << 16), _doc("affine quantization group size (must divide head_dim)")] = 64
     rotate: Annotated[bool, _doc("fixed random SO(4) block rotation before quantizing")] = True
     rot_seed: Annotated[NonNegInt, _doc("rotation seed")] = 0
 
@@ -310,7 +327,8 @@ class DiagCfg(_Section, frozen=True):
     predict_recall_prof: Annotated[bool, _doc("recall of the prediction vs the real routing")] = False
     miss_attrib: Annotated[bool, _doc("detailed miss-cause probe")] = False
     union_prof: Annotated[bool, _doc("per-layer expert union size per forward, by sequence length")] = False
-    accept_topk: Annotated[NonNegInt, _doc("record whether the true token is in the drafter's top-k (0 = off)")] = 0
+    accept_topk: Annotated[NonNegInt, _cap(1 << 20), _doc(
+        "record whether the true token is in the drafter's top-k (0 = off)")] = 0
     # A generation that makes no progress this long is a deadlock: fail with the evidence, never hang.
     watchdog_s: Annotated[NonNegFloat, _doc("raise StallError when a step makes no progress for N s; a plug-in "
                                             "eviction policy's call running N s ends the process (0 = off)")] = 60.0

@@ -24,6 +24,7 @@ from qnpipe.config import (
     MtpCfg,
     NotImplementedConfigWarning,
     ReplacedSwitchWarning,
+    fields,
     format_layer_set,
     load,
     loader,
@@ -362,7 +363,7 @@ def test_unknown_and_ambiguous_overrides(monkeypatch: pytest.MonkeyPatch) -> Non
         load(env={}, overrides={"expert_slot": 3})
     with pytest.raises(ConfigError, match="'pool.expert_slot'.*did you mean pool.expert_slots"):
         load(env={}, overrides={"pool.expert_slot": 3})
-    monkeypatch.setitem(loader._FLAT, "expert_slots", ["pool.expert_slots", "read.workers"])
+    monkeypatch.setitem(fields.FLAT, "expert_slots", ["pool.expert_slots", "read.workers"])
     with pytest.raises(ConfigError, match="ambiguous.*pool.expert_slots, read.workers"):
         load(env={}, overrides={"expert_slots": 3})
 

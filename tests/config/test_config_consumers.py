@@ -15,7 +15,8 @@ from pathlib import Path
 from qnpipe import config
 
 PACKAGE = Path(__file__).resolve().parents[2] / "qnpipe"
-CONFIG_MODULES = {"config/loader.py", "config/tree.py", "config/aliases.py", "config/pending.py"}
+CONFIG_MODULES = {"config/loader.py", "config/fields.py", "config/sources.py", "config/tree.py", "config/aliases.py",
+                  "config/pending.py"}
 
 
 def consumers(sources: Mapping[str, str], sections: Iterable[str]) -> dict[str, list[str]]:
