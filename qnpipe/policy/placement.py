@@ -12,6 +12,7 @@ what the resident region gave up: an expert moves between the regions by relabel
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import attrs
 
@@ -44,13 +45,13 @@ class SlotMap:
         self.at[self.side[s]] = (True, s)
 
 
-@attrs.frozen(slots=True)
-class DemandPlan:
+class DemandPlan(NamedTuple):
     """An acquire's demand loads (physical slots), the prefetches it now waits for (`late`, read as demand)
-    and the hits prefetches made in the resident region (counted as side hits)."""
+    and the hits prefetches made in the resident region (counted as side hits). A named tuple: one is made
+    per acquire, on the replay's hot path."""
 
     loads: list[Load]
-    late: set[int] = attrs.field(factory=set)
+    late: frozenset[int] | set[int] = frozenset()
     side_hits: int = 0
 
 

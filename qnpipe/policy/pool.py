@@ -16,6 +16,7 @@ the counters (`pool_counters.PoolCounters`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import attrs
 
@@ -32,11 +33,13 @@ from qnpipe.policy.slot_table import Load, SlotTable
 Promotion = tuple[int, int, int]  # (layer, expert, slot): a prefetch a step now waits for, to be read as demand
 
 
-@attrs.frozen
-class AcquireResult:
+class AcquireResult(NamedTuple):
     """What an acquire leads to: the reads to issue, the grant when complete (None: its reads are on the
     way, or it is deferred), the prefetches the step now waits for, and the recall samples kept since
-    the last acquire (diag.predict_recall_prof; those of deferred acquires taken up since included)."""
+    the last acquire (diag.predict_recall_prof; those of deferred acquires taken up since included).
+
+    The results are named tuples, immutable and cheaper to make than a frozen attrs class: one is made
+    per acquire and per read, on the replay's hot path."""
 
     loads: tuple[Load, ...] = ()
     ready: Grant | None = None
@@ -44,8 +47,7 @@ class AcquireResult:
     recall: tuple[RecallRecord, ...] = ()
 
 
-@attrs.frozen
-class ReadResult:
+class ReadResult(NamedTuple):
     """What a finished read (or a slot given back) leads to: the reads to issue for the deferred acquires
     it let through, the grants now complete, (key, expert, slot) of reads landed for grants still waiting
     on others (what an early grant's step may start on; the grant holds them already), and the
@@ -55,6 +57,9 @@ class ReadResult:
     grants: tuple[Grant, ...] = ()
     landed: tuple[Landed, ...] = ()
     promotions: tuple[Promotion, ...] = ()
+
+
+_NOTHING_READ = ReadResult()
 
 
 @attrs.frozen
@@ -180,11 +185,12 @@ class PoolPolicy:
         if self.heat is not None:
             self.heat.count(key[0], key[1], experts)
         out = self._admit(key, experts, now)
+        recall = self.attribution.take_recall() if self.attribution.recall else ()
         if out is None:
             self._defer(key, experts, now)
-            return AcquireResult(recall=self.attribution.take_recall())
+            return AcquireResult(recall=recall)
         loads, ready, promotions = out
-        return AcquireResult(tuple(loads), ready, tuple(promotions), self.attribution.take_recall())
+        return AcquireResult(tuple(loads), ready, tuple(promotions), recall)
 
     def present(self, key: GrantKey) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(experts, slots) of grant `key` already in memory while the rest is read (`Grants.present`)."""
@@ -238,9 +244,9 @@ class PoolPolicy:
         hits = len(plan.hits)
         missing = {e for e, _ in plan.waiting} | {ld.expert for ld in plan.loads}
         demand = self.placement.demand(layer, plan, slot_of, gen_of, promoted)
-        c = self.counters[layer]
+        c = self.tally.layers[layer]
         c.side_hits += demand.side_hits
-        promotions = [(layer, e, slot_of[e]) for e in sorted(demand.late)]
+        promotions = [(layer, e, slot_of[e]) for e in sorted(demand.late)] if demand.late else []
         if splan is not None:
             assert side is not None and not splan.loads  # all present: hits or loading, never a load
             for e, s in (*splan.hits, *splan.waiting):
@@ -269,25 +275,26 @@ class PoolPolicy:
         """
         side = self.sides.get(layer)
         main = self.tables[layer]
-        self.attribution.hint(layer, (e for e, _ in ranked))
-        if not self.placement.can_prefetch(layer):
+        attribution, gate, placement = self.attribution, self.gate, self.placement
+        attribution.hint(layer, (e for e, _ in ranked))
+        if not placement.can_prefetch(layer):
             return []
-        ahead = self.gate.ahead(source, layer)
+        ahead = gate.ahead(source, layer)
         loads: list[Load] = []
         for e, _ in ranked:
             if e in main.slot_of or (side is not None and e in side.slot_of):
                 continue
-            over = self.gate.over(step, layer, ahead, len(self.attribution.step_unused), len(loads))
-            ld = None if over else self.placement.place(layer, e)
+            over = gate.over(step, layer, ahead, len(attribution.step_unused), len(loads))
+            ld = None if over else placement.place(layer, e)
             if ld is None:
-                self.attribution.dropped(layer, e)
+                attribution.dropped(layer, e)
                 continue
             if ld.evicted >= 0:
-                self.attribution.wasted(layer, ld.evicted)
-            self.attribution.issued(layer, e)
-            self.gate.issued(step, layer)
+                attribution.wasted(layer, ld.evicted)
+            attribution.issued(layer, e)
+            gate.issued(step, layer)
             self.tally.prefetches_issued += 1
-            self.placement.prefetch_issued(layer, e)
+            placement.prefetch_issued(layer, e)
             loads.append(ld)
         return loads
 
@@ -311,10 +318,13 @@ class PoolPolicy:
         table, local = self.placement.table_of(layer, slot)
         table.loaded(expert, local)
         self.tally.read(layer)
+        grants = self.grants
         if self.placement.prefetch_landed(layer, expert, table):
             self.gate.reads_out -= 1
-            self.attribution.landed(layer, expert, waited_for=self.grants.waited_for(layer, expert))
-        done, landed = self.grants.read_done(layer, expert)
+            self.attribution.landed(layer, expert, waited_for=(layer, expert) in grants.waiters)
+        done, landed = grants.read_done(layer, expert)
+        if not grants.deferred:  # nothing to take up (the common case: skip building a second result)
+            return ReadResult(grants=tuple(done), landed=tuple(landed)) if done or landed else _NOTHING_READ
         more = self.retry_deferred(layer)
         return ReadResult(more.loads, (*done, *more.grants), tuple(landed), more.promotions)
 

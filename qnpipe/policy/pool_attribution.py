@@ -70,7 +70,7 @@ class Attribution:
             self.fates.setdefault(layer, {})[expert] = HintFate.EVICTED
 
     def attribute(self, layer: int, experts: Sequence[int], missing: set[int], side: SlotTable | None,
-                  late: set[int]) -> None:
+                  late: frozenset[int] | set[int]) -> None:
         """Give every miss of this acquire exactly one cause; count recall and used prefetches."""
         counters = self.counters
         c = counters.layers[layer]

@@ -75,9 +75,12 @@ class Grants:
     def read_done(self, layer: int, expert: int) -> tuple[list[Grant], list[Landed]]:
         """The read of (`layer`, `expert`) finished: the grants it completes and, for those still waiting on
         others, (key, expert, slot) of what landed."""
+        keys = self.waiters.pop((layer, expert), None)
+        if keys is None:  # a prefetch no step waits for yet (most reads, with prediction on)
+            return [], []
         done: list[Grant] = []
         landed: list[Landed] = []
-        for key in self.waiters.pop((layer, expert), []):
+        for key in keys:
             g = self.pending.get(key)
             if g is None:  # released (cancelled) before it was complete
                 continue

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import attrs
 import pytest
 
 from qnpipe.config import EvictPolicy
@@ -56,7 +55,7 @@ def test_acquire_and_read_done_answer_with_promotions_landed_reads_and_recall(in
     assert first == ReadResult(landed=(((1, 0, 0), 2, ld.slot),))  # an early grant's step may start on 2
     last = p.read_done(0, 1, pre.slot)
     assert [g.key for g in last.grants] == [(1, 0, 0)] and not last.landed and not last.loads
-    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+    with pytest.raises(AttributeError):  # the answer is a value: frozen
         acq.loads = ()  # type: ignore[misc]
 
 
