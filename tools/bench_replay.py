@@ -146,11 +146,9 @@ def policy_floor(log: ReplayLog, cfg: config.Config, predictor: str, opts: Predi
                     for ld in policy.prefetch(i_step, layer, target, ranked):
                         policy.read_done(target, ld.expert, ld.slot)
             key = (i_step, layer, 0)
-            loads, _ = policy.acquire(key, tuple(dict.fromkeys(experts[:k] if len(experts) == k else experts)), 0.0)
-            for ld in loads:
+            acq = policy.acquire(key, tuple(dict.fromkeys(experts[:k] if len(experts) == k else experts)), 0.0)
+            for ld in acq.loads:
                 policy.read_done(layer, ld.expert, ld.slot)
-            policy.pop_promotions()
-            policy.pop_landed()
             policy.release(key)
         policy.forward_done()
     return (time.process_time() - c0) / (len(steps) * len(log.shape.moe_layers)) * 1e6

@@ -34,7 +34,7 @@ from qnpipe.messages import (
     ReadsDone,
     Release,
 )
-from qnpipe.policy.pool import Grant, PoolPolicy
+from qnpipe.policy.pool import Grant, PoolPolicy, Promotion
 from qnpipe.policy.read_queue import ReadClass
 from qnpipe.policy.slot_table import Load
 from qnpipe.trace.format import Evicted, RecallSample
@@ -81,14 +81,12 @@ class PoolCore:
             out.log.append(msg)
         if isinstance(msg, Acquire):
             key = (msg.step, msg.layer, msg.part)
-            loads, ready = policy.acquire(key, msg.experts, msg.t)
-            if policy.recall_samples:
-                if self.logging:
-                    out.log += [RecallSample(t=now, seq=self._seq(), step=msg.step, layer=ly, used=used,
-                                             predicted=predicted) for ly, used, predicted in policy.recall_samples]
-                policy.recall_samples.clear()
-            self._read(msg.layer, loads, now, out)
-            if ready is not None:
+            acq = policy.acquire(key, msg.experts, msg.t)
+            if self.logging:
+                out.log += [RecallSample(t=now, seq=self._seq(), step=msg.step, layer=ly, used=used,
+                                         predicted=predicted) for ly, used, predicted in acq.recall]
+            self._read(msg.layer, acq.loads, now, out, acq.promotions)
+            if (ready := acq.ready) is not None:
                 self._grant(ready, now, out)
             elif msg.early:
                 self.early.add(key)
@@ -96,12 +94,12 @@ class PoolCore:
                     self._present(key, *there, now, out)
         elif isinstance(msg, ReadsDone):
             for layer, expert, slot in zip(msg.layers, msg.experts, msg.slots, strict=True):
-                loads, grants = policy.read_done(layer, expert, slot)
-                for key, e, s in policy.pop_landed():
+                done = policy.read_done(layer, expert, slot)
+                for key, e, s in done.landed:
                     if key in self.early:
                         self.landed.setdefault(key, []).append((e, s))
-                self._read(layer, loads, now, out)
-                for g in grants:
+                self._read(layer, done.loads, now, out, done.promotions)
+                for g in done.grants:
                     self._grant(g, now, out)
         elif isinstance(msg, Release):
             key = (msg.step, msg.layer, msg.part)
@@ -122,9 +120,9 @@ class PoolCore:
                 self._send(ReadExperts(t=now, seq=self._seq(), layer=msg.layer, experts=(msg.expert,),
                                        slots=(msg.slot,)), out)
             elif policy.into_main:  # its resident slot is free again: an acquire waiting for room may go on
-                loads, grants = policy.retry_deferred(msg.layer)
-                self._read(msg.layer, loads, now, out)
-                for g in grants:
+                done = policy.retry_deferred(msg.layer)
+                self._read(msg.layer, done.loads, now, out, done.promotions)
+                for g in done.grants:
                     self._grant(g, now, out)
 
     def end_turn(self, now: float, out: Outbox) -> None:
@@ -149,12 +147,13 @@ class PoolCore:
             out.log.append(msg)
         out.forward.append(msg)
 
-    def _read(self, layer: int, loads: list[Load], now: float, out: Outbox) -> None:
+    def _read(self, layer: int, loads: Sequence[Load], now: float, out: Outbox,
+              promotions: Sequence[Promotion] = ()) -> None:
         # All of a step's misses go to the scheduler in one message, so they go out as one batch.
         if loads:
             self._send(ReadExperts(t=now, seq=self._seq(), layer=layer, experts=tuple(ld.expert for ld in loads),
                                    slots=tuple(ld.slot for ld in loads)), out, [ld.evicted for ld in loads])
-        for ly, e, _slot in self.policy.pop_promotions():  # a step now waits on these prefetches
+        for ly, e, _slot in promotions:  # a step now waits on these prefetches
             self._send(Promote(t=now, seq=self._seq(), layer=ly, expert=e), out)
 
     def _send(self, req: ReadInbox, out: Outbox, evicted: Sequence[int] = ()) -> None:

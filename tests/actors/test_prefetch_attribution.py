@@ -123,24 +123,28 @@ def test_every_miss_has_exactly_one_cause(ops: list[tuple[str, list[int]]], pers
             step += 1
             key = (step, 0, 0)
             try:
-                loads, grant = policy.acquire(key, experts, 0.0)
+                acq = policy.acquire(key, experts, 0.0)
             except CapacityError:  # a full pool refuses; the books must still balance
                 continue
-            reads.update({ld.expert: ld.slot for ld in loads})
-            for _, e, _s in policy.pop_promotions():
+            reads.update({ld.expert: ld.slot for ld in acq.loads})
+            for _, e, _s in acq.promotions:
                 assert e in reads
-            while grant is None and key in policy.pending:  # finish its reads, then release
+            while acq.ready is None and key in policy.pending:  # finish its reads, then release
                 e = next(iter(policy.pending[key].missing))
-                more, _ = policy.read_done(0, e, reads.pop(e))
-                reads.update({ld.expert: ld.slot for ld in more})
+                done = policy.read_done(0, e, reads.pop(e))
+                reads.update({ld.expert: ld.slot for ld in done.loads})
+                for _, pe, _s in done.promotions:
+                    assert pe in reads
             policy.release(key)
         elif op == "hint":
             for ld in policy.prefetch(step + 1, -1, 0, [(e, 1.0) for e in experts]):
                 reads[ld.expert] = ld.slot
         elif op == "done" and reads:
             e = min(reads)
-            more, _ = policy.read_done(0, e, reads.pop(e))
-            reads.update({ld.expert: ld.slot for ld in more})
+            done = policy.read_done(0, e, reads.pop(e))
+            reads.update({ld.expert: ld.slot for ld in done.loads})
+            for _, pe, _s in done.promotions:
+                assert pe in reads
         elif op == "expire" and reads:
             e = max(reads)
             if reads[e] >= 3 and not policy.read_expired(0, e, reads[e]):  # a prefetch, not a demand

@@ -23,7 +23,7 @@ from qnpipe.errors import CapacityError
 from qnpipe.io.heat_file import HeatFileWarning, encode_heat, load_heat, save_heat
 from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.heat import Heat, autopin_plan, pin_budget
-from qnpipe.policy.pool import PoolPolicy
+from qnpipe.policy.pool import AcquireResult, PoolPolicy, ReadResult
 from qnpipe.policy.slot_table import FREE, MissCause, SlotState
 
 MID = "a" * 64
@@ -48,9 +48,9 @@ def test_heat_counts_each_expert_once_per_layer_step() -> None:
 def test_policy_counts_heat_at_acquire_and_a_deferred_acquire_once() -> None:
     pol = _policy({0: 2}, Heat())
     assert pol.heat is not None
-    loads, _ = pol.acquire((1, 0, 0), [1, 2], 0.0)
+    loads = pol.acquire((1, 0, 0), [1, 2], 0.0).loads
     pol.release((1, 0, 0))  # cancelled: reads of 1 and 2 still in flight
-    assert pol.acquire((2, 0, 0), [3], 0.0) == ([], None)  # deferred: the slots are still loading
+    assert pol.acquire((2, 0, 0), [3], 0.0) == AcquireResult()  # deferred: the slots are still loading
     pol.read_done(0, loads[0].expert, loads[0].slot)  # takes the deferred acquire up again
     assert pol.heat.counts == {0: {1: 1, 2: 1, 3: 1}}
     pol.forward_done()
@@ -84,12 +84,11 @@ def test_preload_pins_experts_in_the_pool_and_names_their_reads() -> None:
     assert t.pinned == {5, 9} and t.occupancy == 2 and not t.held
     assert pol.counters[0].cold == 2 and pol.counters[0].misses == 0 and pol.counters[0].hits == 0
     for ld in loads:
-        assert pol.read_done(0, ld.expert, ld.slot) == ([], [])
+        assert pol.read_done(0, ld.expert, ld.slot) == ReadResult()
     assert t.state[0] is SlotState.READY and t.state[1] is SlotState.READY and pol.reads == 2
     # Steps now hit the pinned experts, and never evict them.
     for step, e in enumerate(range(10, 20), start=1):
-        loads, _ = pol.acquire((step, 0, 0), [e, 9], 0.0)
-        for ld in loads:
+        for ld in pol.acquire((step, 0, 0), [e, 9], 0.0).loads:
             pol.read_done(0, ld.expert, ld.slot)
         pol.release((step, 0, 0))
         assert {5, 9} <= set(t.slot_of) and t.occupancy <= 4

@@ -48,7 +48,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.step += 1
         key = (self.step, layer, 0)
         try:
-            loads, grant = self.policy.acquire(key, experts, now=float(self.step))
+            r = self.policy.acquire(key, experts, now=float(self.step))
+            loads, grant = list(r.loads), r.ready
         except CapacityError:
             table = self.policy.tables[layer]
             waiting = {e for k, ex in self.deferred.items() if k[1] == layer for e in ex}
@@ -87,7 +88,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _read_done(self, layer: int, expert: int) -> None:
         slot = self.reads.pop((layer, expert))
-        loads, done = self.policy.read_done(layer, expert, slot)
+        r = self.policy.read_done(layer, expert, slot)
+        loads, done = list(r.loads), list(r.grants)
         self.reads_done += 1
         self.bytes += 100 + layer
         expect = set()
@@ -188,8 +190,7 @@ def test_statistics_sum_the_layers_and_stay_frozen() -> None:
     policy = PoolPolicy.build({0: 2, 1: 2}, {ly: make_eviction(EvictPolicy.LRU, 2) for ly in (0, 1)}, {0: 8, 1: 8})
     for step, (layer, experts) in enumerate([(0, [1, 2]), (1, [3]), (0, [1, 4])]):
         key = (step, layer, 0)
-        loads, grant = policy.acquire(key, experts, float(step))
-        for ld in loads:
+        for ld in policy.acquire(key, experts, float(step)).loads:
             policy.read_done(layer, ld.expert, ld.slot)
         policy.release(key)
     snap = policy.statistics()

@@ -31,8 +31,7 @@ def _policy(cap: int, side: int, kind: EvictPolicy = EvictPolicy.LRU, layers: tu
 def _fill(p: PoolPolicy, experts: list[int], step: int = 1) -> None:
     """A step uses `experts` at layer 0: acquire, read its misses, release."""
     key = (step, 0, 0)
-    loads, grant = p.acquire(key, experts, float(step))
-    for ld in loads:
+    for ld in p.acquire(key, experts, float(step)).loads:
         p.read_done(0, ld.expert, ld.slot)
     p.release(key)
 
@@ -58,12 +57,14 @@ def test_a_prefetch_displaces_the_lru_expert_into_the_side_region_and_its_use_br
     assert _where(p, 0) == ("side", 0)
     p.read_done(0, 2, ld.slot)
     assert _where(p, 2) == ("main", 2)
-    loads, grant = p.acquire((4, 0, 0), [0], 4.0)
+    r = p.acquire((4, 0, 0), [0], 4.0)
+    loads, grant = r.loads, r.ready
     assert not loads and grant is not None and grant.slots == [0]  # a hit, read where it always was
     assert _where(p, 0) == ("main", 0) and _where(p, 1) == ("side", 1)  # 1 (LRU) went to the side region
     assert p.counters[0].side_hits == 1 and p.counters[0].hits == 2  # step 2 hit 1
     p.release((4, 0, 0), [0], [0])  # route verification passes on the relabelled slot
-    loads, grant = p.acquire((5, 0, 0), [2], 5.0)  # the prefetch, used: a hit made by a prefetch
+    r = p.acquire((5, 0, 0), [2], 5.0)  # the prefetch, used: a hit made by a prefetch
+    loads, grant = r.loads, r.ready
     assert not loads and grant is not None and grant.slots == [2]
     assert p.statistics().prefetches_used == 1 and p.counters[0].side_hits == 2
 
@@ -82,12 +83,12 @@ def test_without_a_side_region_the_victim_leaves_and_a_hint_with_no_slot_is_drop
 def test_a_late_prefetch_in_the_resident_region_is_promoted_and_counted_late() -> None:
     p = _policy(cap=2, side=1)
     [ld] = p.prefetch(1, 0, 0, [(4, 1.0)])
-    loads, grant = p.acquire((1, 0, 0), [4], 1.0)
-    assert not loads and grant is None  # waits for the prefetch's read: no second read
-    assert p.pop_promotions() == [(0, 4, ld.slot)]
+    r = p.acquire((1, 0, 0), [4], 1.0)
+    assert not r.loads and r.ready is None  # waits for the prefetch's read: no second read
+    assert r.promotions == ((0, 4, ld.slot),)
     assert p.statistics().causes == {"late": 1}
-    _, grants = p.read_done(0, 4, ld.slot)
-    assert [g.key for g in grants] == [(1, 0, 0)]
+    done = p.read_done(0, 4, ld.slot)
+    assert [g.key for g in done.grants] == [(1, 0, 0)] and not done.promotions
 
 
 def test_side_placement_with_no_side_slot_is_refused_and_main_is_not() -> None:
@@ -115,7 +116,7 @@ def _random_run(seed: int, cap: int, side: int, kind: EvictPolicy, into_main: bo
     def done(i: int) -> None:
         ly, e, slot, _ = reads.pop(i)
         content[(ly, slot)] = e
-        more, _ = p.read_done(ly, e, slot)
+        more = p.read_done(ly, e, slot).loads
         reads.extend((ly, ld.expert, ld.slot, False) for ld in more)
 
     for step in range(1, 60):
@@ -125,7 +126,7 @@ def _random_run(seed: int, cap: int, side: int, kind: EvictPolicy, into_main: bo
             want = rng.sample(range(experts), rng.randint(1, cap))
             key = (step, layer, 0)
             try:
-                loads, grant = p.acquire(key, want, float(step))
+                loads = p.acquire(key, want, float(step)).loads
             except CapacityError:
                 continue
             reads += [(layer, ld.expert, ld.slot, False) for ld in loads]
@@ -142,7 +143,7 @@ def _random_run(seed: int, cap: int, side: int, kind: EvictPolicy, into_main: bo
             else:
                 reads.pop(i)
                 if p.into_main:
-                    more, _ = p.retry_deferred(ly)
+                    more = p.retry_deferred(ly).loads
                     reads += [(ly, ld.expert, ld.slot, False) for ld in more]
         elif op < 0.85 and reads:
             done(rng.randrange(len(reads)))
