@@ -17,7 +17,7 @@ from qnpipe.config import Config
 __all__ = ["Config", "Engine", "config", "open_engine", "__version__"]
 
 if TYPE_CHECKING:
-    from qnpipe.embed import Engine, open_engine
+    from qnpipe.engine import Engine, open_engine
 
 
 def __getattr__(name: str) -> Any:
@@ -28,7 +28,7 @@ def __getattr__(name: str) -> Any:
 
         if not blas.applied():
             blas.apply(config.load().compute)
-        from qnpipe import embed
+        from qnpipe import engine
 
-        return getattr(embed, name)
+        return getattr(engine, name)
     raise AttributeError(f"module 'qnpipe' has no attribute {name!r}")

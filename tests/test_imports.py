@@ -101,7 +101,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("qnpipe.replay", "qnpipe.convert"),
     ("qnpipe.plan",),
     ("qnpipe.live",),
-    ("qnpipe.embed",),
+    ("qnpipe.engine",),
+    ("qnpipe.embed",),  # the engine's old name, kept importable
     ("qnpipe.server",),
     ("qnpipe.cli",),
     ("qnpipe", "qnpipe.__main__"),
@@ -247,7 +248,7 @@ def test_the_package_rules_catch_violations() -> None:
         "qnpipe/io/device.py:2: imports qnpipe.policy.read_queue (forbidden here: qnpipe.policy)"]
     assert layering_violations("qnpipe/io/device.py", "from qnpipe.messages import Job\n") == []
     both = "import trio\n\ndef f():\n    import mlx.core as mx\n"
-    assert trio_and_mlx("qnpipe/embed.py", both) == ["qnpipe/embed.py: imports both trio and mlx (only qnpipe/live/ may)"]
+    assert trio_and_mlx("qnpipe/engine.py", both) == ["qnpipe/engine.py: imports both trio and mlx (only qnpipe/live/ may)"]
     assert trio_and_mlx("qnpipe/actors/pool.py", both) != []
     assert trio_and_mlx("qnpipe/live/core.py", both) == []
     assert trio_and_mlx("qnpipe/model/stepper.py", "import mlx.core\nimport numpy\n") == []
@@ -281,7 +282,7 @@ def _module_name(rel: str) -> str:
 # the moment they are needed. Such a lazy import is not an edge of the cycle check: it cannot meet a
 # half-initialised module, and it is how a light module reaches a heavy one on demand. (The layer
 # rule below still counts it: a lazy import may not run back up either.)
-LAZY_OK = {"qnpipe.embed", "qnpipe.model.kvquant"}
+LAZY_OK = {"qnpipe.engine", "qnpipe.model.kvquant"}
 
 # Cycles other branches of the same change remove (issue 35): the lead drops an entry at merge, when
 # test_no_import_cycles says it is gone.
@@ -399,11 +400,11 @@ def test_the_cycle_check_catches_a_cycle() -> None:
     method = "class H:\n    async def f(self):\n        import qnpipe.policy.pool\n"
     assert import_cycles({**fake, "qnpipe/policy/heat.py": method}) != []
     # ...but not a lazy import of a heavy module LAZY_OK names (that module may import its user).
-    heavy = {"qnpipe/__init__.py": "def __getattr__(name):\n    from qnpipe import embed\n",
-             "qnpipe/embed.py": "import mlx.core\nfrom qnpipe import __version__\n"}
+    heavy = {"qnpipe/__init__.py": "def __getattr__(name):\n    from qnpipe import engine\n",
+             "qnpipe/engine.py": "import mlx.core\nfrom qnpipe import __version__\n"}
     assert import_cycles(heavy) == []
-    assert import_cycles({**heavy, "qnpipe/__init__.py": "from qnpipe import embed\n"}) == [
-        ["qnpipe", "qnpipe.embed", "qnpipe"]]
+    assert import_cycles({**heavy, "qnpipe/__init__.py": "from qnpipe import engine\n"}) == [
+        ["qnpipe", "qnpipe.engine", "qnpipe"]]
     # A submodule importing a name from its own package's __init__, which imports that submodule.
     pkg = {"qnpipe/trace/__init__.py": "from qnpipe.trace.stats import trace_stats\n",
            "qnpipe/trace/stats.py": "from qnpipe.trace import read\n"}

@@ -115,3 +115,12 @@ def test_the_pin_catches_drift() -> None:
                                                               "qnpipe.new": []}) == [
         "qnpipe.new: a package not pinned in PUBLIC (its __all__: [])"]
     assert api_drift({"qnpipe": ("a",)}, {"qnpipe": ["a", "a"]}) == ["qnpipe: gone [], new [] (listed twice)"]
+
+
+def test_old_engine_module_name_still_imports() -> None:
+    """`qnpipe.embed` was the engine's module before `qnpipe.engine`: scripts that import it keep working."""
+    import qnpipe.embed
+    import qnpipe.engine
+
+    assert qnpipe.embed.Engine is qnpipe.engine.Engine
+    assert qnpipe.embed.open_engine is qnpipe.engine.open_engine

@@ -38,7 +38,7 @@ PROMPT = [5, 17, 300, 42, 9, 77, 11, 12, 13]
 
 
 def old_mapping(rt: Any) -> EngineStats:
-    """The engine's stats as embed.py made them before the snapshot (verbatim but for the names)."""
+    """The engine's stats as engine.py made them before the snapshot (verbatim but for the names)."""
     totals = rt.totals
     if rt.prefix.enabled:
         totals = msgspec.structs.replace(totals, prefix=rt.prefix.current_stats())

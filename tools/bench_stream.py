@@ -254,7 +254,7 @@ class _TimedBackend:
 
 def loop_cpu_s(eng: Any) -> float:
     """CPU time of the thread whose trio loop runs `eng`'s pipeline (the MLX thread's own loop, or
-    with prefetch on a thread of the engine's own: qnpipe.embed.Engine)."""
+    with prefetch on a thread of the engine's own: qnpipe.engine.Engine)."""
     ident = eng.loop_thread.ident
     assert ident is not None
     return time.clock_gettime(time.pthread_getcpuclockid(ident))

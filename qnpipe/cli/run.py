@@ -33,7 +33,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     check_run_outputs(args, cfg, model_dir)
     precheck_model(model_dir, cfg)
-    from qnpipe.embed import Engine
+    from qnpipe.engine import Engine
 
     eng = Engine(model_dir, cfg, warm_up=True)
     with stop_on_signals(args), eng:
@@ -69,7 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if tokens is not None:
         check_token_ids(tokens, margs, args.model_dir)
     cfg = apply_memory(args, cfg)
-    from qnpipe.embed import Engine
+    from qnpipe.engine import Engine
 
     eng = Engine(args.model_dir, cfg, warm_up=True)
     if eng.rank:  # it served rank 0's steps until rank 0 was done: only rank 0 writes output
@@ -94,7 +94,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     precheck_model(args.model_dir, cfg)
     cfg = apply_memory(args, cfg)
     from qnpipe.cli.chat_session import ChatSession
-    from qnpipe.embed import Engine
+    from qnpipe.engine import Engine
 
     eng = Engine(args.model_dir, cfg, warm_up=True)
     if eng.rank:  # it served rank 0's steps until rank 0's chat ended

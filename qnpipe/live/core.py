@@ -287,7 +287,7 @@ __all__ = ["Core", "Streaming", "ThreadedBackend", "build_core", "compare_slots_
 
 
 # The embedded API's start-up and close, here because they are MLX calls on a Core: the API
-# (qnpipe.embed) stays a trio-only facade over the live engine.
+# (qnpipe.engine) stays a trio-only facade over the live engine.
 def release_core(core: Core) -> None:
     """Drop the core's model and pool memory on the MLX thread and return MLX's cached buffers."""
     import mlx.core as mx

@@ -166,7 +166,7 @@ def run_server(model_dir: str | Path, cfg: Config, opts: ServerOptions,
     sockets = None if follower else bind(opts)
 
     async def main() -> None:
-        from qnpipe.embed import open_engine
+        from qnpipe.engine import open_engine
 
         async with open_engine(model_dir, cfg) as eng:
             if eng.rank:

@@ -128,7 +128,7 @@ def test_recorded_log_is_planned_from(model: Path, tmp_path: Path, capsys: pytes
 
 
 def test_engine_memory_logits_bit_identical(model: Path, tmp_path: Path) -> None:
-    from qnpipe.embed import Engine
+    from qnpipe.engine import Engine
 
     with Engine(model, cache_dir=str(tmp_path), context_tokens=CONTEXT) as eng:
         plain = eng.logits(TOKENS)
@@ -142,7 +142,7 @@ def test_engine_memory_logits_bit_identical(model: Path, tmp_path: Path) -> None
 
 
 async def test_open_engine_memory(model: Path, tmp_path: Path) -> None:
-    from qnpipe.embed import open_engine
+    from qnpipe.engine import open_engine
 
     async with open_engine(model, memory=str(budget(model)), cache_dir=str(tmp_path), context_tokens=CONTEXT) as eng:
         assert eng.plan is not None and eng.cfg.pool.capacity_profile_path.startswith(str(tmp_path))

@@ -41,7 +41,7 @@ class ServerThread:
 
     def _run(self) -> None:
         async def main() -> None:
-            from qnpipe.embed import open_engine
+            from qnpipe.engine import open_engine
 
             self._token = trio.lowlevel.current_trio_token()
             self._stop = stop = trio.Event()
