@@ -31,7 +31,7 @@ from qnpipe.config.validate import check_generate_args
 from qnpipe.errors import DistributedError, PipelineError
 from qnpipe.io.reader import ExpertReader
 from qnpipe.live import decoding
-from qnpipe.live.core import Core, build_core, open_core_pipeline, release_core, warm_up_core
+from qnpipe.live.loaded import LoadedModel, load_model, open_model_pipeline, release_model, warm_up_model
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.ctrl_c import deferring_ctrl_c
 from qnpipe.live.prefix import Peers, PrefixCache
@@ -73,7 +73,7 @@ def _gen_kwargs(prompt: Prompt, max_tokens: int, temperature: float, top_p: floa
             "stop_at_eos": stop_at_eos}
 
 
-def _layers_tag(core: Core) -> str:
+def _layers_tag(core: LoadedModel) -> str:
     from qnpipe.live.parallel.snap import layers_tag
 
     assert core.stage is not None
@@ -83,7 +83,7 @@ def _layers_tag(core: Core) -> str:
 class _Runtime:
     """One engine's trio side: its pipeline, one request at a time, and the totals."""
 
-    def __init__(self, core: Core, thread: MLXThread, pipe: Pipeline, *, load_s: float = 0.0,
+    def __init__(self, core: LoadedModel, thread: MLXThread, pipe: Pipeline, *, load_s: float = 0.0,
                  warmup_s: float = 0.0, rank: int = 0, peers: Peers | None = None) -> None:
         self.rank = rank
         self.core = core
@@ -257,13 +257,13 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
 
         ring, stage, cfg, rank_plan = await join(cfg, thread, launch)
         plan = plan if rank_plan is None else rank_plan
-    core = await run_on(thread, build_core, Path(cfg.model.model_dir), cfg, reader, stage)
+    core = await run_on(thread, load_model, Path(cfg.model.model_dir), cfg, reader, stage)
     load_s = time.perf_counter() - t0
     try:
-        warmup_s = await run_on(thread, warm_up_core, core) if warm_up else 0.0
+        warmup_s = await run_on(thread, warm_up_model, core) if warm_up else 0.0
         t1 = time.perf_counter()
         lost: DistributedError | None = None
-        async with open_core_pipeline(core, thread) as pipe:
+        async with open_model_pipeline(core, thread) as pipe:
             load_s += time.perf_counter() - t1
             rank = 0 if ring is None else ring.rank
             lead = peers = keep_alive = None
@@ -302,7 +302,7 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
             raise lost
     finally:
         with trio.CancelScope(shield=True):
-            await run_on(thread, release_core, core)
+            await run_on(thread, release_model, core)
 
 
 class Engine:

@@ -242,15 +242,15 @@ def test_the_package_rules_catch_violations() -> None:
             f"{rel}:4: imports qnpipe.model.stepper (forbidden here: qnpipe.model)"]
     assert layering_violations("qnpipe/convert/build.py", "import mlx.core\nimport trio\n") == [
         "qnpipe/convert/build.py:2: imports trio (forbidden here: trio)"]
-    assert layering_violations("qnpipe/io/store.py", "from qnpipe.live.core import Core\n") == [
-        "qnpipe/io/store.py:1: imports qnpipe.live.core (forbidden here: qnpipe.live)"]
+    assert layering_violations("qnpipe/io/store.py", "from qnpipe.live.loaded import LoadedModel\n") == [
+        "qnpipe/io/store.py:1: imports qnpipe.live.loaded (forbidden here: qnpipe.live)"]
     assert layering_violations("qnpipe/io/device.py", "def f():\n    from qnpipe.policy.read_queue import Job\n") == [
         "qnpipe/io/device.py:2: imports qnpipe.policy.read_queue (forbidden here: qnpipe.policy)"]
     assert layering_violations("qnpipe/io/device.py", "from qnpipe.messages import Job\n") == []
     both = "import trio\n\ndef f():\n    import mlx.core as mx\n"
     assert trio_and_mlx("qnpipe/engine.py", both) == ["qnpipe/engine.py: imports both trio and mlx (only qnpipe/live/ may)"]
     assert trio_and_mlx("qnpipe/actors/pool.py", both) != []
-    assert trio_and_mlx("qnpipe/live/core.py", both) == []
+    assert trio_and_mlx("qnpipe/live/loaded.py", both) == []
     assert trio_and_mlx("qnpipe/model/stepper.py", "import mlx.core\nimport numpy\n") == []
 
 
@@ -258,7 +258,7 @@ def test_the_package_rules_catch_violations() -> None:
 # (mlx-lm pulls in transformers: ~1.4 s of start-up per process, paid by every sweep worker).
 MODEL_FREE = ("qnpipe.replay", "qnpipe.replay.sweep", "qnpipe.replay.cost_fit", "qnpipe.actors.pipeline",
               "qnpipe.trace", "qnpipe.cli.replay_cmd", "qnpipe.cli.sweep_cmd", "qnpipe.cli.trace_cmd")
-HEAVY = ("mlx", "mlx_lm", "transformers", "qnpipe.live.core", "qnpipe.model.stepper", "qnpipe.model.qwen3_next")
+HEAVY = ("mlx", "mlx_lm", "transformers", "qnpipe.live.loaded", "qnpipe.model.stepper", "qnpipe.model.qwen3_next")
 
 
 def test_replay_and_sweeps_load_no_model_code() -> None:
@@ -268,9 +268,9 @@ def test_replay_and_sweeps_load_no_model_code() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
     # The check itself sees these modules when they are loaded.
-    live = subprocess.run([sys.executable, "-c", code.replace("for m in", "import qnpipe.live.core\nfor m in", 1)],
+    live = subprocess.run([sys.executable, "-c", code.replace("for m in", "import qnpipe.live.loaded\nfor m in", 1)],
                           capture_output=True, text=True, timeout=120, check=True)
-    assert "qnpipe.live.core" in json.loads(live.stdout.strip().splitlines()[-1])
+    assert "qnpipe.live.loaded" in json.loads(live.stdout.strip().splitlines()[-1])
 
 
 def _module_name(rel: str) -> str:

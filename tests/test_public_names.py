@@ -33,9 +33,9 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     "qnpipe.io": ("CacheMode", "DeviceProfile", "ExpertDevice", "ExpertReader", "ExpertStore", "ReadRequest",
                   "ReadResult", "ReaderStats", "SimSSD", "SimStats", "SsdReader", "StoreDevice", "atomic_file",
                   "atomic_write", "check_regular", "open_simssd", "read_capped", "read_index", "write_index"),
-    "qnpipe.live": ("Core", "MLXThread", "Output", "PrefixCache", "SnapshotFileWarning", "Streaming",
-                    "ThreadedBackend", "build_core", "generate", "generate_stats", "logits", "next_logits",
-                    "open_core_pipeline", "resume", "run_on"),
+    "qnpipe.live": ("LoadedModel", "MLXThread", "Output", "PrefixCache", "SnapshotFileWarning", "Streaming",
+                    "ThreadedBackend", "generate", "generate_stats", "load_model", "logits", "next_logits",
+                    "open_model_pipeline", "resume", "run_on"),
     "qnpipe.live.parallel": (),
     "qnpipe.live.spec": (),
     "qnpipe.model": ("LoadedModel", "MemoryLimitWarning", "MlxBackend", "ModelArgs", "Runner",
@@ -124,3 +124,12 @@ def test_old_engine_module_name_still_imports() -> None:
 
     assert qnpipe.embed.Engine is qnpipe.engine.Engine
     assert qnpipe.embed.open_engine is qnpipe.engine.open_engine
+
+
+def test_old_live_names_still_resolve() -> None:
+    """`Core`, `build_core` and `open_core_pipeline` were renamed (a `Core` beside PoolCore/ReadCore misled)."""
+    import qnpipe.live as live
+
+    assert live.Core is live.LoadedModel
+    assert live.build_core is live.load_model
+    assert live.open_core_pipeline is live.open_model_pipeline

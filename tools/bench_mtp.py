@@ -176,7 +176,7 @@ def _rollbacks(rounds: int, tokens: int) -> dict[str, float]:
     (all resident)."""
     from qnpipe.actors.forward import Forward
     from qnpipe.live import decoding
-    from qnpipe.live.core import ThreadedBackend
+    from qnpipe.live.loaded import ThreadedBackend
     from qnpipe.live.mlx_thread import MLXThread, run_on
     from qnpipe.live.spec import loop
     from qnpipe.model.load import load_model

@@ -10,7 +10,7 @@ recorded routes) and device (the SSD reader, or replay's simulated SSD) it is gi
 
 When every expert is resident (`pool.eager_load`, or a model directory without an
 expert store) there are no actors: the forward runs the model straight through. The live
-model side (loading, slot arrays, the MLX-thread backend) is qnpipe.live.core; this module
+model side (loading, slot arrays, the MLX-thread backend) is qnpipe.live.loaded; this module
 imports no MLX model code, so replay starts fast.
 """
 

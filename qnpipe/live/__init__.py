@@ -1,6 +1,6 @@
 """The live engine: the only package that imports both trio and MLX.
 
-`core` builds a model, its expert slots and the actors' pipeline around the process's one MLX
+`loaded` builds a model, its expert slots and the actors' pipeline around the process's one MLX
 thread (`mlx_thread`); `decoding` runs generation over it, `prefix` reuses the state of a prompt
 prefix seen before, `spec` drafts with the MTP head and verifies with the main model. It may
 import every other package of qnpipe; nothing below it imports it (the API, `qnpipe.engine`, and
@@ -13,19 +13,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from qnpipe.live.core import Core, Streaming, ThreadedBackend, build_core, open_core_pipeline
     from qnpipe.live.decoding import Output, generate, generate_stats, logits, next_logits
+    from qnpipe.live.loaded import LoadedModel, Streaming, ThreadedBackend, load_model, open_model_pipeline
     from qnpipe.live.mlx_thread import MLXThread, run_on
     from qnpipe.live.prefix import PrefixCache, SnapshotFileWarning, resume
 
 # Loaded on first use, not here: importing a module here would otherwise start MLX and load mlx-lm
 # for a caller that only wants `MLXThread`.
 _LAZY = {
-    "Core": "qnpipe.live.core",
-    "Streaming": "qnpipe.live.core",
-    "ThreadedBackend": "qnpipe.live.core",
-    "build_core": "qnpipe.live.core",
-    "open_core_pipeline": "qnpipe.live.core",
+    "LoadedModel": "qnpipe.live.loaded",
+    "Streaming": "qnpipe.live.loaded",
+    "ThreadedBackend": "qnpipe.live.loaded",
+    "load_model": "qnpipe.live.loaded",
+    "open_model_pipeline": "qnpipe.live.loaded",
     "Output": "qnpipe.live.decoding",
     "generate": "qnpipe.live.decoding",
     "generate_stats": "qnpipe.live.decoding",
@@ -38,13 +38,18 @@ _LAZY = {
     "resume": "qnpipe.live.prefix",
 }
 __all__ = [
-    "Core", "MLXThread", "Output", "PrefixCache", "SnapshotFileWarning", "Streaming", "ThreadedBackend",
-    "build_core", "generate", "generate_stats", "logits", "next_logits", "open_core_pipeline", "resume",
+    "LoadedModel", "MLXThread", "Output", "PrefixCache", "SnapshotFileWarning", "Streaming", "ThreadedBackend",
+    "generate", "generate_stats", "load_model", "logits", "next_logits", "open_model_pipeline", "resume",
     "run_on",
 ]
 
 
+# The names before `Core` (read beside the pool's and read scheduler's cores) became `LoadedModel`.
+_OLD = {"Core": "LoadedModel", "build_core": "load_model", "open_core_pipeline": "open_model_pipeline"}
+
+
 def __getattr__(name: str) -> Any:
+    name = _OLD.get(name, name)
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -247,7 +247,7 @@ def _resident_arrays(experts: Any) -> list[tuple[str, Any]]:
 
 
 def experts_fingerprint(core: Any) -> str:
-    """What the routed experts add to an engine's fingerprint (a qnpipe.live.core.Core).
+    """What the routed experts add to an engine's fingerprint (a qnpipe.live.loaded.LoadedModel).
 
     A streamed store is named by its `index.json` as decoded: every record's crc32, the tensors'
     shapes, dtypes and offsets, the quantization, the model id. That is cheap (no read of the
@@ -277,7 +277,7 @@ def experts_fingerprint(core: Any) -> str:
 
 
 def engine_fingerprint(core: Any) -> str:
-    """The fingerprint of an engine's states (a qnpipe.live.core.Core): everything that changes the numbers
+    """The fingerprint of an engine's states (a qnpipe.live.loaded.LoadedModel): everything that changes the numbers
     of a prefill. The dense weights' bytes, the routed experts (`experts_fingerprint`), the MTP head,
     the whole config.json (shape, norms' eps, rope, quantization), the KV-cache settings, the
     forward settings (the prefill chunk, a top-k override), the MTP settings and, on a rank of a

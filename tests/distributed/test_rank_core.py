@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from qnpipe import config
-from qnpipe.live.core import build_core, warm_up_core
+from qnpipe.live.loaded import load_model, warm_up_model
 from qnpipe.model.args import args_from_dict, read_config
 from qnpipe.model.stage import Stage
 
 
 def _core(model: Path, stage: Stage, **over: object):  # noqa: ANN202
     cfg = config.load(None, overrides={"model.model_dir": str(model), "mtp.enabled": True, **over})
-    return build_core(model, cfg, stage=stage)
+    return load_model(model, cfg, stage=stage)
 
 
 @pytest.mark.parametrize("streamed", [True, False])
@@ -52,7 +52,7 @@ def test_each_rank_warms_up_its_own_layers_and_leaves_its_state_alone(tiny_qn4: 
         try:
             assert core.streaming is not None
             before = {(layer, k): a.copy() for layer, s in core.streaming.slots.items() for k, a in s.host.items()}
-            assert warm_up_core(core) > 0.0
+            assert warm_up_model(core) > 0.0
             assert all(np.array_equal(s.host[k], before[layer, k]) for layer, s in core.streaming.slots.items()
                        for k in s.host)
         finally:

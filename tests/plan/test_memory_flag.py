@@ -82,12 +82,12 @@ def test_distributed_leaves_the_plan_to_each_rank(model: Path, tmp_path: Path) -
 
 def test_too_small_refused_before_loading(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    import qnpipe.live.core as core
+    import qnpipe.live.loaded as core
 
     def no_load(*a: object) -> None:
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(core, "build_core", no_load)
+    monkeypatch.setattr(core, "load_model", no_load)
     least = budget(model, 0)
     for cmd in (["generate", str(model), "--tokens", "1,2"], ["chat", str(model)], ["serve", str(model)]):
         assert main([*cmd, "--memory", str(least - 1), "--set", f"plan.cache_dir={tmp_path}",

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache
 
 from qnpipe.actors.forward import Forward
 from qnpipe.live import decoding
-from qnpipe.live.core import ThreadedBackend
+from qnpipe.live.loaded import ThreadedBackend
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.spec import loop
 from qnpipe.model.mtp import MtpHead

@@ -110,7 +110,7 @@ def test_sampled_speculation_matches_plain_sampling_end_to_end(tiny_vocab: Path)
     import trio
 
     from qnpipe.actors.forward import Forward
-    from qnpipe.live.core import ThreadedBackend
+    from qnpipe.live.loaded import ThreadedBackend
     from qnpipe.live.mlx_thread import MLXThread
     from qnpipe.live.spec import loop
     from qnpipe.model.load import load_model

@@ -15,7 +15,7 @@ import trio
 import qnpipe
 from qnpipe.actors.forward import Forward
 from qnpipe.config import PrefixCfg
-from qnpipe.live.core import ThreadedBackend
+from qnpipe.live.loaded import ThreadedBackend
 from qnpipe.live.mlx_thread import run_on
 from qnpipe.live.prefix import PrefixCache, SnapshotFileWarning
 from qnpipe.live.spec import loop

@@ -1,8 +1,8 @@
 """The live engine's model side: the loaded model, its expert slots and store, the MLX-thread backend.
 
-`build_core` runs on the MLX thread and makes what MLX owns: the model (without its
+`load_model` runs on the MLX thread and makes what MLX owns: the model (without its
 routed experts when they stream), the slot arrays, and the reader over the expert
-store. `open_core_pipeline` starts the actors (qnpipe.actors.pipeline.open_pipeline) over the
+store. `open_model_pipeline` starts the actors (qnpipe.actors.pipeline.open_pipeline) over the
 live device: the SSD reader filling those slot arrays. Replay wires the same actors to
 a simulated device and needs none of this, so it lives apart from the wiring and replay
 never imports MLX's model code.
@@ -58,7 +58,7 @@ class Streaming:
 
 
 @attrs.define
-class Core:
+class LoadedModel:
     """The engine's MLX-side state (touched only on the MLX thread)."""
 
     cfg: Config
@@ -76,7 +76,7 @@ class Core:
         return self.runner.loaded.args
 
 
-def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None, stage: Stage | None = None) -> Core:
+def load_model(model_dir: Path, cfg: Config, reader: ExpertReader | None = None, stage: Stage | None = None) -> LoadedModel:
     """Load the model and, when its experts stream, the pool's memory and reader. MLX thread only.
 
     `reader` replaces the SSD reader made from `cfg.read` (fault injection, slow devices);
@@ -121,7 +121,7 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None,
         if asked and not cfg.pool.eager_load and runner.loaded.layout is not Layout.QNPIPE:
             warnings.warn(f"{model_dir} has no expert store: every expert is resident "
                           f"(`qnpipe convert` makes a directory whose experts stream)", stacklevel=2)
-        return Core(cfg, runner, None, MlxBackend(runner.loaded.model, None), mtp, stage, mtp_ring)
+        return LoadedModel(cfg, runner, None, MlxBackend(runner.loaded.model, None), mtp, stage, mtp_ring)
     args = runner.loaded.args
     store = ExpertStore.open(cfg.model.expert_dir or model_dir)
     try:
@@ -151,7 +151,7 @@ def build_core(model_dir: Path, cfg: Config, reader: ExpertReader | None = None,
                            cfg.predict.use_moe_input)
     traced = bool(cfg.trace.event_log_path or cfg.trace.route_trace)
     backend = MlxBackend(runner.loaded.model, {layer: s.experts for layer, s in slots.items()}, plan, traced)
-    return Core(cfg, runner, streaming, backend, mtp, stage, mtp_ring)
+    return LoadedModel(cfg, runner, streaming, backend, mtp, stage, mtp_ring)
 
 
 def _load_mtp(cfg: Config, runner: Runner, model_dir: Path, resident: bool) -> tuple[Any, Path]:
@@ -237,8 +237,8 @@ class ThreadedBackend:
 
 
 @asynccontextmanager
-async def open_core_pipeline(core: Core, thread: MLXThread) -> AsyncIterator[Pipeline]:
-    """`open_pipeline` for a loaded `Core`: the live device over its store and slot arrays."""
+async def open_model_pipeline(core: LoadedModel, thread: MLXThread) -> AsyncIterator[Pipeline]:
+    """`open_pipeline` for a loaded `LoadedModel`: the live device over its store and slot arrays."""
     backend = ThreadedBackend(thread, core.backend)
     st = core.streaming
     if st is None:
@@ -282,13 +282,13 @@ def _run_part(stage: Stage | None) -> RunPart | None:
     return RunPart(id=stage.run_id, rank=stage.rank, ranks=stage.size, lo=stage.lo, hi=stage.hi)
 
 
-__all__ = ["Core", "Streaming", "ThreadedBackend", "build_core", "compare_slots_with_disk", "open_core_pipeline",
-           "release_core", "warm_up_core"]
+__all__ = ["LoadedModel", "Streaming", "ThreadedBackend", "compare_slots_with_disk", "load_model", "open_model_pipeline",
+           "release_model", "warm_up_model"]
 
 
-# The embedded API's start-up and close, here because they are MLX calls on a Core: the API
+# The embedded API's start-up and close, here because they are MLX calls on a LoadedModel: the API
 # (qnpipe.engine) stays a trio-only facade over the live engine.
-def release_core(core: Core) -> None:
+def release_model(core: LoadedModel) -> None:
     """Drop the core's model and pool memory on the MLX thread and return MLX's cached buffers."""
     import mlx.core as mx
 
@@ -300,7 +300,7 @@ def release_core(core: Core) -> None:
     mx.clear_cache()
 
 
-def warm_up_core(core: Core) -> float:
+def warm_up_model(core: LoadedModel) -> float:
     """Pay MLX's one-time start-up (kernels built and loaded, first allocations) on a throwaway forward.
 
     A prompt-shaped and a decode-shaped step on a cache of their own; nothing of the engine's
