@@ -46,7 +46,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
                     "plan_overrides", "replay_plan", "resolve_device", "save_plan", "shape_facts"),
     "qnpipe.policy": (
         "ARC", "AcquirePlan", "Clock", "Eviction", "FIFO", "Grant", "Heat", "HintFate", "Job", "LFU", "LRFU", "LRU",
-        "LayerCounters", "Load", "MissCause", "MissKind", "PoolPolicy", "PrefetchBudgets", "ReadClass", "ReadQueue",
+        "LayerCounters", "Load", "LoadCause", "MissCause", "MissKind", "PoolPolicy", "PrefetchBudgets", "ReadClass", "ReadQueue",
         "S3FIFO", "Sieve", "SlotState", "SlotTable", "autopin_plan", "hint_top", "make_eviction", "pin_budget",
         "plan_parts", "predict_targets", "rank"),
     "qnpipe.replay": (

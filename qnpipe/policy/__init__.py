@@ -20,10 +20,10 @@ from qnpipe.policy.parts import plan_parts
 from qnpipe.policy.pool import Grant, HintFate, LayerCounters, MissKind, PoolPolicy, PrefetchBudgets
 from qnpipe.policy.predict import hint_top, predict_targets, rank
 from qnpipe.policy.read_queue import Job, ReadClass, ReadQueue
-from qnpipe.policy.slot_table import AcquirePlan, Load, MissCause, SlotState, SlotTable
+from qnpipe.policy.slot_table import AcquirePlan, Load, LoadCause, MissCause, SlotState, SlotTable
 
 __all__ = [
     "ARC", "FIFO", "LFU", "LRFU", "LRU", "S3FIFO", "AcquirePlan", "Clock", "Sieve", "Eviction", "Grant", "Heat", "HintFate", "Job", "LayerCounters",
-    "Load", "MissCause", "MissKind", "PoolPolicy", "PrefetchBudgets", "ReadClass", "ReadQueue", "SlotState",
+    "Load", "LoadCause", "MissCause", "MissKind", "PoolPolicy", "PrefetchBudgets", "ReadClass", "ReadQueue", "SlotState",
     "SlotTable", "autopin_plan", "hint_top", "make_eviction", "pin_budget", "plan_parts", "predict_targets", "rank",
 ]

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from qnpipe.policy.slot_table import Load, MissCause
+from qnpipe.policy.slot_table import Load, LoadCause
 
 
 class MissKind(enum.StrEnum):
@@ -102,7 +102,7 @@ class PoolCounters:
         """Demand loads: each a cold or capacity load (cold + capacity = loads = reads), some evicting."""
         c = self.layers[layer]
         for ld in loads:
-            if ld.cause is MissCause.COLD:
+            if ld.cause is LoadCause.COLD:
                 c.cold += 1
             else:
                 c.capacity += 1

@@ -25,11 +25,15 @@ from qnpipe.policy.eviction import Eviction
 FREE = -1
 
 
-class MissCause(enum.StrEnum):
-    """Why an expert was not resident when a step needed it."""
+class LoadCause(enum.StrEnum):
+    """Why a demand load's expert was not resident: the table's view (the pool's attribution, with
+    prefetch in the picture, is qnpipe.policy.pool_counters.MissKind)."""
 
     COLD = "cold"  # never in this layer's pool before
     CAPACITY = "capacity"  # was resident, evicted to make room
+
+
+MissCause = LoadCause  # its old name, beside MissKind it misled
 
 
 class SlotState(enum.IntEnum):
@@ -45,7 +49,7 @@ class Load:
     expert: int
     slot: int
     evicted: int
-    cause: MissCause
+    cause: LoadCause
 
 
 @attrs.frozen(slots=True)
@@ -187,7 +191,7 @@ class SlotTable:
             slot = self.slot_of.pop(evicted)
             self.eviction.removed(evicted)
             self._ready -= 1  # candidates are READY
-        cause = MissCause.CAPACITY if expert in self.seen else MissCause.COLD
+        cause = LoadCause.CAPACITY if expert in self.seen else LoadCause.COLD
         self.seen.add(expert)
         self.slot_of[expert] = slot
         self.expert_of[slot] = expert

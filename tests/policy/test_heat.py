@@ -24,7 +24,7 @@ from qnpipe.io.heat_file import HeatFileWarning, encode_heat, load_heat, save_he
 from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.heat import Heat, autopin_plan, pin_budget
 from qnpipe.policy.pool import AcquireResult, PoolPolicy, ReadResult
-from qnpipe.policy.slot_table import FREE, MissCause, SlotState
+from qnpipe.policy.slot_table import FREE, LoadCause, SlotState
 
 MID = "a" * 64
 
@@ -80,7 +80,7 @@ def test_preload_pins_experts_in_the_pool_and_names_their_reads() -> None:
     loads = pol.preload(0, [5, 9])
     t = pol.tables[0]
     assert [(ld.expert, ld.slot, ld.evicted, ld.cause) for ld in loads] == [
-        (5, 0, FREE, MissCause.COLD), (9, 1, FREE, MissCause.COLD)]
+        (5, 0, FREE, LoadCause.COLD), (9, 1, FREE, LoadCause.COLD)]
     assert t.pinned == {5, 9} and t.occupancy == 2 and not t.held
     assert pol.counters[0].cold == 2 and pol.counters[0].misses == 0 and pol.counters[0].hits == 0
     for ld in loads:

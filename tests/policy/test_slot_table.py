@@ -27,7 +27,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 from qnpipe.config import EvictPolicy
 from qnpipe.errors import CapacityError
 from qnpipe.policy.eviction import LRU, Eviction, make_eviction
-from qnpipe.policy.slot_table import FREE, MissCause, SlotState, SlotTable
+from qnpipe.policy.slot_table import FREE, LoadCause, SlotState, SlotTable
 
 N_EXPERTS = 12
 POLICIES = list(EvictPolicy)
@@ -131,7 +131,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         for e, s in plan.hits + plan.waiting:
             assert t.slot_of[e] == s and t.expert_of[s] == e
         for ld in plan.loads:
-            assert ld.cause is (MissCause.CAPACITY if ld.expert in self.seen else MissCause.COLD)
+            assert ld.cause is (LoadCause.CAPACITY if ld.expert in self.seen else LoadCause.COLD)
             if ld.evicted != FREE:
                 assert ld.evicted in self.resident
                 assert ld.evicted not in self.held, "evicted a held expert"
