@@ -4,6 +4,10 @@ Each step of the model goes through `Forward.run`; the MLX work of a step's end 
 head, sampling) is its tail, run on the MLX thread. The decode loop keeps mlx-lm's
 pipelining: a step's tail samples the next token and queues it with `async_eval`, and
 its value is read only at the next step's first synchronisation.
+
+What every generate loop shares is elsewhere: the prefill's plan and spans in
+`qnpipe.live.prefix.Prefill`, the committed tokens, stop reason, times and figures in
+`qnpipe.live.session.DecodeSession` (`Output` and `generate_stats` keep their import path here).
 """
 
 from __future__ import annotations
