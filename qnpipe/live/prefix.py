@@ -285,6 +285,56 @@ def _spans(start: int, ends: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+@attrs.frozen
+class Prefill:
+    """A prompt's prefill as a generate driver runs it: the saved state to start from, `plan.spans` in
+    order, and after each span `reached` (the snapshot the plan takes there, the progress callback).
+    Plain, MTP and ring MTP differ only in what one span's step is."""
+
+    thread: MLXThread
+    plan: Plan
+    prefix: PrefixCache | None
+    n_tokens: int
+    on_prefill: Callable[[int, int], None] | None = None
+
+    @property
+    def start(self) -> int:
+        """Tokens resumed from a saved state (0: prefilled from the start)."""
+        return self.plan.start
+
+    def spans(self) -> list[tuple[int, int, bool]]:
+        """`(lo, hi, last)` of each span: `last` is the one whose step makes the first new token."""
+        n = len(self.plan.spans)
+        return [(lo, hi, i == n - 1) for i, (lo, hi) in enumerate(self.plan.spans)]
+
+    async def restore(self, restore: Callable[[snapshots.Snapshot], Any], cache: list[Any]) -> None:
+        """The plan's saved state (if any) put in place by `restore` on the MLX thread; on rank 0 of a ring,
+        `cache` (this rank's, after `restore`) then continues the sequence the other ranks restored."""
+        if self.plan.state is None:
+            return
+        await run_on(self.thread, restore, self.plan.state)
+        if self.prefix is not None and self.prefix.peers is not None:
+            await self.prefix.peers.adopt(cache)
+
+    async def reached(self, end: int, cache: list[Any] | Callable[[], list[Any]]) -> None:
+        """After the span ending at `end`: the plan's snapshot of `cache` there (a callable: called only
+        for a snapshot), then the progress callback."""
+        if self.prefix is not None and end in self.plan.capture:
+            await self.prefix.reached(self.thread, self.plan, end, cache() if callable(cache) else cache)
+        if self.on_prefill is not None:
+            self.on_prefill(end, self.n_tokens)
+
+
+async def prefill(thread: MLXThread, tokens: Sequence[int], chunk: int, prefix: PrefixCache | None,
+                  on_prefill: Callable[[int, int], None] | None = None, plan: Plan | None = None) -> Prefill:
+    """The prefill of `tokens`: `plan`, else `prefix`'s plan, else from the start in spans of `chunk`
+    tokens (0 = one span) with nothing kept."""
+    if plan is None:
+        plan = await prefix.plan(thread, tokens, chunk) if prefix is not None else \
+            Plan(0, None, _spans(0, boundaries(len(tokens), chunk, 0)), {})
+    return Prefill(thread, plan, prefix, len(tokens), on_prefill)
+
+
 async def resume(thread: MLXThread, plan: Plan, cache: list[Any], prefix: PrefixCache | None = None) -> None:
     """Put the plan's saved state into `cache` (in place: the list keeps its identity); on rank 0 of a
     ring (`prefix` with peers), `cache` then continues the sequence the other ranks restored."""

@@ -25,18 +25,18 @@ import trio
 
 from qnpipe.actors.forward import Forward
 from qnpipe.errors import DistributedError
-from qnpipe.live.decoding import Output, generate_stats
+from qnpipe.live.decoding import conclude
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.parallel.verify import Verifying, own_layers, spec_cache, spec_restore
-from qnpipe.live.prefix import PrefixCache
-from qnpipe.live.spec.loop import Recorder, commit_round
+from qnpipe.live.prefix import PrefixCache, prefill
+from qnpipe.live.session import DecodeSession, Output
+from qnpipe.live.spec.loop import Recorder
 from qnpipe.live.spec.state import Draft
 from qnpipe.messages import Msg
-from qnpipe.model.decode import chunks
 from qnpipe.model.qwen3_next import Model
 from qnpipe.model.snapshots import Snapshot
 from qnpipe.model.tails import TailKind
-from qnpipe.stats import FinishReason, GenerateResult
+from qnpipe.stats import GenerateResult
 from qnpipe.trace import SpecRound
 
 
@@ -102,35 +102,23 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
     sampler = SamplerArgs(temperature, top_p, seed) if temperature > 0.0 else None
     t0 = trio.current_time()
     st = await run_on(thread, _Rank0, model)
-    plan = await prefix.plan(thread, tokens, chunk) if prefix is not None else None
-    if plan is not None and plan.state is not None:
-        assert prefix is not None and prefix.peers is not None
-        await run_on(thread, st.resume, plan.state)
-        await prefix.peers.adopt(st.cache)
-    spans = plan.spans if plan is not None else chunks(len(tokens), chunk)
+    pf = await prefill(thread, tokens, chunk, prefix, on_prefill)
+    assert pf.plan.state is None or (prefix is not None and prefix.peers is not None)
+    await pf.restore(st.resume, st.cache)
+    session = DecodeSession(Output(tokenizer, eos, on_text, partial), len(tokens), max_tokens, t0, pf.start)
     answer = np.zeros(0, dtype=np.uint32)
-    for i, (lo, hi) in enumerate(spans):
-        last = i == len(spans) - 1
+    for lo, hi, last in pf.spans():
         # Row j pairs h_j with token j + 1; the last row's token is the one this step makes.
         tail = RingMtp(TailKind.MTP_FIRST if last else TailKind.MTP_SETTLE, depth,
                        tuple(tokens[lo + 1:hi] if last else tokens[lo + 1:hi + 1]), sampling=sampler)
         answer = np.asarray(await fwd.run(st.inputs(tokens[lo:hi], 0, 0), st.cache, tail))
-        if plan is not None and prefix is not None:  # the last rank's MTP rows now pair up to token hi
-            await prefix.reached(thread, plan, hi, own_layers(model, st.cache))
-        if on_prefill is not None:
-            on_prefill(hi, len(tokens))
-    x, drafts = int(answer[0]), _drafts(answer)
-    t_first = trio.current_time()
-    output = Output(tokenizer, eos, on_text, partial)
-    reason = FinishReason.LENGTH
+        # the last rank's MTP rows now pair up to token hi
+        await pf.reached(hi, lambda: own_layers(model, st.cache))
+    drafts = _drafts(answer)
     rec = Recorder(depth if max_depth is None else max_depth)
-    n, keep = 0, 0
-    pending = [x]
-    while True:
-        n, end = commit_round(output, pending, n, max_tokens)
-        if end is not None:
-            reason = end
-            break
+    keep = 0
+    pending = [int(answer[0])]
+    while session.commit(pending, trio.current_time()):
         x = pending[-1]
         r0 = trio.current_time()
         answer = np.asarray(await fwd.run(st.inputs([x, *drafts], keep, len(drafts) + 1), st.cache,
@@ -143,12 +131,7 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
                            bonus=pending[-1]))
         rec.verify_s += trio.current_time() - r0
         drafts, keep = _drafts(answer), a + 1
-    t_end = trio.current_time()
-    text = output.finish()
-    peak = await run_on(thread, mx.get_peak_memory)
-    stats = generate_stats(len(tokens), n, t0, t_first, t_end, peak, reason, mtp=rec.stats(),
-                           prefix_tokens_reused=plan.start if plan is not None else 0)
-    return GenerateResult(tokens=tuple(output.tokens), text=text, stats=stats)
+    return await conclude(thread, session, mtp=rec.stats())
 
 
 def _drafts(answer: np.ndarray) -> list[int]:

@@ -28,14 +28,15 @@ from mlx_lm.models.cache import KVCache
 from qnpipe.actors.forward import Forward
 from qnpipe.actors.stamp import Stamper
 from qnpipe.config import MtpHidden, MtpVerifyMode
-from qnpipe.live.decoding import Output, generate_stats
+from qnpipe.live.decoding import conclude
 from qnpipe.live.mlx_thread import MLXThread, run_on
 from qnpipe.live.prefix import Plan, PrefixCache
+from qnpipe.live.prefix import prefill as open_prefill
+from qnpipe.live.session import DecodeSession, Output
 from qnpipe.live.spec.sampling import accept_sampled, draw, judge
 from qnpipe.live.spec.state import Draft, Oracle, Pending, SpecCaches, SpecOptions, SpecState
 from qnpipe.live.spec.stats import SpecStats
 from qnpipe.live.spec.tree import Branch, batch_caches, best_path, copy_kv, take_row
-from qnpipe.model.decode import chunks
 from qnpipe.model.mtp import MtpHead
 from qnpipe.model.qwen3_next import Model
 from qnpipe.model.stepper import MtpRun
@@ -61,33 +62,20 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, head: MtpHead,
     `prefix` resumes the prompt from a kept state of both models and keeps new ones (qnpipe.live.prefix)."""
     t0 = trio.current_time()
     st = await run_on(thread, SpecState, model, head, opts)
-    plan = await prefix.plan(thread, tokens, chunk) if prefix is not None else None
-    x = await prefill(fwd, thread, st, tokens, chunk, on_prefill, prefix, plan)
-    t_first = trio.current_time()
-    output = Output(tokenizer, eos, on_text, partial)
-    reason = FinishReason.LENGTH
-    n = 0
+    pf = await open_prefill(thread, tokens, chunk, prefix, on_prefill)
+    session = DecodeSession(Output(tokenizer, eos, on_text, partial), len(tokens), max_tokens, t0, pf.start)
+    x = await prefill(fwd, thread, st, tokens, chunk, on_prefill, prefix, pf.plan)
     rec = Recorder(opts.max_depth)
     pending = [x]
-    while True:
-        n, end = commit_round(output, pending, n, max_tokens)
-        if end is not None:
-            reason = end
-            break
-        x = pending[-1]
-        pending = await spec_round(fwd, thread, st, x, len(output.tokens), opts, rec)
+    while session.commit(pending, trio.current_time()):
+        pending = await spec_round(fwd, thread, st, pending[-1], session.kept, opts, rec)
     if opts.mtp_streamed:  # leave the caches at the committed tokens
         p = await run_on(thread, st.take_pending)
         if p is not None:
             await fwd.run(_mtp_input(st, p.hidden, p.rows), None, st.mtp_tail)
     else:
         await run_on(thread, st.apply_pending, True)
-    t_end = trio.current_time()
-    text = output.finish()
-    peak = await run_on(thread, mx.get_peak_memory)
-    stats = generate_stats(len(tokens), n, t0, t_first, t_end, peak, reason, mtp=rec.stats(),
-                           prefix_tokens_reused=plan.start if plan is not None else 0)
-    return GenerateResult(tokens=tuple(output.tokens), text=text, stats=stats)
+    return await conclude(thread, session, mtp=rec.stats())
 
 
 async def prefill(fwd: Forward, thread: MLXThread, st: SpecState, tokens: Sequence[int], chunk: int,
@@ -100,14 +88,10 @@ async def prefill(fwd: Forward, thread: MLXThread, st: SpecState, tokens: Sequen
     at a span end cover both models there: a prefix snapshot (`plan`, qnpipe.live.prefix) taken or
     resumed at it leaves the same pieces to compute as a prefill from the start.
     """
-    if plan is None and prefix is not None:
-        plan = await prefix.plan(thread, tokens, chunk)
-    if plan is not None and plan.state is not None:
-        await run_on(thread, st.resume, plan.state)
-    spans = plan.spans if plan is not None else chunks(len(tokens), chunk)
+    pf = await open_prefill(thread, tokens, chunk, prefix, on_prefill, plan)
+    await pf.restore(st.resume, st.caches.all)
     x = -1
-    for i, (lo, hi) in enumerate(spans):
-        last = i == len(spans) - 1
+    for lo, hi, last in pf.spans():
         if last:
             x, h = await fwd.run(_ids(tokens[lo:hi]), st.caches.main, st.first_token)
         else:
@@ -117,10 +101,7 @@ async def prefill(fwd: Forward, thread: MLXThread, st: SpecState, tokens: Sequen
             await fwd.run(_mtp_input(st, h, nxt), None, st.mtp_tail)
         else:
             await run_on(thread, catch_up, st, [h], nxt, 0)
-        if plan is not None and prefix is not None:
-            await prefix.reached(thread, plan, hi, st.caches.all)
-        if on_prefill is not None:
-            on_prefill(hi, len(tokens))
+        await pf.reached(hi, st.caches.all)
     return x
 
 
@@ -156,14 +137,12 @@ def catch_up(st: SpecState, hiddens: list[mx.array], next_tokens: list[int], chu
 
 
 def commit_round(output: Output, pending: Sequence[int], n: int, max_tokens: int) -> tuple[int, FinishReason | None]:
-    """Commit a round's tokens: (tokens committed so far, why generation ends: EOS or LENGTH, else None)."""
-    for tok in pending:
-        n += 1
-        if not output.commit(tok):
-            return n, FinishReason.EOS
-        if n >= max_tokens:
-            return n, FinishReason.LENGTH
-    return n, None
+    """Commit a round's tokens: (tokens committed so far, why generation ends: EOS or LENGTH, else None).
+    Kept for its callers; the loops use `DecodeSession.commit`, the same rule."""
+    session = DecodeSession(output, 0, max_tokens, 0.0)
+    session.n = n
+    session.commit(pending, 0.0)
+    return session.n, session.reason
 
 
 class Recorder:
