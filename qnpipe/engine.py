@@ -33,10 +33,10 @@ from qnpipe.io.reader import ExpertReader
 from qnpipe.live import decoding
 from qnpipe.live.loaded import LoadedModel, load_model, open_model_pipeline, release_model, warm_up_model
 from qnpipe.live.mlx_thread import MLXThread, run_on
+from qnpipe.live.mtp.engine import options as spec_options
+from qnpipe.live.mtp.engine import speculate
 from qnpipe.live.parallel.ctrl_c import deferring_ctrl_c
 from qnpipe.live.prefix import Peers, PrefixCache
-from qnpipe.live.spec.engine import options as spec_options
-from qnpipe.live.spec.engine import speculate
 from qnpipe.model.kvquant import model_bytes_per_token
 from qnpipe.model.snapshots import engine_fingerprint
 from qnpipe.stats import EngineStats, GenerateResult

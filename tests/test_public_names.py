@@ -37,7 +37,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
                     "ThreadedBackend", "generate", "generate_stats", "load_model", "logits", "next_logits",
                     "open_model_pipeline", "resume", "run_on"),
     "qnpipe.live.parallel": (),
-    "qnpipe.live.spec": (),
+    "qnpipe.live.mtp": (),
     "qnpipe.model": ("LoadedModel", "MemoryLimitWarning", "MlxBackend", "ModelArgs", "Runner",
                      "apply_memory_limits", "args_from_dict", "config_model_id", "load_model", "model_id",
                      "read_config"),

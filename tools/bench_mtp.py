@@ -147,7 +147,7 @@ async def _verify_time(fwd: Any, th: Any, model: Any, head: Any, ids: list[int],
     import trio
 
     from qnpipe.live.mlx_thread import run_on
-    from qnpipe.live.spec import loop
+    from qnpipe.live.mtp import loop
 
     st = await run_on(th, loop.SpecState, model, head, loop.SpecOptions(k=n - 1, hidden=loop.MtpHidden.POST_NORM))
     await loop.prefill(fwd, th, st, ids, 0)
@@ -178,7 +178,7 @@ def _rollbacks(rounds: int, tokens: int) -> dict[str, float]:
     from qnpipe.live import decoding
     from qnpipe.live.loaded import ThreadedBackend
     from qnpipe.live.mlx_thread import MLXThread, run_on
-    from qnpipe.live.spec import loop
+    from qnpipe.live.mtp import loop
     from qnpipe.model.load import load_model
     from qnpipe.model.mtp import load_mtp
     from qnpipe.model.stepper import MlxBackend

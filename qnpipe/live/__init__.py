@@ -2,7 +2,7 @@
 
 `loaded` builds a model, its expert slots and the actors' pipeline around the process's one MLX
 thread (`mlx_thread`); `decoding` runs generation over it, `prefix` reuses the state of a prompt
-prefix seen before, `spec` drafts with the MTP head and verifies with the main model. It may
+prefix seen before, `mtp` drafts with the MTP head and verifies with the main model. It may
 import every other package of qnpipe; nothing below it imports it (the API, `qnpipe.engine`, and
 the server and CLI above it do).
 """

@@ -48,7 +48,7 @@ class Streaming:
     reader: ExpertReader
     slots: dict[int, LayerSlots]
     capacities: dict[int, int]
-    mtp: Any = None  # the MTP layer's record layout and its reader (qnpipe.live.spec.mtp_store.MtpLayer) when it streams
+    mtp: Any = None  # the MTP layer's record layout and its reader (qnpipe.live.mtp.mtp_store.MtpLayer) when it streams
 
     def close(self) -> None:
         self.reader.close()
@@ -133,7 +133,7 @@ def load_model(model_dir: Path, cfg: Config, reader: ExpertReader | None = None,
         slots = {layer: make_layer_slots(store.layer_file(layer), cap + side) for layer, cap in caps.items()}
         mtp_layer = None
         if stream_mtp:  # the head's MoE: a pool layer of its own, read from mtp.safetensors
-            from qnpipe.live.spec.mtp_store import MtpLayer
+            from qnpipe.live.mtp.mtp_store import MtpLayer
 
             mtp_layer = MtpLayer.open(args, mtp_path, SsdReader.from_config(cfg.read))
             caps[mtp_layer.layer] = min(cfg.pool.expert_slots, args.num_experts)

@@ -19,7 +19,7 @@ engine without snapshots. The LRU holds `prefix.max_entries` states, heads and t
 
 With MTP speculation (`lookahead`) a state at n also holds the MTP layer's rows 0..n-1, and
 row n-1 pairs hidden n-1 with token n: the snapshot records that token and resumes only a
-prompt whose token n is the same (qnpipe.live.spec.loop.prefill, docs/model.md).
+prompt whose token n is the same (qnpipe.live.mtp.loop.prefill, docs/model.md).
 
 Pipeline parallel (`peers`, on rank 0 of a ring): this cache decides everything (keys, LRU,
 which state a prompt resumes from) and holds rank 0's layers; every other rank keeps its own

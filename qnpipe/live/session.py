@@ -1,6 +1,6 @@
 """One generate call's bookkeeping, with no I/O: the tokens it commits, why it stops, its times and figures.
 
-Plain decoding (qnpipe.live.decoding), MTP speculation (qnpipe.live.spec.loop) and MTP over the
+Plain decoding (qnpipe.live.decoding), MTP speculation (qnpipe.live.mtp.loop) and MTP over the
 ring (qnpipe.live.parallel.speculate) differ only in what one round makes; each feeds its rounds'
 tokens and its clock readings to a `DecodeSession`, which streams the text, says when to stop and
 builds the `GenerateResult`. Nothing here awaits, reads a clock or touches MLX.

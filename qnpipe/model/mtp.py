@@ -4,7 +4,7 @@ Built from the HF-named `mtp.*` tensors the loader keeps aside (`LoadedModel.mtp
 zero-centred norms stored as `w`, per-expert tensors, float or affine-quantized). Row t
 reads a hidden state of the main model at t and the token at t+1 and gives logits for
 t+2 (docs/model.md, "MTP head"). Its KV cache is one `KVCache`, kept as the last entry of
-the speculative loop's cache list (qnpipe.live.spec.loop) so a snapshot of the list includes it.
+the speculative loop's cache list (qnpipe.live.mtp.loop) so a snapshot of the list includes it.
 
 The head's MoE is a layer of its own, id `num_hidden_layers` (one past the main model's
 last layer), served by its own `ResidentExperts`.
@@ -119,7 +119,7 @@ def load_mtp(args: ModelArgs, weights: dict[str, mx.array], source: str, *,
     """The MTP head of `weights` (HF names), its experts resident; None when there are none.
 
     `resident_experts` False checks the experts and drops them: the pool streams them from
-    the file (qnpipe.live.spec.mtp_store).
+    the file (qnpipe.live.mtp.mtp_store).
 
     Raises CheckpointError naming `source` and the tensor for missing, unexpected or
     misshapen tensors.

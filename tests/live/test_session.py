@@ -142,7 +142,7 @@ def test_the_old_import_paths_still_work() -> None:
     from qnpipe.live import generate_stats as live_stats
     from qnpipe.live.decoding import Output as DecOutput
     from qnpipe.live.decoding import generate_stats as dec_stats
-    from qnpipe.live.spec.loop import commit_round
+    from qnpipe.live.mtp.loop import commit_round
 
     assert LiveOutput is DecOutput is Output and live_stats is dec_stats is generate_stats
     out = Output(None, {EOS}, None, None)

@@ -23,13 +23,13 @@ import numpy as np
 from qnpipe.actors.forward import Forward
 from qnpipe.errors import DistributedError, SnapshotError
 from qnpipe.live.mlx_thread import MLXThread, run_on
+from qnpipe.live.mtp.loop import accept_greedy, streamed_drafts
+from qnpipe.live.mtp.sampling import accept_sampled
+from qnpipe.live.mtp.state import SpecOptions, SpecState
 from qnpipe.live.parallel.ring import SNAP_WORDS, Header, Op, Ring, SnapAction, dtype_code
 from qnpipe.live.parallel.snap import DISK, HEAD, RankStates, SnapWords, decode, encode
 from qnpipe.live.parallel.verify import Verifying, own_layers, spec_cache, spec_restore
 from qnpipe.live.prefix import SnapshotFileWarning
-from qnpipe.live.spec.loop import accept_greedy, streamed_drafts
-from qnpipe.live.spec.sampling import accept_sampled
-from qnpipe.live.spec.state import SpecOptions, SpecState
 from qnpipe.model.qwen3_next import Model
 from qnpipe.model.snapshots import Snapshot, restore
 from qnpipe.model.tails import Logits, Sampling, Settle, TailKind
@@ -241,7 +241,7 @@ def _mtp_value(seq: _Sequence, header: Header, ids: list[int], h: mx.array) -> m
     assert spec is not None
     streamed = spec.opts.mtp_streamed
     match header.kind:
-        case TailKind.MTP_SETTLE:  # row j pairs h_j with token j + 1 (qnpipe.live.spec.loop.prefill)
+        case TailKind.MTP_SETTLE:  # row j pairs h_j with token j + 1 (qnpipe.live.mtp.loop.prefill)
             mx.eval(h, [c.state for c in seq.cache])
             if streamed:
                 seq.later = (h, ids, None)

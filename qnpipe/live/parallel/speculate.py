@@ -7,10 +7,10 @@ the next round's drafts (K of them, or as many as adaptive depth chose), and ran
 more than one pass. Every rank rolls its own layers back (qnpipe.live.parallel.verify): the
 rollback of a verify step rides on the next step's header.
 
-The rounds are `qnpipe.live.spec.loop`'s batch verify with per-token states: greedy (the same
+The rounds are `qnpipe.live.mtp.loop`'s batch verify with per-token states: greedy (the same
 committed tokens as plain greedy decoding), or speculative sampling, where the last rank draws
 the drafts and judges them with the sequence's seeded generator in one process's order (the
-same tokens as one process with MTP at that seed; qnpipe.live.spec.sampling).
+same tokens as one process with MTP at that seed; qnpipe.live.mtp.sampling).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from qnpipe.actors.forward import Forward
 from qnpipe.errors import DistributedError
 from qnpipe.live.decoding import conclude
 from qnpipe.live.mlx_thread import MLXThread, run_on
+from qnpipe.live.mtp.loop import Recorder
+from qnpipe.live.mtp.state import Draft
 from qnpipe.live.parallel.verify import Verifying, own_layers, spec_cache, spec_restore
 from qnpipe.live.prefix import PrefixCache, prefill
 from qnpipe.live.session import DecodeSession, Output
-from qnpipe.live.spec.loop import Recorder
-from qnpipe.live.spec.state import Draft
 from qnpipe.messages import Msg
 from qnpipe.model.qwen3_next import Model
 from qnpipe.model.snapshots import Snapshot

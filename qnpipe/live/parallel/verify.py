@@ -21,7 +21,7 @@ from qnpipe.model.step_cache import StepCache
 
 
 def spec_cache(model: Model) -> list[Any]:
-    """A sequence's cache list as MTP speculation keeps it (qnpipe.live.spec.state.SpecCaches.main)."""
+    """A sequence's cache list as MTP speculation keeps it (qnpipe.live.mtp.state.SpecCaches.main)."""
     return [StepCache() if layer.is_linear else KVCache() for layer in model.layers]
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from qnpipe.live.spec.sampling import accept_sampled, draw, probs
+from qnpipe.live.mtp.sampling import accept_sampled, draw, probs
 
 V = 8
 CHI2_999_DF7 = 24.322  # the 0.999 quantile of chi-square with V - 1 = 7 degrees of freedom
@@ -112,7 +112,7 @@ def test_sampled_speculation_matches_plain_sampling_end_to_end(tiny_vocab: Path)
     from qnpipe.actors.forward import Forward
     from qnpipe.live.loaded import ThreadedBackend
     from qnpipe.live.mlx_thread import MLXThread
-    from qnpipe.live.spec import loop
+    from qnpipe.live.mtp import loop
     from qnpipe.model.load import load_model
     from qnpipe.model.mtp import load_mtp
     from qnpipe.model.stepper import MlxBackend

@@ -14,7 +14,7 @@ from qnpipe.actors.forward import Forward
 from qnpipe.live import decoding
 from qnpipe.live.loaded import ThreadedBackend
 from qnpipe.live.mlx_thread import MLXThread, run_on
-from qnpipe.live.spec import loop
+from qnpipe.live.mtp import loop
 from qnpipe.model.mtp import MtpHead
 from qnpipe.model.step_cache import StepCache
 from qnpipe.model.stepper import MlxBackend

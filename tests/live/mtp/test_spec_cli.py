@@ -62,8 +62,8 @@ def test_a_model_without_mtp_weights_runs_without_and_says_so_once(tmp_path: Pat
 def test_mtp_fields_reach_the_loop_from_every_config_source(tmp_path: Path) -> None:
     from qnpipe import config
     from qnpipe.config import MtpHidden, MtpVerifyMode
-    from qnpipe.live.spec.engine import options
-    from qnpipe.live.spec.tree import Branch
+    from qnpipe.live.mtp.engine import options
+    from qnpipe.live.mtp.tree import Branch
 
     toml = tmp_path / "q.toml"
     toml.write_text('[mtp]\nenabled = true\nnum_draft_tokens = 4\nhidden = "post_norm"\n')

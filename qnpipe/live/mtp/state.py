@@ -1,7 +1,7 @@
 """The MLX-thread half of MTP speculation: options, the cache list, and the per-round state.
 
 `SpecState` owns the caches (`SpecCaches.all`: the main model's, then the MTP layer's), the
-drafter's pending row, and the tails the forward's steps end with; qnpipe.live.spec.loop drives it
+drafter's pending row, and the tails the forward's steps end with; qnpipe.live.mtp.loop drives it
 from trio (docs/model.md, "MTP speculation").
 """
 
@@ -17,8 +17,8 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from qnpipe.config import MtpHidden, MtpVerifyMode
 from qnpipe.errors import SnapshotError
-from qnpipe.live.spec.sampling import draw, probs
-from qnpipe.live.spec.tree import Branch
+from qnpipe.live.mtp.sampling import draw, probs
+from qnpipe.live.mtp.tree import Branch
 from qnpipe.messages import Msg
 from qnpipe.model.decode import chunks
 from qnpipe.model.mtp import MtpHead
@@ -46,8 +46,8 @@ class SpecOptions:
     oracle: Oracle | None = None
     emit: Callable[[Msg], None] | None = None  # the event log's (qnpipe.actors.recorder): one record per round
     mtp_streamed: bool = False  # the head's experts come from the pool: each MTP call is a forward step
-    branches: tuple[Branch, ...] = ()  # extra draft paths verified as one batch (qnpipe.live.spec.tree)
-    temperature: float = 0.0  # > 0: speculative sampling (qnpipe.live.spec.sampling)
+    branches: tuple[Branch, ...] = ()  # extra draft paths verified as one batch (qnpipe.live.mtp.tree)
+    temperature: float = 0.0  # > 0: speculative sampling (qnpipe.live.mtp.sampling)
     top_p: float = 1.0
     seed: int | None = None
 

@@ -17,8 +17,8 @@ from qnpipe.actors.forward import Forward
 from qnpipe.config import PrefixCfg
 from qnpipe.live.loaded import ThreadedBackend
 from qnpipe.live.mlx_thread import run_on
+from qnpipe.live.mtp import loop
 from qnpipe.live.prefix import PrefixCache, SnapshotFileWarning
-from qnpipe.live.spec import loop
 from qnpipe.model.snapshots import capture
 from qnpipe.model.stepper import MlxBackend
 

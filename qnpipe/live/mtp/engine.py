@@ -8,8 +8,8 @@ from typing import Any
 from qnpipe.actors.forward import Forward
 from qnpipe.config import Config
 from qnpipe.live.mlx_thread import MLXThread
+from qnpipe.live.mtp import loop, tree
 from qnpipe.live.prefix import PrefixCache
-from qnpipe.live.spec import loop, tree
 from qnpipe.messages import Msg
 from qnpipe.stats import GenerateResult
 

@@ -9,7 +9,7 @@ DeltaNet layers take the state kept after the last accepted token (`StepCache`),
 MTP's draft-time cache entries are replaced by rows built from the verified hidden states.
 All resident, the drafter's work is fused into the verify step (`SpecState.round_inputs`);
 streamed, each MTP call is a step of its own (`MtpRun`); `tree_round` verifies several
-draft paths as one batch (qnpipe.live.spec.tree).
+draft paths as one batch (qnpipe.live.mtp.tree).
 
 The caches are one list (`SpecCaches.all`): the main model's layers, then the MTP layer's
 KV cache, so whatever saves a model cache saves the drafter's with it.
@@ -30,13 +30,13 @@ from qnpipe.actors.stamp import Stamper
 from qnpipe.config import MtpHidden, MtpVerifyMode
 from qnpipe.live.decoding import conclude
 from qnpipe.live.mlx_thread import MLXThread, run_on
+from qnpipe.live.mtp.sampling import accept_sampled, draw, judge
+from qnpipe.live.mtp.state import Draft, Oracle, Pending, SpecCaches, SpecOptions, SpecState
+from qnpipe.live.mtp.stats import SpecStats
+from qnpipe.live.mtp.tree import Branch, batch_caches, best_path, copy_kv, take_row
 from qnpipe.live.prefix import Plan, PrefixCache
 from qnpipe.live.prefix import prefill as open_prefill
 from qnpipe.live.session import DecodeSession, Output
-from qnpipe.live.spec.sampling import accept_sampled, draw, judge
-from qnpipe.live.spec.state import Draft, Oracle, Pending, SpecCaches, SpecOptions, SpecState
-from qnpipe.live.spec.stats import SpecStats
-from qnpipe.live.spec.tree import Branch, batch_caches, best_path, copy_kv, take_row
 from qnpipe.model.mtp import MtpHead
 from qnpipe.model.qwen3_next import Model
 from qnpipe.model.stepper import MtpRun
@@ -229,7 +229,7 @@ def _mtp_path_input(st: SpecState, feed: mx.array, tok: int, cache: KVCache) -> 
 
 async def tree_round(fwd: Forward, thread: MLXThread, st: SpecState, x: int, done: int, opts: SpecOptions,
                      rec: Recorder) -> list[int]:
-    """A round over several draft paths verified as one batch (greedy; qnpipe.live.spec.tree)."""
+    """A round over several draft paths verified as one batch (greedy; qnpipe.live.mtp.tree)."""
     t0 = trio.current_time()
     st.done = done
     await _repair(fwd, thread, st)
