@@ -17,8 +17,8 @@ import trio
 from qnpipe.actors.stamp import drain, send_soon
 from qnpipe.actors.turns import Turnstile
 from qnpipe.messages import ForwardDone, ForwardInbox, Msg, PoolInbox, ReadInbox
-from qnpipe.policy.pool import PoolPolicy
 from qnpipe.policy.outbox import Outbox
+from qnpipe.policy.pool import PoolPolicy
 from qnpipe.policy.pool_core import PoolCore
 from qnpipe.policy.slot_table import Load
 from qnpipe.policy.turn_order import POOL, in_turn_order

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -75,7 +75,7 @@ class FastReplay:
     def __init__(self, steps: list[list[tuple[int, tuple[int, ...]]]], top_k: int, num_experts: int, cfg: Config, *,
                  capacities: dict[int, int], record_nbytes: dict[int, int], cost: Cost, profile: DeviceProfile,
                  predictions: list[list[Predictions]] | None, emit: Callable[[Msg], None] | None = None,
-                 pins: dict[int, Sequence[int]] | None = None, early_pairs: int = 0) -> None:
+                 pins: Mapping[int, Sequence[int]] | None = None, early_pairs: int = 0) -> None:
         self.steps = steps
         self.k = top_k
         self.policy: PoolPolicy = make_policy(cfg, capacities, record_nbytes)

@@ -9,9 +9,9 @@ from typing import Any
 import attrs
 import pytest
 
+from qnpipe.config import load
 from qnpipe.messages import Acquire, Candidates, Granted, Promote, ReadExperts
 from qnpipe.policy.build import make_policy
-from qnpipe.config import load
 from qnpipe.policy.forward_core import ForwardCore
 from qnpipe.policy.outbox import Core, Outbox
 from qnpipe.policy.pool_core import PoolCore
@@ -57,7 +57,7 @@ def test_the_api_check_names_a_made_up_violation() -> None:
     class Listy:
         def handle(self, msg: Any, now: float, out: Outbox) -> None:
             if isinstance(msg, Acquire):
-                out.forward.append(msg)
+                out.pool.append(msg)
 
         def dispatch(self, now: float) -> list[int]:
             return []

@@ -13,7 +13,6 @@ import hashlib
 import importlib.util
 import tempfile
 from pathlib import Path
-
 from typing import Any
 
 import msgspec
@@ -314,7 +313,7 @@ def run_both(case: dict[str, Any], path: Path, *, early_pairs: int, pins: dict[i
 
 @st.composite
 def pinned_cases(draw: st.DrawFn) -> tuple[dict[str, Any], int, dict[int, list[int]]]:
-    case = draw(cases())
+    case: dict[str, Any] = draw(cases())
     log, slots = case["log"], case["set"]["pool.expert_slots"]
     # Pins leave the forward at least top-k slots: fewer and both drivers refuse every step (CapacityError).
     pins = {layer: draw(st.lists(st.integers(0, log["experts"] - 1), unique=True, max_size=slots - log["k"]))
