@@ -29,7 +29,7 @@ class Batch:
     started: float
 
 
-@attrs.define(slots=True)
+@attrs.define(slots=True, init=False)
 class Outbox:
     """What one answer of a core sends, by receiver, and the event-log records it made.
 
@@ -37,13 +37,23 @@ class Outbox:
     backend computes this part (or, early, queues the work of the experts it names).
     """
 
-    forward: list[ForwardInbox] = attrs.field(factory=list)
-    reads: list[ReadInbox] = attrs.field(factory=list)
-    pool: list[PoolInbox] = attrs.field(factory=list)
-    predictor: list[Candidates] = attrs.field(factory=list)
-    log: list[Msg] = attrs.field(factory=list)
-    batches: list[Batch] = attrs.field(factory=list)
-    run: PartGrant | None = None
+    forward: list[ForwardInbox]
+    reads: list[ReadInbox]
+    pool: list[PoolInbox]
+    predictor: list[Candidates]
+    log: list[Msg]
+    batches: list[Batch]
+    run: PartGrant | None
+
+    def __init__(self) -> None:
+        # By hand: a core answers every message with one, and attrs' factories take twice as long.
+        self.forward = []
+        self.reads = []
+        self.pool = []
+        self.predictor = []
+        self.log = []
+        self.batches = []
+        self.run = None
 
     def extend(self, other: Outbox) -> Outbox:
         """`other`'s commands after this one's (a turn's answers in order); returns self."""

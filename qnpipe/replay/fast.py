@@ -109,12 +109,9 @@ class FastReplay:
         self.to_forward: deque[ForwardInbox] = deque()
         self.done_batches: list[int] = []
         self.batches: dict[int, tuple[Batch, list[int]]] = {}  # on the device: the batch and its reads' sizes
-        # The actors' turns, by turn_order's ranks: (rank, wanted, take).
-        turns = {turn_order.READS_DONE: (lambda: bool(self.done_batches), self._reads_done_turn),
-                 turn_order.POOL: (lambda: bool(self.pool_inbox or self.pool_from_reads or self.pool_from_predictor),
-                                   self._pool_turn),
-                 turn_order.READS: (lambda: bool(self.reads_inbox), self._reads_turn),
-                 turn_order.PREDICTOR: (lambda: bool(self.cand_inbox), self._predictor_turn)}
+        # The actors' turns, lowest rank first (turn_order); each takes its turn if it wants one.
+        turns = {turn_order.READS_DONE: self._reads_done_turn, turn_order.POOL: self._pool_turn,
+                 turn_order.READS: self._reads_turn, turn_order.PREDICTOR: self._predictor_turn}
         self._turns = [turns[rank] for rank in sorted(turn_order.RANKS)]
         self._deliver(self.pool.preload(preloads, self.now))
 
@@ -153,21 +150,28 @@ class FastReplay:
         if self.emit is not None:
             for r in out.log:
                 self.emit(r)
-        self.cand_inbox += out.predictor
-        self.reads_inbox += out.reads
-        self.to_forward += out.forward
-        self.pool_from_reads += out.pool  # the read scheduler's: the pool's core sends none to itself
+        if out.reads:
+            self.reads_inbox += out.reads
+        if out.forward:
+            self.to_forward += out.forward
+        if out.pool:
+            self.pool_from_reads += out.pool  # the read scheduler's: the pool's core sends none to itself
         for b in out.batches:
             sizes = [self.nbytes[j.layer] for j in b.jobs]
             self.batches[b.number] = (b, sizes)
             self.dev.submit(b.number, sizes, self.now)
 
-    def _reads_done_turn(self, now: float) -> None:
+    def _reads_done_turn(self, now: float) -> bool:
+        if not self.done_batches:
+            return False
         b, sizes = self.batches.pop(heapq.heappop(self.done_batches))
         self._deliver(self.reads.handle(BatchDone(b, sizes), now))
         self._deliver(self.reads.end_turn(now))
+        return True
 
-    def _pool_turn(self, now: float) -> None:
+    def _pool_turn(self, now: float) -> bool:
+        if not (self.pool_inbox or self.pool_from_reads or self.pool_from_predictor):
+            return False
         msgs = self.pool_inbox + self.pool_from_reads + self.pool_from_predictor
         self.pool_inbox.clear()
         self.pool_from_reads.clear()
@@ -175,14 +179,20 @@ class FastReplay:
         for m in msgs:
             self._deliver(self.pool.handle(m, now))
         self._deliver(self.pool.end_turn(now))
+        return True
 
-    def _reads_turn(self, now: float) -> None:
+    def _reads_turn(self, now: float) -> bool:
+        if not self.reads_inbox:
+            return False
         for r in self.reads_inbox:
             self._deliver(self.reads.handle(r, now))
         self.reads_inbox.clear()
         self._deliver(self.reads.end_turn(now))
+        return True
 
-    def _predictor_turn(self, now: float) -> None:
+    def _predictor_turn(self, now: float) -> bool:
+        if not self.cand_inbox:
+            return False
         assert self.hinter is not None
         cands = list(self.cand_inbox)
         self.cand_inbox.clear()
@@ -195,12 +205,13 @@ class FastReplay:
             else:
                 self.pool_from_predictor.append(hint)
             self.hinter.sent(hint)
+        return True
 
     def _turn(self) -> bool:
         """Take the next wanted turn; False when none is wanted."""
-        for wanted, take in self._turns:
-            if wanted():
-                take(self.now)
+        now = self.now
+        for take in self._turns:
+            if take(now):
                 return True
         return False
 
