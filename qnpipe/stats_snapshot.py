@@ -15,6 +15,7 @@ import msgspec
 
 from qnpipe.io.reader import ReaderStats
 from qnpipe.io.sim_model import SimStatistics
+from qnpipe.policy.forward_core import ForwardStatistics
 from qnpipe.policy.pool import PoolStatistics
 from qnpipe.stats import EngineStats, LayerPoolStats, PoolStats, UnionProf
 
@@ -45,20 +46,6 @@ class ReadStatistics:
     peak_in_flight: int
     promoted: int
     expired: int
-
-
-@attrs.frozen(kw_only=True)
-class ForwardStatistics:
-    """The forward's counters; `union_sizes`: (tokens, layer) -> (layer-steps, sum, max) of distinct experts."""
-
-    steps: int
-    layer_steps: int
-    split_layer_steps: int
-    early_grants: int
-    stall_s: float
-    stall_by_layer: dict[int, float]
-    candidates_dropped: int
-    union_sizes: dict[tuple[int, int], tuple[int, int, int]]
 
 
 @attrs.frozen(kw_only=True)

@@ -262,24 +262,23 @@ def test_the_read_queue_counts_merges_and_the_peak_as_the_read_scheduler_did() -
     import random
 
     from qnpipe.messages import ReadExperts
-    from qnpipe.policy.pool_core import Outbox
-    from qnpipe.policy.read_core import ReadCore
+    from qnpipe.policy.read_core import BatchDone, ReadCore
     from qnpipe.policy.read_queue import ReadQueue
 
     rng = random.Random(5)
     core = ReadCore(ReadQueue(3, batch=True, max_prefetch_in_flight=2))
     on_device: list[Any] = []
     for t in range(300):
-        out = Outbox()
         if rng.random() < 0.6:
             experts = tuple(rng.sample(range(8), rng.randint(1, 3)))
             cls = rng.choice([ReadClass.DEMAND, ReadClass.PREFETCH])
             core.handle(ReadExperts(t=t, seq=t, layer=0, experts=experts, slots=experts, cls=cls,
                                     deadline=t + 5.0 if cls is ReadClass.PREFETCH else math.inf,
-                                    scores=(1.0,) * len(experts) if cls is ReadClass.PREFETCH else ()), t, out)
-        on_device += core.dispatch(t, out)
+                                    scores=(1.0,) * len(experts) if cls is ReadClass.PREFETCH else ()), t)
+        on_device += core.end_turn(t).batches
         if on_device and rng.random() < 0.5:
             b = on_device.pop(rng.randrange(len(on_device)))
-            on_device += core.complete(b, [100] * len(b.jobs), t, out)
+            core.handle(BatchDone(b, (100,) * len(b.jobs)), t)
+            on_device += core.end_turn(t).batches
         assert (core.stats.merged, core.stats.peak_in_flight) == (core.queue.merged, core.queue.peak_in_flight)
     assert core.queue.merged > 0 and core.queue.peak_in_flight == 3

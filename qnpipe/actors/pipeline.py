@@ -37,11 +37,14 @@ from qnpipe.config import Config
 from qnpipe.errors import CapacityError, StallError, root_cause
 from qnpipe.io.device import ExpertDevice
 from qnpipe.messages import Candidates, ForwardInbox, PoolInbox, ReadInbox
+from qnpipe.policy import turn_order
 from qnpipe.policy.build import layer_capacities, make_policy, side_slots
+from qnpipe.policy.forward_core import forward_capacities
 from qnpipe.policy.pool import PoolPolicy
 from qnpipe.policy.predict import hint_top
+from qnpipe.policy.read_core import read_queue
 from qnpipe.policy.read_queue import ReadQueue
-from qnpipe.stats_snapshot import ForwardStatistics, LayerTable, PipelineStatistics, PredictorStatistics, ReadStatistics
+from qnpipe.stats_snapshot import LayerTable, PipelineStatistics, PredictorStatistics, ReadStatistics
 from qnpipe.trace import ModelShape
 from qnpipe.trace.format import RunPart
 
@@ -61,12 +64,7 @@ class Pipeline:
 
     def statistics(self) -> PipelineStatistics:
         """Every actor's figures now, frozen: each copied from the one actor that counts it."""
-        fs = self.forward.stats
-        forward = ForwardStatistics(
-            steps=fs.steps, layer_steps=fs.layer_steps, split_layer_steps=fs.split_layer_steps,
-            early_grants=fs.early_grants, stall_s=fs.stall_s, stall_by_layer=dict(fs.stall_by_layer),
-            candidates_dropped=fs.candidates_dropped,
-            union_sizes={k: (c, s, mx) for k, (c, s, mx) in fs.union_sizes.items()})
+        forward = self.forward.core.statistics()
         pol, rs, ps, queue = self.policy, self.read_stats, self.predictor_stats, self.read_queue
         if pol is None:
             return PipelineStatistics(forward=forward)
@@ -163,23 +161,21 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
         yield Pipeline(Forward(backend, None, None, {}, num_experts))
         return
     assert device is not None and record_nbytes is not None
-    total = sum(capacities.values())
-    # Every outstanding read holds a distinct (layer, slot), so no edge carries more than
-    # `total` messages (+ the forward's Acquire/Release/ForwardDone); bounds are proven, not hoped.
-    pool_tx, pool_rx = trio.open_memory_channel[PoolInbox](total + 4)
-    read_tx, read_rx = trio.open_memory_channel[ReadInbox](2 * total)  # a read and at most one promotion each
-    grant_tx, grant_rx = trio.open_memory_channel[ForwardInbox](2)  # a Present, then its Granted
+    # The bounds are proven (qnpipe.policy.turn_order), not hoped.
+    pool_tx, pool_rx = trio.open_memory_channel[PoolInbox](turn_order.pool_inbox_size(capacities))
+    read_tx, read_rx = trio.open_memory_channel[ReadInbox](turn_order.reads_inbox_size(capacities))
+    grant_tx, grant_rx = trio.open_memory_channel[ForwardInbox](turn_order.GRANTS_SIZE)
     policy = make_policy(cfg, capacities, record_nbytes, autopin.heat if autopin is not None else None)
     preloads = []
     if autopin is not None:
         for layer, experts in autopin.plan(capacities).items():
             preloads += [(layer, ld) for ld in policy.preload(layer, experts)]
-    pass_caps = {layer: cap - len(policy.tables[layer].pinned) for layer, cap in capacities.items()}
+    pass_caps = forward_capacities(capacities, policy)
     rstats = ReadSchedulerStats()
     pstats = PredictorStats()
     predicting = cfg.predict.cross_layer_prefetch
-    # Advisory edge: one Candidates per (layer, target) of a step; a full inbox drops, never blocks.
-    cand_tx, cand_rx = trio.open_memory_channel[Candidates](4 * len(capacities) + 8)
+    # Advisory edge: a full inbox drops, never blocks.
+    cand_tx, cand_rx = trio.open_memory_channel[Candidates](turn_order.candidates_size(capacities))
     fwd = Forward(backend, pool_tx, grant_rx, pass_caps, num_experts, route_verify=cfg.diag.route_verify,
                   to_predictor=cand_tx if predicting else None, moe_order=dict(policy.moe_order),
                   check_bytes=check_bytes, emit=emit, union_prof=cfg.diag.union_prof,
@@ -203,8 +199,7 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
                         for sc in scopes:
                             sc.cancel()
 
-            queue = ReadQueue(cfg.read.workers, batch=cfg.read.batch_miss_read,
-                              max_prefetch_in_flight=cfg.read.bg_budget_experts or None)
+            queue = read_queue(cfg)
             if cfg.diag.watchdog_s > 0:
                 await nursery.start(supervised, partial(watchdog, fwd, cfg.diag.watchdog_s,
                                                         lambda: _dump(policy, queue, rstats, pstats)))

@@ -17,8 +17,9 @@ import trio
 from qnpipe.actors.stamp import drain, send_soon
 from qnpipe.actors.turns import Turnstile
 from qnpipe.messages import ForwardDone, ForwardInbox, Msg, PoolInbox, ReadInbox
+from qnpipe.policy.outbox import Outbox
 from qnpipe.policy.pool import PoolPolicy
-from qnpipe.policy.pool_core import Outbox, PoolCore
+from qnpipe.policy.pool_core import PoolCore
 from qnpipe.policy.slot_table import Load
 from qnpipe.policy.turn_order import POOL, in_turn_order
 
@@ -47,18 +48,13 @@ async def pool(
         if emit is not None:
             for r in out.log:
                 emit(r)
-            out.log.clear()
         for m in out.reads:
             await send_soon(to_reads, m)
         for f in out.forward:
             await send_soon(to_forward, f)
-        out.reads.clear()
-        out.forward.clear()
 
     async with inbox, to_reads, to_forward:
-        out = Outbox()
-        core.preload(preload, trio.current_time(), out)
-        await deliver(out)
+        await deliver(core.preload(preload, trio.current_time()))
         task_status.started()
         async for first in inbox:
             if turns is not None:
@@ -66,9 +62,8 @@ async def pool(
             # Whatever else is already waiting is handled in the same turn: one wake-up, not one per message.
             now = trio.current_time()
             for msg in in_turn_order(list(drain(inbox, first))):
-                core.handle(msg, now, out)
+                out = core.handle(msg, now)
                 if after_forward is not None and isinstance(msg, ForwardDone):
                     after_forward()
                 await deliver(out)
-            core.end_turn(now, out)
-            await deliver(out)
+            await deliver(core.end_turn(now))

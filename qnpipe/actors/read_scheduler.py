@@ -9,7 +9,7 @@ ends the actor with that error.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -17,8 +17,8 @@ from qnpipe.actors.stamp import drain, send_soon
 from qnpipe.actors.turns import Turnstile
 from qnpipe.io.device import ExpertDevice, submit
 from qnpipe.messages import Msg, PoolInbox, ReadInbox, ReadsDone
-from qnpipe.policy.pool_core import Outbox
-from qnpipe.policy.read_core import Batch, ReadCore, ReadSchedulerStats
+from qnpipe.policy.outbox import Batch, Outbox
+from qnpipe.policy.read_core import BatchDone, ReadCore, ReadSchedulerStats
 from qnpipe.policy.read_queue import ReadQueue
 from qnpipe.policy.turn_order import READS, READS_DONE
 
@@ -41,7 +41,7 @@ async def read_scheduler(
 
     async with inbox, to_pool, trio.open_nursery() as nursery:
 
-        async def deliver(out: Outbox, batches: Sequence[Batch]) -> None:
+        async def deliver(out: Outbox) -> None:
             if emit is not None:
                 for r in out.log:
                     emit(r)
@@ -53,7 +53,7 @@ async def read_scheduler(
                     to_pool.send_nowait(m)
                 except trio.WouldBlock:
                     nursery.start_soon(to_pool.send, m)
-            for b in batches:
+            for b in out.batches:
                 # Submitted in this turn: the I/O starts now, the task only waits for it.
                 nursery.start_soon(run, b, submit(device, b.jobs))
 
@@ -61,9 +61,8 @@ async def read_scheduler(
             nbytes = await reading
             if turns is not None:
                 await turns.turn(READS_DONE, batch.number)
-            out = Outbox()
-            more = core.complete(batch, nbytes, trio.current_time(), out)
-            await deliver(out, more)
+            now = trio.current_time()
+            await deliver(core.handle(BatchDone(batch, nbytes), now).extend(core.end_turn(now)))
 
         task_status.started()
         async for first in inbox:
@@ -73,8 +72,8 @@ async def read_scheduler(
             now = trio.current_time()
             out = Outbox()
             for msg in drain(inbox, first):
-                core.handle(msg, now, out)
-            await deliver(out, core.dispatch(now, out))
+                out.extend(core.handle(msg, now))
+            await deliver(out.extend(core.end_turn(now)))
 
 
 __all__ = ["ReadSchedulerStats", "read_scheduler"]

@@ -1,10 +1,11 @@
 """The pool actor's decisions, sans I/O: one message and the time in, what to send out.
 
-`PoolCore.handle(msg, now, out)` applies one inbox message to the `PoolPolicy` and appends
-to `out` (an `Outbox`) what follows: `Granted` / `Present` for the forward, `ReadExperts` /
-`Promote` for the read scheduler, and, when logging, the event-log records. `end_turn`
-closes a turn (one `Present` per early grant per burst of reads that landed in it). The
-trio actor (qnpipe.actors.pool) and replay's heap driver (qnpipe.replay.fast) both run it.
+`PoolCore.handle(msg, now)` applies one inbox message to the `PoolPolicy` and answers with
+an `Outbox` (qnpipe.policy.outbox) of what follows: `Granted` / `Present` for the forward,
+`ReadExperts` / `Promote` for the read scheduler, and, when logging, the event-log records.
+`end_turn(now)` closes a turn (one `Present` per early grant per burst of reads that landed
+in it). The trio actor (qnpipe.actors.pool) and replay's heap driver (qnpipe.replay.fast)
+both run it.
 
 An early `Acquire` gets `Present` for its experts already in memory (after its misses'
 reads are asked for), then one for the experts of each turn's reads that land while
@@ -14,15 +15,14 @@ others are still on their way; `Granted` (all of them) ends it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import assert_never
 
 import attrs
 
 from qnpipe.messages import (
     Acquire,
     ForwardDone,
-    ForwardInbox,
     Granted,
-    Msg,
     PoolInbox,
     PrefetchHint,
     Present,
@@ -34,22 +34,13 @@ from qnpipe.messages import (
     ReadsDone,
     Release,
 )
-from qnpipe.policy.pool import Grant, PoolPolicy, Promotion
+from qnpipe.policy.outbox import Outbox
+from qnpipe.policy.pool import Grant, PoolPolicy, PoolStatistics, Promotion
 from qnpipe.policy.read_queue import ReadClass
 from qnpipe.policy.slot_table import Load
 from qnpipe.trace.format import Evicted, RecallSample
 
 GrantKey = tuple[int, int, int]
-
-
-@attrs.define(slots=True)
-class Outbox:
-    """What one turn of a core sends: to the forward, to the read scheduler, to the pool, and log records."""
-
-    forward: list[ForwardInbox] = attrs.field(factory=list)
-    reads: list[ReadInbox] = attrs.field(factory=list)
-    pool: list[PoolInbox] = attrs.field(factory=list)
-    log: list[Msg] = attrs.field(factory=list)
 
 
 @attrs.define
@@ -66,69 +57,84 @@ class PoolCore:
         self.seq += 1
         return self.seq
 
-    def preload(self, loads: Sequence[tuple[int, Load]], now: float, out: Outbox) -> None:
+    def statistics(self) -> PoolStatistics:
+        return self.policy.statistics()
+
+    def preload(self, loads: Sequence[tuple[int, Load]], now: float) -> Outbox:
         """Ask for the reads of experts placed before anything else (autopin's pins), grouped by layer."""
+        out = Outbox()
         by_layer: dict[int, list[Load]] = {}
         for layer, ld in loads:
             by_layer.setdefault(layer, []).append(ld)
         for layer, lds in by_layer.items():
             self._read(layer, lds, now, out)
+        return out
 
-    def handle(self, msg: PoolInbox, now: float, out: Outbox) -> None:
+    def handle(self, msg: PoolInbox, now: float) -> Outbox:
         """Apply one message at time `now`. Raises RouteError when route verification fails."""
+        out = Outbox()
         policy = self.policy
         if self.logging and not isinstance(msg, ReadsDone):  # the scheduler logs a ReadDone per read
             out.log.append(msg)
-        if isinstance(msg, Acquire):
-            key = (msg.step, msg.layer, msg.part)
-            acq = policy.acquire(key, msg.experts, msg.t)
-            if self.logging:
-                out.log += [RecallSample(t=now, seq=self._seq(), step=msg.step, layer=ly, used=used,
-                                         predicted=predicted) for ly, used, predicted in acq.recall]
-            self._read(msg.layer, acq.loads, now, out, acq.promotions)
-            if (ready := acq.ready) is not None:
-                self._grant(ready, now, out)
-            elif msg.early:
-                self.early.add(key)
-                if (there := policy.present(key))[0]:
-                    self._present(key, *there, now, out)
-        elif isinstance(msg, ReadsDone):
-            for layer, expert, slot in zip(msg.layers, msg.experts, msg.slots, strict=True):
-                done = policy.read_done(layer, expert, slot)
-                for key, e, s in done.landed:
-                    if key in self.early:
-                        self.landed.setdefault(key, []).append((e, s))
-                self._read(layer, done.loads, now, out, done.promotions)
-                for g in done.grants:
-                    self._grant(g, now, out)
-        elif isinstance(msg, Release):
-            key = (msg.step, msg.layer, msg.part)
-            self.early.discard(key)
-            self.landed.pop(key, None)
-            policy.release(key, msg.token_experts, msg.token_slots)
-        elif isinstance(msg, ForwardDone):
-            policy.forward_done()
-        elif isinstance(msg, PrefetchHint):
-            loads = policy.prefetch(msg.step, msg.source, msg.layer, list(zip(msg.experts, msg.scores, strict=True)))
-            if loads:
-                self._send(ReadExperts(t=now, seq=self._seq(), layer=msg.layer,
-                                       experts=tuple(ld.expert for ld in loads), slots=tuple(ld.slot for ld in loads),
-                                       cls=ReadClass.PREFETCH, deadline=msg.deadline,
-                                       scores=tuple(msg.scores[msg.experts.index(ld.expert)] for ld in loads)), out)
-        elif isinstance(msg, ReadExpired):
-            if policy.read_expired(msg.layer, msg.expert, msg.slot):
-                self._send(ReadExperts(t=now, seq=self._seq(), layer=msg.layer, experts=(msg.expert,),
-                                       slots=(msg.slot,)), out)
-            elif policy.into_main:  # its resident slot is free again: an acquire waiting for room may go on
-                done = policy.retry_deferred(msg.layer)
-                self._read(msg.layer, done.loads, now, out, done.promotions)
-                for g in done.grants:
-                    self._grant(g, now, out)
+        match msg:
+            case Acquire():
+                key = (msg.step, msg.layer, msg.part)
+                acq = policy.acquire(key, msg.experts, msg.t)
+                if self.logging:
+                    out.log += [RecallSample(t=now, seq=self._seq(), step=msg.step, layer=ly, used=used,
+                                             predicted=predicted) for ly, used, predicted in acq.recall]
+                self._read(msg.layer, acq.loads, now, out, acq.promotions)
+                if (ready := acq.ready) is not None:
+                    self._grant(ready, now, out)
+                elif msg.early:
+                    self.early.add(key)
+                    if (there := policy.present(key))[0]:
+                        self._present(key, *there, now, out)
+            case ReadsDone():
+                for layer, expert, slot in zip(msg.layers, msg.experts, msg.slots, strict=True):
+                    done = policy.read_done(layer, expert, slot)
+                    for key, e, s in done.landed:
+                        if key in self.early:
+                            self.landed.setdefault(key, []).append((e, s))
+                    self._read(layer, done.loads, now, out, done.promotions)
+                    for g in done.grants:
+                        self._grant(g, now, out)
+            case Release():
+                key = (msg.step, msg.layer, msg.part)
+                self.early.discard(key)
+                self.landed.pop(key, None)
+                policy.release(key, msg.token_experts, msg.token_slots)
+            case ForwardDone():
+                policy.forward_done()
+            case PrefetchHint():
+                loads = policy.prefetch(msg.step, msg.source, msg.layer,
+                                        list(zip(msg.experts, msg.scores, strict=True)))
+                if loads:
+                    self._send(ReadExperts(t=now, seq=self._seq(), layer=msg.layer,
+                                           experts=tuple(ld.expert for ld in loads),
+                                           slots=tuple(ld.slot for ld in loads), cls=ReadClass.PREFETCH,
+                                           deadline=msg.deadline,
+                                           scores=tuple(msg.scores[msg.experts.index(ld.expert)] for ld in loads)),
+                               out)
+            case ReadExpired():
+                if policy.read_expired(msg.layer, msg.expert, msg.slot):
+                    self._send(ReadExperts(t=now, seq=self._seq(), layer=msg.layer, experts=(msg.expert,),
+                                           slots=(msg.slot,)), out)
+                elif policy.into_main:  # its resident slot is free again: an acquire waiting for room may go on
+                    done = policy.retry_deferred(msg.layer)
+                    self._read(msg.layer, done.loads, now, out, done.promotions)
+                    for g in done.grants:
+                        self._grant(g, now, out)
+            case _:
+                assert_never(msg)
+        return out
 
-    def end_turn(self, now: float, out: Outbox) -> None:
+    def end_turn(self, now: float) -> Outbox:
+        out = Outbox()
         for key in list(self.landed):  # one Present per grant per burst of reads
             got = self.landed.pop(key)
             self._present(key, tuple(e for e, _ in got), tuple(s for _, s in got), now, out)
+        return out
 
     def _present(self, key: GrantKey, experts: tuple[int, ...], slots: tuple[int, ...], now: float,
                  out: Outbox) -> None:

@@ -1,22 +1,29 @@
 """The read scheduler's decisions, sans I/O: requests in, batches to put on the device out.
 
-`ReadCore.handle(msg, now, out)` queues a `ReadExperts` or applies a `Promote`;
-`dispatch(now, out)` returns the batches to start now (as the in-flight budget allows) and
-tells the pool of prefetches that expired; `complete(batch, nbytes, now, out)` books a
-finished batch, sends the pool its `ReadsDone` and dispatches again. The trio actor
+`ReadCore.handle(msg, now)` queues a `ReadExperts`, applies a `Promote`, or books a
+`BatchDone` (a batch left the device: the pool gets its `ReadsDone`); `end_turn(now)`
+answers with the batches to start now (as the in-flight budget allows, in
+`Outbox.batches`) and tells the pool of prefetches that expired. The trio actor
 (qnpipe.actors.read_scheduler) and replay's heap driver (qnpipe.replay.fast) both run it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import assert_never
 
 import attrs
 
-from qnpipe.messages import Promote, ReadDone, ReadExpired, ReadInbox, ReadsDone
-from qnpipe.policy.pool_core import Outbox
+from qnpipe.config import Config
+from qnpipe.messages import Promote, ReadDone, ReadExperts, ReadExpired, ReadInbox, ReadsDone
+from qnpipe.policy.outbox import Batch, Outbox
 from qnpipe.policy.read_queue import Job, ReadQueue
 from qnpipe.trace.format import ReadStarted
+
+
+def read_queue(cfg: Config) -> ReadQueue:
+    """The read queue `cfg.read` asks for (both drivers' read scheduler)."""
+    return ReadQueue(cfg.read.workers, batch=cfg.read.batch_miss_read,
+                     max_prefetch_in_flight=cfg.read.bg_budget_experts or None)
 
 
 @attrs.define
@@ -34,13 +41,27 @@ class ReadSchedulerStats:
     expired: int = 0  # prefetches not started: their deadline had passed
 
 
-@attrs.define(slots=True)
-class Batch:
-    """Jobs put on the device together at `started` (trio clock seconds); `number` counts batches from 1."""
+@attrs.frozen
+class ReadSchedulerSnapshot:
+    """`ReadSchedulerStats` as they were at one moment (`ReadCore.statistics()`)."""
 
-    number: int
-    jobs: list[Job]
-    started: float
+    requests: int
+    merged: int
+    batches: int
+    reads: int
+    bytes_read: int
+    device_s: float
+    peak_in_flight: int
+    promoted: int
+    expired: int
+
+
+@attrs.frozen
+class BatchDone:
+    """`batch` left the device (`nbytes` read per job): the driver's input when its reads are done."""
+
+    batch: Batch
+    nbytes: tuple[int, ...] | list[int]
 
 
 @attrs.define
@@ -58,37 +79,46 @@ class ReadCore:
         self.seq += 1
         return self.seq
 
-    def handle(self, msg: ReadInbox, now: float, out: Outbox) -> None:
-        if isinstance(msg, Promote):
-            self.stats.promoted += self.queue.promote((msg.layer, msg.expert))
-            return
-        scores = msg.scores or (0.0,) * len(msg.experts)
-        for expert, slot, score in zip(msg.experts, msg.slots, scores, strict=True):
-            self.stats.requests += 1
-            job = Job(msg.layer, expert, slot, msg.cls, msg.deadline, score)
-            if self.queue.push(job):
-                self.issued[job.key] = msg.t
-            else:
-                self.stats.merged += 1
+    def statistics(self) -> ReadSchedulerSnapshot:
+        return ReadSchedulerSnapshot(**attrs.asdict(self.stats))
 
-    def dispatch(self, now: float, out: Outbox) -> list[Batch]:
+    def handle(self, msg: ReadInbox | BatchDone, now: float) -> Outbox:
+        out = Outbox()
+        match msg:
+            case Promote():
+                self.stats.promoted += self.queue.promote((msg.layer, msg.expert))
+            case ReadExperts():
+                scores = msg.scores or (0.0,) * len(msg.experts)
+                for expert, slot, score in zip(msg.experts, msg.slots, scores, strict=True):
+                    self.stats.requests += 1
+                    job = Job(msg.layer, expert, slot, msg.cls, msg.deadline, score)
+                    if self.queue.push(job):
+                        self.issued[job.key] = msg.t
+                    else:
+                        self.stats.merged += 1
+            case BatchDone():
+                self._complete(msg.batch, msg.nbytes, now, out)
+            case _:
+                assert_never(msg)
+        return out
+
+    def end_turn(self, now: float) -> Outbox:
         """The batches to put on the device now; expired prefetches go to the pool as `ReadExpired`."""
-        started = []
+        out = Outbox()
         while jobs := self.queue.take(now):
             self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.queue.peak_in_flight)
             if self.logging:
                 out.log += [ReadStarted(t=now, seq=self._seq(), layer=j.layer, expert=j.expert, slot=j.slot)
                             for j in jobs]
             self.batches += 1
-            started.append(Batch(self.batches, jobs, now))
+            out.batches.append(Batch(self.batches, jobs, now))
         for job in self.queue.pop_expired():
             self.stats.expired += 1
             self.issued.pop(job.key, None)
             out.pool.append(ReadExpired(t=now, seq=self._seq(), layer=job.layer, expert=job.expert, slot=job.slot))
-        return started
+        return out
 
-    def complete(self, batch: Batch, nbytes: Sequence[int], now: float, out: Outbox) -> list[Batch]:
-        """`batch` left the device at `now` (`nbytes` read per job): tell the pool, then dispatch again."""
+    def _complete(self, batch: Batch, nbytes: tuple[int, ...] | list[int], now: float, out: Outbox) -> None:
         stats = self.stats
         stats.batches += 1
         stats.device_s += now - batch.started
@@ -106,7 +136,6 @@ class ReadCore:
                                  issued_t=t, started_t=batch.started)
                         for job, n, t in zip(jobs, nbytes, asked, strict=True)]
         out.pool.append(done)
-        return self.dispatch(now, out)
 
 
-__all__ = ["Batch", "ReadCore", "ReadSchedulerStats"]
+__all__ = ["Batch", "BatchDone", "ReadCore", "ReadSchedulerSnapshot", "ReadSchedulerStats", "read_queue"]

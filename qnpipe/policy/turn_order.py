@@ -1,4 +1,4 @@
-"""The one rule for "at the same instant", shared by replay's two drivers.
+"""The one rule for "at the same instant", and the channels' bounds, shared by replay's two drivers.
 
 Within one instant of virtual time, whatever is not an actor's turn runs first (the
 forward's step loop, the device's completions: they touch no actor's state), then the
@@ -7,6 +7,10 @@ inbox in one turn, sorted by `(t, sender, seq)`; time moves on only when no turn
 wanted. The actor driver gets this order from a replay-only turnstile
 (qnpipe.actors.turns); the heap driver (qnpipe.replay.fast) runs it as written. So the
 result never depends on the order in which trio wakes tasks, and the two drivers agree.
+
+The channels' bounds are here too: the actor driver opens its channels with them
+(qnpipe.actors.pipeline) and the heap driver drops an advisory message where a full
+channel would.
 """
 
 from __future__ import annotations
@@ -24,6 +28,29 @@ READS_DONE = 0
 POOL = 1
 READS = 2
 PREDICTOR = 3
+RANKS = (READS_DONE, POOL, READS, PREDICTOR)
+
+# Channel bounds. Every outstanding read holds a distinct (layer, slot), so no edge carries more
+# than `total` slots' messages (+ the forward's Acquire/Release/ForwardDone): proven, not hoped.
+GRANTS_SIZE = 2  # to the forward: a Present, then its Granted
+
+
+def pool_inbox_size(capacities: dict[int, int]) -> int:
+    return sum(capacities.values()) + 4
+
+
+def reads_inbox_size(capacities: dict[int, int]) -> int:
+    return 2 * sum(capacities.values())  # a read and at most one promotion each
+
+
+def candidates_size(capacities: dict[int, int]) -> int:
+    """The predictor's inbox (advisory: one `Candidates` per (layer, target) of a step; a full inbox drops)."""
+    return 4 * len(capacities) + 8
+
+
+def holds(size: int) -> int:
+    """Messages a channel of buffer `size` takes before a send would block: its receiver, woken, holds one more."""
+    return size + 1
 
 
 def pool_sender(msg: Msg) -> int:
@@ -38,4 +65,5 @@ def in_turn_order(msgs: Sequence[M]) -> list[M]:
     return sorted(msgs, key=lambda m: (m.t, pool_sender(m), m.seq))
 
 
-__all__ = ["POOL", "PREDICTOR", "READS", "READS_DONE", "in_turn_order", "pool_sender"]
+__all__ = ["GRANTS_SIZE", "POOL", "PREDICTOR", "RANKS", "READS", "READS_DONE", "candidates_size", "holds",
+           "in_turn_order", "pool_inbox_size", "pool_sender", "reads_inbox_size"]

@@ -199,10 +199,7 @@ def _run_fast(log: ReplayLog, cfg: Config, caps: dict[int, int], nbytes: dict[in
     logs = SyncLogs(cfg, shape=log.shape, capacities=caps) if wanted_logs(cfg) else None
     try:
         run = FastReplay(log.steps, log.shape.top_k, log.shape.num_experts, cfg, capacities=caps, record_nbytes=nbytes,
-                         per_layer_s=cost.per_layer_s, per_token_s=cost.per_token_s, per_step_s=cost.per_step_s,
-                         read_hop_s=cost.read_hop_s, layer_table=dict(cost.layer_table), per_miss_s=cost.per_miss_s,
-                         profile=profile,
-                         predictions=preds, emit=logs.emit if logs is not None else None)
+                         cost=cost, profile=profile, predictions=preds, emit=logs.emit if logs is not None else None)
         res = run.run()
     except BaseException:
         if logs is not None:

@@ -183,17 +183,16 @@ def test_the_pool_core_sends_nothing_for_a_wrong_answer(monkeypatch: pytest.Monk
     """Through PoolCore (what the actor and replay's fast driver both run): the error, and no read asked for."""
     policy = PoolPolicy.build({0: 2}, {0: make_eviction(f"{MODULE}:Answer", 2)}, {0: 100})
     core = PoolCore(policy)
-    out = Outbox()
     seq = iter(range(1, 100))
-    core.handle(Acquire(t=0.0, seq=next(seq), step=1, layer=0, part=0, experts=(0, 1)), 0.0, out)
+    core.handle(Acquire(t=0.0, seq=next(seq), step=1, layer=0, part=0, experts=(0, 1)), 0.0)
     core.handle(ReadsDone(t=0.0, seq=next(seq), layers=(0, 0), experts=(0, 1), slots=(0, 1), nbytes=(100, 100),
-                          issued_t=(0.0, 0.0), started_t=0.0), 0.0, out)
-    core.handle(Release(t=0.0, seq=next(seq), step=1, layer=0, part=0), 0.0, out)
+                          issued_t=(0.0, 0.0), started_t=0.0), 0.0)
+    core.handle(Release(t=0.0, seq=next(seq), step=1, layer=0, part=0), 0.0)
     _answer(monkeypatch, 1)
-    out = Outbox()
+    out: Outbox | None = None
     with pytest.raises(QnpipeError, match=r"Answer\.pick returned 1 for incoming expert 2: held"):
-        core.handle(Acquire(t=0.0, seq=next(seq), step=2, layer=0, part=0, experts=(1, 2)), 0.0, out)
-    assert out.reads == [] and out.forward == []
+        out = core.handle(Acquire(t=0.0, seq=next(seq), step=2, layer=0, part=0, experts=(1, 2)), 0.0)
+    assert out is None  # the error is the whole answer: no read, no grant goes out
     assert policy.tables[0].expert_of == [0, 1]
 
 

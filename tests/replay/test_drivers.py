@@ -2,7 +2,9 @@
 
 Random small shapes, routing logs with multi-token steps, and random pool, read, device,
 cost and prediction settings give byte-equal reports (or the same error) from both; the
-actor driver's report does not depend on the order trio wakes tasks in.
+actor driver's report does not depend on the order trio wakes tasks in. Below `replay()`,
+the same holds with early grants (a backend that queues the work of the experts in memory)
+and pinned experts (autopin's, which lower the forward's capacity), which `replay()` never asks for.
 """
 
 from __future__ import annotations
@@ -11,18 +13,26 @@ import hashlib
 import importlib.util
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
+import trio
 import trio._core._run as trio_run
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from qnpipe import config, trace
+from qnpipe.actors.pipeline import open_pipeline
+from qnpipe.actors.turns import Turnstile, exact_clock
 from qnpipe.errors import QnpipeError
-from qnpipe.io.simssd import DeviceProfile
+from qnpipe.io.simssd import DeviceProfile, open_simssd
 from qnpipe.replay import CostModel, PredictorOpts, ReplayReport, replay, to_json
+from qnpipe.replay.fast import FastReplay, RunResult
+from qnpipe.replay.runner import LogBackend, load_log, predictions, replay_capacities
+from qnpipe.steps import Event, PartGrant, Queued
+from qnpipe.trace.logs import SyncLogs
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
@@ -53,9 +63,15 @@ def cases(draw: st.DrawFn) -> dict[str, object]:
     k = draw(st.integers(1, min(4, experts)))
     predictor = draw(st.sampled_from(["none", "previous", "oracle", "transition"]))
     side = draw(st.sampled_from([0, 1, 3]))
+    into = draw(st.sampled_from(["side", "main"]))
+    steps = draw(st.integers(3, 10))
+    # Configurations both drivers refuse are no example of agreement: prefetches with nowhere to land
+    # (check_placement), a transition table with no step to learn from.
+    assume(predictor == "none" or side > 0 or into == "main")
+    assume(predictor != "transition" or int(steps * 0.3) > 0)
     return {
         "log": {"seed": draw(st.integers(0, 10_000)), "layers": draw(st.integers(1, 4)), "experts": experts, "k": k,
-                "steps": draw(st.integers(3, 10)), "max_tokens": draw(st.integers(1, 4))},
+                "steps": steps, "max_tokens": draw(st.integers(1, 4))},
         "set": {"pool.expert_slots": draw(st.integers(k, experts)),
                 "pool.evict_policy": draw(st.sampled_from([str(p) for p in config.EvictPolicy])),
                 "pool.lrfu_lambda": draw(st.sampled_from([0.05, 0.5])),
@@ -63,7 +79,7 @@ def cases(draw: st.DrawFn) -> dict[str, object]:
                 "read.workers": draw(st.integers(1, 4)), "read.batch_miss_read": draw(st.booleans()),
                 "read.bg_budget_experts": draw(st.sampled_from([0, 1, 3])),
                 "pool.side_region_slots": side, "pool.side_region_lfu": draw(st.booleans()),
-                "pool.prefetch_into": draw(st.sampled_from(["side", "main"])),
+                "pool.prefetch_into": into,
                 "predict.per_layer_budget_experts": draw(st.integers(0, 4)),
                 "predict.file_global_budget_experts": draw(st.sampled_from([0, 2, 8])),
                 "read.window_layers": draw(st.sampled_from([0, 1])),
@@ -190,3 +206,149 @@ def test_a_log_rewritten_at_the_same_path_is_read_again(tmp_path: Path) -> None:
         write_log(path, seed=seed, layers=2, experts=8, k=2, steps=6, max_tokens=2)
         reports.append(to_json(replay(path, cfg, record_nbytes=1000, predictor="previous")))
     assert reports[0] != reports[1] and reports[0] == reports[2]
+
+
+# ---------------------------------------------------------------------------- early grants and pins
+
+
+class EarlyLogBackend(LogBackend):
+    """Replay's backend as one that starts a layer's experts in memory early: the early work is queued
+    at no cost (the part's modelled compute runs at its full grant, as the heap driver times it)."""
+
+    early_pairs = 0
+
+    async def resume(self, grant: PartGrant) -> Event:
+        if grant.early:
+            return Queued()
+        return await super().resume(grant)
+
+
+class FixedPins:
+    """Autopin's seam in open_pipeline with a fixed plan: no heat counted, nothing saved."""
+
+    heat = None
+
+    def __init__(self, pins: dict[int, list[int]]) -> None:
+        self.pins = pins
+
+    def plan(self, capacities: dict[int, int]) -> dict[int, list[int]]:
+        return self.pins
+
+    def after_forward(self) -> None:
+        pass
+
+    async def run_saver(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+
+    async def save_final(self) -> None:
+        pass
+
+
+def run_both(case: dict[str, Any], path: Path, *, early_pairs: int, pins: dict[int, list[int]],
+             events: Path) -> tuple[Any, Any]:
+    """(fast, actors): each driver's RunResult, its forward's early grants and its event log's bytes, or the error."""
+    over = {key: str(v).lower() if isinstance(v, bool) else str(v) for key, v in case["set"].items()}
+    over["trace.event_log_path"] = str(events)
+    if case["predictor"] != "none":
+        over["predict.cross_layer_prefetch"] = "true"
+    cfg = config.load(None, overrides=over)
+    log = load_log(path)
+    first = int(len(log.steps) * case["opts"].get("train_frac", 0.0))
+    preds = None if case["predictor"] == "none" else predictions(
+        log, case["predictor"], PredictorOpts(**case["opts"]), width=cfg.predict.width_experts, first=first)
+    log = msgspec.structs.replace(log, steps=log.steps[first:])
+    caps = replay_capacities(cfg, log.shape)
+    nbytes = dict.fromkeys(caps, 98304)
+    cost, profile = CostModel(**case["cost"]), DeviceProfile(**case["device"])
+
+    def fast() -> Any:
+        logs = SyncLogs(cfg, shape=log.shape, capacities=caps)
+        try:
+            run = FastReplay(log.steps, log.shape.top_k, log.shape.num_experts, cfg, capacities=caps,
+                             record_nbytes=nbytes, cost=cost, profile=profile, predictions=preds, emit=logs.emit,
+                             pins=pins, early_pairs=early_pairs)
+            res = run.run()
+        except QnpipeError as e:
+            logs.abandon()
+            return f"{type(e).__name__}: {e}"
+        logs.close(run.reads_drained_t())
+        return res, run.core.stats.early_grants
+
+    def actors() -> Any:
+        class Backend(EarlyLogBackend):
+            pass
+
+        Backend.early_pairs = early_pairs
+
+        async def main() -> tuple[RunResult, int]:
+            backend = Backend(log, cost, predictions=preds)
+            t0 = trio.current_time()
+            async with open_simssd(profile, nbytes, hop_s=cost.read_hop_s) as dev, \
+                    open_pipeline(cfg, backend, num_experts=log.shape.num_experts, capacities=caps, device=dev,
+                                  record_nbytes=nbytes, shape=log.shape, turns=Turnstile(),
+                                  autopin=FixedPins(pins)) as p:  # type: ignore[arg-type]
+                for _ in log.steps:
+                    await p.forward.run(None, None, lambda h: None)
+                assert p.policy is not None
+                return RunResult(pool=p.policy.statistics(), stall_s=p.forward.stats.stall_s,
+                                 elapsed_s=trio.current_time() - t0, busy_s=dev.busy_s(), device_reads=dev.stats.reads,
+                                 device_bytes=dev.stats.bytes_read, tokens=backend.tokens), p.forward.stats.early_grants
+
+        try:
+            return trio.run(main, clock=exact_clock())
+        except BaseException as e:  # an actor's error comes wrapped in the nurseries' groups
+            while isinstance(e, BaseExceptionGroup):
+                e = e.exceptions[0]
+            if isinstance(e, QnpipeError):
+                return f"{type(e).__name__}: {e}"
+            raise
+
+    out = []
+    for driver in (fast, actors):
+        res = driver()
+        out.append((res, events.read_bytes()) if not isinstance(res, str) else res)
+        events.unlink(missing_ok=True)
+    return out[0], out[1]
+
+
+@st.composite
+def pinned_cases(draw: st.DrawFn) -> tuple[dict[str, Any], int, dict[int, list[int]]]:
+    case: dict[str, Any] = draw(cases())
+    log, slots = case["log"], case["set"]["pool.expert_slots"]
+    # Pins leave the forward at least top-k slots: fewer and both drivers refuse every step (CapacityError).
+    pins = {layer: draw(st.lists(st.integers(0, log["experts"] - 1), unique=True, max_size=slots - log["k"]))
+            for layer in range(log["layers"])}
+    return case, draw(st.sampled_from([0, 6, 1000, 1000])), pins
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pinned_cases())
+def test_the_drivers_agree_with_early_grants_and_pinned_experts(c: tuple[dict[str, Any], int, dict[int, list[int]]]
+                                                                ) -> None:
+    case, early_pairs, pins = c
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "log.qtrace"
+        write_log(path, **case["log"])
+        fast, actors = run_both(case, path, early_pairs=early_pairs, pins=pins, events=Path(tmp) / "events.qtrace")
+    assert fast == actors
+
+
+def test_early_grants_and_pins_are_reached_and_agree(tmp_path: Path) -> None:
+    """One case the random search must not miss: early grants taken while misses are read, pins in every layer."""
+    case = {"log": {"seed": 5, "layers": 3, "experts": 12, "k": 2, "steps": 8, "max_tokens": 2},
+            "set": {"pool.expert_slots": 6, "pool.side_region_slots": 2, "read.workers": 2,
+                    "diag.route_verify": True},
+            "device": {"bandwidth_bytes_per_s": 2e8, "latency_s": 4e-4, "per_mb_latency_s": 0.0, "queue_depth": 2},
+            "cost": {"per_layer_s": 1e-4, "read_hop_s": 7e-5}, "predictor": "oracle", "opts": {"recall": 0.8}}
+    write_log(tmp_path / "log.qtrace", **case["log"])  # type: ignore[arg-type]
+    pins = {0: [0, 1], 1: [2], 2: [3, 4, 5]}
+    fast, actors = run_both(case, tmp_path / "log.qtrace", early_pairs=1000, pins=pins,
+                            events=tmp_path / "events.qtrace")
+    assert not isinstance(fast, str), fast
+    assert fast == actors
+    (res, early), events = fast
+    assert early > 0 and b"pool.present" in events
+    # the pins' reads went out before the first step, and a step never got a pinned slot's room
+    assert res.device_reads >= sum(map(len, pins.values())) and res.pool.hits > 0
+    no_pins, _ = run_both(case, tmp_path / "log.qtrace", early_pairs=0, pins={}, events=tmp_path / "events.qtrace")
+    assert no_pins[0][1] == 0 and no_pins[0][0] != res

@@ -1,0 +1,261 @@
+"""The forward's decisions, sans I/O: a layer's route in, the messages and the compute to run out.
+
+Both drivers run it: the trio actor (qnpipe.actors.forward, over the MLX model or replay's
+recorded routes) and replay's heap driver (qnpipe.replay.fast). For each MoE layer of a
+step, `route` gives the predictor its candidates (with the pace's deadlines; those the
+predictor's full inbox cannot take are dropped and counted), the event log its route
+record, splits the step's tokens into parts that fit the layer (qnpipe.policy.parts),
+chooses whether the part asks for early grants, and sends the first part's `Acquire`.
+`handle(grant, now)` answers a `Granted` with the part to run (`Outbox.run`: its tokens'
+slots through the layer's lookup table) and a `Present` with the early work to queue;
+`part_done` releases the part (with route verification's tokens and slots) and asks for
+the next, or ends the layer-step. A grant of a step that was cancelled is dropped: the
+pool has had its `Release` (`cancel`).
+
+The forward's capacity of a layer is the pool's minus its pinned experts
+(`forward_capacities`): a step can always get that many slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, assert_never
+
+import attrs
+import numpy as np
+
+from qnpipe.messages import Acquire, Candidates, ForwardDone, ForwardInbox, Granted, Present, Release
+from qnpipe.policy.outbox import Outbox
+from qnpipe.policy.pace import Pace
+from qnpipe.policy.parts import Part, plan_parts_flat
+from qnpipe.steps import PartGrant
+from qnpipe.trace.format import UnionSize, route_record
+
+if TYPE_CHECKING:
+    from qnpipe.policy.pool import PoolPolicy
+
+# What the predictor gets at one layer-step: (target, ids [N, W], scores [N, W]) per target layer.
+Predictions = tuple[tuple[int, np.ndarray, np.ndarray], ...]
+_NO_SLOTS = np.empty((0, 0), dtype=np.int64)
+
+
+def forward_capacities(capacities: dict[int, int], policy: PoolPolicy) -> dict[int, int]:
+    """Slots a step can always get per layer: the layer's capacity minus its pinned experts."""
+    return {layer: cap - len(policy.tables[layer].pinned) for layer, cap in capacities.items()}
+
+
+@attrs.define
+class ForwardStats:
+    steps: int = 0
+    layer_steps: int = 0
+    split_layer_steps: int = 0  # layer-steps that needed more than one part
+    early_grants: int = 0  # parts whose experts in memory started before the rest were read
+    stall_s: float = 0.0  # waiting for grants that had misses
+    stall_by_layer: dict[int, float] = attrs.field(factory=dict)
+    candidates_dropped: int = 0  # the predictor's inbox was full
+    union_sizes: dict[tuple[int, int], list[int]] = attrs.field(factory=dict)  # (tokens, layer) -> [n, sum, max]
+
+
+@attrs.frozen(kw_only=True)
+class ForwardStatistics:
+    """`ForwardStats` at one moment, detached from the live counters; `union_sizes`: (tokens, layer) ->
+    (layer-steps, sum, max) of distinct experts."""
+
+    steps: int
+    layer_steps: int
+    split_layer_steps: int
+    early_grants: int
+    stall_s: float
+    stall_by_layer: dict[int, float]
+    candidates_dropped: int
+    union_sizes: dict[tuple[int, int], tuple[int, int, int]]
+
+
+@attrs.define(slots=True)
+class _LayerStep:
+    """The layer-step in progress: its parts, the part being acquired or run, the layer's lookup table."""
+
+    layer: int
+    ids: np.ndarray | None  # [N, k]; None when neither slots nor route verification are wanted
+    parts: list[Part]
+    early: bool
+    lut: np.ndarray | None  # expert -> slot of the grants so far (None: the driver needs no slots)
+    part: int = 0
+    t0: float = 0.0  # when the part's Acquire went out
+    acquired: bool = False  # the part's Acquire went out and its Release did not
+    slots: np.ndarray = _NO_SLOTS  # the part's tokens' slots, once granted
+
+
+@attrs.define
+class ForwardCore:
+    """The forward's step logic (see the module doc); `capacities` are the forward's (`forward_capacities`).
+
+    `early_pairs`: a one-part layer-step of fewer (token, expert) pairs asks for early grants
+    (0 = never). `slots`: the driver needs each part's slots (a model does; replay's heap
+    driver only for route verification). `logging`: fill `Outbox.log` with the records.
+    """
+
+    capacities: dict[int, int]
+    num_experts: int
+    moe_order: dict[int, int] = attrs.field(factory=dict)  # MoE layer -> its index (deadline estimates)
+    early_pairs: int = 0
+    route_verify: bool = False
+    slots: bool = True
+    logging: bool = False
+    union_prof: bool = False  # diag.union_prof: per-layer union sizes by step length
+    stats: ForwardStats = attrs.field(factory=ForwardStats)
+    step: int = 0
+    seq: int = 0
+    pace: Pace = attrs.field(init=False)
+    _at: _LayerStep | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.pace = Pace(self.moe_order)
+
+    def _seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def statistics(self) -> ForwardStatistics:
+        s = self.stats
+        return ForwardStatistics(
+            steps=s.steps, layer_steps=s.layer_steps, split_layer_steps=s.split_layer_steps,
+            early_grants=s.early_grants, stall_s=s.stall_s, stall_by_layer=dict(s.stall_by_layer),
+            candidates_dropped=s.candidates_dropped,
+            union_sizes={key: (c, t, mx) for key, (c, t, mx) in s.union_sizes.items()})
+
+    def begin_step(self) -> int:
+        """A new step starts; returns its number (from 1)."""
+        self.step += 1
+        self.pace.new_step()
+        self._at = None
+        return self.step
+
+    def end_step(self, now: float) -> Outbox:
+        """The step's last layer is done: the pool's `ForwardDone`."""
+        self.stats.steps += 1
+        out = Outbox()
+        out.pool.append(ForwardDone(t=now, seq=self._seq(), step=self.step))
+        return out
+
+    def route(self, layer: int, experts: Sequence[int], k: int, now: float, *, ids: np.ndarray | None = None,
+              weights: np.ndarray | None = None, predictions: Predictions = (), room: int = 0) -> Outbox:
+        """MoE layer `layer` routes its tokens to `experts` (flat, `k` per token; `ids` the same [N, k] if
+        the driver has them): the predictor's candidates (`room` of them fit its inbox, the rest are
+        dropped), the route record, the parts, and the first part's `Acquire`."""
+        self.pace.observe(now)
+        out = Outbox()
+        for target, cand, probs in predictions:
+            c = Candidates(t=now, seq=self._seq(), step=self.step, layer=layer, target=target, width=cand.shape[-1],
+                           token_experts=tuple(cand.reshape(-1).tolist()),
+                           token_scores=tuple(probs.reshape(-1).tolist()),
+                           deadline=self.pace.deadline(now, layer, target))
+            if self.logging:
+                out.log.append(c)
+            if room > 0:
+                out.predictor.append(c)
+                room -= 1
+            else:  # advisory: a busy predictor loses the hint, the forward never waits
+                self.stats.candidates_dropped += 1
+        if ids is None and (self.logging or self.slots or self.route_verify):
+            ids = np.asarray(experts, dtype=np.int64).reshape(-1, k)
+        if self.logging:
+            assert ids is not None
+            out.log.append(route_record({"t": now, "seq": self._seq()}, self.step, layer, ids, weights))
+        parts = plan_parts_flat(experts, k, self.capacities[layer], layer=layer)
+        if self.union_prof:
+            n, union = len(experts) // k, len({e for _, _, ex in parts for e in ex})
+            acc = self.stats.union_sizes.setdefault((n, layer), [0, 0, 0])
+            acc[0] += 1
+            acc[1] += union
+            acc[2] = max(acc[2], union)
+            if self.logging:
+                out.log.append(UnionSize(t=now, seq=self._seq(), step=self.step, layer=layer, tokens=n, union=union))
+        stats = self.stats
+        stats.layer_steps += 1
+        stats.split_layer_steps += len(parts) > 1
+        lut = np.full(self.num_experts, -1, dtype=np.int64) if self.slots or self.route_verify else None
+        self._at = at = _LayerStep(layer, ids, parts, len(parts) == 1 and len(experts) < self.early_pairs, lut)
+        self._acquire(at, now, out)
+        return out
+
+    def handle(self, msg: ForwardInbox, now: float) -> Outbox:
+        """A grant from the pool: `Outbox.run` is the part to run (early: the work to queue), or None
+        for a grant of a cancelled step. AssertionError for a grant the forward never asked for."""
+        out = Outbox()
+        at = self._at
+        match msg:
+            case Granted() | Present() if at is None or (msg.step, msg.layer, msg.part) != (self.step, at.layer,
+                                                                                              at.part):
+                # A grant completed just as its step was cancelled: the pool has had its Release.
+                if msg.step >= self.step:
+                    want = None if at is None else (self.step, at.layer, at.part)
+                    raise AssertionError(f"grant {(msg.step, msg.layer, msg.part)} while waiting for {want}")
+            case Granted():
+                assert at is not None
+                if msg.misses:
+                    waited = now - at.t0
+                    self.stats.stall_s += waited
+                    self.stats.stall_by_layer[at.layer] = self.stats.stall_by_layer.get(at.layer, 0.0) + waited
+                lo, hi, _ = at.parts[at.part]
+                at.slots = self._slots(at, msg.experts, msg.slots, lo, hi)
+                out.run = PartGrant(lo, hi, at.slots, at.part == len(at.parts) - 1, misses=msg.misses)
+            case Present():
+                assert at is not None
+                self.stats.early_grants += 1
+                lo, hi, _ = at.parts[at.part]  # these start now, the rest are being read
+                out.run = PartGrant(lo, hi, self._slots(at, msg.experts, msg.slots, lo, hi), True, early=True)
+            case _:
+                assert_never(msg)
+        return out
+
+    def end_turn(self, now: float) -> Outbox:
+        """The forward takes no turns (it acts before the actors at each instant): nothing to send."""
+        return Outbox()
+
+    def part_done(self, now: float) -> Outbox:
+        """The backend returned from the granted part: its `Release`, then the next part's `Acquire`."""
+        at = self._at
+        assert at is not None and at.acquired
+        out = Outbox()
+        if self.route_verify:
+            assert at.ids is not None
+            lo, hi, _ = at.parts[at.part]
+            out.pool.append(Release(t=now, seq=self._seq(), step=self.step, layer=at.layer, part=at.part,
+                                    token_experts=tuple(at.ids[lo:hi].reshape(-1).tolist()),
+                                    token_slots=tuple(at.slots.reshape(-1).tolist())))
+        else:
+            out.pool.append(Release(t=now, seq=self._seq(), step=self.step, layer=at.layer, part=at.part))
+        at.acquired = False
+        at.slots = _NO_SLOTS
+        at.part += 1
+        if at.part < len(at.parts):
+            self._acquire(at, now, out)
+        else:
+            self._at = None
+        return out
+
+    def cancel(self, now: float) -> Outbox:
+        """The step stops: the `Release` of a part acquired and not released (its grant may still come)."""
+        at, self._at = self._at, None
+        out = Outbox()
+        if at is not None and at.acquired:
+            out.pool.append(Release(t=now, seq=self._seq(), step=self.step, layer=at.layer, part=at.part))
+        return out
+
+    def _acquire(self, at: _LayerStep, now: float, out: Outbox) -> None:
+        at.t0 = now
+        at.acquired = True
+        out.pool.append(Acquire(t=now, seq=self._seq(), step=self.step, layer=at.layer, part=at.part,
+                                experts=at.parts[at.part][2], early=at.early))
+
+    def _slots(self, at: _LayerStep, experts: tuple[int, ...], slots: tuple[int, ...], lo: int,
+               hi: int) -> np.ndarray:
+        if at.lut is None:
+            return _NO_SLOTS
+        at.lut[list(experts)] = slots
+        assert at.ids is not None
+        return at.lut[at.ids[lo:hi]]
+
+
+__all__ = ["ForwardCore", "ForwardStatistics", "ForwardStats", "Predictions", "forward_capacities"]

@@ -1,0 +1,82 @@
+"""What a sans-IO core answers, and the one shape every core has.
+
+A core (the pool's `PoolCore`, the read scheduler's `ReadCore`, the forward's `ForwardCore`)
+takes inputs and the time and answers with commands: `handle(msg, now) -> Outbox` for one
+inbox message, `end_turn(now) -> Outbox` when a turn's inbox is done, `statistics()` a
+frozen snapshot of its counters. A driver (the trio actors, replay's heap loop) only
+delivers what an `Outbox` holds; it never asks a core for a side list afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+
+from qnpipe.messages import Candidates, ForwardInbox, Msg, PoolInbox, ReadInbox
+from qnpipe.policy.read_queue import Job
+
+if TYPE_CHECKING:
+    from qnpipe.steps import PartGrant
+
+
+@attrs.define(slots=True)
+class Batch:
+    """Jobs put on the device together at `started` (clock seconds); `number` counts batches from 1."""
+
+    number: int
+    jobs: list[Job]
+    started: float
+
+
+@attrs.define(slots=True, init=False)
+class Outbox:
+    """What one answer of a core sends, by receiver, and the event-log records it made.
+
+    `batches`: reads to put on the device now (the read scheduler's); `run`: the forward's
+    backend computes this part (or, early, queues the work of the experts it names).
+    """
+
+    forward: list[ForwardInbox]
+    reads: list[ReadInbox]
+    pool: list[PoolInbox]
+    predictor: list[Candidates]
+    log: list[Msg]
+    batches: list[Batch]
+    run: PartGrant | None
+
+    def __init__(self) -> None:
+        # By hand: a core answers every message with one, and attrs' factories take twice as long.
+        self.forward = []
+        self.reads = []
+        self.pool = []
+        self.predictor = []
+        self.log = []
+        self.batches = []
+        self.run = None
+
+    def extend(self, other: Outbox) -> Outbox:
+        """`other`'s commands after this one's (a turn's answers in order); returns self."""
+        self.forward += other.forward
+        self.reads += other.reads
+        self.pool += other.pool
+        self.predictor += other.predictor
+        self.log += other.log
+        self.batches += other.batches
+        if other.run is not None:
+            assert self.run is None, "two parts to run in one answer"
+            self.run = other.run
+        return self
+
+
+class Core(Protocol):
+    """A sans-IO core: inputs and the time in, an `Outbox` of commands out."""
+
+    def handle(self, msg: Any, now: float) -> Outbox: ...
+
+    def end_turn(self, now: float) -> Outbox: ...
+
+    def statistics(self) -> Any: ...
+
+
+__all__ = ["Batch", "Core", "Outbox"]
