@@ -24,7 +24,7 @@ import trio
 
 from qnpipe.actors.stamp import send_soon
 from qnpipe.errors import PipelineError
-from qnpipe.messages import Candidates, ForwardInbox, Msg, PoolInbox
+from qnpipe.messages import Acquire, Candidates, ForwardInbox, Msg, PoolInbox, Release
 from qnpipe.policy.forward_core import ForwardCore, ForwardStats
 from qnpipe.policy.outbox import Outbox
 from qnpipe.policy.pace import Pace
@@ -64,6 +64,7 @@ class Forward:
     busy: bool = False  # a step is running (the watchdog only looks then)
     progress: int = 0  # bumped at every layer and grant: what the watchdog watches
     core: ForwardCore = attrs.field(init=False)
+    _unsent: Outbox | None = None  # an answer of the core whose log was being written
 
     def __attrs_post_init__(self) -> None:
         self.core = ForwardCore(self.capacities, self.num_experts, self.moe_order, early_pairs=self.early_pairs,
@@ -113,8 +114,12 @@ class Forward:
     async def _send(self, out: Outbox) -> None:
         assert self.to_pool is not None
         if self.emit is not None:
+            # The recorder may raise (a full disk) before the pool has the part's Acquire: the
+            # core then holds a part the pool never granted, and its cancel must not release it.
+            self._unsent = out
             for r in out.log:
                 self.emit(r)
+            self._unsent = None
         if self.to_predictor is not None:
             for c in out.predictor:
                 self.to_predictor.send_nowait(c)  # the core took only what fits (_room)
@@ -166,6 +171,11 @@ class Forward:
         with trio.CancelScope(shield=True):
             await self.backend.abort()
             out = self.core.cancel(trio.current_time())
+            unsent, self._unsent = self._unsent, None
+            if unsent is not None:  # its Releases are due still; its Acquire never left, so nothing is held
+                if any(isinstance(m, Acquire) for m in unsent.pool):
+                    out.pool.clear()
+                out.pool[:0] = [m for m in unsent.pool if isinstance(m, Release)]
             if out.pool and self.to_pool is not None:
                 try:
                     for m in out.pool:
