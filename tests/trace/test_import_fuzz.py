@@ -24,8 +24,10 @@ from qnpipe import trace
 from qnpipe.cli import DEMO_MODEL_DIR, main
 from qnpipe.errors import QnpipeError, TraceImportError
 from qnpipe.trace.importers import import_log
+from tests.profiles import examples
 
-FUZZ = settings(max_examples=30, deadline=None, database=None, derandomize=True,
+# fewer: each example writes and imports a file
+FUZZ = settings(examples(30), database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 COLUMNS = ("step", "layer", "expert", "score")
