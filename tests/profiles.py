@@ -12,5 +12,5 @@ from hypothesis import settings
 
 def examples(n: int) -> settings:
     """Settings of `n` examples under the ci profile, the same share of the loaded profile's count."""
-    share = settings.default.max_examples / settings.get_profile("ci").max_examples
+    share = settings().max_examples / settings.get_profile("ci").max_examples  # settings(): the loaded profile
     return settings(max_examples=max(1, round(n * share)))
