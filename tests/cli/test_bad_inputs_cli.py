@@ -190,6 +190,7 @@ def rows(hf: Path, qn: Path, b: dict[str, Path]) -> list[Row]:
     ]
 
 
+@pytest.mark.slow
 def test_bad_inputs_table(tiny_hf: Path, tiny_qn4: Path, bad: dict[str, Path]) -> None:
     failures = []
     table = rows(tiny_hf, tiny_qn4, bad)

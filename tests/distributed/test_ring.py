@@ -21,6 +21,8 @@ from qnpipe.trace import read
 from qnpipe.trace.format import RunPart
 from qnpipe.trace.merge import merge
 
+pytestmark = pytest.mark.slow  # rings of processes, each loading the model
+
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
 # A pool of top-k slots per layer (the tiny model's top-k is 4) and prefill in chunks: every path streams.
 # The last one streams: the killed-rank test kills a rank while it generates with it.

@@ -202,6 +202,7 @@ def _plan(model: Path, tmp_path: Path, given: dict[str, object] | None = None, *
     return plan_at_startup(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("how", "policy"), [
     ("--set", "lru"), ("--set", "lfu"), ("--set", "fifo"), ("environment", "lru"), ("TOML", "lru"),
     ("Python API", "lru"),
@@ -253,6 +254,7 @@ def test_a_setting_the_plan_cannot_keep_is_refused_naming_it(model: Path, tmp_pa
     assert not probe.exists()
 
 
+@pytest.mark.slow
 def test_explicit_settings_are_kept_and_the_fingerprint_is_unchanged(model: Path, tmp_path: Path) -> None:
     cfg, plan = _plan(model, tmp_path, {"read.verify_crc32": True, "pool.autopin": False})
     assert plan is not None and cfg.read.verify_crc32 is True and cfg.pool.autopin is False
@@ -266,6 +268,7 @@ def test_explicit_settings_are_kept_and_the_fingerprint_is_unchanged(model: Path
 # --------------------------------------------------------------------------- item 1: who may name a plug-in
 
 
+@pytest.mark.slow
 def test_a_model_directory_runs_no_code(tiny_qn4: Path, tmp_path: Path) -> None:
     """The probe of the issue: plan.json naming `evil:P` beside an evil.py in the model directory, a
     config.json and a TOML file there naming it too, `qnpipe generate . --memory ...` run from there."""
@@ -372,6 +375,7 @@ LINKS: dict[str, Callable[[Path, Path, Path], object]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", list(LINKS))
 def test_no_write_under_plans_follows_a_symlink(tiny_qn4: Path, tmp_path: Path, where: str) -> None:
     d = _linked(tiny_qn4, tmp_path / "m")
@@ -417,6 +421,7 @@ def _fresh_tmp(tmp_path: Path) -> Path:
     return t
 
 
+@pytest.mark.slow
 def test_a_read_only_store_uses_a_private_temp_dir_removed_at_exit(tiny_qn4: Path, tmp_path: Path) -> None:
     d = _linked(tiny_qn4, tmp_path / "ro")
     (d / "experts" / "plans").write_text("not a directory: the cache cannot be written\n")
@@ -451,6 +456,7 @@ def test_a_plan_run_leaves_nothing_in_tmpdir(tiny_qn4: Path, tmp_path: Path, mor
     assert not list(t.iterdir()), err
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_plan_leaves_nothing_in_tmpdir(tiny_qn4: Path, tmp_path: Path) -> None:
     from qnpipe.replay.synth import SynthSpec, write_synth
 

@@ -75,6 +75,7 @@ def _grid(n: int, start: int = 1) -> str:
     return ",".join(str(start + i) for i in range(n))
 
 
+@pytest.mark.slow
 def test_replay_and_sweep_inputs(d: Path) -> None:
     log = d / "r.qtrace"
     rp = ["replay", log, "--set", REC, "--set", "pool.expert_slots=4"]
@@ -327,6 +328,7 @@ def long_log(d: Path) -> Path:
     return write_synth(d / "long.qtrace", SynthSpec(layers=4, experts=64, top_k=4, tokens=2000, seed=2))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_killing_a_sweep_leaves_no_process_behind(long_log: Path, sig: signal.Signals) -> None:

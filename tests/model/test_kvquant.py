@@ -106,6 +106,7 @@ def test_quality_gate_on_the_trained_model() -> None:
     assert res["qnpipe 4/4"][0] >= res["mlx-lm 4/4"][0] - 0.03
 
 
+@pytest.mark.slow
 def test_engine_with_kv_quant_and_snapshots_is_exact(tmp_path: object) -> None:
     """The quantized cache snapshots and resumes bit for bit (in memory and through the directory)."""
     text = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Entry point.\"\"\"\n    return len(argv)\n"

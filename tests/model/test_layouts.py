@@ -54,6 +54,7 @@ def test_bf16_hf_checkpoint_loads_mlx_lm_weights_exactly(tmp_path: Path, monkeyp
     assert set(ours) | {k for k in ref_p if ".switch_mlp." in k} == set(ref_p)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "bits, group, recipe",
     [(8, 64, None), (3, 32, None), (6, 128, None), (2, 64, None), (4, 64, "mixed_3_6")],
@@ -77,6 +78,7 @@ def test_quantized_variants_match_mlx_lm(tmp_path: Path, tiny_hf: Path, bits: in
         assert len({le.down_proj.bits for le in lm.experts.layers.values()}) > 1
 
 
+@pytest.mark.slow
 def test_quantized_other_shape_matches_mlx_lm(tmp_path: Path) -> None:
     src = make_tiny(tmp_path / "src", layout="hf", seed=5,
                     config_overrides={"num_hidden_layers": 4, "full_attention_interval": 2, "num_experts": 32,

@@ -63,6 +63,7 @@ def pool_hits(log: Path, policy: str, slots: int) -> int:
     return layer.hits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", list(CLASSES))
 # fewer: each example runs libCacheSim on a file
 @examples(25)
@@ -105,6 +106,7 @@ REAL = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "fmt", "src", "steps", "layer", "caps"), REAL, ids=[r[0] for r in REAL])
 def test_top1_real_traces_hit_as_in_libcachesim(name: str, fmt: str, src: Path, steps: int, layer: int | None,
                                                 caps: tuple[int, ...], flame_dir: Path, tmp_path: Path) -> None:
@@ -158,6 +160,7 @@ def hits_first(slots: int, steps: Sequence[Sequence[int]]) -> list[int]:
 
 
 # fewer: each example runs libCacheSim
+@pytest.mark.slow
 @examples(60)
 @given(data=st.data(), k=st.integers(2, 4))
 def test_topk_lru_is_libcachesim_with_each_step_hits_first(data: st.DataObject, k: int) -> None:

@@ -75,6 +75,7 @@ def test_heat_accumulates_across_runs(streamed_models: dict[str, Path], tmp_path
     assert second == {layer: {e: 2 * c for e, c in row.items()} for layer, row in first.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["default-fp32", "3L-e16k2-fp32", "trained-4bit"])
 def test_autopin_keeps_capacity_invariance(streamed_models: dict[str, Path], tmp_path: Path, name: str) -> None:
     d = streamed_models[name]

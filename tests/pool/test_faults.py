@@ -64,6 +64,7 @@ def reference(streamed_models: dict[str, Path]) -> tuple[Path, np.ndarray, tuple
         return d, eng.logits(PROMPT), eng.generate(PROMPT, max_tokens=24, stop_at_eos=False).tokens
 
 
+@pytest.mark.slow
 def test_slow_device_with_async_eval_pipelining_is_exact(reference) -> None:
     """Reads land late while MLX work is queued: route verification on, results unchanged."""
     d, want_logits, want = reference

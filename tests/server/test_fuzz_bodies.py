@@ -42,6 +42,7 @@ def small() -> Iterator[ServerThread]:
 
 
 # fewer: each example is an HTTP request
+@pytest.mark.slow
 @settings(examples(80), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=BODY, endpoint=st.sampled_from(["chat/completions", "completions"]))
 def test_any_body_is_answered_or_refused_with_a_400(small: ServerThread, body: dict[str, Any], endpoint: str) -> None:

@@ -17,6 +17,7 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -131,6 +132,7 @@ def _cli(*argv: object) -> tuple[int, str]:
     return rc, err.getvalue()
 
 
+@pytest.mark.slow
 @FUZZ
 @given(t=tables())
 def test_every_log_the_csv_importer_accepts_every_reader_takes(tmp_path_factory, t: dict) -> None:  # noqa: ANN001

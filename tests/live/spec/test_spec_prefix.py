@@ -86,6 +86,7 @@ def _run(model: Path, prompts: list[list[int]], **over: Any) -> tuple[list[tuple
         return [r.tokens for r in res], [(r.stats.mtp, r.stats.prefix_tokens_reused) for r in res], eng.stats()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "stream"), [("trained_hf", False), ("trained_qn4", True)])
 def test_mtp_resume_equals_mtp_without_snapshots_and_plain_greedy(request: pytest.FixtureRequest, model: str,
                                                                   stream: bool, prompts: list[list[int]],

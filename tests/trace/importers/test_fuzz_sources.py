@@ -225,6 +225,7 @@ PT_FUZZ = settings(examples(80), database=None,
                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 @PT_FUZZ
 @given(edits=st.dictionaries(st.sampled_from(["samples", "scores", "indices"]), TENSOR_EDIT, max_size=3),
        meta=META_EDIT, deflate=st.booleans())
@@ -237,6 +238,7 @@ def test_crafted_tensor_metadata_fails_only_with_an_import_error(edits: dict[str
     assert _in_child(lambda: _import_and_compare(src, tmp_path / "out.qtrace", ts)) is None
 
 
+@pytest.mark.slow
 @PT_FUZZ
 @given(pkl_edits=edits_st, zip_edits=st.lists(st.tuples(st.integers(0, 20), st.sampled_from(ZIP_FIELDS), ZIP_VALUE),
                                                max_size=3),
