@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "qnpipe"
 # The C extension is a private module by name only (the Python fallback stands beside it).
@@ -175,6 +177,7 @@ MODEL_FREE = ("qnpipe.replay", "qnpipe.replay.sweep", "qnpipe.replay.cost_fit", 
 HEAVY = ("mlx", "mlx_lm", "transformers", "qnpipe.live.core", "qnpipe.model.stepper", "qnpipe.model.qwen3_next")
 
 
+@pytest.mark.slow
 def test_replay_and_sweeps_load_no_model_code() -> None:
     code = ("import importlib, json, sys\n"
             f"for m in {MODEL_FREE!r}:\n    importlib.import_module(m)\n"

@@ -103,11 +103,9 @@ def timing_asserts(source: str, name: str) -> list[str]:
                       or (id(node) not in in_loop and any(_is_clock(n) for n in ast.walk(c))) for c in compares)
             if bad:
                 hits.append(f"{name}:{node.lineno}")
-        elif isinstance(node, ast.keyword) and node.arg == "deadline" and not (
-                isinstance(node.value, ast.Constant) and node.value.value is None):
-            call = next((c for c in ast.walk(tree) if isinstance(c, ast.Call) and node in c.keywords), None)
-            if call is not None and isinstance(call.func, ast.Name) and call.func.id == "settings":
-                hits.append(f"{name}:{node.value.lineno}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "settings":
+            hits += [f"{name}:{k.value.lineno}" for k in node.keywords if k.arg == "deadline"
+                     and not (isinstance(k.value, ast.Constant) and k.value.value is None)]
     return sorted(set(hits), key=lambda h: int(h.rsplit(":", 1)[1]))
 
 

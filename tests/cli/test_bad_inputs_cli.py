@@ -210,6 +210,7 @@ def test_bad_inputs_table(tiny_hf: Path, tiny_qn4: Path, bad: dict[str, Path]) -
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow
 def test_closed_pipe_exits_quietly(tiny_hf: Path) -> None:
     """`qnpipe generate ... | head`: the reader goes away; no BrokenPipeError traceback, exit 141 (SIGPIPE)."""
     for extra in ([], ["--json"]):
@@ -223,6 +224,7 @@ def test_closed_pipe_exits_quietly(tiny_hf: Path) -> None:
         assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
+@pytest.mark.slow
 def test_verify_crc32_setting_catches_corruption_on_eager_load(bad: dict[str, Path]) -> None:
     # Eager load reads every record; the streamed path is tests/pool/test_faults.py.
     eager = ["--set", "pool.eager_load=true"]

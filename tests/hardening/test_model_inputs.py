@@ -172,6 +172,7 @@ def _gen(d: Path, *more: Any, text: bool = False) -> list[Any]:
     return ["generate", d, *prompt, "-n", "2", *more]
 
 
+@pytest.mark.slow
 def test_huge_counts_in_config_json_are_named_errors(m: dict[str, Path]) -> None:
     rows = [Case(f"config.json {key}", _gen(m[f"cfg-{key}"]), 2, ("config.json", key, str(value), "at most"))
             for key, value in (("num_experts", BIG), ("hidden_size", BIG), ("vocab_size", BIG),

@@ -196,6 +196,7 @@ def _model_bytes(d: Path) -> bytes:
     return (d / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fallback", "exchange"])
 def test_a_kill_between_the_steps_of_a_replace_keeps_a_complete_output(tmp_path: Path, mode: str) -> None:
     from qnpipe.convert.tiny import make_tiny

@@ -221,6 +221,7 @@ def test_the_users_eviction_policy_is_planned_with(model: Path, tmp_path: Path, 
     assert {c.evict_policy for c in plan.candidates} == {policy}
 
 
+@pytest.mark.slow
 def test_a_cached_plan_with_another_policy_than_the_users_is_not_applied(model: Path, genuine: dict[str, Any],
                                                                           tmp_path: Path) -> None:
     cfg = _cfg(model, tmp_path, _budget(model), **{"pool.evict_policy": "lru"})
@@ -233,6 +234,7 @@ def test_a_cached_plan_with_another_policy_than_the_users_is_not_applied(model: 
     assert out.pool.evict_policy == "lru" and plan is not None and plan.evict_policy == "lru"
 
 
+@pytest.mark.slow
 def test_no_prefetch_candidate_when_the_user_turned_prefetch_off(model: Path, tmp_path: Path) -> None:
     cfg, plan = _plan(model, tmp_path, {"predict.cross_layer_prefetch": False})
     assert plan is not None and not plan.prefetch and not any(c.prefetch for c in plan.candidates)
@@ -441,6 +443,7 @@ def test_a_read_only_store_uses_a_private_temp_dir_removed_at_exit(tiny_qn4: Pat
     assert sorted(p.name for p in t.iterdir() if p.name != "mlx") == [f"qnpipe-plan-{key}"], err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("more", "rc"), [
     ([], 0),
     (["--ranks", "2", "--memory", "1.2GB"], 0),

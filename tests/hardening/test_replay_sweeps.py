@@ -164,6 +164,7 @@ def test_a_10e9_point_grid_fails_before_any_work(d: Path, monkeypatch: pytest.Mo
         sweep.plan(d / "r.qtrace", axes, config.load(None, env={}), fixed={"replay.record_nbytes": NBYTES})
 
 
+@pytest.mark.slow
 def test_one_failing_point_is_reported_and_the_rest_complete(d: Path) -> None:
     """`recorded` needs a live run's candidates, which a routing log lacks: that point fails when replayed."""
     from cli_harness import run_cli
@@ -184,6 +185,7 @@ def test_one_failing_point_is_reported_and_the_rest_complete(d: Path) -> None:
     assert bad["report"] is None and bad["metrics"] == {} and "predict.candidates" in bad["error"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", ["serial", "processes", "dask"])
 def test_a_point_failing_on_any_executor_keeps_the_others(d: Path, executor: str) -> None:
     points = sweep.plan(d / "r.qtrace", sweep.parse_grid(["replay.predictor=previous,recorded,none"]),

@@ -129,6 +129,7 @@ with qnpipe.Engine(DEMO_MODEL_DIR, snapshot_head_tokens=%d, snapshot_dir=sys.arg
 """
 
 
+@pytest.mark.slow
 def test_another_process_resumes_from_the_directory(prompts: list[list[int]], reference: dict[str, object],
                                                     tmp_path: Path) -> None:
     ref = reference["tokens"]

@@ -86,6 +86,7 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass Config:\n",
            "    def __init__(self, path):\n        self.path = path\n", "# Copyright 2001\n\"\"\"Utilities for URLs.\"\"\"\n"]
 
 
+@pytest.mark.slow
 def test_quality_gate_on_the_trained_model() -> None:
     """K4/V3: >= 95% greedy agreement and logits cosine >= 0.99 over 4 x 64 tokens, next to mlx-lm at 4/4."""
     from qnpipe.chat.tokenizer import encode, load_tokenizer

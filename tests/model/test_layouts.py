@@ -25,6 +25,7 @@ def _params(model) -> dict[str, mx.array]:
     return dict(tree_flatten(model.parameters()))
 
 
+@pytest.mark.slow
 def test_sharded_hf_checkpoint(tmp_path: Path, tiny_hf: Path) -> None:
     d = make_tiny(tmp_path / "sharded", layout="hf", seed=0, shards=3)
     assert (d / "model.safetensors.index.json").is_file()
@@ -34,6 +35,7 @@ def test_sharded_hf_checkpoint(tmp_path: Path, tiny_hf: Path) -> None:
     assert "mtp.fc.weight" in lm.mtp_weights and "mtp.norm.weight" in lm.mtp_weights
 
 
+@pytest.mark.slow
 def test_bf16_hf_checkpoint_loads_mlx_lm_weights_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Unquantized bf16 experts cannot run on MLX's CPU backend (gather_mm is float32-only),
     # so compare the loaded tensors, norms (+1 in bf16) and stacked experts included. The

@@ -36,6 +36,7 @@ def _heat(d: Path, **over: Any) -> dict[str, Any]:
     return {"pool.autopin_usage_file": str(d), **over}
 
 
+@pytest.mark.slow
 def test_pinned_experts_are_in_the_pool_right_after_start_up(streamed_models: dict[str, Path], tmp_path: Path) -> None:
     d = streamed_models["default-fp32"]
     args = _args(d)

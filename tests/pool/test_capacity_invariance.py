@@ -109,6 +109,7 @@ def test_libcachesim_policies_and_a_plugin_stream_exactly(streamed_models: dict[
         assert st.pool is not None and st.pool.misses_by_cause.get("capacity", 0) > 0, where  # it did evict
 
 
+@pytest.mark.slow
 def test_prefill_chunks_whose_union_exceeds_capacity_run_in_parts(streamed_models: dict[str, Path]) -> None:
     """A 40-token chunk routes to more experts than top-k slots hold: parts, same logits (documented: bit-identical)."""
     d = streamed_models["default-fp32"]

@@ -112,6 +112,7 @@ def test_mtp_resume_equals_mtp_without_snapshots_and_plain_greedy(request: pytes
     assert st2.prefix is not None and st2.prefix.disk_loads == 1
 
 
+@pytest.mark.slow
 def test_a_snapshot_of_the_other_kind_is_ignored_with_one_warning(trained_hf: Path, prompts: list[list[int]],
                                                                   tmp_path: Path) -> None:
     plain, _, _ = _run(trained_hf, [prompts[1]], snapshot_head_tokens=0)
