@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from qnpipe import config
 from qnpipe.compute import blas
@@ -13,6 +15,14 @@ from qnpipe.compute import blas
 # Before any test imports MLX: the suite runs on the BLAS of compute.cpu_blas (auto by default, so
 # CI runs the exactness tests under OpenBLAS; QNPIPE_COMPUTE__CPU_BLAS=bundled runs them on MLX's own).
 blas.apply(config.load().compute)
+
+# Hypothesis profiles, chosen by HYPOTHESIS_PROFILE or `--hypothesis-profile NAME` (the option wins).
+# ci: every property at its full count (a test's own count is a multiple of this one: tests/profiles.py).
+# dev: a tenth, for the edit-run loop. No deadline in either: a per-example time limit is a wall-clock
+# assert, and these run on 2 shared cores.
+settings.register_profile("ci", max_examples=100, deadline=None)
+settings.register_profile("dev", settings.get_profile("ci"), max_examples=10)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ def bench():
     return mod
 
 
+@pytest.mark.slow
 def test_the_bound_is_the_accept_length_over_the_verify_cost(bench) -> None:
     # Plain decode at 200 tok/s (5 ms a token); verifies of 2..5 positions take 7.5, 10, 12.5, 15 ms.
     rb = {"plain": 200.0, "verify2": 0.0075, "verify3": 0.010, "verify4": 0.0125, "verify5": 0.015}

@@ -155,6 +155,7 @@ def test_model_dir_from_config(tiny_hf: Path) -> None:
         assert e.cfg.model.model_dir == str(tiny_hf)
 
 
+@pytest.mark.slow
 def test_process_exits_cleanly_after_engine_use(tiny_hf: Path) -> None:
     # A thread that ran MLX's CPU attention and then ended used to abort the process at exit.
     import subprocess

@@ -23,8 +23,10 @@ from qnpipe.convert.verify import verify_store
 from qnpipe.errors import QnpipeError
 from qnpipe.io.store import ExpertStore, read_index
 from qnpipe.model.checkpoint import read_header
+from tests.profiles import examples
 
-FUZZ = settings(max_examples=60, deadline=None, database=None,
+# fewer: each example writes and reads a file
+FUZZ = settings(examples(60), database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 

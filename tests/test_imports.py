@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "qnpipe"
 # Private modules by name only: the C extension (the Python fallback stands beside it) and the version.
@@ -261,6 +263,7 @@ MODEL_FREE = ("qnpipe.replay", "qnpipe.replay.sweep", "qnpipe.replay.cost_fit", 
 HEAVY = ("mlx", "mlx_lm", "transformers", "qnpipe.live.loaded", "qnpipe.model.stepper", "qnpipe.model.qwen3_next")
 
 
+@pytest.mark.slow
 def test_replay_and_sweeps_load_no_model_code() -> None:
     code = ("import importlib, json, sys\n"
             f"for m in {MODEL_FREE!r}:\n    importlib.import_module(m)\n"

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import trio
 import trio.testing
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qnpipe.actors.pipeline import open_pipeline
@@ -19,6 +19,7 @@ from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.pool import MissKind, PoolOptions, PoolPolicy, PrefetchBudgets
 from qnpipe.policy.read_queue import Job
 from qnpipe.steps import LayerRoute, PartGrant, StepDone
+from tests.profiles import examples
 
 E, K, LAYERS = 32, 2, 6
 
@@ -106,7 +107,8 @@ def test_slow_device_makes_every_predicted_miss_late() -> None:
         assert causes[layer] and set(causes[layer]) == {MissKind.LATE}, (layer, causes[layer])
 
 
-@settings(max_examples=150, deadline=None)
+# more: the interleavings of reads and hints are many and each run is on MockClock
+@examples(150)
 @given(ops=st.lists(st.tuples(st.sampled_from(["acquire", "hint", "done", "expire", "forward"]),
                               st.lists(st.integers(0, 11), min_size=1, max_size=3, unique=True)),
                     max_size=60),

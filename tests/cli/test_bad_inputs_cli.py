@@ -13,13 +13,10 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-
-TABLE_SECONDS = 75  # the whole table; measured 33 s on 2 shared, busy cores
 
 
 class Row(NamedTuple):
@@ -193,8 +190,8 @@ def rows(hf: Path, qn: Path, b: dict[str, Path]) -> list[Row]:
     ]
 
 
+@pytest.mark.slow
 def test_bad_inputs_table(tiny_hf: Path, tiny_qn4: Path, bad: dict[str, Path]) -> None:
-    t0 = time.monotonic()
     failures = []
     table = rows(tiny_hf, tiny_qn4, bad)
     assert len({r.name for r in table}) == len(table)
@@ -210,11 +207,10 @@ def test_bad_inputs_table(tiny_hf: Path, tiny_qn4: Path, bad: dict[str, Path]) -
         problems += [f"no {n!r} in the output" for n in row.needles if n not in err + out]
         if problems:
             failures.append(f"{row.name}: {'; '.join(problems)}\n  stderr: {err[-600:]}")
-    elapsed = time.monotonic() - t0
     assert not failures, "\n".join(failures)
-    assert elapsed < TABLE_SECONDS, f"{len(table)} rows took {elapsed:.0f}s"
 
 
+@pytest.mark.slow
 def test_closed_pipe_exits_quietly(tiny_hf: Path) -> None:
     """`qnpipe generate ... | head`: the reader goes away; no BrokenPipeError traceback, exit 141 (SIGPIPE)."""
     for extra in ([], ["--json"]):
@@ -228,6 +224,7 @@ def test_closed_pipe_exits_quietly(tiny_hf: Path) -> None:
         assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
+@pytest.mark.slow
 def test_verify_crc32_setting_catches_corruption_on_eager_load(bad: dict[str, Path]) -> None:
     # Eager load reads every record; the streamed path is tests/pool/test_faults.py.
     eager = ["--set", "pool.eager_load=true"]

@@ -262,6 +262,7 @@ def _start_and_signal(src: Path, out: Path, sig: int) -> int:
             proc.stderr.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_interrupt_removes_everything(tmp_path: Path, tiny_mlx4: Path, sig: int) -> None:
     out = tmp_path / "qn"

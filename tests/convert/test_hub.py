@@ -47,6 +47,7 @@ def _env(cache: Path) -> tuple[tuple[str, str], ...]:
     return (("HF_HUB_OFFLINE", "1"), ("HF_HUB_CACHE", str(cache)), ("HF_HOME", str(cache.parent / "hf-home")))
 
 
+@pytest.mark.slow
 def test_convert_by_repository_id_from_the_hub_cache(tmp_path: Path, tiny_hf: Path) -> None:
     # The Hub also has a file convert does not read: offline, its absence from the cache is no error.
     cache = _hub_cache(tmp_path / "hub", tiny_hf, extra={"original/consolidated.pth": 1 << 30})

@@ -14,7 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from qnpipe.live.parallel.localhost import write_local_hostfile
+
+pytestmark = pytest.mark.slow  # rings of processes, each loading the model
 
 QNPIPE = [sys.executable, "-m", "qnpipe"]
 GENERATE = ["generate", "-p", "def read_lines(path):", "-n", "8"]

@@ -28,6 +28,8 @@ from qnpipe.config.launch import HOSTFILE_CAP, Launch, read_launch
 from qnpipe.errors import ConfigError
 from qnpipe.live.parallel.deadman import EXIT_CODE
 
+pytestmark = pytest.mark.slow  # rings of processes, each loading the model
+
 DEMO = Path(__file__).resolve().parents[2] / "qnpipe" / "data" / "tiny_trained"
 TWO = [["127.0.0.1:5000"], ["127.0.0.1:5001"]]
 

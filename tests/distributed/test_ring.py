@@ -21,6 +21,8 @@ from qnpipe.trace import read
 from qnpipe.trace.format import RunPart
 from qnpipe.trace.merge import merge
 
+pytestmark = pytest.mark.slow  # rings of processes, each loading the model
+
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
 # A pool of top-k slots per layer (the tiny model's top-k is 4) and prefill in chunks: every path streams.
 # The last one streams: the killed-rank test kills a rank while it generates with it.
@@ -190,8 +192,7 @@ def test_a_killed_rank_stops_the_others_naming_it(three_ranks_then_one_killed: K
 
 
 def test_a_rank_that_never_starts_is_named_within_the_connect_timeout(tiny_qn4: Path, tmp_path: Path) -> None:
-    t0 = time.monotonic()
+    # timeout_s is the hang guard: past it the rank is killed and TimeoutExpired fails the test
     [(rc, err)] = _finish(_start(2, tiny_qn4, tmp_path, {"prompt": PROMPT, "tokens": 6, "engines": ENGINES}, only=[0],
                                  env={"QNPIPE_DISTRIBUTED__CONNECT_TIMEOUT_S": "1.5"}), timeout_s=30)
     assert rc != 0 and "rank 1" in err and "did not connect within 1.5 s" in err, err[-3000:]
-    assert time.monotonic() - t0 < 30

@@ -17,6 +17,8 @@ from qnpipe.plan import load_plan, model_facts
 from qnpipe.plan.ranks import layer_weights, memory_split, share_minimum
 from tests.distributed.test_ring import PROMPT, _finish, _start
 
+pytestmark = pytest.mark.slow  # rings of processes, each loading the model
+
 CONTEXT = 512
 STREAM: dict[str, Any] = {"expert_slots": 4, "prefill_chunk_tokens": 5}  # a top-k pool: every expert streamed
 # The account's process line, pinned: measured, it would be each process's own (this one's and the ranks' differ).

@@ -21,6 +21,8 @@ from qnpipe.live.prefix import SUFFIX, SnapshotFileWarning, snapshot_path
 from qnpipe.model import snapshots
 from qnpipe.model.stage import Stage
 
+pytestmark = pytest.mark.slow  # rings of processes, each loading the model
+
 FIRST = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
 SECOND = [*FIRST[:8], 20, 21, 22, 23, 24]  # the same head of 8 tokens
 NEW = [30, 31]  # a conversation's next turn: the first prompt, its answer, these

@@ -168,13 +168,16 @@ def out(tmp_path: Path) -> Path:
     return o
 
 
+@pytest.mark.slow
 def test_crafted_pt_files_are_refused_before_any_view_or_allocation(tmp_path: Path, out: Path) -> None:
     check_table(_pt_cases(tmp_path, out))
 
 
+@pytest.mark.slow
 def test_fifos_devices_and_directories_are_refused_never_read(tmp_path: Path, out: Path) -> None:
     check_table(_special_cases(tmp_path, out))
 
 
+@pytest.mark.slow
 def test_counts_and_sizes_are_bounded_before_anything_is_allocated(tmp_path: Path, out: Path) -> None:
     check_table(_bounded_cases(tmp_path, out))

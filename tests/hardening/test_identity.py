@@ -135,6 +135,7 @@ def test_the_identity_names_what_differs(m: dict[str, Path], tiny_hf: Path, tmp_
         assert model_identity(d).weights != hf.weights, name
 
 
+@pytest.mark.slow
 def test_ranks_with_other_weights_are_refused_at_start(m: dict[str, Path], tmp_path: Path) -> None:
     """Rank 0 on the model, rank 1 on a model of the same config.json and expert store, one weight's bit
     apart: both stop before loading, naming rank 1 and the weights. Today both generate, exit 0."""

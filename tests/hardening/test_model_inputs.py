@@ -172,6 +172,7 @@ def _gen(d: Path, *more: Any, text: bool = False) -> list[Any]:
     return ["generate", d, *prompt, "-n", "2", *more]
 
 
+@pytest.mark.slow
 def test_huge_counts_in_config_json_are_named_errors(m: dict[str, Path]) -> None:
     rows = [Case(f"config.json {key}", _gen(m[f"cfg-{key}"]), 2, ("config.json", key, str(value), "at most"))
             for key, value in (("num_experts", BIG), ("hidden_size", BIG), ("vocab_size", BIG),
@@ -181,6 +182,7 @@ def test_huge_counts_in_config_json_are_named_errors(m: dict[str, Path]) -> None
     check_table(rows)
 
 
+@pytest.mark.slow
 def test_an_index_that_lies_about_its_counts_is_a_named_error(m: dict[str, Path]) -> None:
     def idx(name: str) -> Path:
         return m[f"idx-{name}"] / "experts"
@@ -201,6 +203,7 @@ def test_an_index_that_lies_about_its_counts_is_a_named_error(m: dict[str, Path]
     ])
 
 
+@pytest.mark.slow
 def test_a_fifo_directory_or_device_is_refused_by_name(m: dict[str, Path]) -> None:
     what = {"fifo": "a FIFO", "dir": "a directory", "dev": "a device"}
     rows = []
@@ -225,6 +228,7 @@ def test_a_fifo_directory_or_device_is_refused_by_name(m: dict[str, Path]) -> No
     check_table(rows)
 
 
+@pytest.mark.slow
 def test_optional_files_that_are_not_regular_warn_and_the_answer_comes(m: dict[str, Path]) -> None:
     heat, snaps = m["heat"], m["snaps"]
     check_table([
@@ -238,6 +242,7 @@ def test_optional_files_that_are_not_regular_warn_and_the_answer_comes(m: dict[s
     ])
 
 
+@pytest.mark.slow
 def test_a_heat_file_naming_what_the_model_lacks_warns_and_the_model_generates(m: dict[str, Path]) -> None:
     """Issue 22 item 9: before, a heat file with expert 999 made the model unusable (exit 2)."""
     heat = m["heat"]

@@ -103,6 +103,7 @@ def _hub_env(tmp: Path, endpoint: str, proxy: str = "") -> tuple[tuple[str, str]
     return tuple(env)
 
 
+@pytest.mark.slow
 def test_convert_from_a_hub_that_does_not_answer_fails_within_its_bound(tmp_path: Path,
                                                                          hosts: Callable[[str], int]) -> None:
     out = tmp_path / "qn"
@@ -139,6 +140,7 @@ def log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_dask_scheduler_that_does_not_answer_fails_within_its_bound(log: Path, tmp_path: Path,
                                                                       hosts: Callable[[str], int]) -> None:
     out = tmp_path / "sweep.json"

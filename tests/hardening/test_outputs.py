@@ -79,6 +79,7 @@ def _mounted(m: Path | str, rows: list[Case]) -> list[Case]:
 # --------------------------------------------------------------------------- item 1 + 10: the table
 
 
+@pytest.mark.slow
 def test_output_paths_and_messages(tmp_path: Path, tiny_hf: Path, mounts: dict[str, Path | str]) -> None:
     from qnpipe.convert.tiny import make_tiny
 
@@ -195,6 +196,7 @@ def _model_bytes(d: Path) -> bytes:
     return (d / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fallback", "exchange"])
 def test_a_kill_between_the_steps_of_a_replace_keeps_a_complete_output(tmp_path: Path, mode: str) -> None:
     from qnpipe.convert.tiny import make_tiny
@@ -257,6 +259,7 @@ def tiny_qn(tmp_path_factory: pytest.TempPathFactory, tiny_hf: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_generate_saves_the_heat_when_terminated(tmp_path: Path, tiny_qn: Path, sig: int) -> None:
     heat = tmp_path / "heat.json"

@@ -67,6 +67,7 @@ def _refused(name: str, argv: list[object], *needles: object) -> Case:
     return Case(name, argv, 2, tuple(str(n) for n in needles), in_process=True, tmp_empty=True)
 
 
+@pytest.mark.slow
 def test_no_output_is_an_input(w: dict[str, Path]) -> None:
     d, m, log, log2 = w["d"], w["m"], w["log"], w["log2"]
     before = _hashes(d, m)
@@ -164,6 +165,7 @@ def test_no_output_is_an_input(w: dict[str, Path]) -> None:
     assert (m / "experts" / "trace.qtrace").is_file() and (d / "out.csv").is_file()
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_nothing_in_tmpdir(w: dict[str, Path]) -> None:
     """The commands above stopped by SIGTERM under way: exit 128 + 15, their outputs whole or absent,
     nothing in TMPDIR (a sweep's worker pool keeps its sockets there)."""

@@ -202,6 +202,7 @@ def _plan(model: Path, tmp_path: Path, given: dict[str, object] | None = None, *
     return plan_at_startup(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("how", "policy"), [
     ("--set", "lru"), ("--set", "lfu"), ("--set", "fifo"), ("environment", "lru"), ("TOML", "lru"),
     ("Python API", "lru"),
@@ -220,6 +221,7 @@ def test_the_users_eviction_policy_is_planned_with(model: Path, tmp_path: Path, 
     assert {c.evict_policy for c in plan.candidates} == {policy}
 
 
+@pytest.mark.slow
 def test_a_cached_plan_with_another_policy_than_the_users_is_not_applied(model: Path, genuine: dict[str, Any],
                                                                           tmp_path: Path) -> None:
     cfg = _cfg(model, tmp_path, _budget(model), **{"pool.evict_policy": "lru"})
@@ -232,6 +234,7 @@ def test_a_cached_plan_with_another_policy_than_the_users_is_not_applied(model: 
     assert out.pool.evict_policy == "lru" and plan is not None and plan.evict_policy == "lru"
 
 
+@pytest.mark.slow
 def test_no_prefetch_candidate_when_the_user_turned_prefetch_off(model: Path, tmp_path: Path) -> None:
     cfg, plan = _plan(model, tmp_path, {"predict.cross_layer_prefetch": False})
     assert plan is not None and not plan.prefetch and not any(c.prefetch for c in plan.candidates)
@@ -253,6 +256,7 @@ def test_a_setting_the_plan_cannot_keep_is_refused_naming_it(model: Path, tmp_pa
     assert not probe.exists()
 
 
+@pytest.mark.slow
 def test_explicit_settings_are_kept_and_the_fingerprint_is_unchanged(model: Path, tmp_path: Path) -> None:
     cfg, plan = _plan(model, tmp_path, {"read.verify_crc32": True, "pool.autopin": False})
     assert plan is not None and cfg.read.verify_crc32 is True and cfg.pool.autopin is False
@@ -266,6 +270,7 @@ def test_explicit_settings_are_kept_and_the_fingerprint_is_unchanged(model: Path
 # --------------------------------------------------------------------------- item 1: who may name a plug-in
 
 
+@pytest.mark.slow
 def test_a_model_directory_runs_no_code(tiny_qn4: Path, tmp_path: Path) -> None:
     """The probe of the issue: plan.json naming `evil:P` beside an evil.py in the model directory, a
     config.json and a TOML file there naming it too, `qnpipe generate . --memory ...` run from there."""
@@ -372,6 +377,7 @@ LINKS: dict[str, Callable[[Path, Path, Path], object]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", list(LINKS))
 def test_no_write_under_plans_follows_a_symlink(tiny_qn4: Path, tmp_path: Path, where: str) -> None:
     d = _linked(tiny_qn4, tmp_path / "m")
@@ -417,6 +423,7 @@ def _fresh_tmp(tmp_path: Path) -> Path:
     return t
 
 
+@pytest.mark.slow
 def test_a_read_only_store_uses_a_private_temp_dir_removed_at_exit(tiny_qn4: Path, tmp_path: Path) -> None:
     d = _linked(tiny_qn4, tmp_path / "ro")
     (d / "experts" / "plans").write_text("not a directory: the cache cannot be written\n")
@@ -436,6 +443,7 @@ def test_a_read_only_store_uses_a_private_temp_dir_removed_at_exit(tiny_qn4: Pat
     assert sorted(p.name for p in t.iterdir() if p.name != "mlx") == [f"qnpipe-plan-{key}"], err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("more", "rc"), [
     ([], 0),
     (["--ranks", "2", "--memory", "1.2GB"], 0),
@@ -451,6 +459,7 @@ def test_a_plan_run_leaves_nothing_in_tmpdir(tiny_qn4: Path, tmp_path: Path, mor
     assert not list(t.iterdir()), err
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_plan_leaves_nothing_in_tmpdir(tiny_qn4: Path, tmp_path: Path) -> None:
     from qnpipe.replay.synth import SynthSpec, write_synth
 

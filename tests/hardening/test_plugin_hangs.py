@@ -139,6 +139,7 @@ def _rows(d: Path, rows: list[tuple[str, list[str], signal.Signals | None, int, 
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow
 def test_generate_is_stopped_by_sigterm_and_sigint_while_a_plugin_sleeps(d: Path, trained_qn4: Path) -> None:
     argv = ["generate", str(trained_qn4), "-p", "def fib(n):", "-n", "32", "--set", "pool.expert_slots=8",
             "--set", f"pool.evict_policy={MODULE}:Sleep"]
@@ -147,6 +148,7 @@ def test_generate_is_stopped_by_sigterm_and_sigint_while_a_plugin_sleeps(d: Path
               ("generate-INT", argv, signal.SIGINT, 100, 128 + signal.SIGINT, ("SIGINT", *named))])
 
 
+@pytest.mark.slow
 def test_replay_is_stopped_by_signals_and_by_the_watchdog_while_a_plugin_blocks(d: Path) -> None:
     log = str(d / "r.qtrace")
     argv = ["replay", log, "--set", REC, "--set", "pool.expert_slots=4", "--set", f"pool.evict_policy={MODULE}:Sleep"]
@@ -159,6 +161,7 @@ def test_replay_is_stopped_by_signals_and_by_the_watchdog_while_a_plugin_blocks(
                ("no progress for", "diag.watchdog_s=1", f"'{MODULE}:Spin'", "Spin.pick"))])
 
 
+@pytest.mark.slow
 def test_a_sweep_point_over_its_time_limit_is_killed_and_named_the_others_complete(d: Path) -> None:
     out = d / "sweep.json"
     argv = [sys.executable, "-m", "qnpipe", "sweep", str(d / "r.qtrace"), "--set", REC, "--set", "pool.expert_slots=4",

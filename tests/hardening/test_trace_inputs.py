@@ -75,6 +75,7 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.slow
 def test_trace_stats_takes_every_log_the_importer_accepts(logs: dict[str, Path]) -> None:
     check_table([Case(f"stats {name} {json}", ("trace", "stats", log, *json), 0, (log.name,) if not json else ("reuse_counts",),
                       in_process=True)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 
 from qnpipe.trace.format import MAGIC, Footer, Route
 from tests.cli_harness import Case, check_table
@@ -116,6 +117,7 @@ def _import(src: Path, out: Path, *more: str) -> list[Any]:
     return ["trace", "import", "csv", src, "-o", out, *more]
 
 
+@pytest.mark.slow
 def test_compressed_csv_is_capped_as_it_streams(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()

@@ -63,6 +63,7 @@ def _gen(model: Path, trace: object, n: int = 3) -> list[object]:
 # --------------------------------------------------------------------------- writers (item 4)
 
 
+@pytest.mark.slow
 def test_trace_into_a_bad_place_fails_before_the_model_loads(tiny_qn4: Path, tmp_path: Path) -> None:
     d = tmp_path / "w"
     (d / "adir").mkdir(parents=True)
@@ -90,6 +91,7 @@ def test_trace_into_a_bad_place_fails_before_the_model_loads(tiny_qn4: Path, tmp
     assert list((d / "adir").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_writer_with_an_error_naming_the_target(tiny_qn4: Path, tmp_path: Path) -> None:
     log = tmp_path / "r.qtrace"
     write_synth(log, SynthSpec(layers=4, experts=64, top_k=4, tokens=4000, seed=1))
@@ -114,6 +116,7 @@ def test_a_full_disk_stops_the_writer_with_an_error_naming_the_target(tiny_qn4: 
         assert list(mid.iterdir()) == [] and list(end.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_efbig_stops_generate_with_an_error_naming_the_target(tiny_qn4: Path, tmp_path: Path) -> None:
     """RLIMIT_FSIZE: every write past 16 KB fails with EFBIG (Python ignores SIGXFSZ), no mount needed."""
     target = tmp_path / "run.qtrace"
@@ -155,6 +158,7 @@ def _frames(data: bytes) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_log_headers_and_non_regular_logs_are_refused_by_every_reader(tmp_path: Path) -> None:
     d = tmp_path
     ok = ModelShape(num_layers=2, moe_layers=(0, 1), num_experts=16, top_k=2, hidden_size=8)
@@ -238,6 +242,7 @@ def _broken_weights(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_serve_refuses_an_empty_key_and_a_busy_port_before_loading(tiny_qn4: Path, tmp_path: Path,
                                                                      busy_port: int) -> None:
     (empty := tmp_path / "empty.key").write_text("  \n")

@@ -50,6 +50,7 @@ def test_boundaries() -> None:
     assert set(boundaries(9, 4, 6)[:-1]) <= set(boundaries(30, 4, 6))
 
 
+@pytest.mark.slow
 def test_resume_equals_full_prefill(prompts: list[list[int]], reference: dict[str, object]) -> None:
     ref_logits, ref_tokens = reference["logits"], reference["tokens"]
     assert isinstance(ref_logits, list) and isinstance(ref_tokens, list)
@@ -128,6 +129,7 @@ with qnpipe.Engine(DEMO_MODEL_DIR, snapshot_head_tokens=%d, snapshot_dir=sys.arg
 """
 
 
+@pytest.mark.slow
 def test_another_process_resumes_from_the_directory(prompts: list[list[int]], reference: dict[str, object],
                                                     tmp_path: Path) -> None:
     ref = reference["tokens"]
@@ -257,6 +259,7 @@ def _reverse_experts(experts_dir: Path) -> None:
     config_path.write_text(json.dumps(config, indent=1))
 
 
+@pytest.mark.slow
 def test_a_store_of_other_experts_does_not_resume_the_first_ones_head(prompts: list[list[int]],
                                                                      tmp_path: Path) -> None:
     """Issue 22 item 3: same dense weights, other experts: the head state of one is not the other's."""

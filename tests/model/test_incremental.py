@@ -12,6 +12,7 @@ from qnpipe.model.decode import forward_logits
 from qnpipe.model.load import load_model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 1, 3, 7])
 def test_incremental_decode_equals_full_forward(tiny_hf: Path, chunk: int) -> None:
     model = load_model(tiny_hf).model
@@ -31,6 +32,7 @@ def test_incremental_decode_equals_full_forward(tiny_hf: Path, chunk: int) -> No
     assert np.abs(inc - full).max() <= 1e-5 * scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 2, 5, 16])
 def test_chunked_prefill_logits_equal_unchunked(tiny_hf: Path, chunk: int) -> None:
     model = load_model(tiny_hf).model

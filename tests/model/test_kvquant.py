@@ -86,6 +86,7 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass Config:\n",
            "    def __init__(self, path):\n        self.path = path\n", "# Copyright 2001\n\"\"\"Utilities for URLs.\"\"\"\n"]
 
 
+@pytest.mark.slow
 def test_quality_gate_on_the_trained_model() -> None:
     """K4/V3: >= 95% greedy agreement and logits cosine >= 0.99 over 4 x 64 tokens, next to mlx-lm at 4/4."""
     from qnpipe.chat.tokenizer import encode, load_tokenizer
@@ -106,6 +107,7 @@ def test_quality_gate_on_the_trained_model() -> None:
     assert res["qnpipe 4/4"][0] >= res["mlx-lm 4/4"][0] - 0.03
 
 
+@pytest.mark.slow
 def test_engine_with_kv_quant_and_snapshots_is_exact(tmp_path: object) -> None:
     """The quantized cache snapshots and resumes bit for bit (in memory and through the directory)."""
     text = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Entry point.\"\"\"\n    return len(argv)\n"

@@ -25,6 +25,7 @@ def _params(model) -> dict[str, mx.array]:
     return dict(tree_flatten(model.parameters()))
 
 
+@pytest.mark.slow
 def test_sharded_hf_checkpoint(tmp_path: Path, tiny_hf: Path) -> None:
     d = make_tiny(tmp_path / "sharded", layout="hf", seed=0, shards=3)
     assert (d / "model.safetensors.index.json").is_file()
@@ -34,6 +35,7 @@ def test_sharded_hf_checkpoint(tmp_path: Path, tiny_hf: Path) -> None:
     assert "mtp.fc.weight" in lm.mtp_weights and "mtp.norm.weight" in lm.mtp_weights
 
 
+@pytest.mark.slow
 def test_bf16_hf_checkpoint_loads_mlx_lm_weights_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Unquantized bf16 experts cannot run on MLX's CPU backend (gather_mm is float32-only),
     # so compare the loaded tensors, norms (+1 in bf16) and stacked experts included. The
@@ -54,6 +56,7 @@ def test_bf16_hf_checkpoint_loads_mlx_lm_weights_exactly(tmp_path: Path, monkeyp
     assert set(ours) | {k for k in ref_p if ".switch_mlp." in k} == set(ref_p)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "bits, group, recipe",
     [(8, 64, None), (3, 32, None), (6, 128, None), (2, 64, None), (4, 64, "mixed_3_6")],
@@ -77,6 +80,7 @@ def test_quantized_variants_match_mlx_lm(tmp_path: Path, tiny_hf: Path, bits: in
         assert len({le.down_proj.bits for le in lm.experts.layers.values()}) > 1
 
 
+@pytest.mark.slow
 def test_quantized_other_shape_matches_mlx_lm(tmp_path: Path) -> None:
     src = make_tiny(tmp_path / "src", layout="hf", seed=5,
                     config_overrides={"num_hidden_layers": 4, "full_attention_interval": 2, "num_experts": 32,

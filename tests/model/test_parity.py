@@ -41,6 +41,7 @@ def test_fp32_hf_logits_match_mlx_lm(tiny_hf: Path) -> None:
     assert np.array_equal(ours, ref)
 
 
+@pytest.mark.slow
 def test_4bit_mlx_converted_logits_match_mlx_lm(tiny_mlx4: Path) -> None:
     toks = _prompt(64, 1024, seed=1)
     lm = load_model(tiny_mlx4)

@@ -27,6 +27,7 @@ from qnpipe.plan.account import (
 DATA = Path(__file__).parent / "data"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [1, 257])
 def test_kv_and_recurrent_state_equal_a_real_prefill(tiny_qn4: Path, tokens: int) -> None:
     import mlx.core as mx
@@ -73,6 +74,7 @@ def test_the_80b_record_is_the_stores() -> None:
         shape_facts(DATA / "qwen3-next-80b-a3b.config.json", bits=7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [1, 2, 64, 300, 1024])
 def test_the_activations_line_bounds_a_real_prefills_peak(tiny_qn4: Path, tokens: int) -> None:
     """MLX's peak over a prefill of `tokens` (the hidden states, then the last position's logits and

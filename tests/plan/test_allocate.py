@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qnpipe.plan.allocate import Allocator, curve_hits, uniform_caps
+from tests.profiles import examples
 
 LO = 2
 
@@ -22,7 +23,8 @@ def cases(draw: st.DrawFn) -> tuple[list[list[int]], int]:
     return curves, total
 
 
-@settings(max_examples=60, deadline=None)
+# fewer: the optimum is found by brute force
+@examples(60)
 @given(cases())
 def test_allocation_is_optimal_and_never_below_uniform(case: tuple[list[list[int]], int]) -> None:
     curves, total = case

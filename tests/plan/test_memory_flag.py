@@ -41,6 +41,7 @@ def cfg_for(model: Path, cache: Path, memory: int | str, **kw: object) -> config
                                   "plan.cache_dir": str(cache), "plan.context_tokens": CONTEXT, **kw})
 
 
+@pytest.mark.slow
 def test_plan_cached_reused_and_corrupt_cache_ignored(model: Path, tmp_path: Path) -> None:
     said: list[str] = []
     cfg, plan = plan_at_startup(cfg_for(model, tmp_path, budget(model)), say=said.append)
@@ -97,6 +98,7 @@ def test_too_small_refused_before_loading(model: Path, tmp_path: Path, capsys: p
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_generate_memory_applies_plan_and_keeps_tokens(model: Path, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     base = ["generate", str(model), "--tokens", ",".join(map(str, TOKENS)), "-n", "6", "--json",
@@ -127,6 +129,7 @@ def test_recorded_log_is_planned_from(model: Path, tmp_path: Path, capsys: pytes
     recorded.unlink()
 
 
+@pytest.mark.slow
 def test_engine_memory_logits_bit_identical(model: Path, tmp_path: Path) -> None:
     from qnpipe.engine import Engine
 
@@ -141,6 +144,7 @@ def test_engine_memory_logits_bit_identical(model: Path, tmp_path: Path) -> None
     assert np.array_equal(plain, planned)
 
 
+@pytest.mark.slow
 async def test_open_engine_memory(model: Path, tmp_path: Path) -> None:
     from qnpipe.engine import open_engine
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from evict_plugin_example import LRU2
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from top1_logs import write_top1_log
 
@@ -22,6 +22,7 @@ from qnpipe.errors import ConfigError
 from qnpipe.policy.eviction import Eviction, make_eviction
 from qnpipe.policy.slot_table import SlotTable
 from qnpipe.replay import replay
+from tests.profiles import examples
 
 HERE = Path(__file__).resolve().parent
 DOC = HERE.parents[1] / "docs" / "pool.md"
@@ -45,7 +46,8 @@ def test_the_doc_shows_the_tested_example() -> None:
     assert (HERE / "evict_plugin_example.py").read_text() in blocks
 
 
-@settings(max_examples=30, deadline=None)
+# fewer: each example loads a plug-in and replays
+@examples(30)
 @given(slots=st.integers(1, 8), requests=st.lists(st.integers(0, 11), min_size=1, max_size=200))
 def test_a_plugin_replays_through_the_config_string(slots: int, requests: list[int],
                                                     tmp_path_factory: pytest.TempPathFactory) -> None:

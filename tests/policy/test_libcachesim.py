@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from top1_logs import write_top1_log
 
@@ -36,6 +36,7 @@ from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.slot_table import SlotTable
 from qnpipe.replay import load_log, replay
 from qnpipe.trace.importers import import_log
+from tests.profiles import examples
 
 lcs: Any = importlib.import_module("libcachesim")  # through importlib: pyright runs without it
 
@@ -62,8 +63,10 @@ def pool_hits(log: Path, policy: str, slots: int) -> int:
     return layer.hits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", list(CLASSES))
-@settings(max_examples=25, deadline=None)
+# fewer: each example runs libCacheSim on a file
+@examples(25)
 @given(data=st.data())
 def test_top1_random_streams_hit_as_in_libcachesim(policy: str, data: st.DataObject, tmp_path_factory:
                                                    pytest.TempPathFactory) -> None:
@@ -103,6 +106,7 @@ REAL = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "fmt", "src", "steps", "layer", "caps"), REAL, ids=[r[0] for r in REAL])
 def test_top1_real_traces_hit_as_in_libcachesim(name: str, fmt: str, src: Path, steps: int, layer: int | None,
                                                 caps: tuple[int, ...], flame_dir: Path, tmp_path: Path) -> None:
@@ -155,7 +159,9 @@ def hits_first(slots: int, steps: Sequence[Sequence[int]]) -> list[int]:
     return out
 
 
-@settings(max_examples=60, deadline=None)
+# fewer: each example runs libCacheSim
+@pytest.mark.slow
+@examples(60)
 @given(data=st.data(), k=st.integers(2, 4))
 def test_topk_lru_is_libcachesim_with_each_step_hits_first(data: st.DataObject, k: int) -> None:
     slots = data.draw(st.integers(k, k + 8))

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qnpipe.errors import CapacityError
 from qnpipe.policy.parts import plan_parts
+from tests.profiles import examples
 
 
 @st.composite
@@ -22,7 +23,8 @@ def routes(draw: st.DrawFn) -> tuple[np.ndarray, int]:
     return np.array(rows, dtype=np.int64).reshape(n, k), capacity
 
 
-@settings(max_examples=200, deadline=None)
+# more: a pure function, cheap, with a wide input space
+@examples(200)
 @given(routes())
 def test_parts_cover_tokens_and_fit(route: tuple[np.ndarray, int]) -> None:
     ids, capacity = route
@@ -48,7 +50,6 @@ def test_parts_cover_tokens_and_fit(route: tuple[np.ndarray, int]) -> None:
         assert len(parts) == 1
 
 
-@settings(max_examples=100, deadline=None)
 @given(k=st.integers(2, 6), data=st.data())
 def test_capacity_error_when_a_token_needs_more_than_capacity(k: int, data: st.DataObject) -> None:
     capacity = data.draw(st.integers(1, k - 1))

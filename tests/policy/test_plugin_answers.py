@@ -205,6 +205,7 @@ def _env(plugdir: Path) -> tuple[tuple[str, str], ...]:
     return (("PYTHONPATH", f"{Path(qnpipe.__file__).parents[1]}:{plugdir}"),)
 
 
+@pytest.mark.slow
 def test_generate_stops_at_a_held_pick_with_the_tokens_of_a_correct_run_before_it(
         plugdir: Path, trained_qn4: Path) -> None:
     """The silent case: HeldLater is LRU until its 151st pick, then names a held expert. The run stops there,
@@ -222,6 +223,7 @@ def test_generate_stops_at_a_held_pick_with_the_tokens_of_a_correct_run_before_i
     assert text.strip() and good.stdout.decode().startswith(text), (text, good.stdout.decode())
 
 
+@pytest.mark.slow
 def test_replay_and_sweep_name_the_plugin_method_and_value(plugdir: Path, tmp_path: Path) -> None:
     log = write_synth(tmp_path / "r.qtrace", SynthSpec(layers=2, experts=16, top_k=2, tokens=20, seed=1))
     rec = "replay.record_nbytes=100000"

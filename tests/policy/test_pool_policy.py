@@ -18,6 +18,7 @@ from qnpipe.config import EvictPolicy
 from qnpipe.errors import CapacityError, RouteError
 from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.pool import GrantKey, PoolPolicy
+from tests.profiles import examples
 
 LAYERS = (0, 5)
 N_EXPERTS = 10
@@ -183,7 +184,8 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+# more: the state machine's rule orders are many
+TestPoolMachine.settings = settings(examples(150), stateful_step_count=40)
 
 
 def test_statistics_sum_the_layers_and_stay_frozen() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from qnpipe import config
@@ -21,6 +21,7 @@ from qnpipe.policy.build import check_placement, make_policy
 from qnpipe.policy.eviction import make_eviction
 from qnpipe.policy.pool import PoolOptions, PoolPolicy
 from qnpipe.policy.slot_table import FREE, SlotState
+from tests.profiles import examples
 
 
 def _policy(cap: int, side: int, kind: EvictPolicy = EvictPolicy.LRU, layers: tuple[int, ...] = (0,)) -> PoolPolicy:
@@ -187,7 +188,8 @@ def _check(p: PoolPolicy, content: dict[tuple[int, int], int], cap: int, side: i
             assert content.get((g.key[1], slot)) == e
 
 
-@settings(max_examples=60, deadline=None)
+# fewer: each example runs a policy through many operations
+@examples(60)
 @given(seed=st.integers(0, 2**32 - 1), cap=st.integers(1, 4), side=st.integers(0, 3),
        kind=st.sampled_from(list(EvictPolicy)), expire=st.booleans())
 # Deferred acquires once refused when taken up again: one deferred after it kept resident room for the expert
@@ -200,7 +202,8 @@ def test_relabelling_never_needs_a_copy_and_every_grant_names_the_slot_holding_i
     _random_run(seed, cap, side, kind, into_main=True, expire=expire)
 
 
-@settings(max_examples=60, deadline=None)
+# fewer: each example runs a policy through many operations
+@examples(60)
 @given(seed=st.integers(0, 2**32 - 1), cap=st.integers(1, 4), side=st.integers(0, 3),
        kind=st.sampled_from(list(EvictPolicy)), expire=st.booleans())
 # The same with prefetches in the side region: refused when taken up again ...

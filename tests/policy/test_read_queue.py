@@ -4,10 +4,11 @@ one class per batch."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qnpipe.policy.read_queue import Job, ReadClass, ReadQueue
+from tests.profiles import examples
 
 KEYS = st.tuples(st.integers(0, 1), st.integers(0, 3))  # (layer, expert): few, so duplicates are common
 OPS = st.lists(
@@ -27,7 +28,8 @@ def job(key: tuple[int, int], cls: ReadClass) -> Job:
     return Job(layer, expert, slot=expert, cls=cls)  # one slot per expert, as the pool would give
 
 
-@settings(max_examples=200, deadline=None)
+# more: a pure queue, cheap, with many operation orders
+@examples(200)
 @given(budget=st.integers(1, 3), batch=st.booleans(), ops=OPS)
 def test_read_queue_rules(budget: int, batch: bool, ops: list[tuple[str, object, object]]) -> None:
     q = ReadQueue(budget, batch=batch)

@@ -28,6 +28,7 @@ from qnpipe.config import EvictPolicy
 from qnpipe.errors import CapacityError
 from qnpipe.policy.eviction import LRU, Eviction, make_eviction
 from qnpipe.policy.slot_table import FREE, LoadCause, SlotState, SlotTable
+from tests.profiles import examples
 
 N_EXPERTS = 12
 POLICIES = list(EvictPolicy)
@@ -217,7 +218,8 @@ class SlotTableMachine(RuleBasedStateMachine):
             assert t.can_acquire_now(sorted(need)) == (missing <= free + evictable)
 
 TestSlotTableMachine = SlotTableMachine.TestCase
-TestSlotTableMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+# more: the state machine's rule orders are many
+TestSlotTableMachine.settings = settings(examples(150), stateful_step_count=40)
 
 
 def test_loading_unheld_expert_blocks_its_slot() -> None:
@@ -274,14 +276,16 @@ def run_table(capacity: int, steps: Sequence[Sequence[int]]) -> list[list[tuple[
     return trace
 
 
-@settings(max_examples=200, deadline=None)
+# more: a pure table, cheap, with a wide input space
+@examples(200)
 @given(capacity=st.integers(1, 8), seq=st.lists(st.integers(0, 15), max_size=120))
 def test_lru_matches_reference_one_expert_per_step(capacity: int, seq: list[int]) -> None:
     ref = RefLRU(capacity)
     assert run_table(capacity, [[e] for e in seq]) == [ref.step([e]) for e in seq]
 
 
-@settings(max_examples=200, deadline=None)
+# more: a pure table, cheap, with a wide input space
+@examples(200)
 @given(data=st.data(), k=st.integers(1, 4), extra=st.integers(0, 6))
 def test_lru_matches_reference_multi_expert_steps(data: st.DataObject, k: int, extra: int) -> None:
     capacity = k + extra
@@ -302,7 +306,8 @@ def granted(t: SlotTable, experts: list[int]) -> tuple[list[int], dict[int, int]
     return slots, {s: t.generation[s] for s in slots}
 
 
-@settings(max_examples=150, deadline=None)
+# more: a pure table, cheap, with a wide input space
+@examples(150)
 @given(capacity=st.integers(2, 6), data=st.data())
 def test_verify_catches_wrong_slot(capacity: int, data: st.DataObject) -> None:
     t = SlotTable(0, capacity, LRU())
@@ -340,7 +345,8 @@ def test_verify_catches_slot_still_loading() -> None:
 # ---------------------------------------------------------------- eviction policies alone
 
 
-@settings(max_examples=200, deadline=None)
+# more: a pure table, cheap, with a wide input space
+@examples(200)
 @given(kind=st.sampled_from(POLICIES), lam=st.sampled_from([0.01, 0.05, 0.2, 1.0]), decay=st.sampled_from([0, 1, 3]),
        capacity=st.integers(1, 10),
        ops=st.lists(st.tuples(st.sampled_from(["touch", "evict", "fwd"]), st.integers(0, 9)), max_size=80),

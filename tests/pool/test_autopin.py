@@ -36,6 +36,7 @@ def _heat(d: Path, **over: Any) -> dict[str, Any]:
     return {"pool.autopin_usage_file": str(d), **over}
 
 
+@pytest.mark.slow
 def test_pinned_experts_are_in_the_pool_right_after_start_up(streamed_models: dict[str, Path], tmp_path: Path) -> None:
     d = streamed_models["default-fp32"]
     args = _args(d)
@@ -75,6 +76,7 @@ def test_heat_accumulates_across_runs(streamed_models: dict[str, Path], tmp_path
     assert second == {layer: {e: 2 * c for e, c in row.items()} for layer, row in first.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["default-fp32", "3L-e16k2-fp32", "trained-4bit"])
 def test_autopin_keeps_capacity_invariance(streamed_models: dict[str, Path], tmp_path: Path, name: str) -> None:
     d = streamed_models[name]

@@ -43,6 +43,7 @@ def _reference(d: Path, prompt: list[int]) -> tuple[np.ndarray, tuple[int, ...],
         return eng.logits(prompt), eng.generate(prompt, max_tokens=16, stop_at_eos=False).tokens, eng
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["default-fp32", "default-4bit", "3L-e16k2-fp32", "4L-e8k8-fp32",
                                   "5L-e32k6-fp32", "trained-fp32", "trained-4bit"])
 def test_streamed_equals_all_resident(streamed_models: dict[str, Path], name: str) -> None:
@@ -81,6 +82,7 @@ def test_streamed_equals_all_resident(streamed_models: dict[str, Path], name: st
     assert early > 0 or E == k, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["3L-e16k2-fp32", "5L-e32k6-fp32"])
 def test_libcachesim_policies_and_a_plugin_stream_exactly(streamed_models: dict[str, Path], name: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,6 +109,7 @@ def test_libcachesim_policies_and_a_plugin_stream_exactly(streamed_models: dict[
         assert st.pool is not None and st.pool.misses_by_cause.get("capacity", 0) > 0, where  # it did evict
 
 
+@pytest.mark.slow
 def test_prefill_chunks_whose_union_exceeds_capacity_run_in_parts(streamed_models: dict[str, Path]) -> None:
     """A 40-token chunk routes to more experts than top-k slots hold: parts, same logits (documented: bit-identical)."""
     d = streamed_models["default-fp32"]
@@ -151,6 +154,7 @@ def test_capacity_profile_sets_each_layer(streamed_models: dict[str, Path], tmp_
     assert caps == {0: 4, 1: 9, 2: 6, 3: 6, 4: 6, 5: 6, 6: 6, 7: 64}  # clamped to the 64 experts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["3L-e16k2-fp32", "5L-e32k6-fp32", "trained-4bit"])
 def test_streamed_with_prefetch_equals_all_resident_in_both_placements(streamed_models: dict[str, Path],
                                                                        name: str) -> None:

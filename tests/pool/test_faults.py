@@ -22,6 +22,7 @@ from qnpipe.errors import ReadError
 from qnpipe.io.reader import ReaderStats, ReadRequest, ReadResult
 from qnpipe.io.ssd import SsdReader
 from qnpipe.io.store import ExpertStore
+from tests.deadline import deadline
 
 PROMPT = [5, 17, 300, 42, 9, 77, 11, 12, 13]
 
@@ -63,6 +64,7 @@ def reference(streamed_models: dict[str, Path]) -> tuple[Path, np.ndarray, tuple
         return d, eng.logits(PROMPT), eng.generate(PROMPT, max_tokens=24, stop_at_eos=False).tokens
 
 
+@pytest.mark.slow
 def test_slow_device_with_async_eval_pipelining_is_exact(reference) -> None:
     """Reads land late while MLX work is queued: route verification on, results unchanged."""
     d, want_logits, want = reference
@@ -88,11 +90,9 @@ def test_injected_eio_mid_generation_raises_read_error_and_stops_everything(refe
 
     reader = SsdReader(workers=2, preadv=flaky)
     eng = qnpipe.Engine(d, expert_slots=4, reader=reader)
-    t0 = time.monotonic()
-    with pytest.raises(ReadError, match=r"cannot read expert \d+ of layer \d+: EIO.*file .*layer_\d+\.bin, "
-                                        r"offset \d+"):
-        eng.generate(PROMPT, max_tokens=40, stop_at_eos=False)
-    assert time.monotonic() - t0 < 30
+    with deadline(30), pytest.raises(ReadError, match=r"cannot read expert \d+ of layer \d+: EIO.*file "
+                                                      r".*layer_\d+\.bin, offset \d+"):
+        eng.generate(PROMPT, max_tokens=40, stop_at_eos=False)  # an error, not a hang
     with pytest.raises(ReadError):  # the pipeline is down: every later call says why
         eng.generate(PROMPT, max_tokens=2)
     eng.close()

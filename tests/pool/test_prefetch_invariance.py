@@ -37,6 +37,7 @@ SETTINGS += [{**s, "pool.prefetch_into": "main"} for s in SETTINGS if s.get("pre
 SETTINGS.append({"predict.cross_layer_prefetch": True, "pool.prefetch_into": "main", "pool.side_region_slots": 0})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["default-fp32", "default-4bit", "trained-4bit"])
 def test_prefetch_settings_equal_all_resident(streamed_models: dict[str, Path], name: str) -> None:
     d = streamed_models[name]

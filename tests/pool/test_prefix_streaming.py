@@ -13,6 +13,7 @@ import qnpipe
 HEAD = 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_quant", [False, True])
 def test_resume_with_streamed_experts_equals_full_prefill(streamed_models: dict[str, Path], tmp_path: Path,
                                                           kv_quant: bool) -> None:

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_mrc.py"
 
 
+@pytest.mark.slow
 def test_bench_mrc_prints_its_keys() -> None:
     args = [sys.executable, str(TOOL), "--layers", "3", "--experts", "16", "--top-k", "2", "--tokens", "50"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_replay.py"
 
 
+@pytest.mark.slow
 def test_bench_replay_prints_its_keys_and_a_stable_digest() -> None:
     args = [sys.executable, str(TOOL), "--layers", "4", "--experts", "32", "--top-k", "2", "--tokens", "30",
             "--slots", "8", "--side", "2", "--repeat", "2"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qnpipe import config, trace
@@ -21,6 +21,7 @@ from qnpipe.replay import miss_ratio_curves, replay
 from qnpipe.replay.belady import belady_hits
 from qnpipe.replay.mrc import ALL, belady_layers, belady_one_pass, lru_hits, lru_one_pass, native_available
 from qnpipe.replay.mrc_export import COLUMNS
+from tests.profiles import examples
 
 
 def write_log(path: Path, steps: list[list[tuple[int, ...] | None]], *, experts: int, k: int) -> Path:
@@ -59,7 +60,8 @@ def logs(draw: st.DrawFn) -> tuple[list[list[tuple[int, ...] | None]], int, int]
     return steps, experts, k
 
 
-@settings(max_examples=25, deadline=None)
+# fewer: each example replays at every capacity
+@examples(25)
 @given(case=logs())
 def test_one_pass_curves_equal_the_replay_at_every_capacity(case: tuple[list[list[tuple[int, ...] | None]], int, int],
                                                             tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -97,7 +99,8 @@ def request_seqs(draw: st.DrawFn) -> tuple[list[list[list[int]]], int]:
     return [draw(st.lists(req, min_size=1, max_size=40)) for _ in range(layers)], experts
 
 
-@settings(max_examples=60, deadline=None)
+# fewer: each example runs the slot table and Belady per capacity
+@examples(60)
 @given(case=request_seqs())
 def test_one_pass_equals_the_slot_table_and_belady_per_capacity(case: tuple[list[list[list[int]]], int]) -> None:
     per_layer, experts = case

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import trio
 import trio.testing
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qnpipe import config, trace
@@ -22,6 +22,7 @@ from qnpipe.io.simssd import DeviceProfile, open_simssd
 from qnpipe.policy.read_queue import Job
 from qnpipe.replay import CostModel, replay, to_json
 from qnpipe.replay.belady import belady_hits, brute_force_hits
+from tests.profiles import examples
 
 SHAPE = {"num_hidden_layers": 3, "full_attention_interval": 3, "num_experts": 16, "num_experts_per_tok": 2}
 SLOTS = "4"
@@ -175,7 +176,8 @@ def test_simssd_same_finish_times_complete_in_submission_order_and_busy_time_is_
     assert runs == {repr(([0, 1, 2, 3, 4, 5], 2.0, 8))}
 
 
-@settings(max_examples=200, deadline=None)
+# more: cheap (tiny caches), and Belady's tie-breaks need many cases
+@examples(200)
 @given(cap=st.integers(2, 3), reqs=st.lists(st.sets(st.integers(0, 5), min_size=1, max_size=2), max_size=9))
 def test_belady_equals_the_brute_force_optimum(cap: int, reqs: list[set[int]]) -> None:
     seq = [sorted(r) for r in reqs]

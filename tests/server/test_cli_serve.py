@@ -37,6 +37,7 @@ def test_bad_flags_exit_2_before_the_model_loads(capsys: pytest.CaptureFixture[s
     assert "--max-tokens-cap" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
 def test_serve_process_answers_then_stops_on_sigint(sig: signal.Signals) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "qnpipe", "serve", str(MODEL), "--port", "0", "--max-queue", "2"],

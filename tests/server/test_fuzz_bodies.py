@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from qnpipe.server.jobs import Limits
 from qnpipe.server.run import ServerOptions
+from tests.profiles import examples
 from tests.server.conftest import ServerThread, post
 
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 5), st.floats(allow_nan=False, width=32),
@@ -40,7 +41,9 @@ def small() -> Iterator[ServerThread]:
         yield srv
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# fewer: each example is an HTTP request
+@pytest.mark.slow
+@settings(examples(80), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=BODY, endpoint=st.sampled_from(["chat/completions", "completions"]))
 def test_any_body_is_answered_or_refused_with_a_400(small: ServerThread, body: dict[str, Any], endpoint: str) -> None:
     body = dict(body)

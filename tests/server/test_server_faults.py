@@ -35,6 +35,7 @@ def _ask(client: Any, i: int, max_tokens: int = 24) -> Any:
                                           temperature=0, max_tokens=max_tokens, extra_body={"ignore_eos": True})
 
 
+@pytest.mark.slow
 def test_sixteen_clients_each_answered_once_or_429_and_the_queue_stays_bounded(queued: ServerThread) -> None:
     client = queued.client()
     want = [_ask(client, i).choices[0].message.content for i in range(4)]  # one at a time: the exact answers

@@ -6,6 +6,8 @@ import copy
 import time
 from typing import Any
 
+import pytest
+
 from qnpipe.chat.template import render_prompt
 from qnpipe.chat.tokenizer import encode, load_tokenizer
 from tests.server.conftest import MODEL, ServerThread, metrics
@@ -55,6 +57,7 @@ def _ask(srv: ServerThread, tools: list[dict[str, Any]], question: str) -> tuple
     return "".join(pieces), first
 
 
+@pytest.mark.slow
 def test_same_system_prompt_different_tool_sets_resume_the_head_and_answer_as_a_fresh_server() -> None:
     head = _head_tokens()
     settings = {"snapshot_head_tokens": head, "tools_allow": ALLOW, "prefill_chunk_tokens": CHUNK}
@@ -75,6 +78,7 @@ def test_same_system_prompt_different_tool_sets_resume_the_head_and_answer_as_a_
           f"resumed ({ttft_first / ttft_second:.1f}x shorter)")
 
 
+@pytest.mark.slow
 def test_without_the_allowlist_a_different_tool_set_does_not_resume_the_head() -> None:
     head = _head_tokens()
     with ServerThread(snapshot_head_tokens=head, prefill_chunk_tokens=CHUNK) as srv:

@@ -17,6 +17,7 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,8 +25,10 @@ from qnpipe import trace
 from qnpipe.cli import DEMO_MODEL_DIR, main
 from qnpipe.errors import QnpipeError, TraceImportError
 from qnpipe.trace.importers import import_log
+from tests.profiles import examples
 
-FUZZ = settings(max_examples=30, deadline=None, database=None, derandomize=True,
+# fewer: each example writes and imports a file
+FUZZ = settings(examples(30), database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 COLUMNS = ("step", "layer", "expert", "score")
@@ -129,6 +132,7 @@ def _cli(*argv: object) -> tuple[int, str]:
     return rc, err.getvalue()
 
 
+@pytest.mark.slow
 @FUZZ
 @given(t=tables())
 def test_every_log_the_csv_importer_accepts_every_reader_takes(tmp_path_factory, t: dict) -> None:  # noqa: ANN001

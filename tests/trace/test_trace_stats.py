@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qnpipe import trace
@@ -26,6 +26,7 @@ from qnpipe.trace.stats import (
     stack_distances,
     trace_stats,
 )
+from tests.profiles import examples
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "traces"
 SHAPE = trace.ModelShape(num_layers=2, moe_layers=(0, 1), num_experts=4, top_k=2, hidden_size=8)
@@ -112,7 +113,8 @@ def _distances_by_definition(sets: list[list[int]]) -> list[int]:
     return out
 
 
-@settings(max_examples=60, deadline=None)
+# fewer: the reference is a quadratic scan
+@examples(60)
 @given(st.integers(1, 12).flatmap(lambda n: st.lists(st.sets(st.integers(0, n - 1), min_size=1, max_size=n),
                                                      min_size=1, max_size=30).map(lambda s: (n, s))))
 def test_stack_distances_are_the_definition(case: tuple[int, list[set[int]]]) -> None:

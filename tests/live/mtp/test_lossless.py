@@ -27,6 +27,7 @@ def _spec(model_dir: Path, stream: bool, k: int, **over: Any) -> tuple[tuple[int
         return res.tokens, res.stats.mtp, eng.stats()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "stream", "k"), [
     *[("trained_hf", False, k) for k in (1, 2, 3, 4)],  # fp32, every expert resident
     *[("trained_qn4", True, k) for k in (1, 2, 3, 4)],  # 4-bit, streamed through a top-k pool
@@ -50,6 +51,7 @@ def test_greedy_speculation_equals_plain_greedy(request: pytest.FixtureRequest, 
         assert len(own) == 1 and own[0].capacity == 4 and own[0].misses > 0 and own[0].hits + own[0].misses >= 128
 
 
+@pytest.mark.slow
 def test_streamed_float32_with_prediction(trained_qn32: Path) -> None:
     tokens, mtp, st = _spec(trained_qn32, True, 3)
     assert tokens == _plain(trained_qn32, True)
@@ -71,6 +73,7 @@ TREES = {"top2": {"mtp.tree_top2": True}, "top2_p1": {"mtp.tree_top2": True, "mt
          "rescue": {"mtp.adaptive_depth": True, "mtp.adaptive_rescue": True, "mtp.depth_max": 4}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(TREES))
 def test_path_variants_are_lossless_and_rescue(trained_hf: Path, variant: str) -> None:
     tokens, mtp, _ = _spec(trained_hf, False, 3, **TREES[variant])
@@ -79,6 +82,7 @@ def test_path_variants_are_lossless_and_rescue(trained_hf: Path, variant: str) -
     assert mtp.rescues > 0 and mtp.rounds < 100
 
 
+@pytest.mark.slow
 def test_tree_verify_streamed_4bit(trained_qn4: Path) -> None:
     tokens, mtp, st = _spec(trained_qn4, True, 3, **TREES["tree3"])
     assert tokens == _plain(trained_qn4, True)

@@ -46,6 +46,7 @@ def _oracle(ref: list[int], p: float, vocab: int, seed: int) -> loop.Oracle:
     return oracle
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_oracle_forces_every_acceptance_count_and_output_stays_exact(trained_mtp: Any, k: int) -> None:
     lm, head, th = trained_mtp

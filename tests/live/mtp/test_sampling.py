@@ -56,6 +56,7 @@ def _resample_from_p(drafts: list[int], q: np.ndarray, p: np.ndarray, rng: np.ra
     return len(drafts), draw(p[len(drafts)], rng)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_every_emitted_position_is_distributed_as_p(seed: int) -> None:
     first, second, p = _emitted(accept_sampled, seed)
@@ -64,6 +65,7 @@ def test_every_emitted_position_is_distributed_as_p(seed: int) -> None:
     assert second.sum() > N / 4  # drafts were kept often enough for the second test to mean something
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", [_always_accept, _resample_from_p])
 def test_a_wrong_acceptance_rule_fails_the_same_test(rule: Rule) -> None:
     first, _, p = _emitted(rule, 0)
@@ -104,6 +106,7 @@ def tiny_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+@pytest.mark.slow
 def test_sampled_speculation_matches_plain_sampling_end_to_end(tiny_vocab: Path) -> None:
     """Token 2 of each run (the first one a draft can supply) against its exact plain-sampling distribution."""
     import mlx.core as mx
@@ -161,6 +164,7 @@ CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32
             11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70, 16: 39.25}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verify", ["batch", "sequential"])
 def test_seeded_speculative_sampling_repeats(trained_qn4: Path, verify: str) -> None:
     import qnpipe

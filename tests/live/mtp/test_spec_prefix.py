@@ -86,6 +86,7 @@ def _run(model: Path, prompts: list[list[int]], **over: Any) -> tuple[list[tuple
         return [r.tokens for r in res], [(r.stats.mtp, r.stats.prefix_tokens_reused) for r in res], eng.stats()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "stream"), [("trained_hf", False), ("trained_qn4", True)])
 def test_mtp_resume_equals_mtp_without_snapshots_and_plain_greedy(request: pytest.FixtureRequest, model: str,
                                                                   stream: bool, prompts: list[list[int]],
@@ -111,6 +112,7 @@ def test_mtp_resume_equals_mtp_without_snapshots_and_plain_greedy(request: pytes
     assert st2.prefix is not None and st2.prefix.disk_loads == 1
 
 
+@pytest.mark.slow
 def test_a_snapshot_of_the_other_kind_is_ignored_with_one_warning(trained_hf: Path, prompts: list[list[int]],
                                                                   tmp_path: Path) -> None:
     plain, _, _ = _run(trained_hf, [prompts[1]], snapshot_head_tokens=0)

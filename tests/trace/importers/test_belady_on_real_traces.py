@@ -31,6 +31,7 @@ TRACES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "fmt", "src", "steps", "caps"), TRACES, ids=[t[0] for t in TRACES])
 def test_no_demand_policy_beats_belady_on_a_real_trace(name: str, fmt: str, src: Path, steps: int,
                                                        caps: tuple[int, int], flame_dir: Path,

@@ -31,8 +31,10 @@ from real_traces import MARIO, WEIRAN
 from qnpipe import trace
 from qnpipe.errors import TraceImportError
 from qnpipe.trace.importers import import_log
+from tests.profiles import examples
 
-FUZZ = settings(max_examples=60, deadline=None, database=None,
+# fewer: each example writes and imports a file
+FUZZ = settings(examples(60), database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 edits_st = st.lists(st.tuples(st.integers(0, 2**20), st.integers(0, 255)), max_size=8)
 cut_st = st.none() | st.integers(0, 2**20)
@@ -218,10 +220,12 @@ def _find_all(b: bytearray, sig: bytes) -> list[int]:
 
 ZIP_FIELDS = ["method", "csize", "usize"]
 ZIP_VALUE = st.sampled_from([0, 8, 12, 14, 99, 2**32 - 1, 2**31]) | st.integers(0, 2**32 - 1)
-PT_FUZZ = settings(max_examples=80, deadline=None, database=None,
+# fewer: each example writes and unpickles a zip
+PT_FUZZ = settings(examples(80), database=None,
                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 @PT_FUZZ
 @given(edits=st.dictionaries(st.sampled_from(["samples", "scores", "indices"]), TENSOR_EDIT, max_size=3),
        meta=META_EDIT, deflate=st.booleans())
@@ -234,6 +238,7 @@ def test_crafted_tensor_metadata_fails_only_with_an_import_error(edits: dict[str
     assert _in_child(lambda: _import_and_compare(src, tmp_path / "out.qtrace", ts)) is None
 
 
+@pytest.mark.slow
 @PT_FUZZ
 @given(pkl_edits=edits_st, zip_edits=st.lists(st.tuples(st.integers(0, 20), st.sampled_from(ZIP_FIELDS), ZIP_VALUE),
                                                max_size=3),

@@ -61,6 +61,7 @@ def test_mixtral_raw_log_keeps_the_prefill_as_one_step_and_the_exact_gaps(tmp_pa
     assert max(decode_layers) == 32 and sum(decode_layers) == 6777 - sum(prefill.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["moe_layer0", "moe_layer8", "moe_layer12", "moe_layer18", "moe_layer23"])
 def test_vllm_logger_rows_become_25_requests_without_the_dummy_passes(name: str, tmp_path: Path) -> None:
     s = import_log("vllm-jsonl", WEIRAN / f"{name}.jsonl.gz", tmp_path / "v.qtrace")

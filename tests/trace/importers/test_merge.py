@@ -21,6 +21,7 @@ def _routes(path: Path) -> list[trace.Route]:
     return [r for r in records if isinstance(r, trace.Route)]
 
 
+@pytest.mark.slow
 def test_the_vllm_loggers_five_layer_files_become_one_log_of_five_layers(tmp_path: Path) -> None:
     s = import_log("vllm-jsonl", WEIRAN, tmp_path / "all.qtrace")  # the folder: its five .jsonl.gz files
     header, records = trace.read(tmp_path / "all.qtrace")

@@ -22,6 +22,7 @@ from qnpipe.replay.mrc import lru_hits
 from qnpipe.trace.importers import import_log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "fmt", "src", "steps"), [t[:4] for t in TRACES], ids=[t[0] for t in TRACES])
 def test_one_pass_curves_equal_the_replay_on_a_real_trace(name: str, fmt: str, src: Path, steps: int,
                                                          flame_dir: Path, tmp_path: Path) -> None:
