@@ -30,6 +30,10 @@ def test_no_policy_module_is_over_the_limit() -> None:
     assert _over(POLICY, POLICY_MAX_LINES) == []
 
 
+def test_no_module_of_qnpipe_is_over_500_lines() -> None:
+    assert _over(POLICY.parent, 500) == []
+
+
 def test_the_size_rule_names_a_module_over_the_limit(tmp_path: Path) -> None:
     (tmp_path / "small.py").write_text("x = 1\n" * POLICY_MAX_LINES)
     (tmp_path / "big.py").write_text("x = 1\n" * (POLICY_MAX_LINES + 1))
