@@ -17,6 +17,7 @@ from qnpipe.io.reader import ReaderStats
 from qnpipe.io.sim_model import SimStatistics
 from qnpipe.policy.forward_core import ForwardStatistics
 from qnpipe.policy.pool import PoolStatistics
+from qnpipe.policy.read_core import ReadSchedulerSnapshot as ReadStatistics
 from qnpipe.stats import EngineStats, LayerPoolStats, PoolStats, UnionProf
 
 
@@ -28,24 +29,6 @@ class LayerTable:
     capacity: int
     occupancy: int
     pinned: int
-
-
-@attrs.frozen(kw_only=True)
-class ReadStatistics:
-    """The read scheduler's counters (device time sums batch wall times, which may overlap).
-
-    `merged` and `peak_in_flight` are its queue's (qnpipe.policy.read_queue): the queue merges and starts reads.
-    """
-
-    requests: int
-    merged: int
-    batches: int
-    reads: int
-    bytes_read: int
-    device_s: float
-    peak_in_flight: int
-    promoted: int
-    expired: int
 
 
 @attrs.frozen(kw_only=True)

@@ -41,9 +41,10 @@ class ReadSchedulerStats:
     expired: int = 0  # prefetches not started: their deadline had passed
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class ReadSchedulerSnapshot:
-    """`ReadSchedulerStats` as they were at one moment (`ReadCore.statistics()`)."""
+    """`ReadSchedulerStats` as they were at one moment (`ReadCore.statistics()`, the pipeline's `reads`);
+    `merged` and `peak_in_flight` are its queue's (qnpipe.policy.read_queue): the queue merges and starts reads."""
 
     requests: int
     merged: int
@@ -80,7 +81,8 @@ class ReadCore:
         return self.seq
 
     def statistics(self) -> ReadSchedulerSnapshot:
-        return ReadSchedulerSnapshot(**attrs.asdict(self.stats))
+        return ReadSchedulerSnapshot(**attrs.asdict(self.stats) | {"merged": self.queue.merged,
+                                                                  "peak_in_flight": self.queue.peak_in_flight})
 
     def handle(self, msg: ReadInbox | BatchDone, now: float) -> Outbox:
         out = Outbox()
