@@ -113,7 +113,8 @@ async def watchdog(fwd: Forward, limit_s: float, dump: Callable[[], str], *,
 def _dump(policy: PoolPolicy, queue: ReadQueue, rstats: ReadSchedulerStats, pstats: PredictorStats) -> str:
     return (f"pool: pending {sorted(policy.pending)}, deferred {sorted(policy.deferred)}, held {sorted(policy.held)}, "
             f"prefetch reads out {policy.prefetch_reads_out}; read queue: {len(queue.queued)} queued, "
-            f"{len(queue.in_flight)} in flight {sorted(queue.in_flight)}; read scheduler {rstats}; predictor {pstats}")
+            f"{len(queue.in_flight)} in flight {sorted(queue.in_flight)}, {queue.merged} merged, peak in flight "
+            f"{queue.peak_in_flight}; read scheduler {rstats}; predictor {pstats}")
 
 
 @asynccontextmanager

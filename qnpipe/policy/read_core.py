@@ -28,15 +28,14 @@ def read_queue(cfg: Config) -> ReadQueue:
 
 @attrs.define
 class ReadSchedulerStats:
-    """Counters of the read scheduler (device time sums batch wall times, which may overlap)."""
+    """Counters of the read scheduler (device time sums batch wall times, which may overlap); merged reads
+    and the peak in flight are its queue's to count (`ReadQueue.merged`, `.peak_in_flight`)."""
 
     requests: int = 0
-    merged: int = 0
     batches: int = 0
     reads: int = 0
     bytes_read: int = 0
     device_s: float = 0.0
-    peak_in_flight: int = 0
     promoted: int = 0  # queued prefetches turned into demand reads
     expired: int = 0  # prefetches not started: their deadline had passed
 
@@ -96,8 +95,6 @@ class ReadCore:
                     job = Job(msg.layer, expert, slot, msg.cls, msg.deadline, score)
                     if self.queue.push(job):
                         self.issued[job.key] = msg.t
-                    else:
-                        self.stats.merged += 1
             case BatchDone():
                 self._complete(msg.batch, msg.nbytes, now, out)
             case _:
@@ -108,7 +105,6 @@ class ReadCore:
         """The batches to put on the device now; expired prefetches go to the pool as `ReadExpired`."""
         out = Outbox()
         while jobs := self.queue.take(now):
-            self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.queue.peak_in_flight)
             if self.logging:
                 out.log += [ReadStarted(t=now, seq=self._seq(), layer=j.layer, expert=j.expert, slot=j.slot)
                             for j in jobs]
