@@ -16,6 +16,7 @@ import msgspec
 from qnpipe.io.reader import ReaderStats
 from qnpipe.io.sim_model import SimStatistics
 from qnpipe.policy.forward_core import ForwardStatistics
+from qnpipe.policy.hinter import PredictorStatistics
 from qnpipe.policy.pool import PoolStatistics
 from qnpipe.policy.read_core import ReadSchedulerSnapshot as ReadStatistics
 from qnpipe.stats import EngineStats, LayerPoolStats, PoolStats, UnionProf
@@ -29,16 +30,6 @@ class LayerTable:
     capacity: int
     occupancy: int
     pinned: int
-
-
-@attrs.frozen(kw_only=True)
-class PredictorStatistics:
-    """The predictor's counters (zero when prediction is off)."""
-
-    candidates: int
-    hints: int
-    hints_dropped_full: int  # the pool's inbox was full
-    experts_hinted: int
 
 
 @attrs.frozen(kw_only=True)

@@ -1,6 +1,6 @@
 """The predictor actor: ranks the forward's gate candidates into prefetch hints for the pool.
 
-The trio shell of `Hinter` (qnpipe.policy.predict). Everything it sends is advisory: when
+The trio shell of `Hinter` (qnpipe.policy.hinter). Everything it sends is advisory: when
 the pool's inbox is full the hint is dropped and counted, so prediction can never hold up
 the forward.
 """
@@ -35,14 +35,11 @@ async def predictor(
             if turns is not None:
                 await turns.turn(PREDICTOR)
             now = trio.current_time()
+            st = to_pool.statistics()  # send_nowait's rule: the free buffer, or a receiver waiting
+            core.room = st.max_buffer_size - st.current_buffer_used + st.tasks_waiting_receive
             for c in drain(inbox, first):
-                if (hint := core.hint(c, now)) is None:
-                    continue
-                try:
-                    to_pool.send_nowait(hint)
-                except trio.WouldBlock:
-                    hint = None
-                core.sent(hint)
+                for hint in core.handle(c, now).pool:
+                    to_pool.send_nowait(hint)  # no await since `room` was read: it fits
 
 
 __all__ = ["PredictorStats", "predictor"]

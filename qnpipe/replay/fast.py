@@ -196,15 +196,10 @@ class FastReplay:
         assert self.hinter is not None
         cands = list(self.cand_inbox)
         self.cand_inbox.clear()
+        self.hinter.room = self.pool_cap - len(self.pool_inbox) - len(self.pool_from_reads) - len(
+            self.pool_from_predictor)
         for c in cands:
-            hint = self.hinter.hint(c, now)
-            if hint is None:
-                continue
-            if len(self.pool_inbox) + len(self.pool_from_reads) + len(self.pool_from_predictor) >= self.pool_cap:
-                hint = None
-            else:
-                self.pool_from_predictor.append(hint)
-            self.hinter.sent(hint)
+            self.pool_from_predictor += self.hinter.handle(c, now).pool
         return True
 
     def _turn(self) -> bool:

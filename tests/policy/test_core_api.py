@@ -13,11 +13,12 @@ from qnpipe.config import load
 from qnpipe.messages import Acquire, Candidates, Granted, Promote, ReadExperts
 from qnpipe.policy.build import make_policy
 from qnpipe.policy.forward_core import ForwardCore
+from qnpipe.policy.hinter import Hinter, PredictorStatistics
 from qnpipe.policy.outbox import Core, Outbox
 from qnpipe.policy.pool_core import PoolCore
 from qnpipe.policy.read_core import ReadCore, read_queue
 
-CORES = (PoolCore, ReadCore, ForwardCore)
+CORES = (PoolCore, ReadCore, ForwardCore, Hinter)
 
 
 def core_shape_violations(cls: type) -> list[str]:
@@ -44,7 +45,7 @@ def core_shape_violations(cls: type) -> list[str]:
 def cores() -> list[Any]:
     cfg = load(None)
     policy = make_policy(cfg, {0: 4}, {0: 100})
-    return [PoolCore(policy), ReadCore(read_queue(cfg)), ForwardCore({0: 4}, 8, {0: 0})]
+    return [PoolCore(policy), ReadCore(read_queue(cfg)), ForwardCore({0: 4}, 8, {0: 0}), Hinter(cfg.predict, 4)]
 
 
 def test_every_core_has_the_one_api() -> None:
@@ -72,8 +73,10 @@ def test_the_api_check_names_a_made_up_violation() -> None:
 @pytest.mark.parametrize("i", range(len(CORES)))
 def test_a_core_refuses_a_message_it_does_not_know(i: int) -> None:
     core = cores()[i]
-    alien = Candidates(t=0.0, seq=1, step=1, layer=0, target=0, width=1, token_experts=(0,), token_scores=(1.0,),
-                       deadline=0.0)  # the predictor's inbox: no core here takes it
+    alien: Any = Candidates(t=0.0, seq=1, step=1, layer=0, target=0, width=1, token_experts=(0,),
+                            token_scores=(1.0,), deadline=0.0)  # the predictor's inbox: no other core takes it
+    if isinstance(core, Hinter):
+        alien = Promote(t=0.0, seq=1, layer=0, expert=0)
     with pytest.raises(AssertionError):
         core.handle(alien, 0.0)
 
@@ -88,7 +91,7 @@ def test_a_cores_statistics_are_a_frozen_snapshot(i: int) -> None:
 
 
 def test_answers_are_returned_not_appended() -> None:
-    pool, reads, _ = cores()
+    pool, reads, _, _ = cores()
     out = pool.handle(Acquire(t=0.0, seq=1, step=1, layer=0, part=0, experts=(3,)), 0.0)
     assert isinstance(out, Outbox) and isinstance(out.reads[0], ReadExperts) and out.forward == []
     assert pool.end_turn(0.0) == Outbox()
@@ -125,3 +128,17 @@ def test_the_forward_core_drops_a_grant_of_a_cancelled_step_and_refuses_one_it_n
     run = core.handle(right, 2.5).run
     assert run is not None and run.last and run.slots.tolist() == [[3, 1]] and core.stats.stall_s == 1.5
     assert [type(m).__name__ for m in core.part_done(3.0).pool] == ["Release"]
+
+
+def test_the_predictor_core_sends_what_the_pools_inbox_has_room_for_and_counts_the_rest() -> None:
+    hinter = Hinter(load(None).predict, 2)
+
+    def cands(step: int) -> Candidates:
+        return Candidates(t=0.0, seq=step, step=step, layer=0, target=1, width=2, token_experts=(3, 5),
+                          token_scores=(0.7, 0.3), deadline=1.0)
+
+    hinter.room = 1
+    sent = [hinter.handle(cands(1), 0.0).pool, hinter.handle(cands(2), 0.0).pool]
+    assert [[(h.layer, h.experts) for h in p] for p in sent] == [[(1, (3, 5))], []]
+    assert hinter.statistics() == PredictorStatistics(candidates=2, hints=1, hints_dropped_full=1, experts_hinted=2)
+    assert hinter.end_turn(0.0) == Outbox()
