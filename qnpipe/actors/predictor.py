@@ -36,7 +36,7 @@ async def predictor(
                 await turns.turn(PREDICTOR)
             now = trio.current_time()
             st = to_pool.statistics()  # send_nowait's rule: the free buffer, or a receiver waiting
-            core.room = st.max_buffer_size - st.current_buffer_used + st.tasks_waiting_receive
+            core.room = int(min(st.max_buffer_size - st.current_buffer_used + st.tasks_waiting_receive, 1 << 30))
             for c in drain(inbox, first):
                 for hint in core.handle(c, now).pool:
                     to_pool.send_nowait(hint)  # no await since `room` was read: it fits

@@ -10,7 +10,7 @@ import attrs
 import pytest
 
 from qnpipe.config import load
-from qnpipe.messages import Acquire, Candidates, Granted, Promote, ReadExperts
+from qnpipe.messages import Acquire, Candidates, Granted, PrefetchHint, Promote, ReadExperts
 from qnpipe.policy.build import make_policy
 from qnpipe.policy.forward_core import ForwardCore
 from qnpipe.policy.hinter import Hinter, PredictorStatistics
@@ -139,6 +139,7 @@ def test_the_predictor_core_sends_what_the_pools_inbox_has_room_for_and_counts_t
 
     hinter.room = 1
     sent = [hinter.handle(cands(1), 0.0).pool, hinter.handle(cands(2), 0.0).pool]
-    assert [[(h.layer, h.experts) for h in p] for p in sent] == [[(1, (3, 5))], []]
+    assert all(isinstance(h, PrefetchHint) for p in sent for h in p)
+    assert [[(h.layer, h.experts) for h in p if isinstance(h, PrefetchHint)] for p in sent] == [[(1, (3, 5))], []]
     assert hinter.statistics() == PredictorStatistics(candidates=2, hints=1, hints_dropped_full=1, experts_hinted=2)
     assert hinter.end_turn(0.0) == Outbox()
