@@ -18,6 +18,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchLinear
 
+from qnpipe.model.family.skeleton import top_k
+
 # vocab_size 256 is below the committed tiny tokenizer's 1024 ids: make-tiny raises it to fit.
 V = 256
 BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -140,8 +142,10 @@ QUANTS: dict[str, dict[str, Any]] = {
     "affine8": {"group_size": 64, "bits": 8, "mode": "affine"},
     "mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
 }
-# The config keys families name their top-k by (a list: per layer, hunyuan).
-_TOPK_KEYS = ("num_experts_per_tok", "moe_k", "top_k_experts", "moe_topk", "moe_top_k")
+
+
+
+__all__ = ["CONFIGS", "QUANTS", "build_random", "quantize", "tiny_config", "top_k"]
 
 
 def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
@@ -149,16 +153,6 @@ def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
     if family not in CONFIGS:
         raise KeyError(f"no tiny config for family {family!r}; known: {', '.join(sorted(CONFIGS))}")
     return {**copy.deepcopy(CONFIGS[family]), **overrides}
-
-
-def top_k(config: dict[str, Any]) -> int:
-    """The largest number of experts a router of `config` picks per token."""
-    cfg = config.get("text_config", config)
-    for key in _TOPK_KEYS:
-        if key in cfg:
-            v = cfg[key]
-            return int(max(v) if isinstance(v, list) else v)
-    raise KeyError(f"{config.get('model_type')}: no top-k key ({', '.join(_TOPK_KEYS)}) in the config")
 
 
 def build_random(config: dict[str, Any], quant: str | None = None, seed: int = 1234) -> nn.Module:
