@@ -41,6 +41,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     "qnpipe.model": ("LoadedModel", "MemoryLimitWarning", "MlxBackend", "ModelArgs", "Runner",
                      "apply_memory_limits", "args_from_dict", "config_model_id", "load_model", "model_id",
                      "read_config"),
+    "qnpipe.model.family": ("FamilyInfo", "SwitchSite", "build_skeleton", "family_info", "find_switches"),
     "qnpipe.plan": ("Account", "Candidate", "Line", "ModelFacts", "Plan", "capacity_profile", "fmt_bytes",
                     "load_plan", "make_plan", "make_plans", "minimum_budget", "model_facts", "parse_memory",
                     "plan_overrides", "replay_plan", "resolve_device", "save_plan", "shape_facts"),
