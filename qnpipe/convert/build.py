@@ -60,7 +60,7 @@ from qnpipe.io.outdir import (
     output_path,
     peak_rss,
 )
-from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, LayerFile, Quant, StoreIndex
+from qnpipe.io.store_format import ALIGN, FORMAT, LayerFile, Quant, StoreIndex
 from qnpipe.model.args import ModelArgs, args_from_dict, model_id, read_config
 from qnpipe.model.checkpoint import Layout, detect_layout, is_qnpipe_dir, scan
 
@@ -319,7 +319,7 @@ def _qnpipe_section(layout: Layout, plan: ConvertPlan, index: StoreIndex, index_
             "dir": st.EXPERTS_DIR,
             "index": f"{st.EXPERTS_DIR}/index.json",
             "store_format": FORMAT,
-            "store_version": VERSION,
+            "store_version": index.version,
             "model_id": index.model_id,
             "index_sha256": index_sha256,  # the store of this model, not only of its shape (qnpipe.model.args.store_sha256)
             "align": ALIGN,
