@@ -143,9 +143,11 @@ def plan_family(src: Path, config: dict[str, Any], infos: dict[str, TensorInfo],
     model = build_skeleton(config, headers_as_specs(infos), where)
     info = family_info(config, model, where)  # a dense model is refused here
     fam = family_block(info.model_type, model)
+    sites = find_switches(model)
+    expert_names = {f"{s.path}.{n}" for s in sites for n in expert_params(s.module)}
+    _check_sanitized(src, model, expert_names)  # first: an HF checkpoint is told to go through mlx-lm
     layers: list[FamilyLayerPlan] = []
-    expert_names: set[str] = set()
-    for site in find_switches(model):
+    for site in sites:
         params = expert_params(site.module)
         sources: dict[str, TensorInfo] = {}
         record = []
@@ -165,10 +167,8 @@ def plan_family(src: Path, config: dict[str, Any], infos: dict[str, TensorInfo],
                                       f"{str(a.dtype).split('.')[-1] if want_int else 'a float type'}")
             sources[name] = ti
             record.append((name, NAME_OF_ST[ti.dtype], tuple(ti.shape[1:])))
-            expert_names.add(full)
         quant = {n: q for n, lin in expert_linears(site.module).items() if (q := linear_quant(lin)) is not None}
         layers.append(FamilyLayerPlan(site.layer, site.path, tuple(record), sources, quant or None, info.num_experts))
-    _check_sanitized(src, model, expert_names)
     main = _check_main(src, model, infos, expert_names)
     plan = FamilyPlan(config={k: v for k, v in config.items() if k != "_name_or_path"}, family=fam,
                       model_id=info.model_id, num_experts=info.num_experts, layers=layers,

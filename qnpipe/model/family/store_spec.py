@@ -19,7 +19,8 @@ from qnpipe.io.store_check import FLOAT, ExpertSpec
 from qnpipe.io.store_format import Family, Quant, StoreIndex, index_family
 from qnpipe.model.family.switches import expert_linears, expert_params, find_switches, num_experts
 
-__all__ = ["TensorHeader", "expert_spec", "family_block", "index_tensor_specs", "linear_quant"]
+__all__ = ["TensorHeader", "converted_skeleton", "expert_spec", "family_block", "headers_as_specs", "index_tensor_specs",
+           "linear_quant"]
 
 _MX_OF_NAME = {"uint32": mx.uint32, "uint8": mx.uint8, "bfloat16": mx.bfloat16, "float16": mx.float16,
                "float32": mx.float32}
@@ -95,3 +96,29 @@ def headers_as_specs(headers: Mapping[str, Any]) -> dict[str, TensorHeader]:
         dt = NAME_OF_ST.get(h.dtype)
         out[name] = TensorHeader(tuple(h.shape), getattr(mx, dt) if dt is not None else h.dtype)
     return out
+
+
+def converted_skeleton(model_dir: Any) -> tuple[nn.Module, StoreIndex, dict[str, Any]]:
+    """The skeleton of a converted family model directory, checked against its store.
+
+    Built from config.json with the non-expert file's headers plus the store's expert stacks
+    (`index_tensor_specs`), so mlx-lm's rule quantizes the switches as the store holds them;
+    the index is then checked against it (`store_check.check_against_model`). Nothing is
+    sanitized (the directory holds post-sanitize tensors). Returns (skeleton, index, config).
+    Raises CheckpointError (config) or StoreError (a store that does not match)."""
+    from pathlib import Path
+
+    from qnpipe.io.store import read_index
+    from qnpipe.io.store_check import check_against_model
+    from qnpipe.model.args import read_config
+    from qnpipe.model.checkpoint import scan
+    from qnpipe.model.family.skeleton import build_skeleton
+
+    d = Path(model_dir)
+    config = read_config(d)
+    root, index = read_index(d)
+    where = str(d / "config.json")
+    specs = {**headers_as_specs(scan(d)), **index_tensor_specs(index)}
+    model = build_skeleton(config, specs, where)
+    check_against_model(index, root / "index.json", expert_spec(str(config["model_type"]), model))
+    return model, index, config
