@@ -60,7 +60,7 @@ from qnpipe.io.outdir import (
     output_path,
     peak_rss,
 )
-from qnpipe.io.store_format import ALIGN, FORMAT, LayerFile, Quant, StoreIndex
+from qnpipe.io.store_format import ALIGN, FORMAT, LayerFile, Quant, StoreIndex, quant_dict
 from qnpipe.model.args import ModelArgs, args_from_dict, model_id, read_config
 from qnpipe.model.checkpoint import Layout, detect_layout, is_qnpipe_dir, scan
 
@@ -256,7 +256,7 @@ def convert(
     q0 = index.layers[0].quant
     return ConvertReport(
         out=str(out_p), source_layout=str(layout), moe_layers=len(index.layers), num_experts=args.num_experts,
-        quantization=msgspec.to_builtins(q0["gate_proj"]) if q0 else None, dtype=plan.float_dtype,
+        quantization=quant_dict(q0["gate_proj"]) if q0 else None, dtype=plan.float_dtype,
         mtp=bool(plan.mtp), bytes_written=written, expert_bytes=expert_bytes, seconds=seconds,
         bytes_per_s=written / seconds if seconds > 0 else 0.0, peak_rss_bytes=peak_rss(),
         warnings=tuple(plan.warnings),
@@ -301,7 +301,7 @@ def _qnpipe_section(layout: Layout, plan: ConvertPlan, index: StoreIndex, index_
         "version": MODEL_VERSION,
         "source_layout": str(layout),
         "dtype": plan.float_dtype,
-        "quantization": msgspec.to_builtins(q) if q else None,
+        "quantization": {k: quant_dict(v) for k, v in q.items()} if q else None,
         "experts": {
             "dir": st.EXPERTS_DIR,
             "index": f"{st.EXPERTS_DIR}/index.json",

@@ -41,7 +41,7 @@ from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
 from qnpipe.io import store as st
 from qnpipe.io.dtypes import NAME_OF_ST
 from qnpipe.io.outdir import ByteProgress, Log, atomic_dir, fsync_dir, human_bytes, peak_rss
-from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, Family, LayerFile, Quant, StoreIndex
+from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, Family, LayerFile, Quant, StoreIndex, quant_dict
 from qnpipe.model.checkpoint import TensorInfo, read_tensor, weight_files
 from qnpipe.model.family.skeleton import build_skeleton, family_info
 from qnpipe.model.family.store_spec import family_block, headers_as_specs, linear_quant
@@ -247,7 +247,7 @@ def convert_family(src: Path, out: Path, config: dict[str, Any], infos: dict[str
     q0 = index.layers[0].quant
     return ConvertReport(
         out=str(out), source_layout=SOURCE_LAYOUT, moe_layers=len(index.layers), num_experts=plan.num_experts,
-        quantization=msgspec.to_builtins(next(iter(q0.values()))) if q0 else None, dtype=plan.float_dtype,
+        quantization=quant_dict(next(iter(q0.values()))) if q0 else None, dtype=plan.float_dtype,
         mtp=False, bytes_written=written, expert_bytes=expert_bytes, seconds=seconds,
         bytes_per_s=written / seconds if seconds > 0 else 0.0, peak_rss_bytes=peak_rss(),
         warnings=tuple(plan.warnings))
@@ -281,7 +281,7 @@ def qnpipe_section(plan: FamilyPlan, index: StoreIndex, index_sha256: str) -> di
         "version": MODEL_VERSION,
         "source_layout": SOURCE_LAYOUT,
         "dtype": plan.float_dtype,
-        "quantization": msgspec.to_builtins(lf.quant) if lf.quant else None,
+        "quantization": {k: quant_dict(v) for k, v in lf.quant.items()} if lf.quant else None,
         "family": msgspec.to_builtins(plan.family, str_keys=True),
         "experts": {
             "dir": st.EXPERTS_DIR,
