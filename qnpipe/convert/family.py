@@ -185,7 +185,8 @@ def _check_main(src: Path, model: Any, infos: dict[str, TensorInfo], expert_name
     """The non-expert tensors: exactly the skeleton's other parameters, each with its shape."""
     from mlx.utils import tree_flatten
 
-    want = {n: tuple(a.shape) for n, a in tree_flatten(model.parameters()) if n not in expert_names}
+    want = {n: tuple(a.shape) for n, a in tree_flatten(model.parameters())
+            if isinstance(a, mx.array) and n not in expert_names}
     have = [n for n in infos if n not in expert_names]
     extra = sorted(set(have) - set(want))
     missing = sorted(set(want) - set(have))
