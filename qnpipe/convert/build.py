@@ -45,6 +45,7 @@ from qnpipe.convert.plan import (
     transform,
 )
 from qnpipe.convert.records import write_expert_layer
+from qnpipe.convert.report import MODEL_FORMAT, MODEL_VERSION, ConvertReport
 from qnpipe.convert.safetensors_out import plan_shards, safetensors_nbytes, write_model_shards, write_safetensors
 from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
 from qnpipe.io import store as st
@@ -66,30 +67,10 @@ from qnpipe.model.checkpoint import Layout, detect_layout, is_qnpipe_dir, scan
 
 __all__ = ["CHUNK_BYTES", "MAX_SHARD_BYTES", "ROW_BLOCK_BYTES", "MODEL_FORMAT", "MODEL_VERSION", "ConvertReport", "convert"]
 
-MODEL_FORMAT = "qnpipe-model"
-MODEL_VERSION = 1
 MAX_SHARD_BYTES = 5 << 30  # like mlx-lm's save_model
 CHUNK_BYTES = 256 << 20  # source bytes of experts transformed at once
 ROW_BLOCK_BYTES = 64 << 20  # source bytes of a large non-expert matrix transformed at once
 # The sizes above are `convert`'s defaults; its keyword arguments of the same names override them.
-
-
-class ConvertReport(msgspec.Struct, frozen=True, kw_only=True):
-    """What `convert` did. Sizes in bytes, times in seconds."""
-
-    out: str
-    source_layout: str
-    moe_layers: int
-    num_experts: int
-    quantization: dict[str, Any] | None  # of the experts; None = float
-    dtype: str | None
-    mtp: bool
-    bytes_written: int
-    expert_bytes: int
-    seconds: float
-    bytes_per_s: float
-    peak_rss_bytes: int
-    warnings: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- the expert layers

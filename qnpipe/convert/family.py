@@ -30,6 +30,7 @@ import numpy as np
 
 from qnpipe.convert.plan import TOKENIZER_GLOBS
 from qnpipe.convert.records import write_expert_layer
+from qnpipe.convert.report import MODEL_FORMAT, MODEL_VERSION, ConvertReport
 from qnpipe.convert.safetensors_out import (
     OutTensor,
     WriteJob,
@@ -209,12 +210,10 @@ def _float_dtype(infos: dict[str, TensorInfo], names: list[str]) -> str | None:
 
 def convert_family(src: Path, out: Path, config: dict[str, Any], infos: dict[str, TensorInfo], *, existing: Path,
                    progress: bool, log: Log, chunk_bytes: int, row_block_bytes: int, max_shard_bytes: int,
-                   t0: float, options: dict[str, Any]) -> Any:
+                   t0: float, options: dict[str, Any]) -> ConvertReport:
     """Convert mlx-lm directory `src` into `out` atomically (called by `qnpipe.convert.build.convert`,
     which has checked the paths); returns its ConvertReport. `options` are convert's transform options,
     refused here: an mlx-lm directory is stored as it is."""
-    from qnpipe.convert.build import ConvertReport
-
     model_type = config.get("model_type")
     for flag, value in options.items():
         if value is not None:
@@ -274,8 +273,6 @@ def write_family(build: Path, plan: FamilyPlan, advance: Callable[[int], None], 
 
 def qnpipe_section(plan: FamilyPlan, index: StoreIndex, index_sha256: str) -> dict[str, Any]:
     """config.json's `qnpipe` section of a converted family model (docs/store-format.md)."""
-    from qnpipe.convert.build import MODEL_FORMAT, MODEL_VERSION
-
     lf = index.layers[0]
     return {
         "format": MODEL_FORMAT,
