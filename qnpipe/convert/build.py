@@ -45,6 +45,7 @@ from qnpipe.convert.plan import (
     transform,
 )
 from qnpipe.convert.records import write_expert_layer
+from qnpipe.convert.report import MODEL_FORMAT, MODEL_VERSION, ConvertReport
 from qnpipe.convert.safetensors_out import plan_shards, safetensors_nbytes, write_model_shards, write_safetensors
 from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
 from qnpipe.io import store as st
@@ -60,36 +61,16 @@ from qnpipe.io.outdir import (
     output_path,
     peak_rss,
 )
-from qnpipe.io.store_format import ALIGN, FORMAT, LayerFile, Quant, StoreIndex
+from qnpipe.io.store_format import ALIGN, FORMAT, LayerFile, Quant, StoreIndex, quant_dict
 from qnpipe.model.args import ModelArgs, args_from_dict, model_id, read_config
 from qnpipe.model.checkpoint import Layout, detect_layout, is_qnpipe_dir, scan
 
 __all__ = ["CHUNK_BYTES", "MAX_SHARD_BYTES", "ROW_BLOCK_BYTES", "MODEL_FORMAT", "MODEL_VERSION", "ConvertReport", "convert"]
 
-MODEL_FORMAT = "qnpipe-model"
-MODEL_VERSION = 1
 MAX_SHARD_BYTES = 5 << 30  # like mlx-lm's save_model
 CHUNK_BYTES = 256 << 20  # source bytes of experts transformed at once
 ROW_BLOCK_BYTES = 64 << 20  # source bytes of a large non-expert matrix transformed at once
 # The sizes above are `convert`'s defaults; its keyword arguments of the same names override them.
-
-
-class ConvertReport(msgspec.Struct, frozen=True, kw_only=True):
-    """What `convert` did. Sizes in bytes, times in seconds."""
-
-    out: str
-    source_layout: str
-    moe_layers: int
-    num_experts: int
-    quantization: dict[str, Any] | None  # of the experts; None = float
-    dtype: str | None
-    mtp: bool
-    bytes_written: int
-    expert_bytes: int
-    seconds: float
-    bytes_per_s: float
-    peak_rss_bytes: int
-    warnings: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- the expert layers
@@ -256,7 +237,7 @@ def convert(
     q0 = index.layers[0].quant
     return ConvertReport(
         out=str(out_p), source_layout=str(layout), moe_layers=len(index.layers), num_experts=args.num_experts,
-        quantization=msgspec.to_builtins(q0["gate_proj"]) if q0 else None, dtype=plan.float_dtype,
+        quantization=quant_dict(q0["gate_proj"]) if q0 else None, dtype=plan.float_dtype,
         mtp=bool(plan.mtp), bytes_written=written, expert_bytes=expert_bytes, seconds=seconds,
         bytes_per_s=written / seconds if seconds > 0 else 0.0, peak_rss_bytes=peak_rss(),
         warnings=tuple(plan.warnings),
@@ -301,7 +282,7 @@ def _qnpipe_section(layout: Layout, plan: ConvertPlan, index: StoreIndex, index_
         "version": MODEL_VERSION,
         "source_layout": str(layout),
         "dtype": plan.float_dtype,
-        "quantization": msgspec.to_builtins(q) if q else None,
+        "quantization": {k: quant_dict(v) for k, v in q.items()} if q else None,
         "experts": {
             "dir": st.EXPERTS_DIR,
             "index": f"{st.EXPERTS_DIR}/index.json",

@@ -30,6 +30,7 @@ import numpy as np
 
 from qnpipe.convert.plan import TOKENIZER_GLOBS
 from qnpipe.convert.records import write_expert_layer
+from qnpipe.convert.report import MODEL_FORMAT, MODEL_VERSION, ConvertReport
 from qnpipe.convert.safetensors_out import (
     OutTensor,
     WriteJob,
@@ -41,7 +42,7 @@ from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
 from qnpipe.io import store as st
 from qnpipe.io.dtypes import NAME_OF_ST
 from qnpipe.io.outdir import ByteProgress, Log, atomic_dir, fsync_dir, human_bytes, peak_rss
-from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, Family, LayerFile, Quant, StoreIndex
+from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, Family, LayerFile, Quant, StoreIndex, quant_dict
 from qnpipe.model.checkpoint import TensorInfo, read_tensor, weight_files
 from qnpipe.model.family.skeleton import build_skeleton, family_info
 from qnpipe.model.family.store_spec import family_block, headers_as_specs, linear_quant
@@ -185,7 +186,8 @@ def _check_main(src: Path, model: Any, infos: dict[str, TensorInfo], expert_name
     """The non-expert tensors: exactly the skeleton's other parameters, each with its shape."""
     from mlx.utils import tree_flatten
 
-    want = {n: tuple(a.shape) for n, a in tree_flatten(model.parameters()) if n not in expert_names}
+    want = {n: tuple(a.shape) for n, a in tree_flatten(model.parameters())
+            if isinstance(a, mx.array) and n not in expert_names}
     have = [n for n in infos if n not in expert_names]
     extra = sorted(set(have) - set(want))
     missing = sorted(set(want) - set(have))
@@ -208,12 +210,10 @@ def _float_dtype(infos: dict[str, TensorInfo], names: list[str]) -> str | None:
 
 def convert_family(src: Path, out: Path, config: dict[str, Any], infos: dict[str, TensorInfo], *, existing: Path,
                    progress: bool, log: Log, chunk_bytes: int, row_block_bytes: int, max_shard_bytes: int,
-                   t0: float, options: dict[str, Any]) -> Any:
+                   t0: float, options: dict[str, Any]) -> ConvertReport:
     """Convert mlx-lm directory `src` into `out` atomically (called by `qnpipe.convert.build.convert`,
     which has checked the paths); returns its ConvertReport. `options` are convert's transform options,
     refused here: an mlx-lm directory is stored as it is."""
-    from qnpipe.convert.build import ConvertReport
-
     model_type = config.get("model_type")
     for flag, value in options.items():
         if value is not None:
@@ -247,7 +247,7 @@ def convert_family(src: Path, out: Path, config: dict[str, Any], infos: dict[str
     q0 = index.layers[0].quant
     return ConvertReport(
         out=str(out), source_layout=SOURCE_LAYOUT, moe_layers=len(index.layers), num_experts=plan.num_experts,
-        quantization=msgspec.to_builtins(next(iter(q0.values()))) if q0 else None, dtype=plan.float_dtype,
+        quantization=quant_dict(next(iter(q0.values()))) if q0 else None, dtype=plan.float_dtype,
         mtp=False, bytes_written=written, expert_bytes=expert_bytes, seconds=seconds,
         bytes_per_s=written / seconds if seconds > 0 else 0.0, peak_rss_bytes=peak_rss(),
         warnings=tuple(plan.warnings))
@@ -273,15 +273,13 @@ def write_family(build: Path, plan: FamilyPlan, advance: Callable[[int], None], 
 
 def qnpipe_section(plan: FamilyPlan, index: StoreIndex, index_sha256: str) -> dict[str, Any]:
     """config.json's `qnpipe` section of a converted family model (docs/store-format.md)."""
-    from qnpipe.convert.build import MODEL_FORMAT, MODEL_VERSION
-
     lf = index.layers[0]
     return {
         "format": MODEL_FORMAT,
         "version": MODEL_VERSION,
         "source_layout": SOURCE_LAYOUT,
         "dtype": plan.float_dtype,
-        "quantization": msgspec.to_builtins(lf.quant) if lf.quant else None,
+        "quantization": {k: quant_dict(v) for k, v in lf.quant.items()} if lf.quant else None,
         "family": msgspec.to_builtins(plan.family, str_keys=True),
         "experts": {
             "dir": st.EXPERTS_DIR,

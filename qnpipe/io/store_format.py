@@ -111,6 +111,14 @@ def index_family(index: StoreIndex) -> Family:
                   switch_paths={lf.layer: v1_switch_path(lf.layer) for lf in index.layers})
 
 
+def quant_dict(q: Quant) -> dict[str, Any]:
+    """`q` as JSON-ready builtins, `global_scale` only when true (as version 1 wrote a Quant)."""
+    out = msgspec.to_builtins(q)
+    if not q.global_scale:
+        out.pop("global_scale")
+    return out
+
+
 def encode_index(index: StoreIndex) -> dict[str, Any]:
     """`index` as JSON-ready builtins; the keys a version 1 index never had (`family`, a false
     `global_scale`) are left out, so today's Qwen3-Next stores come out byte for byte as before."""

@@ -23,7 +23,7 @@ from qnpipe.io.store_format import index_family
 from qnpipe.model.family import tiny
 from qnpipe.model.family.skeleton import skeleton_id
 from qnpipe.model.family.store_spec import converted_skeleton
-from qnpipe.model.family.switches import expert_params, find_switches
+from qnpipe.model.family.switches import expert_params, find_switches, num_experts
 
 CASES = [("qwen3_moe", None), ("gpt_oss", None), ("gpt_oss", "affine4"), ("gpt_oss", "mxfp4"),
          ("deepseek_v3", None), ("glm4_moe", "affine4"), ("qwen3_5_moe", None), ("minimax", None),
@@ -43,6 +43,12 @@ def save_mlx_dir(d: Path, family: str, quant: str | None = None, **overrides: An
     return d, model
 
 
+def _load(path: Path) -> dict[str, mx.array]:
+    out = mx.load(str(path))
+    assert isinstance(out, dict)
+    return out
+
+
 def _bytes(a: Any) -> bytes:
     a = mx.array(a)
     return bytes(np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).tobytes())
@@ -56,7 +62,7 @@ def test_family_convert_is_the_source_re_laid_out(tmp_path: Path, family: str, q
         assert main(["convert", str(src), "--out", str(out), "--json"]) == 0
     else:
         report = convert(src, out)
-        assert report.num_experts == next(iter(find_switches(model))).module.gate_proj.weight.shape[0]
+        assert report.num_experts == num_experts(find_switches(model)[0].module)
     sites = find_switches(model)
     src_params = dict(tree_flatten(model.parameters()))
     expert_names = {f"{s.path}.{n}" for s in sites for n in expert_params(s.module)}
@@ -76,7 +82,7 @@ def test_family_convert_is_the_source_re_laid_out(tmp_path: Path, family: str, q
                     assert rec[name].tobytes() == _bytes(stack[e]), (s.layer, e, name)
     assert verify_store(out).ok
 
-    main_file = {k: v for f in sorted(out.glob("model*.safetensors")) for k, v in mx.load(str(f)).items()}
+    main_file = {k: v for f in sorted(out.glob("model*.safetensors")) for k, v in _load(f).items()}
     assert set(main_file) == set(src_params) - expert_names
     assert all(_bytes(main_file[k]) == _bytes(src_params[k]) for k in main_file)
     cfg = json.loads((out / "config.json").read_text())
@@ -142,7 +148,7 @@ def test_bad_input_is_named_before_any_weight_is_read(tmp_path: Path, qwen3_moe_
 def test_an_original_hf_checkpoint_is_sent_through_mlx_lm_first(tmp_path: Path, qwen3_moe_src: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     src = _copy(qwen3_moe_src, tmp_path)
-    w = mx.load(str(src / "model.safetensors"))
+    w = _load(src / "model.safetensors")
     hf = {}
     for k, v in w.items():  # the HF layout: one tensor per expert, which mlx-lm's sanitize stacks
         if ".switch_mlp." in k:
@@ -161,7 +167,7 @@ def test_a_stray_tensor_and_transform_options_are_refused(tmp_path: Path, qwen3_
     src = _copy(qwen3_moe_src, tmp_path)
     with pytest.raises(ConfigError, match=r"--bits applies to qwen3_next sources only; .* is a qwen3_moe model"):
         convert(src, tmp_path / "out", bits=4)
-    w = mx.load(str(src / "model.safetensors"))
+    w = _load(src / "model.safetensors")
     w["model.layers.0.mlp.switch_mlp.extra_norm.weight"] = mx.ones((4,))  # under the switch's path, no linear's
     mx.save_safetensors(str(src / "model.safetensors"), w)
     with pytest.raises(CheckpointError, match=r"not those of the config's qwen3_moe model \(missing \[\], unexpected "

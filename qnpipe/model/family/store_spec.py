@@ -46,7 +46,8 @@ def linear_quant(lin: nn.Module) -> Quant | None:
     if not hasattr(lin, "bits") or "scales" not in lin:
         return None
     gs = isinstance(lin.get("global_scale"), mx.array)
-    return Quant(bits=int(lin.bits), group_size=int(lin.group_size), mode=str(lin.mode), global_scale=gs)
+    bits, group_size, mode = (getattr(lin, k) for k in ("bits", "group_size", "mode"))
+    return Quant(bits=int(bits), group_size=int(group_size), mode=str(mode), global_scale=gs)
 
 
 def expert_spec(model_type: str, model: nn.Module) -> ExpertSpec:
