@@ -26,6 +26,7 @@ examples:
   qnpipe generate MODEL_DIR --chat -p "Hi" --temperature 0.7 --top-p 0.8 --seed 1
   qnpipe chat MODEL_DIR --system "You are terse."
   qnpipe make-tiny ./tiny --layout mlx --bits 4
+  qnpipe make-tiny ./tiny-moe --family qwen3_moe     a tiny random model of another MoE family
   qnpipe convert ./Qwen3-Next-80B-A3B-Instruct --out ./qn80b-4bit --bits 4
   qnpipe verify-store ./qn80b-4bit
   qnpipe replay run.qtrace --set pool.expert_slots=16     what-if on a log of generate --trace

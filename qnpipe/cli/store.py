@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +15,26 @@ from qnpipe.errors import QnpipeError
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from qnpipe.convert.tiny import make_tiny
     from qnpipe.io.outdir import output_path
 
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    if args.family is None and args.mode != "affine":
+        raise QnpipeError("--mode needs --family (the Qwen3-Next tiny model is affine-quantized only)")
+    if args.family is not None and args.layout == "hf":
+        raise QnpipeError(f"--family {args.family} writes mlx-lm's layout only (drop --layout hf)")
     if args.layout == "hf" and args.bits is not None:
         raise QnpipeError("--bits needs --layout mlx (the original HF layout is never quantized)")
     try:
-        out = make_tiny(Path(args.out), layout=args.layout, bits=args.bits, group_size=args.group_size,
-                        seed=args.seed, force=args.force, log=lambda msg: print(msg, file=sys.stderr))
+        if args.family is not None:
+            from qnpipe.convert.tiny_family import make_tiny_family
+
+            out = make_tiny_family(Path(args.out), args.family, bits=args.bits, group_size=args.group_size,
+                                   mode=args.mode, seed=args.seed, force=args.force, log=log)
+        else:
+            from qnpipe.convert.tiny import make_tiny
+
+            out = make_tiny(Path(args.out), layout=args.layout or "hf", bits=args.bits,
+                            group_size=args.group_size or 64, seed=args.seed, force=args.force, log=log)
     except FileExistsError:
         raise QnpipeError(f"{output_path(args.out)} exists and is not empty (pass --force to replace it)") from None
     print(out)
@@ -60,15 +73,31 @@ def cmd_verify_store(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any, fmt: Any) -> None:
+    from qnpipe.model.family.registry import TESTED
+
+    families = ", ".join(TESTED)
     t = sub.add_parser("make-tiny", help="write a deterministic random tiny Qwen3-Next model (for tests)",
                        formatter_class=fmt,
                        description="Write a tiny Qwen3-Next (hidden 128, 8 layers, 64 experts, top-4, vocab 1024)\n"
-                       "with random weights, MTP tensors, a small real tokenizer and a Qwen chat template.")
+                       "with random weights, MTP tensors, a small real tokenizer and a Qwen chat template.\n"
+                       "--family FAMILY writes a tiny random model of another MoE family instead (mlx-lm's own\n"
+                       "model class, saved in mlx-lm's layout with the same tokenizer; docs/tiny-model.md).\n"
+                       f"Families: {textwrap.fill(families, 100, subsequent_indent='  ')}",
+                       epilog="examples:\n  qnpipe make-tiny ./tiny --layout mlx --bits 4\n"
+                       "  qnpipe make-tiny ./tiny-qwen3-moe --family qwen3_moe --bits 4\n"
+                       "  qnpipe make-tiny ./tiny-gpt-oss --family gpt_oss --mode mxfp4")
     t.add_argument("out", metavar="OUT", help="directory to create")
-    t.add_argument("--layout", choices=["hf", "mlx"], default="hf",
-                   help="hf = original Hugging Face layout (default); mlx = mlx-lm converted")
+    t.add_argument("--family", choices=TESTED, metavar="FAMILY",
+                   help="an mlx-lm model_type (list above): a tiny random model of that family in mlx-lm's layout "
+                   "(default: the Qwen3-Next tiny model)")
+    t.add_argument("--layout", choices=["hf", "mlx"],
+                   help="hf = original Hugging Face layout (default); mlx = mlx-lm converted (the only one with "
+                   "--family)")
     t.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8], help="quantize (mlx layout only)")
-    t.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="quantization group size")
+    t.add_argument("--group-size", type=int, choices=[32, 64, 128],
+                   help="quantization group size (default 64; 32 with --family, whose experts are 32 wide)")
+    t.add_argument("--mode", choices=["affine", "mxfp4", "nvfp4", "mxfp8"], default="affine",
+                   help="quantization mode, with --family (mxfp4/nvfp4/mxfp8 fix bits and group size)")
     t.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
     t.add_argument("--force", action="store_true",
                    help="replace OUT if it exists and qnpipe wrote it (never another directory)")
@@ -79,6 +108,9 @@ def register(sub: Any, fmt: Any) -> None:
                        description="Convert an original Hugging Face Qwen3-Next checkpoint, or an mlx-lm converted one,\n"
                        "into a qnpipe model directory: non-expert weights in safetensors, the MTP head in\n"
                        "mtp.safetensors, and experts/ with one file per MoE layer (one read per expert).\n"
+                       "An mlx-lm directory of any other MoE family mlx-lm runs (qwen3_moe, gpt_oss, glm4_moe,\n"
+                       "deepseek_v3, ...) is re-laid out as it is (an original HF checkpoint of those goes\n"
+                       "through `mlx_lm convert` first; the error gives the command).\n"
                        "Memory stays near one chunk of experts; the output appears only when complete.\n"
                        "Layout: docs/store-format.md.",
                        epilog="examples:\n"
@@ -86,9 +118,11 @@ def register(sub: Any, fmt: Any) -> None:
                        "  qnpipe convert ./Qwen3-Next-80B-A3B-Instruct --out ./qn80b-4bit --bits 4\n"
                        "  qnpipe convert ./Qwen3-Next-80B-A3B-Instruct-4bit --out ./qn80b-4bit \\\n"
                        "      --mtp-from ./Qwen3-Next-80B-A3B-Instruct\n"
+                       "  qnpipe convert ./Qwen3-30B-A3B-4bit --out ./qwen3-30b-qn\n"
                        "  qnpipe convert ./tiny --out ./tiny-qn --json")
     v.add_argument("src", metavar="SRC",
-                   help="checkpoint directory (original HF or mlx-lm layout), or a Hugging Face repository id "
+                   help="checkpoint directory (Qwen3-Next: original HF or mlx-lm layout; other families: mlx-lm "
+                   "layout), or a Hugging Face repository id "
                    "OWNER/NAME[@REVISION]: only the files convert reads are fetched into the hub cache (resumed "
                    "if cut short; HF_HUB_OFFLINE=1 uses the cache alone)")
     v.add_argument("--out", required=True, metavar="DIR", help="model directory to create")
