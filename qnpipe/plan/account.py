@@ -52,7 +52,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -64,6 +64,9 @@ from qnpipe.model.memory import GB
 from qnpipe.plan.process import process_nbytes
 from qnpipe.plan.units import fmt_bytes
 from qnpipe.trace import ModelShape
+
+if TYPE_CHECKING:
+    from qnpipe.plan.family_account import FamilyFacts
 
 KV_STEP = 256  # mlx_lm.models.cache.KVCache.step: the cache grows by this many tokens at a time
 STATE_DTYPE_BYTES = 4  # the delta-rule state is float32 whatever the weights (measured: tests/plan/test_account.py)
@@ -285,7 +288,7 @@ def activation_nbytes(facts: ModelFacts, cfg: Config, context: int, *, kernel: b
     return t * (4 * a.hidden_size * act + max(mixer, ffn)) + 2 * a.vocab_size * 4 + (4 if per_token_state else 1) * state
 
 
-def reader_nbytes(facts: ModelFacts, cfg: Config) -> tuple[int, str]:
+def reader_nbytes(facts: ModelFacts | FamilyFacts, cfg: Config) -> tuple[int, str]:
     """The reader's bounce buffers (module doc), and why they are what they are."""
     if not (facts.bounce_reads and cfg.read.nocache and sys.platform.startswith("linux")):
         why = ("records' tensors are ALIGN-aligned" if not facts.bounce_reads
@@ -296,30 +299,45 @@ def reader_nbytes(facts: ModelFacts, cfg: Config) -> tuple[int, str]:
             f"read.workers ({cfg.read.workers}) direct-I/O bounce buffers of a record ({rec} bytes) + {ALIGN}")
 
 
-def fixed_lines(facts: ModelFacts, cfg: Config, *, context: int, headroom_bytes: int = 0) -> list[Line]:
-    """Every line but the pool and side region (they depend on the plan)."""
+def fixed_lines(facts: ModelFacts | FamilyFacts, cfg: Config, *, context: int, headroom_bytes: int = 0) -> list[Line]:
+    """Every line but the pool and side region (they depend on the plan); a generic family's caches and
+    activations from its skeleton (qnpipe.plan.family_account)."""
+    if not isinstance(facts, ModelFacts):
+        from qnpipe.plan.family_account import family_fixed_lines
+
+        kv, state, acts = family_fixed_lines(facts, cfg, context=context)
+        common = _common_lines(facts, cfg, headroom_bytes)
+        return [Line(name="non-expert weights", nbytes=facts.non_expert_nbytes, source=facts.non_expert_source),
+                kv, state, common[0], acts, *common[1:]]
     kv_src = (f"{context} tokens in mlx-lm's {KV_STEP}-token steps x "
               f"{'quantized ' if cfg.kv.quantize else ''}KV bytes per token")
-    reader, reader_src = reader_nbytes(facts, cfg)
-    process, process_src = process_nbytes(cfg)
     tokens = forward_tokens(cfg, context)
+    common = _common_lines(facts, cfg, headroom_bytes)
     return [Line(name="non-expert weights", nbytes=facts.non_expert_nbytes, source=facts.non_expert_source),
             Line(name="KV cache", nbytes=kv_nbytes(facts, cfg, context), source=kv_src),
             Line(name="recurrent state", nbytes=state_nbytes(facts),
                  source="conv window + float32 delta-rule state per linear-attention layer"),
-            Line(name="MLX buffer cache", nbytes=int(cfg.memory.mlx_cache_limit_gb * GB),
-                 source="memory.mlx_cache_limit_gb, the cap qnpipe sets on MLX's reusable buffers"),
+            common[0],
             Line(name="activations", nbytes=activation_nbytes(facts, cfg, context),
                  source=f"the largest layer's working set for a forward of {tokens} tokens "
                         f"(forward.prefill_chunk_tokens={cfg.forward.prefill_chunk_tokens}) over {context} cached; "
                         f"delta rule {'as the Metal kernel' if delta_kernel(facts) else 'as ops: a state per token'}"),
+            *common[1:]]
+
+
+def _common_lines(facts: ModelFacts | FamilyFacts, cfg: Config, headroom_bytes: int = 0) -> list[Line]:
+    """The lines every family shares: MLX's buffer cache, then the reader, the process and the headroom."""
+    reader, reader_src = reader_nbytes(facts, cfg)
+    process, process_src = process_nbytes(cfg)
+    return [Line(name="MLX buffer cache", nbytes=int(cfg.memory.mlx_cache_limit_gb * GB),
+                 source="memory.mlx_cache_limit_gb, the cap qnpipe sets on MLX's reusable buffers"),
             Line(name="reader buffers", nbytes=reader, source=reader_src),
             Line(name="process outside MLX", nbytes=process, source=process_src),
             Line(name="OS / page-cache headroom", nbytes=headroom_bytes,
                  source="--headroom (read.nocache keeps expert reads out of the page cache)")]
 
 
-def pool_lines(facts: ModelFacts, caps: dict[int, int], side_slots: int) -> list[Line]:
+def pool_lines(facts: ModelFacts | FamilyFacts, caps: dict[int, int], side_slots: int) -> list[Line]:
     rec = facts.record_nbytes
     return [Line(name="expert pool", nbytes=sum(c * rec[ly] for ly, c in caps.items()),
                  source=f"{sum(caps.values())} resident slots x record bytes ({facts.record_source})"),
@@ -327,15 +345,15 @@ def pool_lines(facts: ModelFacts, caps: dict[int, int], side_slots: int) -> list
                  source=f"{side_slots} slots per layer x record bytes")]
 
 
-def account(facts: ModelFacts, cfg: Config, caps: dict[int, int], *, side_slots: int, context: int,
+def account(facts: ModelFacts | FamilyFacts, cfg: Config, caps: dict[int, int], *, side_slots: int, context: int,
             budget: int, headroom_bytes: int = 0) -> Account:
     return Account(budget=budget, lines=fixed_lines(facts, cfg, context=context, headroom_bytes=headroom_bytes)
                    + pool_lines(facts, caps, side_slots))
 
 
-def minimum_budget(facts: ModelFacts, cfg: Config, *, context: int, headroom_bytes: int = 0) -> int:
+def minimum_budget(facts: ModelFacts | FamilyFacts, cfg: Config, *, context: int, headroom_bytes: int = 0) -> int:
     """The smallest budget that fits: every fixed line and top-k slots per MoE layer, no side region."""
-    k = facts.args.num_experts_per_tok
+    k = facts.shape.top_k
     return (sum(x.nbytes for x in fixed_lines(facts, cfg, context=context, headroom_bytes=headroom_bytes))
             + k * sum(facts.record_nbytes.values()))
 

@@ -46,7 +46,7 @@ def _decode(model: Any, cache: list[Any]) -> list[Any]:
         logits = model(mx.array([[tok]]), cache=cache)[:, -1, :]
         mx.eval(logits)
         out.append(logits)
-        tok = int(mx.argmax(logits).item())
+        tok = int(mx.argmax(logits, axis=-1).tolist()[0])  # type: ignore[index]
     return out
 
 
