@@ -79,6 +79,9 @@ def register(sub: Any, fmt: Any) -> None:
                        description="Convert an original Hugging Face Qwen3-Next checkpoint, or an mlx-lm converted one,\n"
                        "into a qnpipe model directory: non-expert weights in safetensors, the MTP head in\n"
                        "mtp.safetensors, and experts/ with one file per MoE layer (one read per expert).\n"
+                       "An mlx-lm directory of any other MoE family mlx-lm runs (qwen3_moe, gpt_oss, glm4_moe,\n"
+                       "deepseek_v3, ...) is re-laid out as it is (an original HF checkpoint of those goes\n"
+                       "through `mlx_lm convert` first; the error gives the command).\n"
                        "Memory stays near one chunk of experts; the output appears only when complete.\n"
                        "Layout: docs/store-format.md.",
                        epilog="examples:\n"
@@ -86,9 +89,11 @@ def register(sub: Any, fmt: Any) -> None:
                        "  qnpipe convert ./Qwen3-Next-80B-A3B-Instruct --out ./qn80b-4bit --bits 4\n"
                        "  qnpipe convert ./Qwen3-Next-80B-A3B-Instruct-4bit --out ./qn80b-4bit \\\n"
                        "      --mtp-from ./Qwen3-Next-80B-A3B-Instruct\n"
+                       "  qnpipe convert ./Qwen3-30B-A3B-4bit --out ./qwen3-30b-qn\n"
                        "  qnpipe convert ./tiny --out ./tiny-qn --json")
     v.add_argument("src", metavar="SRC",
-                   help="checkpoint directory (original HF or mlx-lm layout), or a Hugging Face repository id "
+                   help="checkpoint directory (Qwen3-Next: original HF or mlx-lm layout; other families: mlx-lm "
+                   "layout), or a Hugging Face repository id "
                    "OWNER/NAME[@REVISION]: only the files convert reads are fetched into the hub cache (resumed "
                    "if cut short; HF_HUB_OFFLINE=1 uses the cache alone)")
     v.add_argument("--out", required=True, metavar="DIR", help="model directory to create")

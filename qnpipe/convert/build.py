@@ -1,4 +1,5 @@
-"""`qnpipe convert`: an original HF or mlx-lm converted Qwen3-Next checkpoint -> a qnpipe model directory.
+"""`qnpipe convert`: an original HF or mlx-lm converted Qwen3-Next checkpoint, or an mlx-lm directory of any
+other MoE family (`qnpipe.convert.family`) -> a qnpipe model directory.
 
 Output (docs/store-format.md): `config.json` (the model's, plus mlx-lm's `quantization` when
 quantized, plus a `qnpipe` section), the non-expert weights in mlx-lm naming
@@ -23,7 +24,6 @@ import json
 import os
 import shutil
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,10 +44,11 @@ from qnpipe.convert.plan import (
     record_tensors,
     transform,
 )
+from qnpipe.convert.records import write_expert_layer
+from qnpipe.convert.report import MODEL_FORMAT, MODEL_VERSION, ConvertReport
 from qnpipe.convert.safetensors_out import plan_shards, safetensors_nbytes, write_model_shards, write_safetensors
 from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
 from qnpipe.io import store as st
-from qnpipe.io.dtypes import NP_DTYPES
 from qnpipe.io.outdir import (
     ByteProgress,
     Log,
@@ -60,36 +61,16 @@ from qnpipe.io.outdir import (
     output_path,
     peak_rss,
 )
-from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, LayerFile, Quant, StoreIndex
+from qnpipe.io.store_format import ALIGN, FORMAT, LayerFile, Quant, StoreIndex, quant_dict
 from qnpipe.model.args import ModelArgs, args_from_dict, model_id, read_config
 from qnpipe.model.checkpoint import Layout, detect_layout, is_qnpipe_dir, scan
 
 __all__ = ["CHUNK_BYTES", "MAX_SHARD_BYTES", "ROW_BLOCK_BYTES", "MODEL_FORMAT", "MODEL_VERSION", "ConvertReport", "convert"]
 
-MODEL_FORMAT = "qnpipe-model"
-MODEL_VERSION = 1
 MAX_SHARD_BYTES = 5 << 30  # like mlx-lm's save_model
 CHUNK_BYTES = 256 << 20  # source bytes of experts transformed at once
 ROW_BLOCK_BYTES = 64 << 20  # source bytes of a large non-expert matrix transformed at once
 # The sizes above are `convert`'s defaults; its keyword arguments of the same names override them.
-
-
-class ConvertReport(msgspec.Struct, frozen=True, kw_only=True):
-    """What `convert` did. Sizes in bytes, times in seconds."""
-
-    out: str
-    source_layout: str
-    moe_layers: int
-    num_experts: int
-    quantization: dict[str, Any] | None  # of the experts; None = float
-    dtype: str | None
-    mtp: bool
-    bytes_written: int
-    expert_bytes: int
-    seconds: float
-    bytes_per_s: float
-    peak_rss_bytes: int
-    warnings: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- the expert layers
@@ -118,31 +99,10 @@ def _expert_chunk(el: ExpertLayerPlan, e0: int, e1: int) -> dict[str, np.ndarray
 
 def _write_expert_layer(experts_dir: Path, el: ExpertLayerPlan, tensors: list[tuple[str, str, tuple[int, ...]]],
                         num_experts: int, advance: Callable[[int], None], chunk_bytes: int) -> LayerFile:
-    slots, record_nbytes, stride = st.record_layout(tensors)
-    fname = st.layer_file_name(el.layer)
-    crcs: list[int] = []
-    per_chunk = max(1, min(num_experts, chunk_bytes // max(1, el.src_bytes_per_expert)))
-    fd = os.open(experts_dir / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides
-    try:
-        for e0 in range(0, num_experts, per_chunk):
-            e1 = min(num_experts, e0 + per_chunk)
-            arrays = _expert_chunk(el, e0, e1)
-            buf = np.zeros((e1 - e0, stride), dtype=np.uint8)
-            for s in slots:
-                a = arrays[s.name]
-                if a.shape[1:] != s.shape or a.dtype != np.dtype(NP_DTYPES[s.dtype]):
-                    raise QnpipeError(f"internal error: layer {el.layer} {s.name} came out {a.dtype}{list(a.shape)}")
-                buf[:, s.offset:s.offset + s.nbytes] = np.ascontiguousarray(a).reshape(e1 - e0, -1).view(np.uint8)
-            crcs += [zlib.crc32(buf[i, :record_nbytes].data) for i in range(e1 - e0)]
-            os.pwrite(fd, buf.data, e0 * stride)
-            advance((e1 - e0) * stride)
-            del arrays, buf
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    quant = {p: _layer_quant(el, p) for p in PROJS if any(s.name == f"{p}.scales" for s in slots)} or None
-    return LayerFile(layer=el.layer, file=fname, num_experts=num_experts, stride=stride, record_nbytes=record_nbytes,
-                     file_nbytes=num_experts * stride, tensors=slots, quant=quant, checksums=tuple(crcs))
+    names = {t[0] for t in tensors}
+    quant = {p: _layer_quant(el, p) for p in PROJS if f"{p}.scales" in names} or None
+    return write_expert_layer(experts_dir, el.layer, lambda e0, e1: _expert_chunk(el, e0, e1), tensors, quant,
+                              num_experts, el.src_bytes_per_expert, advance, chunk_bytes)
 
 
 def _layer_quant(el: ExpertLayerPlan, proj: str) -> Quant:
@@ -227,9 +187,17 @@ def convert(
     existing = check_output_location(out_p, "--out")
 
     config = read_config(src_p)
-    args = args_from_dict(config, str(src_p / "config.json"))
-    if is_qnpipe_dir(src_p, config):
+    if is_qnpipe_dir(src_p, config):  # never sanitized or converted twice
         raise CheckpointError(f"{src_p} is already a qnpipe model directory (nothing to convert)")
+    mt = config.get("model_type")
+    if isinstance(mt, str) and mt != "qwen3_next":  # any other family: its mlx-lm directory, re-laid out
+        from qnpipe.convert.family import convert_family
+
+        opts = {"--bits": bits, "--dtype": dtype, "--mtp-from": mtp_from}
+        return convert_family(src_p, out_p, config, scan(src_p), existing=existing, progress=progress, log=log,
+                              chunk_bytes=chunk_bytes, row_block_bytes=row_block_bytes,
+                              max_shard_bytes=max_shard_bytes, t0=t0, options=opts)
+    args = args_from_dict(config, str(src_p / "config.json"))
     infos = scan(src_p)
     layout = detect_layout(infos, src_p)
     if not args.moe_layers:
@@ -269,7 +237,7 @@ def convert(
     q0 = index.layers[0].quant
     return ConvertReport(
         out=str(out_p), source_layout=str(layout), moe_layers=len(index.layers), num_experts=args.num_experts,
-        quantization=msgspec.to_builtins(q0["gate_proj"]) if q0 else None, dtype=plan.float_dtype,
+        quantization=quant_dict(q0["gate_proj"]) if q0 else None, dtype=plan.float_dtype,
         mtp=bool(plan.mtp), bytes_written=written, expert_bytes=expert_bytes, seconds=seconds,
         bytes_per_s=written / seconds if seconds > 0 else 0.0, peak_rss_bytes=peak_rss(),
         warnings=tuple(plan.warnings),
@@ -314,12 +282,12 @@ def _qnpipe_section(layout: Layout, plan: ConvertPlan, index: StoreIndex, index_
         "version": MODEL_VERSION,
         "source_layout": str(layout),
         "dtype": plan.float_dtype,
-        "quantization": msgspec.to_builtins(q) if q else None,
+        "quantization": {k: quant_dict(v) for k, v in q.items()} if q else None,
         "experts": {
             "dir": st.EXPERTS_DIR,
             "index": f"{st.EXPERTS_DIR}/index.json",
             "store_format": FORMAT,
-            "store_version": VERSION,
+            "store_version": index.version,
             "model_id": index.model_id,
             "index_sha256": index_sha256,  # the store of this model, not only of its shape (qnpipe.model.args.store_sha256)
             "align": ALIGN,

@@ -6,6 +6,7 @@ import os
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -14,6 +15,7 @@ from qnpipe.errors import CheckpointError, StoreError
 from qnpipe.io.outdir import ByteProgress
 from qnpipe.io.store import read_index_sha256
 from qnpipe.io.store_check import check_against_model, check_store_sha256, open_layer_file
+from qnpipe.io.store_format import StoreIndex
 from qnpipe.model.args import config_model_id
 
 __all__ = ["BadRecord", "VerifyReport", "describe", "verify_store"]
@@ -62,6 +64,44 @@ def verify_store(path: str | os.PathLike[str], *, progress: bool = False) -> Ver
     """
     t0 = time.perf_counter()
     p = Path(path)
+    if _family_config(p) is not None:
+        root, index, got = _family_index(p)
+    else:
+        root, index, got = _qwen3_next_index(p)
+    return _verify_records(root, index, t0, progress)
+
+
+def _family_config(p: Path) -> dict[str, Any] | None:
+    """config.json of a converted model of a family other than qwen3_next (None otherwise)."""
+    if not (p / "config.json").is_file():
+        return None
+    from qnpipe.model.args import read_config
+
+    try:
+        config = read_config(p)
+    except CheckpointError:
+        return None  # the Qwen3-Next path names what is wrong with it
+    mt = config.get("model_type")
+    return config if isinstance(mt, str) and mt != "qwen3_next" else None
+
+
+def _family_index(p: Path) -> tuple[Path, StoreIndex, str]:
+    """The store of a family model directory, checked against the skeleton of its config (as a loader would)."""
+    from qnpipe.model.args import store_sha256
+    from qnpipe.model.family.skeleton import skeleton_id
+    from qnpipe.model.family.store_spec import converted_skeleton
+
+    try:
+        model, _, config = converted_skeleton(p)
+        sha256 = store_sha256(config, p / "config.json")
+    except CheckpointError as e:
+        raise StoreError(str(e)) from None
+    root, index, got = read_index_sha256(p, expected_model_id=skeleton_id(config, model))
+    check_store_sha256(root / "index.json", got, sha256)
+    return root, index, got
+
+
+def _qwen3_next_index(p: Path) -> tuple[Path, StoreIndex, str]:
     # lexists: a config.json that is a FIFO or a directory is refused by name, not taken for none.
     expected = config_model_id(p) if os.path.lexists(p / "config.json") else None
     config = sha256 = None
@@ -81,6 +121,10 @@ def verify_store(path: str | os.PathLike[str], *, progress: bool = False) -> Ver
         check_against_model(index, root / "index.json", args_from_dict(config, str(p / "config.json")),
                             qcfg if isinstance(qcfg, dict) else None)
         check_store_sha256(root / "index.json", got, sha256)
+    return root, index, got
+
+
+def _verify_records(root: Path, index: StoreIndex, t0: float, progress: bool) -> VerifyReport:
     total = sum(lf.num_experts * lf.record_nbytes for lf in index.layers)
     bar = ByteProgress(progress, total, "verifying")
     bad: list[BadRecord] = []

@@ -27,12 +27,14 @@ from qnpipe.io.store_format import (
     ALIGN,
     FORMAT,
     INDEX_FILE,
+    QUANT_MODES,
+    READ_VERSIONS,
     TENSOR_ALIGN,
-    VERSION,
     LayerFile,
     StoreIndex,
     TensorSlot,
     aligned_len,
+    encode_index,
 )
 
 if TYPE_CHECKING:
@@ -78,9 +80,9 @@ def record_layout(tensors: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[
 
 
 def write_index(experts_dir: Path, index: StoreIndex) -> Path:
-    """Write `experts_dir/index.json` (indented JSON); returns its path."""
+    """Write `experts_dir/index.json` (indented JSON; `store_format.encode_index`); returns its path."""
     path = Path(experts_dir) / INDEX_FILE
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(index), indent=1) + b"\n")
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(encode_index(index)), indent=1) + b"\n")
     return path
 
 
@@ -117,6 +119,9 @@ def _check_layer(lf: LayerFile, index_path: Path, align: int) -> None:
     if not lo <= lf.file_nbytes <= hi:
         raise bad(f"file_nbytes {lf.file_nbytes} must be in [{lo}, {hi}] for {lf.num_experts} records "
                   f"of {lf.record_nbytes} bytes, {lf.stride} apart")
+    for name, q in (lf.quant or {}).items():
+        if q.mode not in QUANT_MODES:
+            raise bad(f"{name} has quantization mode {q.mode!r} (known: {', '.join(QUANT_MODES)})")
     if len(lf.checksums) != lf.num_experts:
         raise bad(f"{len(lf.checksums)} checksums for {lf.num_experts} experts")
     for t in lf.tensors:
@@ -130,6 +135,23 @@ def _check_layer(lf: LayerFile, index_path: Path, align: int) -> None:
                 f"tensor {t.name} ({t.dtype} {list(t.shape)}, {t.nbytes} bytes at offset {t.offset}) does not fit "
                 f"the record ({lf.record_nbytes} bytes; {want} bytes expected, offsets multiples of {TENSOR_ALIGN})"
             )
+
+
+def _check_family(index: StoreIndex, index_path: Path) -> None:
+    """Version 2 names the switch of every layer it stores; version 1 has no family block."""
+    fam = index.family
+    if index.version == 1:
+        if fam is not None:
+            raise StoreError(f"{index_path}: a version 1 index has no `family` block (version 2 has)")
+        return
+    if fam is None:
+        raise StoreError(f"{index_path}: a version 2 index needs a `family` block (model_type, switch_class, "
+                         f"switch_paths)")
+    if fam.switch_class not in ("SwitchGLU", "SwitchMLP"):
+        raise StoreError(f"{index_path}: family switch_class {fam.switch_class!r}; expected SwitchGLU or SwitchMLP")
+    have, named = sorted(lf.layer for lf in index.layers), sorted(fam.switch_paths)
+    if have != named:
+        raise StoreError(f"{index_path}: family switch_paths name layers {named}, the index stores layers {have}")
 
 
 def read_index(path: str | os.PathLike[str], *, expected_model_id: str | None = None) -> tuple[Path, StoreIndex]:
@@ -158,15 +180,16 @@ def read_index_sha256(path: str | os.PathLike[str], *,
         raise StoreError(f"{index_path}: not valid JSON ({e})") from None
     if head.get("format") != FORMAT:
         raise StoreError(f"{index_path}: format is {head.get('format')!r}, expected {FORMAT!r}")
-    if head.get("version") != VERSION:
+    if head.get("version") not in READ_VERSIONS:
         raise StoreError(
-            f"{index_path}: store format version {head.get('version')!r}; this qnpipe reads version {VERSION} "
-            f"(re-run `qnpipe convert`)"
+            f"{index_path}: store format version {head.get('version')!r}; this qnpipe reads version "
+            f"{' or '.join(map(str, READ_VERSIONS))} (re-run `qnpipe convert`)"
         )
     try:
-        index = msgspec.convert(head, StoreIndex)
+        index = msgspec.convert(head, StoreIndex, str_keys=True)
     except msgspec.ValidationError as e:
         raise StoreError(f"{index_path}: invalid index ({e})") from None
+    _check_family(index, index_path)
     if expected_model_id is not None and index.model_id != expected_model_id:
         raise StoreError(
             f"{index_path}: expert store belongs to another model (model_id {index.model_id[:16]}..., "

@@ -2,8 +2,10 @@
 
 `open_layer_file` opens a layer file without ever blocking (a FIFO or a directory where the
 file should be is refused) and checks its size; `check_against_model` checks that an index
-describes exactly the expert tensors a model's config asks for (layers, expert count, tensor
-names, dtypes, shapes, bits and group size), so a store either side accepts, the other does too.
+describes exactly the expert tensors a model asks for (layers, expert count, tensor names,
+dtypes, shapes, bits and group size), so a store either side accepts, the other does too.
+The model is qnpipe's Qwen3-Next (its `ModelArgs`) or, for any family, an `ExpertSpec`: what
+the mlx-lm skeleton's switches hold (`qnpipe.model.family.store_spec.expert_spec`).
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from qnpipe.errors import StoreError
-from qnpipe.io.store_format import LayerFile, StoreIndex
+import msgspec
 
-__all__ = ["check_against_model", "check_store_sha256", "open_layer_file"]
+from qnpipe.errors import StoreError
+from qnpipe.io.store_format import LayerFile, Quant, StoreIndex, index_family
+
+__all__ = ["FLOAT", "ExpertSpec", "check_against_model", "check_store_sha256", "open_layer_file"]
+
+FLOAT = "float"  # an ExpertSpec dtype that any float type of the store satisfies
 
 _FLOATS = ("float32", "float16", "bfloat16")
 _PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -32,6 +38,21 @@ class ModelExperts(Protocol):
     def moe_layers(self) -> tuple[int, ...]: ...
     @property
     def expert_dims(self) -> Mapping[str, tuple[int, int]]: ...
+
+
+class ExpertSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The routed experts of a model of any family, as its skeleton's switches hold them.
+
+    `tensors[layer]` maps each record tensor (`<linear>.<param>`, record order) to its per-expert
+    shape (the stack's without the leading E) and dtype (`FLOAT` for any float type, else exact);
+    `quant[layer]` maps each quantized expert linear to its quantization.
+    """
+
+    model_type: str
+    num_experts: int
+    switch_paths: dict[int, str]
+    tensors: dict[int, dict[str, tuple[tuple[int, ...], str]]]
+    quant: dict[int, dict[str, Quant]]
 
 
 def open_layer_file(root: Path, lf: LayerFile, *, check_size: bool = True) -> int:
@@ -75,23 +96,33 @@ def _config_quant(qcfg: Mapping[str, Any] | None, path: str) -> tuple[int, int] 
     return p.get("bits"), p.get("group_size")
 
 
-def check_against_model(index: StoreIndex, index_path: Path, args: ModelExperts,
-                        qcfg: Mapping[str, Any] | None = None) -> None:
-    """Check that `index` holds exactly the routed experts of the model `args` describes.
-
-    Layers must be the model's MoE layers; each with `num_experts` records whose tensors are
-    gate/up/down `weight` (plus `scales` and `biases` when the projection is quantized) with the
-    shapes the sizes, bits and group size give. Raises StoreError naming the index file, the
-    layer, the tensor and both values.
-    """
+def _check_layers(index: StoreIndex, index_path: Path, want: list[int]) -> None:
     have = sorted(lf.layer for lf in index.layers)
-    want = list(args.moe_layers)
     if have != want:
         missing = sorted(set(want) - set(have))
         extra = sorted(set(have) - set(want))
         what = "; ".join(p for p in (f"missing layer(s) {missing}" if missing else "",
                                      f"unexpected layer(s) {extra}" if extra else "") if p)
         raise StoreError(f"{index_path}: store holds layers {have}, the model's MoE layers are {want} ({what})")
+
+
+def check_against_model(index: StoreIndex, index_path: Path, args: ModelExperts | ExpertSpec,
+                        qcfg: Mapping[str, Any] | None = None) -> None:
+    """Check that `index` holds exactly the routed experts of the model `args` describes.
+
+    For an `ExpertSpec` (any family): `_check_spec`. For Qwen3-Next's ModelArgs: layers must be
+    the model's MoE layers; each with `num_experts` records whose tensors are gate/up/down
+    `weight` (plus `scales` and `biases` when the projection is quantized) with the shapes the
+    sizes, bits and group size give. Raises StoreError naming the index file, the layer, the
+    tensor and both values.
+    """
+    if isinstance(args, ExpertSpec):
+        _check_spec(index, index_path, args)
+        return
+    fam = index_family(index)
+    if fam.model_type != "qwen3_next":
+        raise StoreError(f"{index_path}: a store of a {fam.model_type} model, not of this qwen3_next model")
+    _check_layers(index, index_path, list(args.moe_layers))
     dims = args.expert_dims
     for lf in sorted(index.layers, key=lambda lf: lf.layer):
         where = f"{index_path}: layer {lf.layer} ({lf.file})"
@@ -135,6 +166,50 @@ def check_against_model(index: StoreIndex, index_path: Path, args: ModelExperts,
         extra_t = sorted(set(tensors) - set(expected))
         if extra_t:
             raise StoreError(f"{where}: unexpected tensor(s) {extra_t} in the records")
+
+
+def _check_spec(index: StoreIndex, index_path: Path, spec: ExpertSpec) -> None:
+    """The index against a skeleton's switches: family, layers and switch paths, expert count, and
+    per layer the record tensors (names, per-expert shapes, dtypes) and each linear's quantization."""
+    fam = index_family(index)
+    if fam.model_type != spec.model_type:
+        raise StoreError(f"{index_path}: a store of a {fam.model_type} model; this model is {spec.model_type}")
+    _check_layers(index, index_path, sorted(spec.switch_paths))
+    for lf in sorted(index.layers, key=lambda lf: lf.layer):
+        where = f"{index_path}: layer {lf.layer} ({lf.file})"
+        path, want_path = fam.switch_paths[lf.layer], spec.switch_paths[lf.layer]
+        if path != want_path:
+            raise StoreError(f"{where}: the store's switch is {path}, the model's is {want_path}")
+        if lf.num_experts != spec.num_experts:
+            raise StoreError(f"{where}: {lf.num_experts} experts, the model ({want_path}) has {spec.num_experts}")
+        have = {t.name: t for t in lf.tensors}
+        want = spec.tensors[lf.layer]
+        if list(have) != list(want):
+            missing = [n for n in want if n not in have]
+            extra = [n for n in have if n not in want]
+            raise StoreError(f"{where}: records hold tensors {list(have)}, the model's {want_path} has "
+                             f"{list(want)} (missing {missing}, unexpected {extra}; in this order)")
+        for name, (shape, dtype) in want.items():
+            t = have[name]
+            if tuple(t.shape) != tuple(shape):
+                raise StoreError(f"{where}: tensor {name} has shape {list(t.shape)} per expert, the model's "
+                                 f"{want_path}.{name} needs {list(shape)}")
+            if not (t.dtype == dtype or (dtype == FLOAT and t.dtype in _FLOATS)):
+                raise StoreError(f"{where}: tensor {name} has dtype {t.dtype}, the model's {want_path}.{name} "
+                                 f"needs {'a float type' if dtype == FLOAT else dtype}")
+        hq, wq = lf.quant or {}, spec.quant.get(lf.layer, {})
+        for lin in sorted(set(hq) | set(wq)):
+            a, b = hq.get(lin), wq.get(lin)
+            if a != b:
+                raise StoreError(f"{where}: {lin} is {_describe_quant(a)} in the store, {_describe_quant(b)} "
+                                 f"in the model")
+
+
+def _describe_quant(q: Quant | None) -> str:
+    if q is None:
+        return "float"
+    gs = ", global scale" if q.global_scale else ""
+    return f"{q.mode} {q.bits}-bit/group {q.group_size}{gs}"
 
 
 def check_store_sha256(index_path: Path, sha256: str, expected: str | None) -> None:

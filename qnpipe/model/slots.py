@@ -1,5 +1,10 @@
 """The pool's slot arrays: per MoE layer, one stacked MLX array per expert tensor.
 
+`LayerSlots.arrays` holds them by record tensor name (`gate_proj.weight`, `fc1.scales`, ...),
+each `[capacity, ...]`: what a family's pooled switch runs mlx-lm's switch code on. A native
+Qwen3-Next layer (gate/up/down weight, scales, biases) also gets them as qnpipe's own
+`LayerExperts` (`LayerSlots.experts`, for `experts.switch_glu`).
+
 Slot `s` of a layer holds one expert's record, tensor by tensor (`gate_proj.weight[s]`,
 `gate_proj.scales[s]`, ...). The arrays live in MLX-owned memory with writable host
 views, so a read scatters a record straight into its slot (io.reader.scatter_buffers)
@@ -22,7 +27,9 @@ from qnpipe.io.reader import WritableBuffer, mlx_aligned_buffer
 from qnpipe.io.store_format import LayerFile
 from qnpipe.model.experts import PROJS, LayerExperts, ProjWeights
 
-_MX_DTYPES = {"uint32": mx.uint32, "bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+_MX_DTYPES = {"uint32": mx.uint32, "uint8": mx.uint8, "bfloat16": mx.bfloat16, "float16": mx.float16,
+              "float32": mx.float32}
+_NATIVE_PARTS = ("weight", "scales", "biases")
 
 
 @attrs.define
@@ -31,9 +38,18 @@ class LayerSlots:
 
     layer: int
     capacity: int
-    experts: LayerExperts
+    native: LayerExperts | None  # the arrays as qnpipe's Qwen3-Next LayerExperts; None on other layers
     host: dict[str, np.ndarray]  # tensor name -> uint8 [capacity, tensor nbytes], same memory as the arrays
     keep: list[mx.array]  # the raw buffers: referenced so MLX never donates or frees them
+    arrays: dict[str, mx.array] = attrs.Factory(dict)  # record tensor name -> [capacity, ...] slot array
+
+    @property
+    def experts(self) -> LayerExperts:
+        """The slots as a native Qwen3-Next layer's LayerExperts (`experts.switch_glu`)."""
+        if self.native is None:
+            raise TypeError(f"layer {self.layer}'s slots hold {list(self.arrays)}: not a native Qwen3-Next "
+                            f"layer (use LayerSlots.arrays)")
+        return self.native
 
     def dest(self, slot: int) -> dict[str, WritableBuffer]:
         """Per-tensor destinations of `slot`, for `scatter_buffers`."""
@@ -44,8 +60,21 @@ class LayerSlots:
         return sum(h.nbytes for h in self.host.values())
 
 
-def make_layer_slots(lf: LayerFile, capacity: int) -> LayerSlots:
-    """Zeroed slot arrays for `capacity` experts of the layer `lf` describes. MLX thread only."""
+def is_native_layer(lf: LayerFile) -> bool:
+    """True when `lf`'s records are a native Qwen3-Next layer's: gate/up/down `weight`, and `scales`
+    and `biases` of affine quantization, nothing else."""
+    names = [t.name for t in lf.tensors]
+    if any(f"{p}.weight" not in names for p in PROJS):
+        return False
+    if any(q.mode != "affine" or q.global_scale for q in (lf.quant or {}).values()):
+        return False
+    return all(n in {f"{p}.{part}" for p in PROJS for part in _NATIVE_PARTS} for n in names)
+
+
+def make_layer_slots(lf: LayerFile, capacity: int, *, native: bool | None = None) -> LayerSlots:
+    """Zeroed slot arrays for `capacity` experts of the layer `lf` describes. MLX thread only.
+
+    `native` (default: `is_native_layer(lf)`) also builds the native LayerExperts view."""
     arrays: dict[str, mx.array] = {}
     host: dict[str, np.ndarray] = {}
     keep: list[mx.array] = []
@@ -56,6 +85,9 @@ def make_layer_slots(lf: LayerFile, capacity: int) -> LayerSlots:
         arrays[t.name] = typed
         host[t.name] = h[: capacity * t.nbytes].reshape(capacity, t.nbytes)
         keep += [raw, typed]
+    _check_shared(arrays, host)
+    if not (is_native_layer(lf) if native is None else native):
+        return LayerSlots(lf.layer, capacity, None, host, keep, arrays)
     projs = {}
     for proj in PROJS:
         q = (lf.quant or {}).get(proj)
@@ -65,8 +97,7 @@ def make_layer_slots(lf: LayerFile, capacity: int) -> LayerSlots:
         else:
             projs[proj] = ProjWeights(w, arrays[f"{proj}.scales"], arrays.get(f"{proj}.biases"),
                                       q.group_size, q.bits, q.mode)
-    _check_shared(arrays, host)
-    return LayerSlots(lf.layer, capacity, LayerExperts(**projs), host, keep)
+    return LayerSlots(lf.layer, capacity, LayerExperts(**projs), host, keep, arrays)
 
 
 def _check_shared(arrays: dict[str, mx.array], host: dict[str, np.ndarray]) -> None:
