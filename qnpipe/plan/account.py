@@ -119,8 +119,20 @@ class Account(msgspec.Struct, frozen=True, kw_only=True):
         return out
 
 
+def dir_facts(model_dir: str | Path, cfg: Config) -> ModelFacts | FamilyFacts:
+    """The facts of a `qnpipe convert` output directory of any family: `model_facts` for Qwen3-Next,
+    else `FamilyFacts` (qnpipe.plan.family_account.family_dir_facts)."""
+    d = Path(model_dir)
+    raw = read_config(d)
+    if raw.get("model_type") == "qwen3_next":
+        return model_facts(d, cfg)
+    from qnpipe.plan.family_account import family_dir_facts
+
+    return family_dir_facts(d, raw, cfg)
+
+
 def model_facts(model_dir: str | Path, cfg: Config) -> ModelFacts:
-    """The facts of a `qnpipe convert` output directory (CheckpointError/StoreError name the file)."""
+    """The facts of a `qnpipe convert` output directory of Qwen3-Next (CheckpointError/StoreError name the file)."""
     from qnpipe.io.store import read_index
     from qnpipe.model.checkpoint import read_header
 
@@ -358,6 +370,7 @@ def minimum_budget(facts: ModelFacts | FamilyFacts, cfg: Config, *, context: int
             + k * sum(facts.record_nbytes.values()))
 
 
-__all__ = ["KV_STEP", "Account", "Line", "ModelFacts", "account", "activation_nbytes", "fixed_lines", "forward_tokens",
+__all__ = ["KV_STEP", "Account", "Line", "ModelFacts", "account", "activation_nbytes", "dir_facts", "fixed_lines",
+           "forward_tokens",
            "delta_kernel", "kv_nbytes", "minimum_budget", "model_facts", "nonexpert_params", "pool_lines", "reader_nbytes",
            "shape_facts", "state_nbytes"]

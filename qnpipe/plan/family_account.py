@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -141,6 +142,34 @@ def family_facts(config: Mapping[str, Any], tensors: Mapping[str, Any], where: s
         non_expert_source=f"mlx-lm's {info.model_type} model's tensor shapes at the checkpoint's dtypes",
         act_dtype_bytes=act, caches=caches, layer_width=width, heads=heads, vocab_size=info.vocab_size,
         bounce_reads=bounce_reads)
+
+
+def family_dir_facts(d: Path, config: Mapping[str, Any], cfg: Config) -> FamilyFacts:
+    """The facts of a `qnpipe convert` directory of a generic family: the skeleton of its config.json,
+    the non-expert files' headers and the store's expert stacks; the records' and the non-expert
+    weights' bytes as the files hold them (CheckpointError/StoreError/ConfigError name what is wrong)."""
+    from qnpipe.errors import ConfigError
+    from qnpipe.io.store import read_index
+    from qnpipe.io.store_format import ALIGN
+    from qnpipe.model.checkpoint import scan
+    from qnpipe.model.family.store_spec import headers_as_specs, index_tensor_specs
+
+    model_type = config.get("model_type")
+    if cfg.mtp.enabled:
+        raise ConfigError(f"mtp.enabled: MTP runs on qwen3_next's native path only, not on a {model_type} model")
+    root, index = read_index(cfg.model.expert_dir or d)
+    headers = scan(d)
+    specs = {**headers_as_specs(headers), **index_tensor_specs(index)}
+    bounce = any(t.offset % ALIGN or t.nbytes % ALIGN for lf in index.layers for t in lf.tensors)
+    facts = family_facts(config, specs, str(d / "config.json"), bounce_reads=bounce)
+    records = {lf.layer: lf.record_nbytes for lf in index.layers}
+    if missing := sorted(set(facts.shape.moe_layers) - set(records)):
+        raise CheckpointError(f"{d}: the expert store has no records of MoE layers {missing}")
+    files = sorted({h.file.name for h in headers.values()})
+    return msgspec.structs.replace(
+        facts, source=str(d), record_nbytes={ly: records[ly] for ly in facts.shape.moe_layers},
+        record_source=str(root / "index.json"), non_expert_nbytes=sum(h.nbytes for h in headers.values()),
+        non_expert_source="safetensors headers of " + ", ".join(files))
 
 
 def _hidden(tc: Mapping[str, Any], where: str) -> int:

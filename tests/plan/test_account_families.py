@@ -175,3 +175,46 @@ def _no_heads(cfg: dict[str, Any], tensors: dict[str, Any]) -> None:
         family_facts(cfg, tensors, "no-heads")
     finally:
         fa.HEAD_KEYS = saved
+
+
+def _converted(tmp: Any, family: str, quant: str | None = None) -> Any:
+    """A tiny model of `family` saved as mlx-lm saves one, then `qnpipe convert`ed."""
+    from mlx_lm.utils import save_config, save_model
+
+    from qnpipe.convert import convert
+
+    cfg, model = _tiny(family, quant)
+    src = tmp / f"{family}-src"
+    src.mkdir()
+    save_model(src, model)
+    save_config(cfg, src / "config.json")
+    (src / "tokenizer_config.json").write_text("{}")
+    convert(src, tmp / family)
+    return tmp / family
+
+
+@pytest.mark.parametrize(("family", "quant"), [("gpt_oss", None), ("qwen3_moe", "affine4")])
+def test_a_converted_directory_is_accounted_from_its_files(family: str, quant: str | None, tmp_path: Any) -> None:
+    from qnpipe.io.store import read_index
+    from qnpipe.model.checkpoint import scan
+    from qnpipe.plan.account import dir_facts
+
+    d = _converted(tmp_path, family, quant)
+    facts = dir_facts(d, config.load(None))
+    _, index = read_index(d)
+    assert facts.record_nbytes == {lf.layer: lf.record_nbytes for lf in index.layers}
+    assert facts.non_expert_nbytes == sum(h.nbytes for h in scan(d).values()) == _facts(family, quant).non_expert_nbytes
+    assert facts.caches == _facts(family, quant).caches
+    with pytest.raises(ConfigError, match="mtp.enabled: MTP runs on qwen3_next's native path only"):
+        dir_facts(d, config.load(None, overrides={"mtp.enabled": "true"}))
+
+
+def test_qnpipe_plan_takes_a_generic_familys_directory(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from qnpipe.cli import main
+
+    d = _converted(tmp_path, "gpt_oss")
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(d), "--memory", "2GB", "--context", "512", "-o", str(out), "-q"]) == 0
+    assert "expert pool" in capsys.readouterr().out and out.is_file()
+    assert main(["plan", str(d), "--memory", "2GB", "--context", "512", "--ranks", "2", "-q"]) == 2
+    assert "pipeline parallel runs on qwen3_next's native path only, not on a gpt_oss model" in capsys.readouterr().err
