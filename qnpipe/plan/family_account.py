@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from qnpipe.errors import CheckpointError
-from qnpipe.plan.account import KV_STEP, Line, forward_tokens
+from qnpipe.plan.account import KV_STEP, Line, ModelFacts, forward_tokens, model_facts
 from qnpipe.trace import ModelShape
 
 if TYPE_CHECKING:
@@ -75,6 +75,11 @@ class FamilyFacts(msgspec.Struct, frozen=True, kw_only=True):
     heads: int  # attention heads (the scores' width per context token)
     vocab_size: int
     bounce_reads: bool = False
+
+    def own_lines(self, cfg: Config, *, context: int) -> tuple[Line, Line, Line]:
+        """The KV cache, recurrent state and activation lines (`family_fixed_lines`)."""
+        kv, state, acts = family_fixed_lines(self, cfg, context=context)
+        return kv, state, acts
 
 
 def spec_nbytes(shape: Any, dtype: Any) -> int:
@@ -142,6 +147,18 @@ def family_facts(config: Mapping[str, Any], tensors: Mapping[str, Any], where: s
         non_expert_source=f"mlx-lm's {info.model_type} model's tensor shapes at the checkpoint's dtypes",
         act_dtype_bytes=act, caches=caches, layer_width=width, heads=heads, vocab_size=info.vocab_size,
         bounce_reads=bounce_reads)
+
+
+def dir_facts(model_dir: str | Path, cfg: Config) -> ModelFacts | FamilyFacts:
+    """The facts of a `qnpipe convert` output directory of any family: `model_facts` for Qwen3-Next,
+    else `family_dir_facts`."""
+    from qnpipe.model.args import read_config
+
+    d = Path(model_dir)
+    raw = read_config(d)
+    if raw.get("model_type") == "qwen3_next":
+        return model_facts(d, cfg)
+    return family_dir_facts(d, raw, cfg)
 
 
 def family_dir_facts(d: Path, config: Mapping[str, Any], cfg: Config) -> FamilyFacts:
@@ -271,5 +288,6 @@ def family_fixed_lines(facts: FamilyFacts, cfg: Config, *, context: int) -> list
                         f"(forward.prefill_chunk_tokens={cfg.forward.prefill_chunk_tokens}) over {context} cached")]
 
 
-__all__ = ["CacheSpec", "FamilyFacts", "cache_nbytes", "cache_specs", "family_activation_nbytes", "family_facts",
+__all__ = ["CacheSpec", "FamilyFacts", "cache_nbytes", "cache_specs", "dir_facts", "family_activation_nbytes",
+           "family_dir_facts", "family_facts",
            "family_fixed_lines", "spec_nbytes"]

@@ -26,13 +26,12 @@ from qnpipe.plan.account import (
     Account,
     ModelFacts,
     account,
-    dir_facts,
     fixed_lines,
     minimum_budget,
     pool_lines,
     shape_facts,
 )
-from qnpipe.plan.family_account import FamilyFacts
+from qnpipe.plan.family_account import FamilyFacts, dir_facts
 from qnpipe.plan.fixed import user_fixed
 from qnpipe.plan.plan_file import BUDGET_KEYS, BudgetKey, Plan, plan_overrides
 from qnpipe.plan.ranks import Share, check_ranks, layer_weights, restricted_log, share_lines, share_shape

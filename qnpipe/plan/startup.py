@@ -36,9 +36,9 @@ import msgspec
 from qnpipe.config import Config, explicit_settings, with_overrides
 from qnpipe.errors import ConfigError
 from qnpipe.io.atomic import atomic_write
-from qnpipe.plan.account import ModelFacts, dir_facts
+from qnpipe.plan.account import ModelFacts
 from qnpipe.plan.check import plan_problems
-from qnpipe.plan.family_account import FamilyFacts
+from qnpipe.plan.family_account import FamilyFacts, dir_facts
 from qnpipe.plan.fixed import Fixed, user_fixed
 from qnpipe.plan.make import SYNTH, check_budgets, make_plan, resolve_cost, resolve_device
 from qnpipe.plan.plan_file import PLAN_VERSION, Plan, capacity_profile, load_plan, plan_settings, save_plan

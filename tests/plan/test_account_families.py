@@ -14,7 +14,7 @@ from qnpipe.errors import CheckpointError, ConfigError
 from qnpipe.model.family import tiny
 from qnpipe.model.family.switches import expert_params, find_switches
 from qnpipe.plan.account import fixed_lines, minimum_budget
-from qnpipe.plan.family_account import cache_nbytes, cache_specs, family_activation_nbytes, family_facts
+from qnpipe.plan.family_account import FamilyFacts, cache_nbytes, cache_specs, family_activation_nbytes, family_facts
 
 TIER1 = ["qwen3_moe", "gpt_oss", "glm4_moe", "qwen3_5_moe", "deepseek_v3", "minimax", "llama4", "mixtral"]
 CASES = [(f, None) for f in sorted(tiny.CONFIGS)] + [(f, "affine4") for f in TIER1] + [("gpt_oss", "mxfp4")]
@@ -197,10 +197,11 @@ def _converted(tmp: Any, family: str, quant: str | None = None) -> Any:
 def test_a_converted_directory_is_accounted_from_its_files(family: str, quant: str | None, tmp_path: Any) -> None:
     from qnpipe.io.store import read_index
     from qnpipe.model.checkpoint import scan
-    from qnpipe.plan.account import dir_facts
+    from qnpipe.plan.family_account import dir_facts
 
     d = _converted(tmp_path, family, quant)
     facts = dir_facts(d, config.load(None))
+    assert isinstance(facts, FamilyFacts) and facts.model_type == family
     _, index = read_index(d)
     assert facts.record_nbytes == {lf.layer: lf.record_nbytes for lf in index.layers}
     assert facts.non_expert_nbytes == sum(h.nbytes for h in scan(d).values()) == _facts(family, quant).non_expert_nbytes
