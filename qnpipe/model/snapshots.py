@@ -1,8 +1,10 @@
 """Snapshots of the whole model state after a prompt head, in memory and on disk (MLX thread only).
 
 A `Snapshot` is every layer's cache at one point of a prefill: the attention layers' keys
-and values up to the offset, the Gated DeltaNet layers' conv and recurrent state (and any
-cache kind that implements `SnapshotState`, such as the quantized KV cache). Restoring
+and values up to the offset, the Gated DeltaNet layers' conv and recurrent state, and every
+other cache kind mlx-lm's models make (rotating, chunked, arrays, cache lists: one
+`LayerState` each, qnpipe.model.snapshot_kinds), and any cache kind that implements
+`SnapshotState`, such as the quantized KV cache. Restoring
 it gives a cache that computes exactly what the captured one would have: same arrays,
 same offsets (qnpipe.live.prefix decides when to capture and resume). With MTP speculation the
 list ends with the MTP layer's KV cache, whose rows at n pair hidden j with token j+1 for
@@ -19,7 +21,8 @@ The blob is every array's raw bytes in header order; the header has the format v
 the model fingerprint, the token ids' hash and count, the token after them when the state
 depends on it (-1 when not), and the blob's crc32. A file of
 another version or model, or one that does not check, raises SnapshotError naming it.
-Files are written to a temporary name and renamed.
+Every layer's kind is checked against the fixed table of kinds before a cache is built: a
+file is data, and names no class to import. Files are written to a temporary name and renamed.
 """
 
 from __future__ import annotations
@@ -33,43 +36,33 @@ import struct
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, cast
 
 import mlx.core as mx
 import msgspec
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache
 
 from qnpipe.errors import SnapshotError
 from qnpipe.io.atomic import atomic_file
+from qnpipe.model.snapshot_kinds import (
+    REMOTE,
+    LayerState,
+    SnapshotState,
+    check_kind,
+    layer_cache,
+    layer_state,
+    register_kind,
+)
+
+# REMOTE, LayerState, SnapshotState and register_kind live in qnpipe.model.snapshot_kinds; callers import them from here.
+__all__ = ["MAGIC", "REMOTE", "LayerState", "Snapshot", "SnapshotState", "arrays_digest", "capture",
+           "engine_fingerprint", "experts_fingerprint", "file_digest", "load", "model_fingerprint", "register_kind",
+           "restore", "save", "token_key"]
 
 MAGIC = b"QNSNAP\x00\x01"
 FORMAT_VERSION = 2  # 2: `next_token` in the header (MTP states)
 _LEN = struct.Struct("<Q")
 MAX_HEADER_BYTES = 16 << 20  # a header lists a few arrays per layer: kilobytes
-REMOTE = "remote"  # the kind of a layer another rank runs (pipeline parallel): no arrays, its cache is None
-
-
-@runtime_checkable
-class SnapshotState(Protocol):
-    """A cache kind other than mlx-lm's KVCache / ArraysCache that can be snapshotted."""
-
-    def snapshot(self) -> LayerState: ...
-
-    @classmethod
-    def restore(cls, state: LayerState) -> Any: ...
-
-
-class LayerState(msgspec.Struct, frozen=True):
-    """One layer's cache: its `kind`, arrays (evaluated, not shared with a live cache) and token offset."""
-
-    kind: str
-    arrays: tuple[Any, ...]  # mx.array each
-    offset: int
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays)
 
 
 class Snapshot(msgspec.Struct, frozen=True):
@@ -90,15 +83,6 @@ class Snapshot(msgspec.Struct, frozen=True):
         return sum(s.nbytes for s in self.layers)
 
 
-# Cache kinds restored by a class of another module (the quantized KV cache registers itself).
-_RESTORERS: dict[str, type[SnapshotState]] = {}
-
-
-def register_kind(kind: str, cls: type[SnapshotState]) -> None:
-    """Make `restore` rebuild layers of `kind` with `cls.restore`."""
-    _RESTORERS[kind] = cls
-
-
 def token_key(tokens: Sequence[int]) -> str:
     """sha256 (hex) of the token ids (as little-endian u32) and their count: the snapshot's key."""
     ids = np.asarray(list(tokens), dtype="<u4")
@@ -108,51 +92,14 @@ def token_key(tokens: Sequence[int]) -> str:
 def capture(cache: Sequence[Any], n_tokens: int, next_token: int = -1) -> Snapshot:
     """A snapshot of `cache` (one entry per layer) after `n_tokens` tokens, evaluated; `next_token`
     when the state depends on the token after them (MTP rows)."""
-    layers: list[LayerState] = []
-    for i, c in enumerate(cache):
-        if c is None:  # a layer another rank runs (pipeline parallel): its state is that rank's
-            layers.append(LayerState(REMOTE, (), n_tokens))
-        elif isinstance(c, KVCache):
-            keys, values = c.keys, c.values
-            if keys is None or values is None:
-                raise SnapshotError(f"layer {i}: the KV cache is empty (nothing to snapshot)")
-            off = c.offset
-            # Slices, not the buffers: the live cache keeps writing into its buffers.
-            layers.append(LayerState("kv", (keys[..., :off, :], values[..., :off, :]), off))
-        elif isinstance(c, ArraysCache):
-            arrays = [a for a in c.cache if a is not None]
-            if len(arrays) != len(c.cache) or c.lengths is not None or c.left_padding is not None:
-                raise SnapshotError(f"layer {i}: the linear-attention cache is not a plain single-sequence state")
-            layers.append(LayerState("arrays", tuple(mx.array(a) for a in arrays), n_tokens))
-        elif isinstance(c, SnapshotState):
-            layers.append(c.snapshot())
-        else:
-            raise SnapshotError(f"layer {i}: cannot snapshot a cache of type {type(c).__name__}")
+    layers = [layer_state(c, i, n_tokens) for i, c in enumerate(cache)]
     mx.eval([s.arrays for s in layers])
     return Snapshot(n_tokens, tuple(layers), next_token)
 
 
 def restore(snap: Snapshot) -> list[Any]:
     """A fresh cache list in the state of `snap` (the snapshot stays valid: nothing is shared to write into)."""
-    out: list[Any] = []
-    for s in snap.layers:
-        if s.kind == REMOTE:
-            out.append(None)
-        elif s.kind == "kv":
-            c = KVCache()
-            # Exactly `offset` long: the next update grows it into a new buffer.
-            c.keys, c.values = (mx.array(a) for a in s.arrays)
-            c.offset = s.offset
-            out.append(c)
-        elif s.kind == "arrays":
-            a = ArraysCache(size=len(s.arrays))
-            a.cache = [mx.array(x) for x in s.arrays]
-            out.append(a)
-        elif s.kind.partition(":")[0] in _RESTORERS:  # "qkv:4:3:64": the kind, then its parameters
-            out.append(_RESTORERS[s.kind.partition(":")[0]].restore(s))
-        else:
-            raise SnapshotError(f"unknown cache kind {s.kind!r} in a snapshot")
-    return out
+    return [layer_cache(s) for s in snap.layers]
 
 
 _CHUNK = 64 << 20  # bytes per crc32 piece: big arrays and files are checksummed by several threads
@@ -442,6 +389,8 @@ def load(path: str | os.PathLike[str], key: str, fingerprint: str) -> Snapshot:
             pos += ah.nbytes
             a = mx.array(raw).view(dtype) if dtype != mx.bool_ else mx.array(raw).astype(mx.bool_)
             arrays.append(a)
+        if why := check_kind(lh.kind, len(arrays)):
+            raise SnapshotError(f"{path}: layer {i}: {why}")
         layers.append(LayerState(lh.kind, tuple(arrays), lh.offset))
     mx.eval([s.arrays for s in layers])
     return Snapshot(h.n_tokens, tuple(layers), h.next_token)

@@ -3,7 +3,8 @@
     facts = model_facts("qn80b-4bit")                  # or shape_facts("config.json", bits=4)
     acct = account(facts, cfg, caps, side_slots=0, context=8192)
 
-Where each figure comes from (docs/plan.md, "The memory account"):
+Where each figure comes from (docs/plan.md, "The memory account"); a model of another family than
+Qwen3-Next is accounted from mlx-lm's own skeleton (qnpipe.plan.family_account.dir_facts picks):
 
 - **non-expert weights**: the tensors' bytes in the model directory's safetensors headers
   (`model.safetensors`, and `mtp.safetensors` when `mtp.enabled`); for a model given by its
@@ -52,7 +53,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -88,6 +89,28 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
         return ModelShape.of(self.args)
 
 
+class FamilyLines(Protocol):
+    """The facts of a model of another family (qnpipe.plan.family_account.FamilyLines): the account's
+    shared lines read these, and it gives its own KV, state and activation lines."""
+
+    @property
+    def source(self) -> str: ...
+    @property
+    def shape(self) -> ModelShape: ...
+    @property
+    def record_nbytes(self) -> dict[int, int]: ...
+    @property
+    def record_source(self) -> str: ...
+    @property
+    def non_expert_nbytes(self) -> int: ...
+    @property
+    def non_expert_source(self) -> str: ...
+    @property
+    def bounce_reads(self) -> bool: ...
+
+    def own_lines(self, cfg: Config, *, context: int) -> tuple[Line, Line, Line]: ...
+
+
 class Line(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     nbytes: int
@@ -117,7 +140,7 @@ class Account(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def model_facts(model_dir: str | Path, cfg: Config) -> ModelFacts:
-    """The facts of a `qnpipe convert` output directory (CheckpointError/StoreError name the file)."""
+    """The facts of a `qnpipe convert` output directory of Qwen3-Next (CheckpointError/StoreError name the file)."""
     from qnpipe.io.store import read_index
     from qnpipe.model.checkpoint import read_header
 
@@ -285,7 +308,7 @@ def activation_nbytes(facts: ModelFacts, cfg: Config, context: int, *, kernel: b
     return t * (4 * a.hidden_size * act + max(mixer, ffn)) + 2 * a.vocab_size * 4 + (4 if per_token_state else 1) * state
 
 
-def reader_nbytes(facts: ModelFacts, cfg: Config) -> tuple[int, str]:
+def reader_nbytes(facts: ModelFacts | FamilyLines, cfg: Config) -> tuple[int, str]:
     """The reader's bounce buffers (module doc), and why they are what they are."""
     if not (facts.bounce_reads and cfg.read.nocache and sys.platform.startswith("linux")):
         why = ("records' tensors are ALIGN-aligned" if not facts.bounce_reads
@@ -296,30 +319,43 @@ def reader_nbytes(facts: ModelFacts, cfg: Config) -> tuple[int, str]:
             f"read.workers ({cfg.read.workers}) direct-I/O bounce buffers of a record ({rec} bytes) + {ALIGN}")
 
 
-def fixed_lines(facts: ModelFacts, cfg: Config, *, context: int, headroom_bytes: int = 0) -> list[Line]:
-    """Every line but the pool and side region (they depend on the plan)."""
+def fixed_lines(facts: ModelFacts | FamilyLines, cfg: Config, *, context: int, headroom_bytes: int = 0) -> list[Line]:
+    """Every line but the pool and side region (they depend on the plan); a generic family's caches and
+    activations from its skeleton (`FamilyLines.own_lines`, qnpipe.plan.family_account)."""
+    if not isinstance(facts, ModelFacts):
+        kv, state, acts = facts.own_lines(cfg, context=context)
+        common = _common_lines(facts, cfg, headroom_bytes)
+        return [Line(name="non-expert weights", nbytes=facts.non_expert_nbytes, source=facts.non_expert_source),
+                kv, state, common[0], acts, *common[1:]]
     kv_src = (f"{context} tokens in mlx-lm's {KV_STEP}-token steps x "
               f"{'quantized ' if cfg.kv.quantize else ''}KV bytes per token")
-    reader, reader_src = reader_nbytes(facts, cfg)
-    process, process_src = process_nbytes(cfg)
     tokens = forward_tokens(cfg, context)
+    common = _common_lines(facts, cfg, headroom_bytes)
     return [Line(name="non-expert weights", nbytes=facts.non_expert_nbytes, source=facts.non_expert_source),
             Line(name="KV cache", nbytes=kv_nbytes(facts, cfg, context), source=kv_src),
             Line(name="recurrent state", nbytes=state_nbytes(facts),
                  source="conv window + float32 delta-rule state per linear-attention layer"),
-            Line(name="MLX buffer cache", nbytes=int(cfg.memory.mlx_cache_limit_gb * GB),
-                 source="memory.mlx_cache_limit_gb, the cap qnpipe sets on MLX's reusable buffers"),
+            common[0],
             Line(name="activations", nbytes=activation_nbytes(facts, cfg, context),
                  source=f"the largest layer's working set for a forward of {tokens} tokens "
                         f"(forward.prefill_chunk_tokens={cfg.forward.prefill_chunk_tokens}) over {context} cached; "
                         f"delta rule {'as the Metal kernel' if delta_kernel(facts) else 'as ops: a state per token'}"),
+            *common[1:]]
+
+
+def _common_lines(facts: ModelFacts | FamilyLines, cfg: Config, headroom_bytes: int = 0) -> list[Line]:
+    """The lines every family shares: MLX's buffer cache, then the reader, the process and the headroom."""
+    reader, reader_src = reader_nbytes(facts, cfg)
+    process, process_src = process_nbytes(cfg)
+    return [Line(name="MLX buffer cache", nbytes=int(cfg.memory.mlx_cache_limit_gb * GB),
+                 source="memory.mlx_cache_limit_gb, the cap qnpipe sets on MLX's reusable buffers"),
             Line(name="reader buffers", nbytes=reader, source=reader_src),
             Line(name="process outside MLX", nbytes=process, source=process_src),
             Line(name="OS / page-cache headroom", nbytes=headroom_bytes,
                  source="--headroom (read.nocache keeps expert reads out of the page cache)")]
 
 
-def pool_lines(facts: ModelFacts, caps: dict[int, int], side_slots: int) -> list[Line]:
+def pool_lines(facts: ModelFacts | FamilyLines, caps: dict[int, int], side_slots: int) -> list[Line]:
     rec = facts.record_nbytes
     return [Line(name="expert pool", nbytes=sum(c * rec[ly] for ly, c in caps.items()),
                  source=f"{sum(caps.values())} resident slots x record bytes ({facts.record_source})"),
@@ -327,19 +363,20 @@ def pool_lines(facts: ModelFacts, caps: dict[int, int], side_slots: int) -> list
                  source=f"{side_slots} slots per layer x record bytes")]
 
 
-def account(facts: ModelFacts, cfg: Config, caps: dict[int, int], *, side_slots: int, context: int,
+def account(facts: ModelFacts | FamilyLines, cfg: Config, caps: dict[int, int], *, side_slots: int, context: int,
             budget: int, headroom_bytes: int = 0) -> Account:
     return Account(budget=budget, lines=fixed_lines(facts, cfg, context=context, headroom_bytes=headroom_bytes)
                    + pool_lines(facts, caps, side_slots))
 
 
-def minimum_budget(facts: ModelFacts, cfg: Config, *, context: int, headroom_bytes: int = 0) -> int:
+def minimum_budget(facts: ModelFacts | FamilyLines, cfg: Config, *, context: int, headroom_bytes: int = 0) -> int:
     """The smallest budget that fits: every fixed line and top-k slots per MoE layer, no side region."""
-    k = facts.args.num_experts_per_tok
+    k = facts.shape.top_k
     return (sum(x.nbytes for x in fixed_lines(facts, cfg, context=context, headroom_bytes=headroom_bytes))
             + k * sum(facts.record_nbytes.values()))
 
 
-__all__ = ["KV_STEP", "Account", "Line", "ModelFacts", "account", "activation_nbytes", "fixed_lines", "forward_tokens",
+__all__ = ["KV_STEP", "Account", "Line", "ModelFacts", "account", "activation_nbytes", "fixed_lines",
+           "forward_tokens",
            "delta_kernel", "kv_nbytes", "minimum_budget", "model_facts", "nonexpert_params", "pool_lines", "reader_nbytes",
            "shape_facts", "state_nbytes"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from qnpipe.config import Config, PrefetchInto
 from qnpipe.plan.account import ModelFacts, fixed_lines
+from qnpipe.plan.family_account import FamilyFacts
 from qnpipe.plan.fixed import SIDE_SLOTS, Fixed
 from qnpipe.plan.make import prefetch_budgets
 from qnpipe.plan.plan_file import Plan
@@ -29,7 +30,7 @@ def _brief(s: ModelShape) -> str:
             f"hidden {s.hidden_size}")
 
 
-def _capacity_problems(plan: Plan, facts: ModelFacts, cfg: Config, shape: ModelShape, budget: int,
+def _capacity_problems(plan: Plan, facts: ModelFacts | FamilyFacts, cfg: Config, shape: ModelShape, budget: int,
                        share: Share | None) -> list[str]:
     caps, k, e = plan.capacities, shape.top_k, shape.num_experts
     if extra := sorted(set(caps) - set(shape.moe_layers)):
@@ -38,7 +39,7 @@ def _capacity_problems(plan: Plan, facts: ModelFacts, cfg: Config, shape: ModelS
         return [f"capacities: MoE layers {missing[:SHOWN]} have none"]
     if bad := [ly for ly in sorted(caps) if not k <= caps[ly] <= e]:
         return [f"capacities: layer {ly} has {caps[ly]} slots, outside top-k..experts ({k}..{e})" for ly in bad[:SHOWN]]
-    if share is None:
+    if share is None or not isinstance(facts, ModelFacts):  # a share is of a native model (make._make_plans)
         lines = fixed_lines(facts, cfg, context=plan.context)
     else:
         lines = share_lines(facts, cfg, layer_weights(facts, cfg), share, context=plan.context)
@@ -51,7 +52,7 @@ def _capacity_problems(plan: Plan, facts: ModelFacts, cfg: Config, shape: ModelS
     return []
 
 
-def plan_problems(plan: Plan, facts: ModelFacts, cfg: Config, *, budget: int, device_name: str, synthetic: bool,
+def plan_problems(plan: Plan, facts: ModelFacts | FamilyFacts, cfg: Config, *, budget: int, device_name: str, synthetic: bool,
                   fixed: Fixed, share: Share | None = None) -> list[str]:
     """What makes `plan` other than a plan the planner makes for `facts` in `budget` under `cfg` (`fixed`:
     what the user fixed; `synthetic`: planned on the synthetic log), each naming the field; [] when none."""

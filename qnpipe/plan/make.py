@@ -28,10 +28,10 @@ from qnpipe.plan.account import (
     account,
     fixed_lines,
     minimum_budget,
-    model_facts,
     pool_lines,
     shape_facts,
 )
+from qnpipe.plan.family_account import FamilyFacts, dir_facts
 from qnpipe.plan.fixed import user_fixed
 from qnpipe.plan.plan_file import BUDGET_KEYS, BudgetKey, Plan, plan_overrides
 from qnpipe.plan.ranks import Share, check_ranks, layer_weights, restricted_log, share_lines, share_shape
@@ -72,17 +72,18 @@ def resolve_cost(cost: CostModel | str | Path | None) -> CostModel:
     return load_cost(cost).cost
 
 
-def resolve_model(model: str | Path | ModelFacts, cfg: Config, bits: int | None = None) -> ModelFacts:
-    """A ModelFacts as given, a `qnpipe convert` directory's, or a bare `config.json`'s (`bits` for its records)."""
-    if isinstance(model, ModelFacts):
+def resolve_model(model: str | Path | ModelFacts | FamilyFacts, cfg: Config,
+                  bits: int | None = None) -> ModelFacts | FamilyFacts:
+    """Facts as given, a `qnpipe convert` directory's (of any family), or a bare `config.json`'s (`bits` for its records)."""
+    if isinstance(model, ModelFacts | FamilyFacts):
         return model
     p = Path(model)
     if p.is_file():
         return shape_facts(p, bits=bits)
-    return model_facts(p, cfg)
+    return dir_facts(p, cfg)
 
 
-def check_budgets(facts: ModelFacts, cfg: Config, budgets: Sequence[int], *, context: int, headroom_bytes: int) -> int:
+def check_budgets(facts: ModelFacts | FamilyFacts, cfg: Config, budgets: Sequence[int], *, context: int, headroom_bytes: int) -> int:
     """The smallest budget that fits; ConfigError naming it when a budget is below."""
     least = minimum_budget(facts, cfg, context=context, headroom_bytes=headroom_bytes)
     if low := [b for b in budgets if b < least]:
@@ -90,7 +91,7 @@ def check_budgets(facts: ModelFacts, cfg: Config, budgets: Sequence[int], *, con
         parts = ", ".join(f"{x.name} {fmt_bytes(x.nbytes)}" for x in fixed if x.nbytes)
         raise ConfigError(f"--memory {fmt_bytes(min(low))}: below the smallest budget that fits this model, "
                           f"{fmt_bytes(least)} ({least} bytes: {parts}, and top-k "
-                          f"({facts.args.num_experts_per_tok}) expert slots per MoE layer)")
+                          f"({facts.shape.top_k}) expert slots per MoE layer)")
     return least
 
 
@@ -99,10 +100,10 @@ def synth_spec(shape: ModelShape) -> SynthSpec:
     return SynthSpec(layers=shape.num_layers, experts=shape.num_experts, top_k=shape.top_k, **SYNTH)
 
 
-def synthetic_log(facts: ModelFacts, path: str | Path) -> Path:
+def synthetic_log(facts: ModelFacts | FamilyFacts, path: str | Path) -> Path:
     """A synthetic routing log of the model's shape (SYNTH), written once at `path`."""
-    a = facts.args
-    if a.moe_layers != tuple(range(a.num_hidden_layers)):
+    a = facts.shape
+    if tuple(a.moe_layers) != tuple(range(a.num_layers)):
         raise ConfigError(f"{facts.source}: a synthetic log makes every layer a MoE layer; this model's MoE layers "
                           f"are {list(a.moe_layers)}: give a recorded log (--log)")
     p = Path(path)
@@ -111,7 +112,7 @@ def synthetic_log(facts: ModelFacts, path: str | Path) -> Path:
     return p
 
 
-def make_plans(model: str | Path | ModelFacts, budgets: Sequence[int | str], *, log: str | Path | None = None,
+def make_plans(model: str | Path | ModelFacts | FamilyFacts, budgets: Sequence[int | str], *, log: str | Path | None = None,
                device: str | Path | DeviceProfile = "apple-m5-internal", cost: CostModel | str | Path | None = None,
                context: int = 8192, cfg: Config | None = None, headroom_bytes: int = 0, bits: int | None = None,
                window_layer_steps: int = WINDOW_LAYER_STEPS, synth_path: str | Path | None = None,
@@ -132,7 +133,7 @@ def make_plans(model: str | Path | ModelFacts, budgets: Sequence[int | str], *, 
                            synth_path=synth_path, say=say, share=share, scratch=Path(scratch))
 
 
-def _make_plans(model: str | Path | ModelFacts, budgets: Sequence[int | str], *, log: str | Path | None,
+def _make_plans(model: str | Path | ModelFacts | FamilyFacts, budgets: Sequence[int | str], *, log: str | Path | None,
                 device: str | Path | DeviceProfile, cost: CostModel | str | Path | None, context: int,
                 cfg: Config | None, headroom_bytes: int, bits: int | None, window_layer_steps: int,
                 synth_path: str | Path | None, say: Callable[[str], None] | None, share: Share | None,
@@ -153,6 +154,9 @@ def _make_plans(model: str | Path | ModelFacts, budgets: Sequence[int | str], *,
     if share is None:
         check_budgets(facts, cfg, sizes, context=context, headroom_bytes=headroom_bytes)
         lines = fixed_lines(facts, cfg, context=context, headroom_bytes=headroom_bytes)
+    elif not isinstance(facts, ModelFacts):
+        raise ConfigError(f"a plan per rank: pipeline parallel runs on qwen3_next's native path only, "
+                          f"not on a {facts.model_type} model")
     else:
         weights = layer_weights(facts, cfg)
         check_ranks(facts, cfg, weights, [share], [min(sizes)], context=context, headroom_bytes=headroom_bytes)
@@ -198,7 +202,7 @@ def _make_plans(model: str | Path | ModelFacts, budgets: Sequence[int | str], *,
     return [msgspec.structs.replace(p, plan_s=dt) for p in plans]
 
 
-def make_plan(model: str | Path | ModelFacts, memory: int | str, **kw: object) -> Plan:
+def make_plan(model: str | Path | ModelFacts | FamilyFacts, memory: int | str, **kw: object) -> Plan:
     """`make_plans` at one budget."""
     return make_plans(model, [memory], **kw)[0]  # type: ignore[arg-type]
 

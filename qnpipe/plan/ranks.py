@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -34,6 +35,9 @@ from qnpipe.plan.account import Line, ModelFacts, fixed_lines, kv_nbytes, state_
 from qnpipe.plan.layer_split import split_layers, tensor_bytes
 from qnpipe.plan.units import fmt_bytes
 from qnpipe.trace import Header, ModelShape, Record, Route, TraceWriter, read_all
+
+if TYPE_CHECKING:
+    from qnpipe.plan.family_account import FamilyFacts
 
 # The account's lines that a rank holds only its own part of (qnpipe.plan.account.fixed_lines' names).
 WEIGHTS, KV, STATE = "non-expert weights", "KV cache", "recurrent state"
@@ -93,12 +97,15 @@ class Weights(msgspec.Struct, frozen=True, kw_only=True):
         return self.embed, self.head + self.mtp + (self.embed if self.tied or self.mtp_enabled else 0)
 
 
-def layer_weights(facts: ModelFacts, cfg: Config) -> Weights:
+def layer_weights(facts: ModelFacts | FamilyFacts, cfg: Config) -> Weights:
     """The non-expert tensors of a `qnpipe convert` directory by holder, from the safetensors headers the
     account reads (`model.safetensors`, and the MTP file with `mtp.enabled`); their total is the account's
-    non-expert line."""
+    non-expert line. A model of another family is a ConfigError: pipeline parallel is Qwen3-Next's alone."""
     from qnpipe.model.checkpoint import read_header
 
+    if not isinstance(facts, ModelFacts):
+        raise ConfigError(f"ranks: pipeline parallel runs on qwen3_next's native path only, "
+                          f"not on a {getattr(facts, 'model_type', '?')} model")
     d = Path(facts.source)
     if not (d / "model.safetensors").is_file():
         raise CheckpointError(f"{d / 'model.safetensors'}: not found: splitting a model's memory over ranks "

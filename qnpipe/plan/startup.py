@@ -36,8 +36,9 @@ import msgspec
 from qnpipe.config import Config, explicit_settings, with_overrides
 from qnpipe.errors import ConfigError
 from qnpipe.io.atomic import atomic_write
-from qnpipe.plan.account import ModelFacts, model_facts
+from qnpipe.plan.account import ModelFacts
 from qnpipe.plan.check import plan_problems
+from qnpipe.plan.family_account import FamilyFacts, dir_facts
 from qnpipe.plan.fixed import Fixed, user_fixed
 from qnpipe.plan.make import SYNTH, check_budgets, make_plan, resolve_cost, resolve_device
 from qnpipe.plan.plan_file import PLAN_VERSION, Plan, capacity_profile, load_plan, plan_settings, save_plan
@@ -75,7 +76,7 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def model_fingerprint(facts: ModelFacts, cfg: Config) -> str:
+def model_fingerprint(facts: ModelFacts | FamilyFacts, cfg: Config) -> str:
     h = hashlib.sha256(msgspec.json.encode(facts))
     index = Path(cfg.model.resolved_expert_dir()) / "index.json"
     if index.is_file():
@@ -83,7 +84,7 @@ def model_fingerprint(facts: ModelFacts, cfg: Config) -> str:
     return h.hexdigest()
 
 
-def cache_key(facts: ModelFacts, cfg: Config, log: Path | None, *, budget: int, share: Share | None = None) -> str:
+def cache_key(facts: ModelFacts | FamilyFacts, cfg: Config, log: Path | None, *, budget: int, share: Share | None = None) -> str:
     """The sha256 of everything the plan depends on (module doc); a rank's plan also its rank and layers."""
     _, dev = resolve_device(cfg.plan.device, cfg)
     cost = resolve_cost(cfg.plan.cost_path or None)
@@ -142,27 +143,27 @@ def plan_at_startup(cfg: Config, *, say: Callable[[str], None] | None = None,
     budget = precheck(cfg)
     if cfg.distributed.enabled if distributed is None else distributed:
         return cfg, None
-    facts = model_facts(Path(cfg.model.model_dir), cfg)
+    facts = dir_facts(Path(cfg.model.model_dir), cfg)
     check_budgets(facts, cfg, [budget], context=cfg.plan.context_tokens, headroom_bytes=0)
     return _plan(cfg, facts, budget, None, say or (lambda s: None))
 
 
-def plan_for_share(cfg: Config, facts: ModelFacts, share: Share, *,
+def plan_for_share(cfg: Config, facts: ModelFacts | FamilyFacts, share: Share, *,
                    say: Callable[[str], None] | None = None) -> tuple[Config, Plan | None]:
     """As `plan_at_startup`, for rank `share.rank` of a pipeline holding layers `share.lo..hi-1`: its MoE
     layers planned in its own account with its own budget, on the log restricted to its layers
-    (qnpipe.plan.ranks). `facts` are the model's (`model_facts`). A rank without MoE layers has no plan."""
+    (qnpipe.plan.ranks). `facts` are the model's (`dir_facts`). A rank without MoE layers has no plan."""
     if not cfg.plan.memory:
         return cfg, None
     say = say or (lambda s: None)
     budget = precheck(cfg)
-    if not any(share.holds(ly) for ly in facts.args.moe_layers):
+    if not any(share.holds(ly) for ly in facts.shape.moe_layers):
         say(f"{share.label} of {share.ranks}: no MoE layer, no pool to plan")
         return with_overrides(cfg, {"plan.memory": ""}), None
     return _plan(cfg, facts, budget, share, say)
 
 
-def _plan(cfg: Config, facts: ModelFacts, budget: int, share: Share | None,
+def _plan(cfg: Config, facts: ModelFacts | FamilyFacts, budget: int, share: Share | None,
           say: Callable[[str], None]) -> tuple[Config, Plan]:
     model_dir = Path(cfg.model.model_dir)
     log = find_log(cfg, share)
@@ -213,7 +214,7 @@ def _linked(paths: list[Path]) -> Path | None:
     return next((p for p in paths if p.is_symlink()), None)
 
 
-def _cached_plan(cached: Path, links: list[Path], facts: ModelFacts, cfg: Config, budget: int, share: Share | None,
+def _cached_plan(cached: Path, links: list[Path], facts: ModelFacts | FamilyFacts, cfg: Config, budget: int, share: Share | None,
                  synthetic: bool, say: Callable[[str], None]) -> Plan | None:
     """The plan cached at `cached` when it is one the planner could have made for this run, else None
     (said, naming the file and what is wrong with it)."""
