@@ -13,6 +13,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache,
 from qnpipe.errors import SnapshotError
 from qnpipe.model import snapshots
 from qnpipe.model.family import tiny
+from qnpipe.model.family.registry import NO_SNAPSHOTS
 from qnpipe.model.snapshot_kinds import LayerState, check_kind
 
 FP = "f" * 64
@@ -57,7 +58,7 @@ def _kinds(cache: list[Any]) -> set[str]:
     return {kind(c) for c in cache} | {type(s).__name__ for c in cache if isinstance(c, CacheList) for s in c.caches}
 
 
-@pytest.mark.parametrize("family", sorted(tiny.CONFIGS))
+@pytest.mark.parametrize("family", sorted(set(tiny.CONFIGS) - set(NO_SNAPSHOTS)))
 def test_snapshot_through_a_file_decodes_the_same_bits(family: str, tmp_path: Any) -> None:
     model = _model(family)
     live = _prefill(model)
@@ -75,6 +76,13 @@ def test_snapshot_through_a_file_decodes_the_same_bits(family: str, tmp_path: An
     # Negative control: a fresh cache does not decode the same (the state is what carries the prompt).
     fresh = _decode(model, make_prompt_cache(model))
     assert not mx.array_equal(want[0], fresh[0]).item()
+
+
+@pytest.mark.parametrize("family", sorted(NO_SNAPSHOTS))
+def test_a_family_with_no_snapshot_kind_is_refused_naming_its_cache(family: str) -> None:
+    model = _model(family)
+    with pytest.raises(SnapshotError, match=r"cannot snapshot a cache of type \w+"):
+        snapshots.capture(_prefill(model), len(PROMPT))
 
 
 def test_the_tiny_families_cover_every_cache_kind() -> None:

@@ -9,7 +9,7 @@ the CLI lists the families from here without loading MLX.
 
 from __future__ import annotations
 
-__all__ = ["FIRST", "NATIVE_ONLY", "NO_PREDICTIONS", "TESTED", "UNSUPPORTED", "family_table", "predictions"]
+__all__ = ["FIRST", "NATIVE_ONLY", "NO_PREDICTIONS", "NO_SNAPSHOTS", "TESTED", "UNSUPPORTED", "family_table", "predictions"]
 
 # The families end-to-end tests come first for (families.md §6), in that order.
 FIRST = ("qwen3_moe", "gpt_oss", "glm4_moe", "qwen3_5_moe", "deepseek_v3", "minimax", "llama4", "mixtral")
@@ -36,6 +36,11 @@ NO_PREDICTIONS: dict[str, str] = {
     "nemotron_h": "the switch input is latent (fc1_latent_proj)",
     "kimi_k3": "the switch input is latent (routed_expert_down_proj)",
     "deepseek_v41": "the MoE input is mixed from hyper-connection streams, not one residual",
+}
+
+# Families whose cache kind has no prefix-snapshot kind (and no planner line): refused by name.
+NO_SNAPSHOTS: dict[str, str] = {
+    "deepseek_v41": "its LayerCache (a sliding window plus compressed groups and index keys) has no snapshot kind yet",
 }
 
 # What runs on the native Qwen3-Next path only: on another family each is a ConfigError.

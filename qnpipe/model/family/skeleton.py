@@ -26,7 +26,7 @@ from qnpipe.errors import CheckpointError
 from qnpipe.model.family.switches import find_switches, num_experts
 
 # The config keys families name their top-k by (a list: one per layer, hunyuan).
-TOPK_KEYS = ("num_experts_per_tok", "moe_k", "top_k_experts", "moe_topk", "moe_top_k")
+TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "top_k_experts", "moe_topk", "moe_top_k")
 
 
 class TensorSpec(Protocol):
