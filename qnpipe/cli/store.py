@@ -46,7 +46,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     cfg = load_config(args)
     mtp_bits = cfg.mtp.bits if args.mtp_bits is None else args.mtp_bits
-    report = convert(args.src, args.out, bits=args.bits, group_size=args.group_size, dtype=args.dtype,
+    report = convert(args.src, args.out, bits=args.bits, group_size=args.group_size, mode=args.mode, dtype=args.dtype,
                      mtp_bits=mtp_bits, mtp_from=args.mtp_from, force=args.force, hub_timeout_s=cfg.net.hub_timeout_s,
                      progress=not (args.json or args.quiet),
                      log=lambda msg: print(msg, file=sys.stderr))
@@ -109,8 +109,8 @@ def register(sub: Any, fmt: Any) -> None:
                        "into a qnpipe model directory: non-expert weights in safetensors, the MTP head in\n"
                        "mtp.safetensors, and experts/ with one file per MoE layer (one read per expert).\n"
                        "An mlx-lm directory of any other MoE family mlx-lm runs (qwen3_moe, gpt_oss, glm4_moe,\n"
-                       "deepseek_v3, ...) is re-laid out as it is (an original HF checkpoint of those goes\n"
-                       "through `mlx_lm convert` first; the error gives the command).\n"
+                       "deepseek_v3, ...) is re-laid out as it is; an original HF checkpoint of those goes\n"
+                       "through mlx-lm's own conversion first (in memory, into a temporary directory beside DIR).\n"
                        "Memory stays near one chunk of experts; the output appears only when complete.\n"
                        "Layout: docs/store-format.md.",
                        epilog="examples:\n"
@@ -121,16 +121,18 @@ def register(sub: Any, fmt: Any) -> None:
                        "  qnpipe convert ./Qwen3-30B-A3B-4bit --out ./qwen3-30b-qn\n"
                        "  qnpipe convert ./tiny --out ./tiny-qn --json")
     v.add_argument("src", metavar="SRC",
-                   help="checkpoint directory (Qwen3-Next: original HF or mlx-lm layout; other families: mlx-lm "
-                   "layout), or a Hugging Face repository id "
+                   help="checkpoint directory (original HF or mlx-lm layout), or a Hugging Face repository id "
                    "OWNER/NAME[@REVISION]: only the files convert reads are fetched into the hub cache (resumed "
                    "if cut short; HF_HUB_OFFLINE=1 uses the cache alone)")
     v.add_argument("--out", required=True, metavar="DIR", help="model directory to create")
     v.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8],
                    help="quantize an unquantized source as `mlx_lm.convert -q` does (router and "
                    "shared-expert gate at 8 bits)")
-    v.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
+    v.add_argument("--group-size", type=int, choices=[32, 64, 128],
                    help="quantization group size (default 64)")
+    v.add_argument("--mode", choices=["affine", "mxfp4", "nvfp4", "mxfp8"],
+                   help="quantization mode of an HF checkpoint of another family, as `mlx_lm.convert --q-mode` "
+                   "(mxfp4/nvfp4/mxfp8 fix bits and group size; default affine)")
     v.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
                    help="float type of the output (default: torch_dtype of an HF source, as mlx-lm; "
                    "unchanged for an mlx-lm source)")

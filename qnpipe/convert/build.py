@@ -67,6 +67,7 @@ from qnpipe.model.checkpoint import Layout, detect_layout, is_qnpipe_dir, scan
 
 __all__ = ["CHUNK_BYTES", "MAX_SHARD_BYTES", "ROW_BLOCK_BYTES", "MODEL_FORMAT", "MODEL_VERSION", "ConvertReport", "convert"]
 
+MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")  # mlx-lm's quantization modes (qnpipe.convert.family_hf)
 MAX_SHARD_BYTES = 5 << 30  # like mlx-lm's save_model
 CHUNK_BYTES = 256 << 20  # source bytes of experts transformed at once
 ROW_BLOCK_BYTES = 64 << 20  # source bytes of a large non-expert matrix transformed at once
@@ -134,7 +135,8 @@ def convert(
     out: str | os.PathLike[str],
     *,
     bits: int | None = None,
-    group_size: int = 64,
+    group_size: int | None = None,
+    mode: str | None = None,
     dtype: str | None = None,
     mtp_bits: int = 4,
     mtp_from: str | os.PathLike[str] | None = None,
@@ -152,8 +154,11 @@ def convert(
     fetched into the hub cache first (qnpipe.convert.hub), every connect and read waiting at most
     `hub_timeout_s`.
 
-    `bits`/`group_size` quantize an unquantized source exactly as `mlx_lm.convert -q` does
-    (router and shared-expert gate at 8 bits / 64); `dtype` casts float tensors (default: the
+    `bits`/`group_size` (default 64) quantize an unquantized source exactly as `mlx_lm.convert -q`
+    does (router and shared-expert gate at 8 bits / 64); `mode` (affine, mxfp4, nvfp4, mxfp8) applies to
+    an original HF checkpoint of another family, which goes through mlx-lm's own conversion first
+    (`qnpipe.convert.family_hf`: `bits`, `group_size`, `mode` and `dtype` are its options); `dtype`
+    casts float tensors (default: the
     config's torch_dtype for HF sources, as mlx-lm does; unchanged for mlx-lm sources).
     `mtp_bits` quantizes the MTP head (0 keeps it float); `mtp_from` is the original checkpoint
     to take `mtp.*` from when `src` has none. `log` receives warnings and notices. `chunk_bytes`
@@ -172,8 +177,10 @@ def convert(
         raise ConfigError(f"--bits must be one of {', '.join(map(str, BITS))}, got {bits}")
     if mtp_bits and mtp_bits not in BITS:
         raise ConfigError(f"--mtp-bits must be 0 (float) or one of {', '.join(map(str, BITS))}, got {mtp_bits}")
-    if group_size not in GROUP_SIZES:
+    if group_size is not None and group_size not in GROUP_SIZES:
         raise ConfigError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
+    if mode is not None and mode not in MODES:
+        raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if out_p.name and out_p.parent.is_dir():  # first: a replace cut short may have left the only copy of `out` aside
@@ -193,10 +200,14 @@ def convert(
     if isinstance(mt, str) and mt != "qwen3_next":  # any other family: its mlx-lm directory, re-laid out
         from qnpipe.convert.family import convert_family
 
-        opts = {"--bits": bits, "--dtype": dtype, "--mtp-from": mtp_from}
+        opts = {"--bits": bits, "--group-size": group_size, "--mode": mode, "--dtype": dtype, "--mtp-from": mtp_from}
         return convert_family(src_p, out_p, config, scan(src_p), existing=existing, progress=progress, log=log,
                               chunk_bytes=chunk_bytes, row_block_bytes=row_block_bytes,
                               max_shard_bytes=max_shard_bytes, t0=t0, options=opts)
+    if mode not in (None, "affine"):
+        raise ConfigError(f"--mode {mode} applies to other families' Hugging Face checkpoints (mlx-lm's conversion); "
+                          f"{src_p} is a qwen3_next model, quantized affine by qnpipe's own convert")
+    group_size = 64 if group_size is None else group_size
     args = args_from_dict(config, str(src_p / "config.json"))
     infos = scan(src_p)
     layout = detect_layout(infos, src_p)

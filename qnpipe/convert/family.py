@@ -7,10 +7,10 @@ experts is decided by module type on mlx-lm's own model class (`model.family.swi
 by name: a tensor under a switch's path that no expert linear owns stays non-expert.
 
 Everything is checked from config.json and the safetensors headers before a weight is read:
-the model type (one mlx-lm knows, and no `model_file` code), that the model has switches, that
-sanitize leaves the expert tensors as they are (an original Hugging Face checkpoint is not; it
-goes through `mlx_lm.convert` first), and that every tensor is exactly one of the skeleton's
-with its shape. Output: docs/store-format.md ("Index version 2").
+the model type (one mlx-lm knows, and no `model_file` code), that the model has switches, whether
+sanitize leaves the tensors as they are (an original Hugging Face checkpoint, which it changes, goes
+through mlx-lm's own conversion first: `qnpipe.convert.family_hf`), and that every tensor is exactly
+one of the skeleton's with its shape. Output: docs/store-format.md ("Index version 2").
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from qnpipe.io.dtypes import NAME_OF_ST
 from qnpipe.io.outdir import ByteProgress, Log, atomic_dir, fsync_dir, human_bytes, peak_rss
 from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, Family, LayerFile, Quant, StoreIndex, quant_dict
 from qnpipe.model.checkpoint import TensorInfo, read_tensor, weight_files
-from qnpipe.model.family.skeleton import build_skeleton, family_info
+from qnpipe.model.family.skeleton import build_skeleton, family_info, text_config
 from qnpipe.model.family.store_spec import family_block, headers_as_specs, linear_quant
 from qnpipe.model.family.switches import expert_linears, expert_params, find_switches
 
@@ -111,26 +111,53 @@ def _copy_job(name: str, info: TensorInfo, row_block_bytes: int) -> WriteJob:
     return WriteJob((out,), run)
 
 
-def _check_sanitized(src: Path, model: Any, expert_names: set[str]) -> None:
-    """mlx-lm re-runs `sanitize` at every load; an mlx-lm directory is already sanitized, so it must
-    return every tensor as it is. Lazily loaded: nothing is read."""
+def sanitize_changes(src: Path, model: Any) -> list[str]:
+    """The tensors mlx-lm's `sanitize` (re-run at every load) would change, add or drop: none for an
+    mlx-lm directory, which is already sanitized. Lazily loaded: nothing is read."""
     if not hasattr(model, "sanitize"):
-        return
+        return []
     weights: dict[str, mx.array] = {}
     for f in weight_files(src):
         weights.update(mx.load(str(f)))  # type: ignore[arg-type]  # lazy: the data is never evaluated here
     before = dict(weights)
     after = model.sanitize(dict(weights))
-    changed = sorted(n for n in set(before) | set(after) if before.get(n) is not after.get(n))
-    if changed:
-        experts = [n for n in changed if n in expert_names or n not in before]
+    return sorted(n for n in set(before) | set(after) if before.get(n) is not after.get(n))
+
+
+def _check_sanitized(src: Path, model: Any, expert_names: set[str], have: dict[str, TensorInfo]) -> None:
+    """An mlx-lm directory is already sanitized (convert_family sends an original checkpoint through mlx-lm)."""
+    if changed := sanitize_changes(src, model):
+        experts = [n for n in changed if n in expert_names or n not in have]
         what = "its expert tensors" if experts else "tensors"
         raise CheckpointError(
             f"{src}: not an mlx-lm model directory: mlx-lm's sanitize would change {what} "
-            f"({', '.join((experts or changed)[:4])}{', ...' if len(changed) > 4 else ''}), as it does for an "
-            f"original Hugging Face checkpoint. Convert it with mlx-lm first, then with qnpipe:\n"
-            f"  python -m mlx_lm convert --hf-path {src} --mlx-path {src.name}-mlx\n"
-            f"  qnpipe convert {src.name}-mlx --out OUT")
+            f"({_some(experts or changed)})")
+
+
+def _some(names: list[str]) -> str:
+    return f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
+
+
+def hf_reason(src: Path, config: dict[str, Any], infos: dict[str, TensorInfo]) -> str | None:
+    """What makes `src` an original Hugging Face checkpoint, which goes through mlx-lm's conversion
+    first; None for an mlx-lm directory. From config.json and the headers only: a source neither
+    path converts (model code, a model type mlx-lm does not know, a dense model) is refused here."""
+    where = str(src / "config.json")
+    quantized = isinstance(config.get("quantization"), dict) or isinstance(
+        text_config(config).get("quantization"), dict)
+    if not quantized and (config.get("quantization_config") or text_config(config).get("quantization_config")):
+        # Only mlx-lm's loader reads a Hugging Face `quantization_config`: the skeleton is built without it.
+        bare = {k: v for k, v in config.items() if k != "quantization_config"}
+        if isinstance(bare.get("text_config"), dict):
+            bare["text_config"] = {k: v for k, v in bare["text_config"].items() if k != "quantization_config"}
+        family_info(config, build_skeleton(bare, {}, where), where)
+        method = (config.get("quantization_config") or text_config(config).get("quantization_config") or {})
+        return f"quantization_config {method.get('quant_method', '?') if isinstance(method, dict) else method!r}"
+    model = build_skeleton(config, headers_as_specs(infos), where)
+    family_info(config, model, where)  # a dense model is refused here
+    if changed := sanitize_changes(src, model):
+        return f"mlx-lm's sanitize changes {_some(changed)}"
+    return None
 
 
 def plan_family(src: Path, config: dict[str, Any], infos: dict[str, TensorInfo], *,
@@ -146,7 +173,7 @@ def plan_family(src: Path, config: dict[str, Any], infos: dict[str, TensorInfo],
     fam = family_block(info.model_type, model)
     sites = find_switches(model)
     expert_names = {f"{s.path}.{n}" for s in sites for n in expert_params(s.module)}
-    _check_sanitized(src, model, expert_names)  # first: an HF checkpoint is told to go through mlx-lm
+    _check_sanitized(src, model, expert_names, infos)
     layers: list[FamilyLayerPlan] = []
     for site in sites:
         params = expert_params(site.module)
@@ -210,15 +237,24 @@ def _float_dtype(infos: dict[str, TensorInfo], names: list[str]) -> str | None:
 
 def convert_family(src: Path, out: Path, config: dict[str, Any], infos: dict[str, TensorInfo], *, existing: Path,
                    progress: bool, log: Log, chunk_bytes: int, row_block_bytes: int, max_shard_bytes: int,
-                   t0: float, options: dict[str, Any]) -> ConvertReport:
-    """Convert mlx-lm directory `src` into `out` atomically (called by `qnpipe.convert.build.convert`,
-    which has checked the paths); returns its ConvertReport. `options` are convert's transform options,
-    refused here: an mlx-lm directory is stored as it is."""
+                   t0: float, options: dict[str, Any], hf: bool = True) -> ConvertReport:
+    """Convert `src` into `out` atomically (called by `qnpipe.convert.build.convert`, which has checked
+    the paths); returns its ConvertReport. An original Hugging Face checkpoint (`hf`) goes through
+    mlx-lm's conversion first (`qnpipe.convert.family_hf`), which takes convert's transform `options`
+    (--bits, --group-size, --mode, --dtype); an mlx-lm directory is stored as it is, so they are refused."""
     model_type = config.get("model_type")
+    why = hf_reason(src, config, infos) if hf else None
+    if why is not None:
+        from qnpipe.convert.family_hf import convert_hf
+
+        return convert_hf(src, out, config, infos, why=why, existing=existing, progress=progress, log=log,
+                          options=options, chunk_bytes=chunk_bytes, row_block_bytes=row_block_bytes,
+                          max_shard_bytes=max_shard_bytes, t0=t0)
     for flag, value in options.items():
         if value is not None:
-            raise ConfigError(f"{flag} applies to qwen3_next sources only; {src} is a {model_type} model, whose "
-                              f"mlx-lm directory is stored as it is (quantize or cast with mlx_lm.convert)")
+            raise ConfigError(f"{flag} applies to qwen3_next sources and original Hugging Face checkpoints only; "
+                              f"{src} is a {model_type} model's mlx-lm directory, stored as it is (quantize or cast "
+                              f"with mlx_lm.convert from the original checkpoint)")
     plan = plan_family(src, config, infos, row_block_bytes=row_block_bytes)
     for w in plan.warnings:
         log(f"warning: {w}")

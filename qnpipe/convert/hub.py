@@ -28,8 +28,9 @@ from qnpipe.config.tree import HUB_TIMEOUT_S
 from qnpipe.convert.plan import TOKENIZER_GLOBS
 from qnpipe.errors import CheckpointError
 
-# What convert reads from a checkpoint: its config, tensors, and the tokenizer files it copies.
-CONVERT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_GLOBS)
+# What convert reads from a checkpoint: its config, tensors, and the tokenizer files it copies
+# (plus what mlx-lm's loader reads of another family's checkpoint: NVIDIA ModelOpt's quantization).
+CONVERT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_GLOBS, "hf_quant_config.json")
 # owner/name[@revision], as the Hub spells them (huggingface_hub.utils.validate_repo_id's rules).
 _REPO_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[\w][\w.-]{0,95})(?:@(?P<rev>[\w./-]{1,255}))?$")
 

@@ -145,8 +145,7 @@ def test_bad_input_is_named_before_any_weight_is_read(tmp_path: Path, qwen3_moe_
     assert not (tmp_path / "out").exists()
 
 
-def test_an_original_hf_checkpoint_is_sent_through_mlx_lm_first(tmp_path: Path, qwen3_moe_src: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_original_hf_checkpoint_is_sent_through_mlx_lm_first(tmp_path: Path, qwen3_moe_src: Path) -> None:
     src = _copy(qwen3_moe_src, tmp_path)
     w = _load(src / "model.safetensors")
     hf = {}
@@ -157,15 +156,26 @@ def test_an_original_hf_checkpoint_is_sent_through_mlx_lm_first(tmp_path: Path, 
         else:
             hf[k] = v
     mx.save_safetensors(str(src / "model.safetensors"), hf)
-    _no_weight_reads(monkeypatch)
+    logs: list[str] = []
+    report = convert(src, tmp_path / "out", log=logs.append)  # no longer an error: mlx-lm's conversion runs first
+    assert report.source_layout == "hf"
+    assert any("mlx-lm's sanitize changes model.layers.0.mlp.experts.0.down_proj.weight" in m for m in logs)
+    convert(qwen3_moe_src, tmp_path / "direct")
+    for f in ("experts/index.json", "experts/layer_000.bin", "model.safetensors"):  # the mlx-lm directory's records
+        assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "direct" / f).read_bytes(), f
+    # An mlx-lm directory that sanitize would still change is refused by the re-layout itself, naming them.
+    from qnpipe.convert.family import plan_family
+    from qnpipe.model.checkpoint import scan
+
     with pytest.raises(CheckpointError, match=r"not an mlx-lm model directory: mlx-lm's sanitize would change its "
-                       r"expert tensors .*\n  python -m mlx_lm convert --hf-path .*src --mlx-path src-mlx"):
-        convert(src, tmp_path / "out")
+                       r"expert tensors \(model.layers.0.mlp.switch_mlp.down_proj.weight"):
+        plan_family(src, json.loads((src / "config.json").read_text()), scan(src))
 
 
 def test_a_stray_tensor_and_transform_options_are_refused(tmp_path: Path, qwen3_moe_src: Path) -> None:
     src = _copy(qwen3_moe_src, tmp_path)
-    with pytest.raises(ConfigError, match=r"--bits applies to qwen3_next sources only; .* is a qwen3_moe model"):
+    with pytest.raises(ConfigError, match=r"--bits applies to qwen3_next sources and original Hugging Face checkpoints "
+                       r"only; .* is a qwen3_moe model's mlx-lm directory"):
         convert(src, tmp_path / "out", bits=4)
     w = _load(src / "model.safetensors")
     w["model.layers.0.mlp.switch_mlp.extra_norm.weight"] = mx.ones((4,))  # under the switch's path, no linear's
