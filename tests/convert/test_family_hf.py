@@ -97,8 +97,9 @@ def make_src(d: Path, family: str) -> Path:
     if family == "qwen3_moe":  # torch_dtype float32 keeps the float source float (mlx-lm casts to it)
         return hf_per_expert(d, "qwen3_moe", "switch_mlp", {n: n for n in ("gate_proj", "up_proj", "down_proj")},
                              torch_dtype="float32")
-    if family == "mixtral":  # no torch_dtype: mlx-lm keeps the source's float type
-        return hf_per_expert(d, "mixtral", "switch_mlp", {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"})
+    if family == "mixtral":  # torch_dtype bfloat16: mlx-lm casts the float32 source
+        return hf_per_expert(d, "mixtral", "switch_mlp", {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"},
+                             torch_dtype="bfloat16")
     return hf_gpt_oss(d)
 
 
@@ -137,6 +138,7 @@ def test_hf_checkpoint_equals_mlx_lm_convert_then_qnpipe_convert(tmp_path: Path,
         assert got[f] == (src / f).read_bytes(), f
     assert {f for f in got if f in tok} == {*TOKENIZER_FILES, "generation_config.json"}
     assert report.source_layout == "hf" and report.moe_layers >= 1
+    assert report.dtype == ("bfloat16" if family == "mixtral" else "float32")
     assert (report.quantization or {}).get("mode") == ("mxfp4" if family == "gpt_oss" else "affine" if bits else None)
     assert any("converting it with mlx-lm" in m for m in logs)
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["qn"]  # the temporary directory is gone
@@ -171,3 +173,28 @@ def test_mtp_tensors_are_mtp_prefixes_and_layers_past_the_last() -> None:
     infos: dict[str, Any] = dict.fromkeys(["model.layers.2.x", "model.layers.3.x", "mtp.a", "model.mtp.b", "lm_head"])
     assert mtp_tensors({"num_hidden_layers": 3}, infos) == ["model.layers.3.x", "mtp.a", "model.mtp.b"]
     assert mtp_tensors({"text_config": {"num_hidden_layers": 4}}, infos) == ["mtp.a", "model.mtp.b"]
+
+
+def test_ctrl_c_during_mlx_lm_conversion_leaves_nothing_and_a_killed_ones_dir_is_removed_later(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = make_src(tmp_path / "src", "qwen3_moe")
+    seen: list[Path] = []
+
+    def interrupted(s: Path, dst: Path, **kw: Any) -> None:
+        dst.mkdir()
+        (dst / "model.safetensors").write_bytes(b"half")
+        seen.append(dst.parent)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("qnpipe.convert.family_hf.mlx_lm_convert", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, tmp_path / "out" / "qn")
+    assert seen and seen[0].parent == tmp_path / "out" and not seen[0].exists()
+    assert list((tmp_path / "out").iterdir()) == []
+    monkeypatch.undo()
+    left = tmp_path / "out" / f".qn{TMP_TAG}1-deadbeef-mlx-lm"  # what a SIGKILL leaves (its lock no longer held)
+    (left / "mlx").mkdir(parents=True)
+    (left / ".lock").touch()
+    logs: list[str] = []
+    convert(src, tmp_path / "out" / "qn", log=logs.append)
+    assert not left.exists() and any("left by an interrupted run" in m for m in logs)
