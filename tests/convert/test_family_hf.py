@@ -44,8 +44,9 @@ def hf_per_expert(d: Path, family: str, switch: str, names: dict[str, str], **cf
     (`experts.E.<names[linear]>.weight`), as qwen3_moe's and mixtral's sanitize expect them."""
     cfg = tiny.tiny_config(family)
     model = tiny.build_random(cfg, None)
-    out = {}
+    out: dict[str, mx.array] = {}
     for k, v in tree_flatten(model.parameters()):
+        assert isinstance(v, mx.array)
         part = f".{switch}."
         if part in k:
             pre, lin = k.split(part)
@@ -198,3 +199,16 @@ def test_ctrl_c_during_mlx_lm_conversion_leaves_nothing_and_a_killed_ones_dir_is
     logs: list[str] = []
     convert(src, tmp_path / "out" / "qn", log=logs.append)
     assert not left.exists() and any("left by an interrupted run" in m for m in logs)
+
+
+def test_a_hub_id_of_another_familys_hf_checkpoint_goes_through_mlx_lm_too(tmp_path: Path) -> None:
+    from tests.cli_harness import run_cli
+    from tests.convert.test_hub import REPO, _env, _hub_cache
+
+    src = make_src(tmp_path / "src", "gpt_oss")
+    r = run_cli(["convert", REPO, "--out", tmp_path / "qn", "--json"], env=_env(_hub_cache(tmp_path / "hub", src)),
+                timeout=120)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert r.stdout.decode().count("\n") == 1 and json.loads(r.stdout)["source_layout"] == "hf"
+    convert(src, tmp_path / "ref")
+    assert _files(tmp_path / "qn") == _files(tmp_path / "ref")
