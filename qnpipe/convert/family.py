@@ -28,6 +28,7 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 
+from qnpipe.convert.family_hf import as_hf_report, through_mlx_lm
 from qnpipe.convert.plan import TOKENIZER_GLOBS
 from qnpipe.convert.records import write_expert_layer
 from qnpipe.convert.report import MODEL_FORMAT, MODEL_VERSION, ConvertReport
@@ -43,7 +44,8 @@ from qnpipe.io import store as st
 from qnpipe.io.dtypes import NAME_OF_ST
 from qnpipe.io.outdir import ByteProgress, Log, atomic_dir, fsync_dir, human_bytes, peak_rss
 from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, Family, LayerFile, Quant, StoreIndex, quant_dict
-from qnpipe.model.checkpoint import TensorInfo, read_tensor, weight_files
+from qnpipe.model.args import read_config
+from qnpipe.model.checkpoint import TensorInfo, read_tensor, scan, weight_files
 from qnpipe.model.family.skeleton import build_skeleton, family_info, text_config
 from qnpipe.model.family.store_spec import family_block, headers_as_specs, linear_quant
 from qnpipe.model.family.switches import expert_linears, expert_params, find_switches
@@ -245,11 +247,13 @@ def convert_family(src: Path, out: Path, config: dict[str, Any], infos: dict[str
     model_type = config.get("model_type")
     why = hf_reason(src, config, infos) if hf else None
     if why is not None:
-        from qnpipe.convert.family_hf import convert_hf
-
-        return convert_hf(src, out, config, infos, why=why, existing=existing, progress=progress, log=log,
-                          options=options, chunk_bytes=chunk_bytes, row_block_bytes=row_block_bytes,
-                          max_shard_bytes=max_shard_bytes, t0=t0)
+        with through_mlx_lm(src, out, config, infos, why=why, progress=progress, log=log,
+                            options=options) as (mlx_dir, warnings):
+            report = convert_family(mlx_dir, out, read_config(mlx_dir), scan(mlx_dir), existing=existing,
+                                    progress=progress, log=log, chunk_bytes=chunk_bytes,
+                                    row_block_bytes=row_block_bytes, max_shard_bytes=max_shard_bytes, t0=t0,
+                                    options={}, hf=False)
+        return as_hf_report(report, src, mlx_dir, warnings)
     for flag, value in options.items():
         if value is not None:
             raise ConfigError(f"{flag} applies to qwen3_next sources and original Hugging Face checkpoints only; "

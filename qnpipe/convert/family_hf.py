@@ -34,10 +34,10 @@ from qnpipe.convert.plan import TOKENIZER_GLOBS
 from qnpipe.convert.report import ConvertReport
 from qnpipe.errors import CheckpointError, ConfigError
 from qnpipe.io.outdir import TMP_TAG, Log, signals_blocked, signals_raise
-from qnpipe.model.checkpoint import TensorInfo, scan
+from qnpipe.model.checkpoint import TensorInfo
 from qnpipe.model.family.skeleton import text_config
 
-__all__ = ["MODES", "convert_hf", "mlx_lm_convert", "mtp_tensors"]
+__all__ = ["MODES", "as_hf_report", "mlx_lm_convert", "mtp_tensors", "through_mlx_lm"]
 
 # Quantization modes and the (group size, bits) each fixes, or None (affine: --bits, --group-size).
 MODES: dict[str, tuple[int, int] | None] = {"affine": None, "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
@@ -119,15 +119,14 @@ def mlx_lm_convert(src: Path, dst: Path, *, bits: int | None = None, group_size:
                 shutil.copyfile(f, dst / f.name)
 
 
-def convert_hf(src: Path, out: Path, config: dict[str, Any], infos: dict[str, TensorInfo], *, why: str,
-               existing: Path, progress: bool, log: Log, options: dict[str, Any], **kw: Any) -> ConvertReport:
-    """Convert HF checkpoint `src` through mlx-lm's conversion, then re-lay it out into `out`
-    (`qnpipe.convert.family.convert_family`, whose keyword arguments `kw` are passed on).
-    `why` says what makes `src` an HF checkpoint; `options` are convert's (--bits, --group-size,
-    --mode, --dtype, --mtp-from)."""
+@contextlib.contextmanager
+def through_mlx_lm(src: Path, out: Path, config: dict[str, Any], infos: dict[str, TensorInfo], *, why: str,
+                   progress: bool, log: Log, options: dict[str, Any]) -> Iterator[tuple[Path, list[str]]]:
+    """HF checkpoint `src` converted by mlx-lm into a private directory beside `out`: yields (that
+    mlx-lm directory, warnings) for the re-layout (`qnpipe.convert.family.convert_family`), and removes
+    it after. `why` says what makes `src` an HF checkpoint; `options` are convert's (--bits,
+    --group-size, --mode, --dtype, --mtp-from)."""
     from mlx_lm import __version__ as mlx_lm_version
-
-    from qnpipe.convert.family import convert_family
 
     model_type = config.get("model_type")
     if options.get("--mtp-from") is not None:
@@ -148,9 +147,10 @@ def convert_hf(src: Path, out: Path, config: dict[str, Any], infos: dict[str, Te
         mlx_lm_convert(src, mlx_dir, bits=options.get("--bits"), group_size=options.get("--group-size"),
                        mode=options.get("--mode"), dtype=options.get("--dtype"),
                        stdout=sys.stderr if progress else None)
-        from qnpipe.model.args import read_config
+        yield mlx_dir, warnings
 
-        report = convert_family(mlx_dir, out, read_config(mlx_dir), scan(mlx_dir), existing=existing,
-                                progress=progress, log=log, options={}, hf=False, **kw)
+
+def as_hf_report(report: ConvertReport, src: Path, mlx_dir: Path, warnings: list[str]) -> ConvertReport:
+    """The re-layout's report, told of the HF source (its warnings name `src`, not the private copy)."""
     own = tuple(w.replace(str(mlx_dir), str(src)) for w in report.warnings)
     return msgspec.structs.replace(report, source_layout=SOURCE_LAYOUT, warnings=(*warnings, *own))
