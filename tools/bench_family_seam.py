@@ -22,6 +22,7 @@ from collections.abc import Generator
 
 import greenlet
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -35,6 +36,7 @@ from qnpipe.steps import LayerRoute, PartGrant, StepDone
 def greenlet_round_trip_us(n: int) -> float:
     def body() -> None:
         parent = greenlet.getcurrent().parent
+        assert parent is not None
         for _ in range(n):
             parent.switch(1)
 
@@ -62,14 +64,14 @@ def generator_round_trip_us(n: int) -> float:
     return (time.perf_counter() - t) / n * 1e6
 
 
-def decode_us(model: object, steps: int, backend: GreenletBackend | None) -> float:
+def decode_us(model: nn.Module, steps: int, backend: GreenletBackend | None) -> float:
     """Mean µs of one decode step (after a short prefill, not timed)."""
     cache = make_prompt_cache(model)
     tail = lambda y: mx.eval(y)  # noqa: E731
 
     def step(tok: int) -> None:
         if backend is None:
-            mx.eval(model(mx.array([[tok]]), cache=cache))  # type: ignore[operator]
+            mx.eval(model(mx.array([[tok]]), cache=cache))
             return
         ev = backend.begin(lambda: mx.array([[tok]]), cache, tail)
         while not isinstance(ev, StepDone):
@@ -85,7 +87,7 @@ def decode_us(model: object, steps: int, backend: GreenletBackend | None) -> flo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--switches", type=int, default=200_000)

@@ -10,13 +10,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import trio
+import trio.lowlevel
 from mlx_lm.models.cache import make_prompt_cache
 
 from qnpipe.model.family import tiny
 from qnpipe.model.family.backend import GreenletBackend
 from qnpipe.model.stepper import MtpRun
 from qnpipe.steps import LayerRoute, PartGrant, Queued, StepDone
-from tests.families.seam_pool import FakePool, drive, pool_switches, pooled, reference
+from tests.families.seam_pool import FakePool, drive, pool_switches, reference
 
 
 def _model(family: str = "qwen3_moe", quant: str | None = "affine4") -> tuple[Any, list[list[int]], list[np.ndarray]]:
@@ -135,7 +136,7 @@ def test_inside_trio_the_backend_and_a_pool_task_over_channels(family: str, quan
                     return
                 if isinstance(msg, LayerRoute):
                     grants = pool.grants(msg)
-                await trio.sleep(0)  # a "read"
+                await trio.lowlevel.checkpoint()  # a "read"
                 await grants_send.send(next(grants))
 
         async def forward_task() -> None:

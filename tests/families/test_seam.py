@@ -17,7 +17,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from qnpipe.model.family import tiny
-from qnpipe.model.family.switches import find_switches
+from qnpipe.model.family.switches import expert_params, find_switches
 from tests.families.seam_pool import FakePool, pool_switches, pooled, reference
 
 CASES = [(f, q) for f in tiny.CONFIGS for q in (None, "affine4", *(("mxfp4",) if f == "gpt_oss" else ()))]
@@ -71,21 +71,22 @@ def test_the_template_is_outside_mlx_s_module_tree() -> None:
     assert not [n for n in leaves if any(n.startswith(p + ".") for p in paths)]
     # update_modules and nn.quantize walk the tree: the template and its float weights stay as they were.
     sw = next(iter(switches.values()))
-    before = np.array(sw.template.gate_proj.weight)
+    before = np.array(expert_params(sw.template)["gate_proj.weight"])
     model.update_modules(model.children())
     tiny.quantize(model, "affine4")
-    assert type(sw.template.gate_proj).__name__ == "SwitchLinear"
-    assert np.array_equal(np.array(sw.template.gate_proj.weight), before)
+    assert type(sw.template["gate_proj"]).__name__ == "SwitchLinear"
+    assert np.array_equal(np.array(expert_params(sw.template)["gate_proj.weight"]), before)
     pool = FakePool(switches, 6, seed=1)
-    assert type(sw._held.slots.module.gate_proj._run.template).__name__ == "SwitchLinear"
+    slots = sw._held.slots
+    assert slots is not None
+    assert type(slots.module["gate_proj"]._run.template).__name__ == "SwitchLinear"
     assert pool.routes == 0
 
 
 def test_attach_refuses_arrays_that_are_not_the_switch_s() -> None:
     model = tiny.build_random(tiny.tiny_config("mixtral"))
     sw = next(iter(pool_switches(model).values()))
-    good = {n: mx.zeros((3, *a.shape[1:]), dtype=a.dtype) for n, a in
-            {n: a for n, a in tree_flatten(sw.template.parameters())}.items()}
+    good = {n: mx.zeros((3, *a.shape[1:]), dtype=a.dtype) for n, a in expert_params(sw.template).items()}
     with pytest.raises(ValueError, match="expert tensors"):
         sw.attach({k: v for k, v in good.items() if not k.startswith("down_proj")})
     with pytest.raises(ValueError, match="float16"):

@@ -27,7 +27,7 @@ import numpy as np
 
 from qnpipe.model.experts import expert_view
 from qnpipe.model.family.switches import expert_linears, expert_params
-from qnpipe.model.stepper import _run_parts
+from qnpipe.model.stepper import run_parts
 from qnpipe.steps import LayerRoute, PartDone, Queued
 
 
@@ -137,7 +137,7 @@ class PooledSwitch(nn.Module):
         if parent is None:
             raise RuntimeError(f"layer {self.layer}: a pooled switch runs inside GreenletBackend's step")
         grant = parent.switch(LayerRoute(self.layer, ids.reshape(-1, ids.shape[-1])))
-        steps = _run_parts(self._runner(slots), x, ids, grant)
+        steps = run_parts(self._runner(slots), x, ids, grant)
         try:
             ev: PartDone | Queued = next(steps)
             while True:
