@@ -41,8 +41,12 @@ class _Remap(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         run = self._run
-        assert run.slots is not None
-        return run.template(x, run.slots.lut[indices], sorted_indices=sorted_indices)
+        slots = run.slots
+        assert slots is not None
+        # mlx-lm hands every projection of a run the same ids: map them once.
+        if slots.mapped is None or slots.mapped[0] is not indices:
+            slots.mapped = (indices, slots.lut[indices])
+        return run.template(x, slots.mapped[1], sorted_indices=sorted_indices)
 
 
 @attrs.define(eq=False)
@@ -53,6 +57,7 @@ class _Slots:
     capacity: int
     module: Any = None  # the template's copy whose expert linears are `_Remap`s over the slot arrays
     lut: Any = None  # mx.array [E] uint32: expert id -> slot, of the run being built
+    mapped: tuple[mx.array, mx.array] | None = None  # (ids, lut[ids]) of the run being built
 
 
 def _clone(m: nn.Module) -> nn.Module:
@@ -163,7 +168,7 @@ class PooledSwitch(nn.Module):
             ok = granted >= 0
             lut[ids[ok]] = granted[ok]
             # The graph built below holds this lut: swapping it for the next run cannot change it.
-            slots.lut = mx.array(lut)
+            slots.lut, slots.mapped = mx.array(lut), None
             return slots.module(x, mx.array(ids))
 
         return run
