@@ -97,3 +97,30 @@ def test_attach_refuses_arrays_that_are_not_the_switch_s() -> None:
     assert sw.slot_arrays is not None
     sw.detach()
     assert sw.slot_arrays is None
+
+
+def test_kernels_see_the_model_s_expert_count_on_both_paths() -> None:
+    """Metal fix (experts.expert_view): an E-shaped view of the slot arrays, sharing their memory,
+    changes no bit on the CPU; the native path's MlxBackend hands it to its kernels too."""
+    from qnpipe.model.experts import LayerExperts, ProjWeights, expert_view, switch_glu
+
+    slots = mx.random.normal((3, 8, 32))
+    mx.eval(slots)
+    assert expert_view(slots, 3) is slots and expert_view(slots, 2) is slots
+    view = expert_view(slots, 16)
+    assert view.shape == (16, 8, 32)
+    np.asarray(slots)[2] = 7.0  # a read into the slots shows through the view
+    assert np.array_equal(np.array(view[2]), np.full((8, 32), 7.0, dtype=np.float32))
+    w = ProjWeights(*mx.quantize(mx.random.normal((3, 32, 32)), 32, 4), group_size=32, bits=4)
+    le = LayerExperts(w, w, w)
+    seen = le.seen_as(16)
+    assert seen.num_slots == 3 and seen.gate_proj._kernel[0].shape[0] == 16
+    x = mx.random.normal((1, 40, 32))
+    ids = mx.array(np.random.default_rng(0).integers(0, 3, (1, 40, 2)).astype(np.uint32))  # 80 pairs: sorted
+    assert np.array_equal(np.array(switch_glu(le, x, ids)), np.array(switch_glu(seen, x, ids)))
+    from types import SimpleNamespace
+
+    from qnpipe.model.stepper import MlxBackend
+
+    be = MlxBackend(SimpleNamespace(args=SimpleNamespace(num_experts=16)), {5: le})  # type: ignore[arg-type]
+    assert be.slots is not None and be.slots[5].down_proj._kernel[0].shape[0] == 16
