@@ -67,6 +67,10 @@ class FamilyModel:
 
         return make_prompt_cache(self.inner)
 
+    def kv_bytes_per_token(self) -> int:
+        """0: not known for every cache kind mlx-lm uses yet (MLA latents, rotating windows, chunks)."""
+        return 0
+
     def head(self, logits: mx.array) -> mx.array:
         return logits
 
@@ -76,9 +80,11 @@ class FamilyModel:
 
 @attrs.define
 class ResidentSwitches:
-    """The experts mlx-lm's own switches hold (all resident): their bytes, for the engine's figures."""
+    """The experts mlx-lm's own switches hold (all resident): their bytes, for the engine's figures.
+    `layers` is empty: they are the model's own parameters (a snapshot's fingerprint has them)."""
 
     nbytes: int
+    layers: dict[int, Any] = attrs.Factory(dict)
 
 
 @attrs.define
