@@ -156,6 +156,10 @@ def _load_converted(model_dir: Path, config: dict[str, Any], infos: dict[str, Te
     root, index = read_index(store_dir)
     model = build_skeleton(config, {**headers_as_specs(infos), **index_tensor_specs(index)}, where)
     info = family_info(config, model, where)
+    if index.family is None:  # a version 1 store: the native Qwen3-Next convert's, named by the config's shape
+        from qnpipe.model.args import model_id
+
+        info = attrs.evolve(info, model_id=model_id(config))
     check_against_model(index, root / "index.json", expert_spec(info.model_type, model))
     sites = {s.layer: s for s in find_switches(model)}
     weights = load_tensors(infos)
