@@ -57,7 +57,7 @@ def prompt(n: int = 20, seed: int = 0) -> list[int]:
 
 def reference(d: Path, tokens: list[int]) -> tuple[np.ndarray, list[int]]:
     """mlx-lm's logits of `tokens` and its greedy continuation (`generate_step`)."""
-    ref, _ = mlx_lm_load(d)
+    ref = mlx_lm_load(str(d))[0]
     logits = np.array(ref(mx.array(tokens)[None])[0].astype(mx.float32))
     greedy = [int(t) for t, _ in generate_step(mx.array(tokens), ref, max_tokens=N_NEW)]
     return logits, greedy

@@ -133,8 +133,9 @@ def load_family(model_dir: Path, config: dict[str, Any], *, expert_dir: str | Pa
     model = build_skeleton(config, headers_as_specs(infos), where)
     info = family_info(config, model, where)
     weights = load_tensors(infos)
-    if hasattr(model, "sanitize"):
-        weights = model.sanitize(weights)
+    sanitize = getattr(model, "sanitize", None)
+    if callable(sanitize):
+        weights = sanitize(weights)
     _load_strict(model, weights, infos, model_dir)
     model.eval()
     mx.eval(model.parameters())
