@@ -28,6 +28,7 @@ from qnpipe.model.family.skeleton import FamilyInfo, build_skeleton, family_info
 from qnpipe.model.family.switches import SwitchSite, expert_params, find_switches
 
 GENERIC = "generic"
+NO_CONTEXT_LIMIT = 1 << 31  # a config without max_position_embeddings: the server and CLI check nothing
 
 
 @attrs.frozen
@@ -36,7 +37,7 @@ class FamilyArgs:
 
     info: FamilyInfo
     hidden_size: int
-    max_position_embeddings: int | None
+    max_position_embeddings: int  # NO_CONTEXT_LIMIT when config.json names none
     tie_word_embeddings: bool
 
     model_type = property(lambda self: self.info.model_type)
@@ -108,7 +109,7 @@ def family_args(config: Mapping[str, Any], info: FamilyInfo) -> FamilyArgs:
     tc = text_config(config)
     mpe = tc.get("max_position_embeddings")
     return FamilyArgs(info, int(tc.get("hidden_size") or tc.get("model_dim") or 0),
-                      int(mpe) if isinstance(mpe, int) else None, bool(tc.get("tie_word_embeddings", False)))
+                      int(mpe) if isinstance(mpe, int) else NO_CONTEXT_LIMIT, bool(tc.get("tie_word_embeddings", False)))
 
 
 def load_family(model_dir: Path, config: dict[str, Any], *, expert_dir: str | Path | None = None,
