@@ -80,9 +80,6 @@ def load_generic(cfg: Config, runner: Runner, model_dir: Path, stream: bool, rea
 
     loaded: Any = runner.loaded
     args = loaded.args
-    if cfg.predict.cross_layer_prefetch:
-        warnings.warn(f"predict.cross_layer_prefetch: no predictions for a {args.model_type} model on the generic "
-                      f"tier yet (its experts are read when routed)", stacklevel=3)
     if not stream:
         asked = cfg.pool.expert_slots != PoolCfg().expert_slots or cfg.pool.capacity_profile_path
         if asked and not cfg.pool.eager_load and loaded.layout is not Layout.QNPIPE:
@@ -99,13 +96,34 @@ def load_generic(cfg: Config, runner: Runner, model_dir: Path, stream: bool, rea
     except BaseException:
         store.close()
         raise
+    predictor = _predictor(cfg, loaded) if cfg.predict.cross_layer_prefetch else None
     for layer, sw in loaded.pooled.items():
         sw.attach(slots[layer].arrays)
+        sw.predictor = predictor
     from qnpipe.model.family.backend import GreenletBackend
 
     traced = bool(cfg.trace.event_log_path or cfg.trace.route_trace)
     backend = GreenletBackend(loaded.model, weights=traced)
     return LoadedModel(cfg, runner, Streaming(store, reader, slots, caps), backend, None, stage)
+
+
+def _predictor(cfg: Config, loaded: Any) -> Any:
+    """The family's routers on each layer's switch input (qnpipe.model.family.routers), or None, said once."""
+    from qnpipe.model.family.routers import FamilyPredictor, family_routers
+    from qnpipe.policy.predict import predict_targets
+    from qnpipe.steps import PredictPlan
+
+    family = loaded.args.model_type
+    routers, why = family_routers(family, {layer: s.parent for layer, s in loaded.sites.items()})
+    if why is not None:
+        what = "no predictions" if not routers else "predictions for some layers only"
+        warnings.warn(f"predict.cross_layer_prefetch: {what} for a {family} model ({why}); "
+                      f"the other experts are read when routed", stacklevel=4)
+    if not routers:
+        return None
+    plan = PredictPlan(predict_targets(tuple(loaded.args.moe_layers), cfg.predict), cfg.predict.width_experts,
+                       cfg.predict.use_moe_input)
+    return FamilyPredictor(plan, routers)
 
 
 def warm_up_generic(core: Any) -> float:

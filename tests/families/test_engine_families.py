@@ -146,3 +146,21 @@ def test_unknown_and_dense_model_types_are_named(tmp_path: Path) -> None:
     (d / "config.json").write_text(json.dumps({**c, "model_type": "mistral"}))
     with pytest.raises(CheckpointError, match=r"a mistral model has no routed experts"):
         qnpipe.Engine(d)
+
+
+@pytest.mark.parametrize("family, quant", [("deepseek_v3", None), ("llama4", None)])
+def test_prefetch_from_the_family_router_or_none_said_once(tmp_path: Path, family: str, quant: str | None) -> None:
+    """deepseek_v3's MoEGate predicts the next layers and the logits stay mlx-lm's; llama4 has no
+    usable router input: one warning naming the family, and the run is demand reads only."""
+    src = tmp_path / "src"
+    cfg = save_mlx_lm_dir(src, family, quant)
+    toks = prompt()
+    want_logits, want_greedy = reference(src, toks)
+    convert(src, tmp_path / "qn")
+    settings = {"predict.cross_layer_prefetch": True, "predict.ahead_layers": 1, "pool.side_region_slots": 4}
+    warns = pytest.warns(UserWarning, match=rf"no predictions for a {family} model")
+    with warns if family == "llama4" else contextlib.nullcontext():
+        got, greedy, stats = run(tmp_path / "qn", toks, expert_slots=tiny.top_k(cfg) + 1, **settings)
+    assert np.array_equal(got, want_logits[0]) and greedy == want_greedy
+    assert stats.pool is not None
+    assert (stats.pool.prefetch_issued > 0) == (family != "llama4")
