@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import mlx.core as mx
 import numpy as np
 
@@ -31,6 +32,16 @@ from qnpipe.steps import Event, LayerRoute, PartDone, PartGrant, Queued, StepDon
 
 # Below this many (token, expert) pairs mlx-lm's switch does not sort, so early grants change no bit.
 EARLY_PAIRS = 64
+
+
+@attrs.frozen
+class Streamed:
+    """The parts of a `Streaming` (qnpipe.live.loaded) the generic tier makes."""
+
+    store: ExpertStore
+    reader: ExpertReader
+    slots: dict[int, Any]
+    capacities: dict[int, int]
 
 
 def check_generic_cfg(cfg: Config, family: str, stage: Stage | None) -> None:
@@ -69,12 +80,12 @@ class ResidentBackend:
         pass
 
 
-def load_generic(cfg: Config, runner: Runner, model_dir: Path, stream: bool, reader: ExpertReader | None,
-                 stage: Stage | None) -> Any:
-    """The generic tier's `LoadedModel` (qnpipe.live.loaded): slot arrays, store and backend."""
+def load_generic(cfg: Config, runner: Runner, model_dir: Path, stream: bool,
+                 reader: ExpertReader | None) -> tuple[Streamed | None, Any]:
+    """What the generic tier adds to its `LoadedModel` (qnpipe.live.loaded): when the experts stream, the
+    store, reader, slot arrays and capacities; and the backend."""
     from qnpipe.actors.pipeline import layer_capacities, side_slots
     from qnpipe.io.ssd import SsdReader
-    from qnpipe.live.loaded import LoadedModel, Streaming
     from qnpipe.model.checkpoint import Layout
     from qnpipe.model.slots import make_layer_slots
 
@@ -85,7 +96,7 @@ def load_generic(cfg: Config, runner: Runner, model_dir: Path, stream: bool, rea
         if asked and not cfg.pool.eager_load and loaded.layout is not Layout.QNPIPE:
             warnings.warn(f"{model_dir} has no expert store: every expert is resident "
                           f"(`qnpipe convert` makes a directory whose experts stream)", stacklevel=3)
-        return LoadedModel(cfg, runner, None, ResidentBackend(loaded.model), None, stage)
+        return None, ResidentBackend(loaded.model)
     store = ExpertStore.open(loaded.store_dir, expected_model_id=args.model_id)
     try:
         caps = layer_capacities(cfg, args)
@@ -104,7 +115,7 @@ def load_generic(cfg: Config, runner: Runner, model_dir: Path, stream: bool, rea
 
     traced = bool(cfg.trace.event_log_path or cfg.trace.route_trace)
     backend = GreenletBackend(loaded.model, weights=traced)
-    return LoadedModel(cfg, runner, Streaming(store, reader, slots, caps), backend, None, stage)
+    return Streamed(store, reader, slots, caps), backend
 
 
 def _predictor(cfg: Config, loaded: Any) -> Any:

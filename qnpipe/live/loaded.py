@@ -106,7 +106,9 @@ def load_model(model_dir: Path, cfg: Config, reader: ExpertReader | None = None,
         runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
                         expert_dir=cfg.model.expert_dir or None, resident_experts=not stream,
                         verify=cfg.read.verify_crc32, tier="generic")
-        return load_generic(cfg, runner, model_dir, stream, reader, stage)
+        st, backend = load_generic(cfg, runner, model_dir, stream, reader)
+        streaming = None if st is None else Streaming(st.store, st.reader, st.slots, st.capacities)
+        return LoadedModel(cfg, runner, streaming, backend, None, stage)
     runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
                     expert_dir=cfg.model.expert_dir or None, resident_experts=not stream,
                     verify=cfg.read.verify_crc32, topk_override=cfg.forward.moe_topk_override, stage=stage)
