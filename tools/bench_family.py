@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qnpipe import Engine  # before MLX (make_model imports it): qnpipe's BLAS goes in front of MLX's
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_stream import SHAPES, log, make_model, round_prompt  # noqa: E402
@@ -62,14 +64,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import qnpipe
-
     a = parse_args(argv)
     model = a.model or make_model(a.work, a.shape, a.bits, a.group_size)
     cfg = json.loads((model / "config.json").read_text())
     E, k, V = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["vocab_size"]
     slots = max(k, min(E, round(E * a.pool_frac)))
-    engines = {name: qnpipe.Engine(model, **engine_settings(name, slots, a.workers)) for name in ENGINES}
+    engines = {name: Engine(model, **engine_settings(name, slots, a.workers)) for name in ENGINES}
     tok_s: dict[str, list[float]] = {name: [] for name in ENGINES}
     try:
         for r in range(a.rounds):
