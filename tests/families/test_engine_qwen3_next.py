@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,7 +29,7 @@ def test_native_and_generic_streamed_equal_mlx_lm(tmp_path: Path, bits: int | No
     ref = mlx_lm_load(str(src))[0]
     want = np.array(ref(mx.array(toks)[None])[0].astype(mx.float32))
     want_greedy = [int(t) for t, _ in generate_step(mx.array(toks), ref, max_tokens=N_NEW)]
-    k = int(ref.args.num_experts_per_tok)
+    k = int(json.loads((src / "config.json").read_text())["num_experts_per_tok"])
     got = {}
     for tier in ("native", "generic"):
         with qnpipe.Engine(out, expert_slots=k + 1, prefill_chunk_tokens=0,

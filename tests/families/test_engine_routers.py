@@ -21,6 +21,9 @@ EXACT = ["qwen3_moe", "gpt_oss", "glm4_moe", "qwen3_5_moe", "deepseek_v3", "mixt
 
 
 class Spy(nn.Module):
+    _inner: nn.Module
+    _seen: list[Any]
+
     def __init__(self, inner: nn.Module, seen: list[Any]) -> None:
         super().__init__()
         object.__setattr__(self, "_inner", inner)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import mlx.core as mx
@@ -136,7 +136,7 @@ def load_family(model_dir: Path, config: dict[str, Any], *, expert_dir: str | Pa
     weights = load_tensors(infos)
     sanitize = getattr(model, "sanitize", None)
     if callable(sanitize):
-        weights = sanitize(weights)
+        weights = cast(dict[str, mx.array], sanitize(weights))
     _load_strict(model, weights, infos, model_dir)
     model.eval()
     mx.eval(model.parameters())
