@@ -71,8 +71,9 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
         predictions = tuple((t, np.array(ids).reshape(-1, ids.shape[-1]),
                              np.array(p.astype(mx.float32)).reshape(-1, p.shape[-1])) for t, ids, p in preds)
         w = np.array(scores.astype(mx.float32)).reshape(-1, k) if weights else None
-        grant = yield LayerRoute(i, np.array(inds).reshape(-1, k), predictions, w)
-        y = yield from _run_parts(slots[i], x, inds.shape, grant)
+        ids = np.array(inds)
+        grant = yield LayerRoute(i, ids.reshape(-1, k), predictions, w)
+        y = yield from _run_parts(native_run(slots[i]), x, ids, grant)
         h = h + moe.combine(x, y, scores, shared)
         # Start computing this layer while Python builds the next one up to its router.
         mx.async_eval(h)
@@ -102,8 +103,9 @@ def mtp_steps(model: Model, slots: dict[int, LayerExperts], run: MtpRun,
     mx.async_eval(shared)
     k = inds.shape[-1]
     w = np.array(scores.astype(mx.float32)).reshape(-1, k) if weights else None
-    grant = yield LayerRoute(head.layer_id, np.array(inds).reshape(-1, k), (), w)
-    y = yield from _run_parts(slots[head.layer_id], x, inds.shape, grant)
+    ids = np.array(inds)
+    grant = yield LayerRoute(head.layer_id, ids.reshape(-1, k), (), w)
+    y = yield from _run_parts(native_run(slots[head.layer_id]), x, ids, grant)
     # Every MTP step's tail (SpecState.mtp_tail, mtp_out) reads the last row's logits alone.
     return head.finish(model, h + head.mlp.combine(x, y, scores, shared), last_only=True)
 
@@ -121,11 +123,25 @@ def _predict(m: Any, plan: PredictPlan, layer: int, x: mx.array, h: mx.array) ->
     return out
 
 
-def _run_parts(w: LayerExperts, x: mx.array, shape: tuple[int, ...],
+# Runs experts: `run(x [..., H], ids [..., k], slots [..., k]) -> [..., k, H]`, the router's ids and
+# the slots holding them (numpy, same shape). The native path reads only the slots; the family seam
+# (qnpipe.model.family.pooled) keeps mlx-lm's row order by the ids and maps them to the slots.
+RunExperts = Callable[[mx.array, np.ndarray, np.ndarray], mx.array]
+
+
+def native_run(w: LayerExperts) -> RunExperts:
+    """The native path's experts: qnpipe's copy of mlx-lm's SwitchGLU over the slot arrays."""
+    return lambda x, ids, slots: switch_glu(w, x, mx.array(slots, dtype=mx.uint32))
+
+
+def _run_parts(run: RunExperts, x: mx.array, ids: np.ndarray,
                grant: PartGrant) -> Generator[PartDone | Queued, PartGrant, mx.array]:
+    """The layer's expert outputs `[*ids.shape, H]` over the grants of one layer-step (`ids` the
+    router's, shaped like its output)."""
+    shape = ids.shape
     early: tuple[np.ndarray, list[mx.array]] | None = None
     while grant.early:  # each early grant: the pairs whose expert is now in memory start at once
-        early = _queue_present(w, x, grant.slots, early)
+        early = _queue_present(run, x, ids, grant.slots, early)
         try:
             grant = yield Queued()
         except GeneratorExit:
@@ -136,13 +152,14 @@ def _run_parts(w: LayerExperts, x: mx.array, shape: tuple[int, ...],
     if grant.last and grant.lo == 0:
         slots = grant.slots.reshape(shape)
         if early is not None:
-            return _complete(w, x, slots, early)
+            return _complete(run, x, ids, slots, early)
         # One part: the very shapes the all-resident block uses, so results match it bit for bit.
-        return switch_glu(w, x, mx.array(slots, dtype=mx.uint32))
+        return run(x, ids, slots)
     flat = x.reshape(-1, x.shape[-1])
+    flat_ids = ids.reshape(-1, shape[-1])
     outs = []
     while True:
-        y = switch_glu(w, flat[grant.lo:grant.hi], mx.array(grant.slots, dtype=mx.uint32))
+        y = run(flat[grant.lo:grant.hi], flat_ids[grant.lo:grant.hi], grant.slots)
         outs.append(y)
         if grant.last:
             break
@@ -151,23 +168,23 @@ def _run_parts(w: LayerExperts, x: mx.array, shape: tuple[int, ...],
     return mx.concatenate(outs, axis=0).reshape(*shape, x.shape[-1])
 
 
-# Below this many (token, expert) pairs a layer-step takes early grants: switch_glu does not sort
+# Below this many (token, expert) pairs a layer-step takes early grants: the switch does not sort
 # them, so every pair is its own row of the kernels and splitting the pairs changes no bit.
 EARLY_PAIRS = 64
 
 
-def _pairs(w: LayerExperts, x: mx.array, pairs: np.ndarray, slots: np.ndarray) -> mx.array:
+def _pairs(run: RunExperts, x: mx.array, ids: np.ndarray, pairs: np.ndarray, slots: np.ndarray) -> mx.array:
     """The experts' outputs `[P, H]` of the (token, expert) pairs `pairs` (flat index t*k + j)."""
     k = slots.shape[-1]
     rows = x.reshape(-1, x.shape[-1])[mx.array(pairs // k)]
-    return switch_glu(w, rows, mx.array(slots.reshape(-1)[pairs][:, None], dtype=mx.uint32))[:, 0]
+    return run(rows, ids.reshape(-1)[pairs][:, None], slots.reshape(-1)[pairs][:, None])[:, 0]
 
 
-def _queue_present(w: LayerExperts, x: mx.array, slots: np.ndarray,
+def _queue_present(run: RunExperts, x: mx.array, ids: np.ndarray, slots: np.ndarray,
                    early: tuple[np.ndarray, list[mx.array]] | None) -> tuple[np.ndarray, list[mx.array]]:
     """Start the pairs whose expert has a slot (the rest is -1) and that `early` has not started:
     their outputs compute meanwhile. Returns every started pair (flat index) and their outputs."""
-    assert slots.size < EARLY_PAIRS, "an early grant with pairs switch_glu would sort"
+    assert slots.size < EARLY_PAIRS, "an early grant with pairs the switch would sort"
     ready = slots.reshape(-1) >= 0
     if early is not None:
         ready[early[0]] = False
@@ -176,19 +193,20 @@ def _queue_present(w: LayerExperts, x: mx.array, slots: np.ndarray,
         early = (pairs[:0], [])
     if not pairs.size:
         return early
-    y = _pairs(w, x, pairs, slots)
+    y = _pairs(run, x, ids, pairs, slots)
     mx.async_eval(y)
     return np.concatenate([early[0], pairs]), [*early[1], y]
 
 
-def _complete(w: LayerExperts, x: mx.array, slots: np.ndarray, early: tuple[np.ndarray, list[mx.array]]) -> mx.array:
+def _complete(run: RunExperts, x: mx.array, ids: np.ndarray, slots: np.ndarray,
+              early: tuple[np.ndarray, list[mx.array]]) -> mx.array:
     """`[..., k, H]` from the early pairs' outputs and the rest's, each pair back in its place."""
     done, ys = early
     todo = np.ones(slots.size, dtype=bool)
     todo[done] = False
     rest = np.flatnonzero(todo)
     if rest.size:
-        ys = [*ys, _pairs(w, x, rest, slots)]
+        ys = [*ys, _pairs(run, x, ids, rest, slots)]
     order = np.concatenate([done, rest])
     y = (mx.concatenate(ys, axis=0) if len(ys) > 1 else ys[0])[mx.array(np.argsort(order))]
     return y.reshape(*slots.shape, x.shape[-1])
@@ -202,7 +220,9 @@ class MlxBackend:
     def __init__(self, model: Model, slots: dict[int, LayerExperts] | None,
                  plan: PredictPlan | None = None, weights: bool = False) -> None:
         self.model = model
-        self.slots = slots
+        # The kernels see the model's expert count, not the pool's capacity (experts.expert_view).
+        self.slots = None if slots is None else {
+            i: w.seen_as(model.args.num_experts) for i, w in slots.items()}
         self.plan = plan
         self.weights = weights
         self._gen: Generator[LayerRoute | PartDone | Queued, PartGrant, Any] | None = None

@@ -1,0 +1,84 @@
+"""`GreenletBackend`: an mlx-lm model's own forward, one MoE layer at a time, for the forward actor.
+
+The same protocol as qnpipe.model.stepper.MlxBackend (`begin`/`resume`/`abort`, `early_pairs`,
+`ring_tail`). mlx-lm's `Model.__call__` is plain code: a `PooledSwitch` deep inside it cannot
+`yield`, and it cannot block for its grant either, since the pool and read actors run as trio
+tasks on this same MLX thread (qnpipe/live/mlx_thread.py): waiting would deadlock. So the forward
+runs in a greenlet; each pooled switch switches up to the caller of `begin`/`resume` with its
+`LayerRoute` (or `Queued`/`PartDone` between parts), and is switched back into with the grant.
+
+Release rule (qnpipe/model/stepper.py): when `resume` returns, no queued work still reads the
+slots granted before it, except after `Queued`. It holds here because `resume` returns only
+(1) at the next pooled switch's `np.array(indices)`, whose ids depend on this layer's expert outputs
+through the residual stream, so MLX has run them; (2) at `PartDone`, after the part's `mx.eval`;
+(3) at `Queued`, where the switch keeps the grant and a dropped step evaluates the queued work
+(PooledSwitch's abort path); or (4) with `StepDone`, after the tail, which evaluates the logits
+that depend on the last MoE layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import greenlet
+import mlx.nn as nn
+
+from qnpipe.model.stepper import EARLY_PAIRS, MtpRun
+from qnpipe.steps import Event, PartGrant, StepDone, Tail
+
+
+class GreenletBackend:
+    """One step at a time of mlx-lm's forward of `model` (its switches pooled), driven from trio.
+    MLX thread only. Its tails take logits: mlx-lm's `__call__` returns them."""
+
+    early_pairs = EARLY_PAIRS
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._g: greenlet.greenlet | None = None
+        self._tail: Tail | None = None
+        # Pipeline parallel is the native path's alone: never set here.
+        self.ring_tail: Callable[[Tail, list[Any]], Tail] | None = None
+
+    def begin(self, inputs: Callable[[], Any], cache: list[Any], tail: Tail) -> Event:
+        """Start a step on `inputs() [B, L]` and run it to its first pooled switch (or its end)."""
+        self.abort()
+        x = inputs()
+        if isinstance(x, MtpRun):
+            raise ValueError("an MTP step runs on the native Qwen3-Next path only; this model runs "
+                             "through mlx-lm's own forward (the family seam), which has no MTP head")
+        if self.ring_tail is not None:
+            raise ValueError("pipeline parallel runs on the native Qwen3-Next path only")
+        model = self.model
+        self._g = greenlet.greenlet(lambda: model(x, cache=cache))
+        self._tail = tail
+        return self._advance(None)
+
+    def resume(self, grant: PartGrant) -> Event:
+        """Continue the step with the slots of the part it asked for."""
+        return self._advance(grant)
+
+    def _advance(self, grant: PartGrant | None) -> Event:
+        g, tail = self._g, self._tail
+        assert g is not None and tail is not None, "no step in progress"
+        # Whoever drives the step now gets the switch's next event (the parent is the switch target).
+        g.parent = greenlet.getcurrent()
+        try:
+            ev = g.switch() if grant is None else g.switch(grant)
+        except BaseException:
+            self._g = None  # the forward raised: the greenlet is dead
+            raise
+        if not g.dead:
+            return ev
+        self._g = None
+        return StepDone(tail(ev))
+
+    def abort(self) -> None:
+        """Drop a step in progress (its cache updates so far stay: start a fresh cache after this).
+        GreenletExit unwinds mlx-lm's frames; the pooled switch it lands in first evaluates any
+        work it queued on early grants, so their slots may be released after this returns."""
+        g, self._g = self._g, None
+        if g is not None and not g.dead:
+            g.parent = greenlet.getcurrent()
+            g.throw(greenlet.GreenletExit)
