@@ -113,8 +113,7 @@ def load_generic(cfg: Config, runner: Runner, model_dir: Path, stream: bool,
         sw.predictor = predictor
     from qnpipe.model.family.backend import GreenletBackend
 
-    traced = bool(cfg.trace.event_log_path or cfg.trace.route_trace)
-    backend = GreenletBackend(loaded.model, weights=traced)
+    backend = GreenletBackend(loaded.model)
     return Streamed(store, reader, slots, caps), backend
 
 
