@@ -18,7 +18,7 @@ until the next yield. Every yield but `Queued` follows an `mx.eval` that depends
 expert work granted before it (the next router reads the layer's output), so when `resume`
 returns, nothing queued can still read the slots it was given: the forward may release
 them. After `Queued` the forward holds the grant until the full one's `resume` returns, and
-a step dropped there first waits for the queued work (`_run_parts`).
+a step dropped there first waits for the queued work (`run_parts`).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
         w = np.array(scores.astype(mx.float32)).reshape(-1, k) if weights else None
         ids = np.array(inds)
         grant = yield LayerRoute(i, ids.reshape(-1, k), predictions, w)
-        y = yield from _run_parts(native_run(slots[i]), x, ids, grant)
+        y = yield from run_parts(native_run(slots[i]), x, ids, grant)
         h = h + moe.combine(x, y, scores, shared)
         # Start computing this layer while Python builds the next one up to its router.
         mx.async_eval(h)
@@ -105,7 +105,7 @@ def mtp_steps(model: Model, slots: dict[int, LayerExperts], run: MtpRun,
     w = np.array(scores.astype(mx.float32)).reshape(-1, k) if weights else None
     ids = np.array(inds)
     grant = yield LayerRoute(head.layer_id, ids.reshape(-1, k), (), w)
-    y = yield from _run_parts(native_run(slots[head.layer_id]), x, ids, grant)
+    y = yield from run_parts(native_run(slots[head.layer_id]), x, ids, grant)
     # Every MTP step's tail (SpecState.mtp_tail, mtp_out) reads the last row's logits alone.
     return head.finish(model, h + head.mlp.combine(x, y, scores, shared), last_only=True)
 
@@ -134,7 +134,7 @@ def native_run(w: LayerExperts) -> RunExperts:
     return lambda x, ids, slots: switch_glu(w, x, mx.array(slots, dtype=mx.uint32))
 
 
-def _run_parts(run: RunExperts, x: mx.array, ids: np.ndarray,
+def run_parts(run: RunExperts, x: mx.array, ids: np.ndarray,
                grant: PartGrant) -> Generator[PartDone | Queued, PartGrant, mx.array]:
     """The layer's expert outputs `[*ids.shape, H]` over the grants of one layer-step (`ids` the
     router's, shaped like its output)."""

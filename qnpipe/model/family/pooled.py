@@ -27,7 +27,7 @@ import numpy as np
 
 from qnpipe.model.experts import expert_view
 from qnpipe.model.family.switches import expert_linears, expert_params
-from qnpipe.model.stepper import _run_parts
+from qnpipe.model.stepper import run_parts
 from qnpipe.steps import LayerRoute, PartDone, Queued
 
 
@@ -41,8 +41,12 @@ class _Remap(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         run = self._run
-        assert run.slots is not None
-        return run.template(x, run.slots.lut[indices], sorted_indices=sorted_indices)
+        slots = run.slots
+        assert slots is not None
+        # mlx-lm hands every projection of a run the same ids: map them once.
+        if slots.mapped is None or slots.mapped[0] is not indices:
+            slots.mapped = (indices, slots.lut[indices])
+        return run.template(x, slots.mapped[1], sorted_indices=sorted_indices)
 
 
 @attrs.define(eq=False)
@@ -53,6 +57,7 @@ class _Slots:
     capacity: int
     module: Any = None  # the template's copy whose expert linears are `_Remap`s over the slot arrays
     lut: Any = None  # mx.array [E] uint32: expert id -> slot, of the run being built
+    mapped: tuple[mx.array, mx.array] | None = None  # (ids, lut[ids]) of the run being built
 
 
 def _clone(m: nn.Module) -> nn.Module:
@@ -144,7 +149,7 @@ class PooledSwitch(nn.Module):
         predictions = tuple((t, np.array(i).reshape(-1, i.shape[-1]), np.array(p).reshape(-1, p.shape[-1]))
                             for t, i, p in preds)
         grant = parent.switch(LayerRoute(self.layer, ids.reshape(-1, ids.shape[-1]), predictions))
-        steps = _run_parts(self._runner(slots), x, ids, grant)
+        steps = run_parts(self._runner(slots), x, ids, grant)
         try:
             ev: PartDone | Queued = next(steps)
             while True:
@@ -170,7 +175,7 @@ class PooledSwitch(nn.Module):
             ok = granted >= 0
             lut[ids[ok]] = granted[ok]
             # The graph built below holds this lut: swapping it for the next run cannot change it.
-            slots.lut = mx.array(lut)
+            slots.lut, slots.mapped = mx.array(lut), None
             return slots.module(x, mx.array(ids))
 
         return run
