@@ -23,7 +23,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     "qnpipe.compute": (),
     "qnpipe.config": (
         "ChatCfg", "ComputeCfg", "Config", "ConfigError", "DiagCfg", "EvictPolicy", "FieldSpec", "ForwardCfg",
-        "HiddenVariant", "KvCfg", "LEGACY_NAMES", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode",
+        "HiddenVariant", "KvCfg", "LEGACY_NAMES", "MemoryCfg", "ModelCfg", "ModelTier", "MtpCfg", "MtpHidden", "MtpVerifyMode",
         "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning", "OVERRIDE_ALIASES", "PoolCfg", "PredictAgg",
         "PredictCfg", "PrefetchInto", "PrefixCfg", "ReadBackend", "ReadCfg", "ReplacedSwitchWarning", "TraceCfg",
         "check_evict_policy", "describe_allowed", "explicit_settings", "field_specs", "format_layer_set", "load",

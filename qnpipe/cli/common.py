@@ -9,6 +9,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -219,6 +220,11 @@ def precheck_model(model_dir: str | Path, cfg: Any) -> Any:
         check_log_paths(cfg)
     model_dir = Path(model_dir)
     config = read_config(model_dir)
+    if _generic_tier(config, cfg):  # any other family: its loader checks the rest (mlx-lm's classes need MLX)
+        check_tokenizer_files(model_dir)
+        tc = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+        vocab = tc.get("vocab_size", tc.get("num_vocab"))
+        return SimpleNamespace(model_type=config["model_type"], vocab_size=vocab if isinstance(vocab, int) else sys.maxsize)
     margs = args_from_dict(config, str(model_dir / "config.json"))
     check_tokenizer_files(model_dir)
     check_topk_override(cfg.forward.moe_topk_override, margs.num_experts)
@@ -232,6 +238,14 @@ def precheck_model(model_dir: str | Path, cfg: Any) -> Any:
             check_against_model(store.index, store.root / "index.json", margs, qcfg if isinstance(qcfg, dict) else None)
             check_store_sha256(store.root / "index.json", store.sha256, store_sha256(config, model_dir / "config.json"))
     return margs
+
+
+def _generic_tier(config: dict[str, Any], cfg: Any) -> bool:
+    """The loader's choice (qnpipe.model.load.load_model): qwen3_next is native unless `model.tier=generic`."""
+    from qnpipe.model.args import MODEL_TYPE
+
+    mt = config.get("model_type")
+    return mt is not None and (mt != MODEL_TYPE or str(cfg.model.tier) == "generic")
 
 
 def check_run_outputs(args: argparse.Namespace, cfg: Any, model_dir: str | Path) -> None:

@@ -28,6 +28,7 @@ from qnpipe.config.loader import (
     KvCfg,
     MemoryCfg,
     ModelCfg,
+    ModelTier,
     MtpCfg,
     MtpHidden,
     MtpVerifyMode,
@@ -58,7 +59,7 @@ from qnpipe.errors import ConfigError
 __all__ = [
     "ChatCfg", "ComputeCfg", "Config", "ConfigError", "describe_allowed", "DiagCfg", "EvictPolicy", "explicit_settings",
     "field_specs",
-    "check_evict_policy", "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
+    "check_evict_policy", "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg", "ModelTier",
     "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning",
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",
     "parse_layer_set", "PoolCfg", "PredictAgg", "PredictCfg", "PrefetchInto", "PrefixCfg", "ReadCfg",

@@ -55,6 +55,7 @@ from qnpipe.config.tree import (
     KvCfg,
     MemoryCfg,
     ModelCfg,
+    ModelTier,
     MtpCfg,
     MtpHidden,
     MtpVerifyMode,
@@ -72,7 +73,7 @@ from qnpipe.errors import ConfigError
 
 __all__ = [
     "ChatCfg", "ComputeCfg", "Config", "describe_allowed", "DiagCfg", "EvictPolicy", "explicit_settings",
-    "field_specs", "check_evict_policy", "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg",
+    "field_specs", "check_evict_policy", "FieldSpec", "format_layer_set", "ForwardCfg", "HiddenVariant", "KvCfg", "ModelTier",
     "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning",
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",
     "parse_layer_set", "PoolCfg", "PredictAgg", "PredictCfg", "PrefetchInto", "PrefixCfg", "ReadCfg",

@@ -122,6 +122,13 @@ class MtpHidden(enum.StrEnum):
     POST_NORM = "post_norm"
 
 
+class ModelTier(enum.StrEnum):
+    """Which code runs a qwen3_next model; every other family runs on the generic tier."""
+
+    NATIVE = "native"
+    GENERIC = "generic"
+
+
 class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Base of the sub-structs: the struct options are inherited."""
 
@@ -137,6 +144,10 @@ class ModelCfg(_Section, frozen=True):
     mtp_weights_path: Annotated[str, _doc("MTP weights (empty = <model_dir>/mtp.safetensors)")] = ""
     expert_dir: Annotated[str, _doc("per-expert store (empty = <model_dir>/experts)")] = ""
     hidden_variant: Annotated[HiddenVariant, _doc("hidden state recorded and fed onward")] = HiddenVariant.PRE_FINAL_NORM
+    # Only qwen3_next has a native model; the generic tier (mlx-lm's own model, its switches pooled)
+    # runs it too, so the two cross-check each other (docs/model.md).
+    tier: Annotated[ModelTier, _doc("qwen3_next on qnpipe's own model (native) or mlx-lm's (generic); "
+                                    "other families are always generic")] = ModelTier.NATIVE
 
     def resolved_config_path(self) -> str:
         """The model's ``config.json`` path, derived from ``model_dir`` when not set."""

@@ -64,7 +64,7 @@ class LoadedModel:
     cfg: Config
     runner: Runner
     streaming: Streaming | None
-    backend: MlxBackend
+    backend: Any  # MlxBackend (native) or the generic tier's (qnpipe.live.family)
     mtp: Any = None  # the MTP head (qnpipe.model.mtp.MtpHead) when `mtp.enabled` and the model has one
     stage: Stage | None = None  # pipeline parallel: this rank's layers (qnpipe.model.stage)
     # Pipeline parallel, rank 0: `mtp.enabled` and the model has an MTP head, which the last rank runs
@@ -73,7 +73,12 @@ class LoadedModel:
 
     @property
     def args(self) -> ModelArgs:
+        """The native ModelArgs, or a generic-tier model's FamilyArgs (the same names the engine reads)."""
         return self.runner.loaded.args
+
+    @property
+    def generic(self) -> bool:
+        return getattr(self.runner.loaded, "tier", "native") == "generic"
 
 
 def load_model(model_dir: Path, cfg: Config, reader: ExpertReader | None = None, stage: Stage | None = None) -> LoadedModel:
@@ -92,7 +97,18 @@ def load_model(model_dir: Path, cfg: Config, reader: ExpertReader | None = None,
     apply_memory_limits(cfg.memory)
     # Before the model computes anything: the batch-invariant mode is process-wide.
     blas.apply(cfg.compute)
-    stream = not cfg.pool.eager_load and is_qnpipe_dir(model_dir, read_config(model_dir))
+    config = read_config(model_dir)
+    stream = not cfg.pool.eager_load and is_qnpipe_dir(model_dir, config)
+    if is_generic(config, cfg):
+        from qnpipe.live.family import check_generic_cfg, load_generic
+
+        check_generic_cfg(cfg, str(config["model_type"]), stage)  # before any weight is read
+        runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
+                        expert_dir=cfg.model.expert_dir or None, resident_experts=not stream,
+                        verify=cfg.read.verify_crc32, tier="generic")
+        st, backend = load_generic(cfg, runner, model_dir, stream, reader)
+        streaming = None if st is None else Streaming(st.store, st.reader, st.slots, st.capacities)
+        return LoadedModel(cfg, runner, streaming, backend, None, stage)
     runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
                     expert_dir=cfg.model.expert_dir or None, resident_experts=not stream,
                     verify=cfg.read.verify_crc32, topk_override=cfg.forward.moe_topk_override, stage=stage)
@@ -152,6 +168,15 @@ def load_model(model_dir: Path, cfg: Config, reader: ExpertReader | None = None,
     traced = bool(cfg.trace.event_log_path or cfg.trace.route_trace)
     backend = MlxBackend(runner.loaded.model, {layer: s.experts for layer, s in slots.items()}, plan, traced)
     return LoadedModel(cfg, runner, streaming, backend, mtp, stage, mtp_ring)
+
+
+def is_generic(config: dict[str, Any], cfg: Config) -> bool:
+    """Whether the model of `config` runs on the generic tier (qnpipe.model.load.load_model's choice)."""
+    from qnpipe.config import ModelTier
+    from qnpipe.model.load import NATIVE_TYPES
+
+    mt = config.get("model_type")
+    return mt is not None and (mt not in NATIVE_TYPES or cfg.model.tier == ModelTier.GENERIC)
 
 
 def _load_mtp(cfg: Config, runner: Runner, model_dir: Path, resident: bool) -> tuple[Any, Path]:
@@ -311,6 +336,10 @@ def warm_up_model(core: LoadedModel) -> float:
 
     from qnpipe.model.experts import switch_glu
 
+    if core.generic:
+        from qnpipe.live.family import warm_up_generic
+
+        return warm_up_generic(core)
     model = core.runner.loaded.model
     t0 = time.perf_counter()
     streaming = core.streaming

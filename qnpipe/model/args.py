@@ -205,12 +205,15 @@ SHAPE_KEYS = (
 )
 
 
-def model_id(config: ModelArgs | Mapping[str, Any]) -> str:
+def model_id(config: ModelArgs | Mapping[str, Any] | Any) -> str:
     """sha256 (hex) of the model's shape keys (`SHAPE_KEYS`), from ModelArgs or a config.json dict.
 
     Two checkpoints of the same architecture and size share it; a store built for a model of
-    another shape does not.
+    another shape does not. A generic-tier model's args (qnpipe.model.family.load.FamilyArgs) carry
+    their own (the skeleton's: qnpipe.model.family.skeleton.skeleton_id).
     """
+    if not isinstance(config, ModelArgs | Mapping):
+        return str(config.model_id)
     args = config if isinstance(config, ModelArgs) else args_from_dict(dict(config))
     keys = {k: getattr(args, k) for k in SHAPE_KEYS}
     keys["mlp_only_layers"] = sorted(keys["mlp_only_layers"])

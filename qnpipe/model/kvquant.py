@@ -71,7 +71,10 @@ def bytes_per_token(n_full_attn_layers: int, n_kv_heads: int, head_dim: int, dty
 
 
 def model_bytes_per_token(model: Any, kv_cfg: KvCfg | None) -> int:
-    """`bytes_per_token` of a loaded Model (its activations' dtype: the final norm's)."""
+    """`bytes_per_token` of a loaded Model (its activations' dtype: the final norm's); a generic-tier
+    model (qnpipe.model.family.load.FamilyModel) says its own."""
+    if hasattr(model, "kv_bytes_per_token"):
+        return int(model.kv_bytes_per_token())
     args = model.args
     n_fa = sum(not args.is_linear(i) for i in range(args.num_hidden_layers))
     norm = model.model.norm

@@ -227,9 +227,12 @@ def check_cpu_dtype(model_dir: Path, infos: dict[str, TensorInfo], qnpipe_dir: b
     )
 
 
+NATIVE_TYPES = ("qwen3_next",)
+
+
 def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None, verify: bool = False,
                topk_override: int | None = None, resident_experts: bool = True,
-               stage: Stage | None = None) -> LoadedModel:
+               stage: Stage | None = None, tier: str = "native") -> Any:
     """Load `model_dir` (original HF, mlx-lm, or qnpipe layout) with every expert resident.
 
     `resident_experts` False (qnpipe layout only) loads everything but the routed experts,
@@ -243,6 +246,11 @@ def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None, v
     `stage` (pipeline parallel) loads only that rank's layers, embedding and head
     (qnpipe.model.stage): the other tensors are never read.
 
+    `tier` (config `model.tier`): a qwen3_next directory loads on qnpipe's own model (this
+    function's LoadedModel) unless it is "generic"; any other model type mlx-lm builds a
+    switch for loads on the generic tier (qnpipe.model.family.load.FamilyLoaded: mlx-lm's own
+    model, its switches pooled); anything else is a CheckpointError naming the type.
+
     Raises CheckpointError naming the file and tensor for a wrong model_type, missing or
     unexpected tensors, shape mismatches and truncated or corrupt safetensors files;
     StoreError for a qnpipe directory whose expert store is missing, truncated or from
@@ -250,6 +258,8 @@ def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None, v
     """
     model_dir = Path(model_dir)
     config = read_config(model_dir)
+    if "model_type" in config and (config["model_type"] not in NATIVE_TYPES or tier == "generic"):
+        return _load_generic(model_dir, config, expert_dir=expert_dir, verify=verify, resident_experts=resident_experts)
     args = args_from_dict(config, str(model_dir / "config.json"))
     qcfg = config.get("quantization") or config.get("quantization_config")
     if qcfg is not None and "bits" not in qcfg:
@@ -302,3 +312,11 @@ def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None, v
     mx.eval(model.parameters(), [a for le in experts.layers.values() for p in (le.gate_proj, le.up_proj, le.down_proj)
                                  for a in (p.weight, p.scales, p.biases) if a is not None])
     return LoadedModel(model, args, experts, mtp, config, layout, model_dir)
+
+
+def _load_generic(model_dir: Path, config: dict[str, Any], **kw: Any) -> Any:
+    from qnpipe.model.family.load import load_family
+    from qnpipe.model.family.skeleton import model_classes
+
+    model_classes(config, str(model_dir / "config.json"))  # an unknown model type: its CheckpointError first
+    return load_family(model_dir, config, **kw)

@@ -14,16 +14,17 @@ from qnpipe.model.stage import Stage
 class Runner:
     """Owns the MLX model of one engine; every method must run on the engine's MLX thread.
 
-    `resident_experts` False leaves a qnpipe directory's routed experts on disk (the pool
+    `tier` is config `model.tier` (qnpipe.model.load.load_model). `resident_experts` False leaves a qnpipe directory's routed experts on disk (the pool
     streams them). The tokenizer is optional: a directory without one takes token ids only.
     """
 
     def __init__(self, model_dir: str | Path, *, prefill_chunk: int, tokenizer: bool = True,
                  expert_dir: str | Path | None = None, resident_experts: bool = True, verify: bool = False,
-                 topk_override: int | None = None, stage: Stage | None = None):
+                 topk_override: int | None = None, stage: Stage | None = None, tier: str = "native"):
         self.model_dir = Path(model_dir)
+        # A LoadedModel (native Qwen3-Next) or a FamilyLoaded (generic tier: qnpipe.model.family.load).
         self.loaded: LoadedModel = load_model(model_dir, expert_dir=expert_dir, resident_experts=resident_experts,
-                                              verify=verify, topk_override=topk_override, stage=stage)
+                                              verify=verify, topk_override=topk_override, stage=stage, tier=tier)
         self.prefill_chunk = prefill_chunk
         self.tokenizer: Any = None
         if tokenizer and _has_tokenizer(self.model_dir):

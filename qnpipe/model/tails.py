@@ -1,5 +1,10 @@
 """The ends of a step (its `Tail`: final hidden states -> the step's value), MLX thread only.
 
+On the generic tier (qnpipe.model.family.load.FamilyModel) the step's value is mlx-lm's logits, not
+hidden states: that model's `head` is the identity, so the same tails serve both tiers, and `Logits`
+/ `Sampling` read the last row as mlx-lm's `generate_step` does (bit for bit). Its `Settle` evaluates
+logits nobody reads; a prefill chunk pays one LM head for them.
+
 They are classes, not closures, so that pipeline parallel (qnpipe.live.parallel) can say which one
 a step ends with and run it on the rank that holds the LM head (`TailKind`).
 """

@@ -95,10 +95,19 @@ def test_corrupt_header(broken: Path) -> None:
 
 
 def test_wrong_model_type(broken: Path) -> None:
+    # Any MoE family mlx-lm builds runs (the generic tier); a type mlx-lm does not know is named.
     cfg = json.loads((broken / "config.json").read_text())
-    cfg["model_type"] = "qwen3_moe"
+    cfg["model_type"] = "nosuch_moe"
     (broken / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"config\.json: model_type is 'qwen3_moe'; qnpipe runs only 'qwen3_next'"):
+    with pytest.raises(CheckpointError, match=r"config\.json: model_type 'nosuch_moe' is not a model mlx-lm"):
+        load_model(broken)
+
+
+def test_dense_model_type(broken: Path) -> None:
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["model_type"] = "qwen3"
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"a qwen3 model has no routed experts"):
         load_model(broken)
 
 

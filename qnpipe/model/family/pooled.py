@@ -93,6 +93,8 @@ class PooledSwitch(nn.Module):
         self.layer = layer
         self.num_experts = int(next(iter(expert_params(template).values())).shape[0])
         self._held = _Held(template)
+        # (layer, x) -> [(target layer, ids, scores)], lazy (qnpipe.model.family.routers.FamilyPredictor).
+        self.predictor: Callable[[int, mx.array], list[tuple[int, mx.array, mx.array]]] | None = None
 
     @property
     def template(self) -> nn.Module:
@@ -137,11 +139,16 @@ class PooledSwitch(nn.Module):
         slots = self._held.slots
         if slots is None:
             return self.template(x, indices)
+        preds = self.predictor(self.layer, x) if self.predictor is not None else []
+        if preds:
+            mx.eval(indices, *[a for _, i, p in preds for a in (i, p)])  # one host sync for all
         ids = np.array(indices)  # the one host sync of the layer: the router's ids
         parent = greenlet.getcurrent().parent
         if parent is None:
             raise RuntimeError(f"layer {self.layer}: a pooled switch runs inside GreenletBackend's step")
-        grant = parent.switch(LayerRoute(self.layer, ids.reshape(-1, ids.shape[-1])))
+        predictions = tuple((t, np.array(i).reshape(-1, i.shape[-1]), np.array(p).reshape(-1, p.shape[-1]))
+                            for t, i, p in preds)
+        grant = parent.switch(LayerRoute(self.layer, ids.reshape(-1, ids.shape[-1]), predictions))
         steps = run_parts(self._runner(slots), x, ids, grant)
         try:
             ev: PartDone | Queued = next(steps)
