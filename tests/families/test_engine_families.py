@@ -1,7 +1,7 @@
 """End to end on the generic tier: a tiny random model of each first family, saved as an mlx-lm directory,
 `qnpipe convert`ed and run with a small pool, gives mlx-lm's `generate_step` greedy tokens and mlx-lm's
-logits bit for bit; all resident (the mlx-lm directory itself, `pool.eager_load`) too. The first family
-also goes through the CLI: `generate --json --trace`, then `replay` of the log gives the live hit counts.
+logits bit for bit; all resident (the mlx-lm directory itself, `pool.eager_load`) too; each streamed run's
+event log replayed gives its hit counts. The first family also goes through the CLI: `generate --json --trace`, then `replay` of the log gives the live hit counts.
 """
 
 from __future__ import annotations
@@ -93,13 +93,22 @@ def test_family_end_to_end_equals_mlx_lm(tmp_path: Path, family: str, quant: str
     convert(src, out)
     k = tiny.top_k(cfg)
     # Streamed through a pool of top-k + 1 slots, the prompt in chunks of 7 and whole.
+    log = tmp_path / "run.qtrace"
+    live: Any = None
     for chunk in (CHUNK, 0):
+        traced = {"trace.event_log_path": str(log)} if chunk == CHUNK else {}
         got, greedy, stats = run(out, toks, chunk, expert_slots=k + 1,
-                                 **{"diag.route_verify": True, "read.verify_crc32": True})
+                                 **{"diag.route_verify": True, "read.verify_crc32": True}, **traced)
         assert stats.expert_source == "pool"
         assert np.array_equal(got, want_logits[chunk]), (family, chunk)
         assert greedy == want_greedy, (family, chunk)
         assert stats.pool is not None and stats.pool.misses > 0
+        live = live if chunk != CHUNK else stats.pool
+    # The event log of the first run replayed: the live run's hits, layer by layer, and its misses by cause.
+    r = replay(log, qconfig.load(None, overrides={"pool.expert_slots": str(k + 1)}))
+    assert r.steps == live.steps
+    assert [x.hits for x in r.layers] == [x.hits for x in live.layers], family
+    assert r.misses_by_cause == live.misses_by_cause, family
     # All resident from the store.
     got, greedy, stats = run(out, toks, eager_load=True)
     assert np.array_equal(got, want_logits[0]) and greedy == want_greedy
