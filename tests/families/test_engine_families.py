@@ -173,3 +173,20 @@ def test_prefetch_from_the_family_router_or_none_said_once(tmp_path: Path, famil
     assert np.array_equal(got, want_logits[0]) and greedy == want_greedy
     assert stats.pool is not None
     assert (stats.pool.prefetch_issued > 0) == (family != "llama4")
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4", "qwen3_5_moe", "deepseek_v3"])
+def test_prefix_snapshots_resume_every_cache_kind(tmp_path: Path, family: str) -> None:
+    """Rotating (gpt_oss), chunked (llama4), arrays + KV (qwen3_5_moe), MLA KV (deepseek_v3): a second turn
+    resumes the first's state and decodes what a fresh prefill of the whole prompt decodes."""
+    src = tmp_path / "src"
+    save_mlx_lm_dir(src, family, None)
+    toks = prompt(40)
+    turn2 = [*toks, 5, 6]
+    with qnpipe.Engine(src, snapshot_head_tokens=0) as eng:
+        want = list(eng.generate(turn2, max_tokens=N_NEW, stop_at_eos=False).tokens)
+    with qnpipe.Engine(src, snapshot_head_tokens=16) as eng:
+        eng.generate(toks, max_tokens=N_NEW, stop_at_eos=False)
+        got = eng.generate(turn2, max_tokens=N_NEW, stop_at_eos=False)
+    assert got.stats.prefix_tokens_reused >= len(toks) - 2
+    assert list(got.tokens) == want
