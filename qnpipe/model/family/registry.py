@@ -58,6 +58,7 @@ def family_table() -> str:
     rows = ["| model_type | Status | Predictions | MTP, rotated KV, --distributed |", "|---|---|---|---|"]
     for t in TESTED:
         native = "yes (native path)" if t == "qwen3_next" else "no"
-        rows.append(f"| `{t}` | tested | {predictions(t)} | {native} |")
+        status = "tested" if t not in NO_SNAPSHOTS else f"tested; no prefix snapshots: {NO_SNAPSHOTS[t]}"
+        rows.append(f"| `{t}` | {status} | {predictions(t)} | {native} |")
     rows += [f"| `{m}` | unsupported: {why} | | |" for m, why in sorted(UNSUPPORTED.items())]
     return "\n".join(rows)

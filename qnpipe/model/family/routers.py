@@ -6,9 +6,9 @@ The router of a switch is a child of the block that holds it (families.md §3a, 
 2. else an `nn.Linear` (or quantized one) named `gate`, `router` or `classifier`: its logits, ranked by
    the softmax, as the native predictor does (`qnpipe.model.stepper._predict`).
 
-Families whose switch input is not the block's input (llama4 scales it by the router's score,
-nemotron_h and kimi_k3 project it to a latent, muse_spark and gemma4_text normalise it) get none;
-the engine says so once.
+Families whose switch input is not what a later router would see (`registry.NO_PREDICTIONS`: llama4
+scales it by the router's score, nemotron_h and kimi_k3 project it to a latent, ...) get none; the
+engine says so once.
 """
 
 from __future__ import annotations
@@ -19,18 +19,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from qnpipe.model.family.registry import NO_PREDICTIONS
 from qnpipe.steps import PredictPlan
 
 ROUTER_NAMES = ("gate", "router", "classifier")
-# Switch inputs that are not what the router of a later layer would see (no hook for them yet).
-NO_PREDICTIONS: dict[str, str] = {
-    "llama4": "its switch sees the input scaled by the router's score",
-    "nemotron_h": "its switch sees a latent projection",
-    "kimi_k3": "its switch sees a latent projection",
-    "muse_spark": "its switch sees a normalised input",
-    "gemma4_text": "its router and its switch see different inputs",
-}
-
 # x [..., H], width -> (ids [..., w], scores [..., w]), lazy.
 Router = Callable[[mx.array, int], tuple[mx.array, mx.array]]
 
