@@ -190,3 +190,14 @@ def test_prefix_snapshots_resume_every_cache_kind(tmp_path: Path, family: str) -
         got = eng.generate(turn2, max_tokens=N_NEW, stop_at_eos=False)
     assert got.stats.prefix_tokens_reused >= len(toks) - 2
     assert list(got.tokens) == want
+
+
+def test_distributed_ranks_on_another_family_is_a_config_error(tmp_path: Path) -> None:
+    """A rank of a pipeline-parallel run (qnpipe.live.parallel loads each rank's Stage) is refused on the
+    generic tier, naming the setting and the family, before the model is built."""
+    from qnpipe.live.loaded import load_model
+    from qnpipe.model.stage import Stage
+
+    save_mlx_lm_dir(tmp_path / "src", "mixtral", None)
+    with pytest.raises(ConfigError, match=r"a mixtral model on the generic tier: distributed ranks \(2\)"):
+        load_model(tmp_path / "src", qconfig.load(None), stage=Stage(rank=0, size=2, lo=0, hi=1))
