@@ -126,14 +126,6 @@ class PoolPolicy:
         return self.tally.layers
 
     @property
-    def reads(self) -> int:
-        return self.tally.reads
-
-    @property
-    def bytes_read(self) -> int:
-        return self.tally.bytes_read
-
-    @property
     def moe_order(self) -> dict[int, int]:
         return self.gate.moe_order
 
@@ -317,7 +309,6 @@ class PoolPolicy:
         """The read of (`layer`, `expert`) into `slot` finished: the reads and grants that follow."""
         table, local = self.placement.table_of(layer, slot)
         table.loaded(expert, local)
-        self.tally.read(layer)
         grants = self.grants
         if self.placement.prefetch_landed(layer, expert, table):
             self.gate.reads_out -= 1

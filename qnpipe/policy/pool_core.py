@@ -14,7 +14,7 @@ others are still on their way; `Granted` (all of them) ends it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import assert_never
 
 import attrs
@@ -73,6 +73,19 @@ class PoolCore:
     def handle(self, msg: PoolInbox, now: float) -> Outbox:
         """Apply one message at time `now`. Raises RouteError when route verification fails."""
         out = Outbox()
+        self._handle(msg, now, out)
+        return out
+
+    def turn(self, msgs: Iterable[PoolInbox], now: float) -> Outbox:
+        """A whole turn: `handle` of each of `msgs` in order, then `end_turn`, answered as one `Outbox`
+        (what extending their answers in order gives; one answer to make and deliver, not one per message)."""
+        out = Outbox()
+        for msg in msgs:
+            self._handle(msg, now, out)
+        self._end_turn(now, out)
+        return out
+
+    def _handle(self, msg: PoolInbox, now: float, out: Outbox) -> None:
         policy = self.policy
         if self.logging and not isinstance(msg, ReadsDone):  # the scheduler logs a ReadDone per read
             out.log.append(msg)
@@ -127,14 +140,17 @@ class PoolCore:
                         self._grant(g, now, out)
             case _:
                 assert_never(msg)
-        return out
 
     def end_turn(self, now: float) -> Outbox:
         out = Outbox()
-        for key in list(self.landed):  # one Present per grant per burst of reads
-            got = self.landed.pop(key)
-            self._present(key, tuple(e for e, _ in got), tuple(s for _, s in got), now, out)
+        self._end_turn(now, out)
         return out
+
+    def _end_turn(self, now: float, out: Outbox) -> None:
+        if self.landed:
+            for key in list(self.landed):  # one Present per grant per burst of reads
+                got = self.landed.pop(key)
+                self._present(key, tuple(e for e, _ in got), tuple(s for _, s in got), now, out)
 
     def _present(self, key: GrantKey, experts: tuple[int, ...], slots: tuple[int, ...], now: float,
                  out: Outbox) -> None:
