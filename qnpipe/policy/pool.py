@@ -59,7 +59,7 @@ class ReadResult(NamedTuple):
     promotions: tuple[Promotion, ...] = ()
 
 
-_NOTHING_READ = ReadResult()
+NOTHING_READ = ReadResult()  # the answer of a read that leads to nothing (one object: compare with `is`)
 
 
 @attrs.frozen
@@ -310,12 +310,18 @@ class PoolPolicy:
         table, local = self.placement.table_of(layer, slot)
         table.loaded(expert, local)
         grants = self.grants
+        waited_for = (layer, expert) in grants.waiters
         if self.placement.prefetch_landed(layer, expert, table):
             self.gate.reads_out -= 1
-            self.attribution.landed(layer, expert, waited_for=(layer, expert) in grants.waiters)
-        done, landed = grants.read_done(layer, expert)
+            self.attribution.landed(layer, expert, waited_for=waited_for)
+        if not waited_for:  # a prefetch no step waits for yet (most reads, with prediction on)
+            if not grants.deferred:
+                return NOTHING_READ
+            done, landed = [], []
+        else:
+            done, landed = grants.read_done(layer, expert)
         if not grants.deferred:  # nothing to take up (the common case: skip building a second result)
-            return ReadResult(grants=tuple(done), landed=tuple(landed)) if done or landed else _NOTHING_READ
+            return ReadResult(grants=tuple(done), landed=tuple(landed)) if done or landed else NOTHING_READ
         more = self.retry_deferred(layer)
         return ReadResult(more.loads, (*done, *more.grants), tuple(landed), more.promotions)
 
@@ -380,5 +386,5 @@ class PoolPolicy:
                     self.attribution.wasted(layer, e)
 
 
-__all__ = ["AcquireResult", "Deferred", "Grant", "GrantKey", "HintFate", "LayerCounters", "MissKind", "PoolOptions",
-           "PoolPolicy", "PoolStatistics", "PrefetchBudgets", "Promotion", "ReadResult", "SlotMap"]
+__all__ = ["NOTHING_READ", "AcquireResult", "Deferred", "Grant", "GrantKey", "HintFate", "LayerCounters", "MissKind",
+           "PoolOptions", "PoolPolicy", "PoolStatistics", "PrefetchBudgets", "Promotion", "ReadResult", "SlotMap"]

@@ -35,7 +35,7 @@ from qnpipe.messages import (
     Release,
 )
 from qnpipe.policy.outbox import Outbox
-from qnpipe.policy.pool import Grant, PoolPolicy, PoolStatistics, Promotion
+from qnpipe.policy.pool import NOTHING_READ, Grant, PoolPolicy, PoolStatistics, Promotion
 from qnpipe.policy.read_queue import ReadClass
 from qnpipe.policy.slot_table import Load
 from qnpipe.trace.format import Evicted, RecallSample
@@ -104,12 +104,16 @@ class PoolCore:
                     if (there := policy.present(key))[0]:
                         self._present(key, *there, now, out)
             case ReadsDone():
+                read_done = policy.read_done
                 for layer, expert, slot in zip(msg.layers, msg.experts, msg.slots, strict=True):
-                    done = policy.read_done(layer, expert, slot)
+                    done = read_done(layer, expert, slot)
+                    if done is NOTHING_READ:  # most reads: skip taking the empty result apart
+                        continue
                     for key, e, s in done.landed:
                         if key in self.early:
                             self.landed.setdefault(key, []).append((e, s))
-                    self._read(layer, done.loads, now, out, done.promotions)
+                    if done.loads or done.promotions:
+                        self._read(layer, done.loads, now, out, done.promotions)
                     for g in done.grants:
                         self._grant(g, now, out)
             case Release():
