@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-import attrs
 import msgspec
 
 from qnpipe.messages import Candidates, ForwardInbox, Msg, PoolInbox, ReadInbox
@@ -21,8 +20,7 @@ if TYPE_CHECKING:
     from qnpipe.steps import PartGrant
 
 
-@attrs.define(slots=True)
-class Batch:
+class Batch(msgspec.Struct):
     """Jobs put on the device together at `started` (clock seconds); `number` counts batches from 1."""
 
     number: int

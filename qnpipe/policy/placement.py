@@ -50,7 +50,7 @@ class DemandPlan(NamedTuple):
     and the hits prefetches made in the resident region (counted as side hits). A named tuple: one is made
     per acquire, on the replay's hot path."""
 
-    loads: list[Load]
+    loads: Sequence[Load]
     late: frozenset[int] | set[int] = frozenset()
     side_hits: int = 0
 
@@ -105,7 +105,7 @@ class SidePlacement(_Regions):
     def demand(self, layer: int, plan: AcquirePlan, slot_of: dict[int, int], gen_of: dict[int, int],
                promoted: list[int]) -> DemandPlan:
         """The resident region's slots are physical already; its victims leave memory."""
-        return DemandPlan(list(plan.loads))
+        return DemandPlan(plan.loads)
 
     def can_prefetch(self, layer: int) -> bool:
         return layer in self.sides

@@ -172,7 +172,8 @@ class PoolPolicy:
         When the slots it needs are still loading for a cancelled step, the acquire waits
         (no reads, no grant) and `read_done` takes it up again.
         """
-        if self.grants.known(key):
+        grants = self.grants
+        if key in grants.pending or key in grants.held or key in grants.deferred:  # Grants.known, inline
             raise AssertionError(f"grant {key} asked for twice")
         if self.heat is not None:
             self.heat.count(key[0], key[1], experts)
@@ -206,7 +207,7 @@ class PoolPolicy:
         self.grants.deferred[key] = Deferred(tuple(experts), now, tuple(in_side))
 
     def _admit(self, key: GrantKey, experts: Sequence[int],
-               now: float) -> tuple[list[Load], Grant | None, list[Promotion]] | None:
+               now: float) -> tuple[Sequence[Load], Grant | None, list[Promotion]] | None:
         """Grant `key` now if its resident part has a slot for each miss: the reads to issue, the grant if
         complete and the prefetches it waits for; None: it must wait for slots still loading. CapacityError
         (nothing changed) when the resident region cannot give its part even once the reads are done."""

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import assert_never
 
 import attrs
+import msgspec
 
 from qnpipe.config import Config
 from qnpipe.messages import Promote, ReadDone, ReadExperts, ReadExpired, ReadInbox, ReadsDone
@@ -57,8 +58,7 @@ class ReadSchedulerSnapshot:
     expired: int
 
 
-@attrs.frozen
-class BatchDone:
+class BatchDone(msgspec.Struct, frozen=True):
     """`batch` left the device (`nbytes` read per job): the driver's input when its reads are done."""
 
     batch: Batch
@@ -104,11 +104,12 @@ class ReadCore:
                 self.stats.promoted += self.queue.promote((msg.layer, msg.expert))
             case ReadExperts():
                 scores = msg.scores or (0.0,) * len(msg.experts)
+                self.stats.requests += len(msg.experts)
+                layer, cls, deadline, push, issued = msg.layer, msg.cls, msg.deadline, self.queue.push, self.issued
                 for expert, slot, score in zip(msg.experts, msg.slots, scores, strict=True):
-                    self.stats.requests += 1
-                    job = Job(msg.layer, expert, slot, msg.cls, msg.deadline, score)
-                    if self.queue.push(job):
-                        self.issued[job.key] = msg.t
+                    job = Job(layer, expert, slot, cls, deadline, score)
+                    if push(job):
+                        issued[job.key] = msg.t
             case BatchDone():
                 self._complete(msg.batch, msg.nbytes, now, out)
             case _:
