@@ -16,9 +16,9 @@ the counters (`pool_counters.PoolCounters`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 import attrs
+import msgspec
 
 from qnpipe.errors import CapacityError
 from qnpipe.policy.eviction import LFU, Eviction
@@ -33,13 +33,13 @@ from qnpipe.policy.slot_table import Load, SlotTable
 Promotion = tuple[int, int, int]  # (layer, expert, slot): a prefetch a step now waits for, to be read as demand
 
 
-class AcquireResult(NamedTuple):
+class AcquireResult(msgspec.Struct, frozen=True):
     """What an acquire leads to: the reads to issue, the grant when complete (None: its reads are on the
     way, or it is deferred), the prefetches the step now waits for, and the recall samples kept since
     the last acquire (diag.predict_recall_prof; those of deferred acquires taken up since included).
 
-    The results are named tuples, immutable and cheaper to make than a frozen attrs class: one is made
-    per acquire and per read, on the replay's hot path."""
+    The results are frozen msgspec Structs, made in C (a named tuple's `__new__` is Python, a frozen
+    attrs class slower still): one is made per acquire and per read, on the replay's hot path."""
 
     loads: tuple[Load, ...] = ()
     ready: Grant | None = None
@@ -47,7 +47,7 @@ class AcquireResult(NamedTuple):
     recall: tuple[RecallRecord, ...] = ()
 
 
-class ReadResult(NamedTuple):
+class ReadResult(msgspec.Struct, frozen=True):
     """What a finished read (or a slot given back) leads to: the reads to issue for the deferred acquires
     it let through, the grants now complete, (key, expert, slot) of reads landed for grants still waiting
     on others (what an early grant's step may start on; the grant holds them already), and the
