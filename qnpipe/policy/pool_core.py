@@ -178,7 +178,8 @@ class PoolCore:
         # All of a step's misses go to the scheduler in one message, so they go out as one batch.
         if loads:
             self._send(ReadExperts(t=now, seq=self._seq(), layer=layer, experts=tuple(ld.expert for ld in loads),
-                                   slots=tuple(ld.slot for ld in loads)), out, [ld.evicted for ld in loads])
+                                   slots=tuple(ld.slot for ld in loads)), out,
+                       [ld.evicted for ld in loads] if self.logging else ())
         for ly, e, _slot in promotions:  # a step now waits on these prefetches
             self._send(Promote(t=now, seq=self._seq(), layer=ly, expert=e), out)
 
