@@ -4,6 +4,8 @@ A backend (the MLX model, qnpipe.model.stepper.MlxBackend; or replay's recorded 
 qnpipe.replay) runs a step to each MoE router and yields a `LayerRoute`; the forward
 answers with a `PartGrant` (the slots that hold those experts) and gets the next event,
 until `StepDone`. Plain data only: replay uses these without loading MLX's model code.
+`LayerRoute` and `PartGrant`, one of each per MoE layer-step, are frozen msgspec Structs:
+ten times cheaper to make than a frozen attrs class.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import msgspec
 import numpy as np
 
 
-@attrs.frozen
-class LayerRoute:
+class LayerRoute(msgspec.Struct, frozen=True):
     """MoE layer `layer` needs experts `ids [N, k]` (row = token of the step, router's order).
 
     `predictions`: for each target layer the predictor looks at from here, the top experts
@@ -39,8 +41,7 @@ class PredictPlan:
     use_moe_input: bool = True
 
 
-@attrs.frozen
-class PartGrant:
+class PartGrant(msgspec.Struct, frozen=True):
     """Run tokens `lo:hi` of the layer from slots `slots [hi-lo, k]`; `last` = no part follows.
 
     `early`: only the experts in memory so far have a slot (the others are -1, being read).

@@ -61,9 +61,13 @@ async def pool(
                 await turns.turn(POOL)
             # Whatever else is already waiting is handled in the same turn: one wake-up, not one per message.
             now = trio.current_time()
-            for msg in in_turn_order(list(drain(inbox, first))):
+            msgs = in_turn_order(list(drain(inbox, first)))
+            if after_forward is None:  # the turn's answers in one (sent in the same order)
+                await deliver(core.turn(msgs, now))
+                continue
+            for msg in msgs:
                 out = core.handle(msg, now)
-                if after_forward is not None and isinstance(msg, ForwardDone):
+                if isinstance(msg, ForwardDone):
                     after_forward()
                 await deliver(out)
             await deliver(core.end_turn(now))

@@ -62,18 +62,14 @@ async def read_scheduler(
             if turns is not None:
                 await turns.turn(READS_DONE, batch.number)
             now = trio.current_time()
-            await deliver(core.handle(BatchDone(batch, nbytes), now).extend(core.end_turn(now)))
+            await deliver(core.turn((BatchDone(batch, nbytes),), now))
 
         task_status.started()
         async for first in inbox:
             if turns is not None:
                 await turns.turn(READS)
             # Take everything already waiting, so one step's misses are one batch on the device.
-            now = trio.current_time()
-            out = Outbox()
-            for msg in drain(inbox, first):
-                out.extend(core.handle(msg, now))
-            await deliver(out.extend(core.end_turn(now)))
+            await deliver(core.turn(drain(inbox, first), trio.current_time()))
 
 
 __all__ = ["ReadSchedulerStats", "read_scheduler"]

@@ -71,19 +71,24 @@ class ForwardStatistics:
     union_sizes: dict[tuple[int, int], tuple[int, int, int]]
 
 
-@attrs.define(slots=True)
 class _LayerStep:
-    """The layer-step in progress: its parts, the part being acquired or run, the layer's lookup table."""
+    """The layer-step in progress: its parts, the part being acquired or run, the layer's lookup table.
 
-    layer: int
-    ids: np.ndarray | None  # [N, k]; None when neither slots nor route verification are wanted
-    parts: list[Part]
-    early: bool
-    lut: np.ndarray | None  # expert -> slot of the grants so far (None: the driver needs no slots)
-    part: int = 0
-    t0: float = 0.0  # when the part's Acquire went out
-    acquired: bool = False  # the part's Acquire went out and its Release did not
-    slots: np.ndarray = _NO_SLOTS  # the part's tokens' slots, once granted
+    A plain slotted class: one is made per layer-step, on replay's hot path."""
+
+    __slots__ = ("acquired", "early", "ids", "layer", "lut", "part", "parts", "slots", "t0")
+
+    def __init__(self, layer: int, ids: np.ndarray | None, parts: list[Part], early: bool,
+                 lut: np.ndarray | None) -> None:
+        self.layer = layer
+        self.ids = ids  # [N, k]; None when neither slots nor route verification are wanted
+        self.parts = parts
+        self.early = early
+        self.lut = lut  # expert -> slot of the grants so far (None: the driver needs no slots)
+        self.part = 0
+        self.t0 = 0.0  # when the part's Acquire went out
+        self.acquired = False  # the part's Acquire went out and its Release did not
+        self.slots = _NO_SLOTS  # the part's tokens' slots, once granted
 
 
 @attrs.define
@@ -145,7 +150,7 @@ class ForwardCore:
         dropped), the route record, the parts, and the first part's `Acquire`."""
         self.pace.observe(now)
         out = Outbox()
-        for target, cand, probs in predictions:
+        for target, cand, probs in predictions:  # (none when the driver predicts nothing)
             c = Candidates(t=now, seq=self._seq(), step=self.step, layer=layer, target=target, width=cand.shape[-1],
                            token_experts=tuple(cand.reshape(-1).tolist()),
                            token_scores=tuple(probs.reshape(-1).tolist()),
@@ -173,7 +178,8 @@ class ForwardCore:
                 out.log.append(UnionSize(t=now, seq=self._seq(), step=self.step, layer=layer, tokens=n, union=union))
         stats = self.stats
         stats.layer_steps += 1
-        stats.split_layer_steps += len(parts) > 1
+        if len(parts) > 1:
+            stats.split_layer_steps += 1
         lut = np.full(self.num_experts, -1, dtype=np.int64) if self.slots or self.route_verify else None
         self._at = at = _LayerStep(layer, ids, parts, len(parts) == 1 and len(experts) < self.early_pairs, lut)
         self._acquire(at, now, out)
@@ -185,8 +191,8 @@ class ForwardCore:
         out = Outbox()
         at = self._at
         match msg:
-            case Granted() | Present() if at is None or (msg.step, msg.layer, msg.part) != (self.step, at.layer,
-                                                                                              at.part):
+            case Granted() | Present() if (at is None or msg.part != at.part or msg.layer != at.layer
+                                           or msg.step != self.step):
                 # A grant completed just as its step was cancelled: the pool has had its Release.
                 if msg.step >= self.step:
                     want = None if at is None else (self.step, at.layer, at.part)
@@ -198,7 +204,7 @@ class ForwardCore:
                     self.stats.stall_s += waited
                     self.stats.stall_by_layer[at.layer] = self.stats.stall_by_layer.get(at.layer, 0.0) + waited
                 lo, hi, _ = at.parts[at.part]
-                at.slots = self._slots(at, msg.experts, msg.slots, lo, hi)
+                at.slots = _NO_SLOTS if at.lut is None else self._slots(at, msg.experts, msg.slots, lo, hi)
                 out.run = PartGrant(lo, hi, at.slots, at.part == len(at.parts) - 1, misses=msg.misses)
             case Present():
                 assert at is not None

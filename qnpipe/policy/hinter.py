@@ -9,6 +9,7 @@ Not imported by qnpipe.policy's __init__: qnpipe.messages imports the policy pac
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import assert_never
 
 import attrs
@@ -52,6 +53,17 @@ class Hinter:
 
     def handle(self, msg: Candidates, now: float) -> Outbox:
         out = Outbox()
+        self._handle(msg, now, out)
+        return out
+
+    def turn(self, msgs: Iterable[Candidates], now: float) -> Outbox:
+        """A whole turn: `handle` of each of `msgs` in order (`end_turn` sends nothing), as one `Outbox`."""
+        out = Outbox()
+        for msg in msgs:
+            self._handle(msg, now, out)
+        return out
+
+    def _handle(self, msg: Candidates, now: float, out: Outbox) -> None:
         match msg:
             case Candidates():
                 hint = self._hint(msg, now)
@@ -66,7 +78,6 @@ class Hinter:
                     self.stats.hints_dropped_full += 1
             case _:
                 assert_never(msg)
-        return out
 
     def end_turn(self, now: float) -> Outbox:
         return Outbox()

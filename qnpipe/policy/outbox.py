@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-import attrs
+import msgspec
 
 from qnpipe.messages import Candidates, ForwardInbox, Msg, PoolInbox, ReadInbox
 from qnpipe.policy.read_queue import Job
@@ -20,8 +20,7 @@ if TYPE_CHECKING:
     from qnpipe.steps import PartGrant
 
 
-@attrs.define(slots=True)
-class Batch:
+class Batch(msgspec.Struct):
     """Jobs put on the device together at `started` (clock seconds); `number` counts batches from 1."""
 
     number: int
@@ -29,31 +28,22 @@ class Batch:
     started: float
 
 
-@attrs.define(slots=True, init=False)
-class Outbox:
+class Outbox(msgspec.Struct):
     """What one answer of a core sends, by receiver, and the event-log records it made.
 
     `batches`: reads to put on the device now (the read scheduler's); `run`: the forward's
     backend computes this part (or, early, queues the work of the experts it names).
+    A msgspec Struct: a core makes one per answer, and its lists are made in C, a third
+    faster than by a Python `__init__` (attrs' factories take twice as long again).
     """
 
-    forward: list[ForwardInbox]
-    reads: list[ReadInbox]
-    pool: list[PoolInbox]
-    predictor: list[Candidates]
-    log: list[Msg]
-    batches: list[Batch]
-    run: PartGrant | None
-
-    def __init__(self) -> None:
-        # By hand: a core answers every message with one, and attrs' factories take twice as long.
-        self.forward = []
-        self.reads = []
-        self.pool = []
-        self.predictor = []
-        self.log = []
-        self.batches = []
-        self.run = None
+    forward: list[ForwardInbox] = msgspec.field(default_factory=list)
+    reads: list[ReadInbox] = msgspec.field(default_factory=list)
+    pool: list[PoolInbox] = msgspec.field(default_factory=list)
+    predictor: list[Candidates] = msgspec.field(default_factory=list)
+    log: list[Msg] = msgspec.field(default_factory=list)
+    batches: list[Batch] = msgspec.field(default_factory=list)
+    run: PartGrant | None = None
 
     def extend(self, other: Outbox) -> Outbox:
         """`other`'s commands after this one's (a turn's answers in order); returns self."""

@@ -12,9 +12,9 @@ what the resident region gave up: an expert moves between the regions by relabel
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 import attrs
+import msgspec
 
 from qnpipe.errors import RouteError
 from qnpipe.policy.pool_attribution import Attribution
@@ -45,12 +45,12 @@ class SlotMap:
         self.at[self.side[s]] = (True, s)
 
 
-class DemandPlan(NamedTuple):
+class DemandPlan(msgspec.Struct, frozen=True):
     """An acquire's demand loads (physical slots), the prefetches it now waits for (`late`, read as demand)
-    and the hits prefetches made in the resident region (counted as side hits). A named tuple: one is made
-    per acquire, on the replay's hot path."""
+    and the hits prefetches made in the resident region (counted as side hits). A frozen msgspec Struct: one
+    is made per acquire, on the replay's hot path."""
 
-    loads: list[Load]
+    loads: Sequence[Load]
     late: frozenset[int] | set[int] = frozenset()
     side_hits: int = 0
 
@@ -105,7 +105,7 @@ class SidePlacement(_Regions):
     def demand(self, layer: int, plan: AcquirePlan, slot_of: dict[int, int], gen_of: dict[int, int],
                promoted: list[int]) -> DemandPlan:
         """The resident region's slots are physical already; its victims leave memory."""
-        return DemandPlan(list(plan.loads))
+        return DemandPlan(plan.loads)
 
     def can_prefetch(self, layer: int) -> bool:
         return layer in self.sides

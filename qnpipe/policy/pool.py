@@ -16,9 +16,9 @@ the counters (`pool_counters.PoolCounters`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 import attrs
+import msgspec
 
 from qnpipe.errors import CapacityError
 from qnpipe.policy.eviction import LFU, Eviction
@@ -33,13 +33,13 @@ from qnpipe.policy.slot_table import Load, SlotTable
 Promotion = tuple[int, int, int]  # (layer, expert, slot): a prefetch a step now waits for, to be read as demand
 
 
-class AcquireResult(NamedTuple):
+class AcquireResult(msgspec.Struct, frozen=True):
     """What an acquire leads to: the reads to issue, the grant when complete (None: its reads are on the
     way, or it is deferred), the prefetches the step now waits for, and the recall samples kept since
     the last acquire (diag.predict_recall_prof; those of deferred acquires taken up since included).
 
-    The results are named tuples, immutable and cheaper to make than a frozen attrs class: one is made
-    per acquire and per read, on the replay's hot path."""
+    The results are frozen msgspec Structs, made in C (a named tuple's `__new__` is Python, a frozen
+    attrs class slower still): one is made per acquire and per read, on the replay's hot path."""
 
     loads: tuple[Load, ...] = ()
     ready: Grant | None = None
@@ -47,7 +47,7 @@ class AcquireResult(NamedTuple):
     recall: tuple[RecallRecord, ...] = ()
 
 
-class ReadResult(NamedTuple):
+class ReadResult(msgspec.Struct, frozen=True):
     """What a finished read (or a slot given back) leads to: the reads to issue for the deferred acquires
     it let through, the grants now complete, (key, expert, slot) of reads landed for grants still waiting
     on others (what an early grant's step may start on; the grant holds them already), and the
@@ -59,7 +59,7 @@ class ReadResult(NamedTuple):
     promotions: tuple[Promotion, ...] = ()
 
 
-_NOTHING_READ = ReadResult()
+NOTHING_READ = ReadResult()  # the answer of a read that leads to nothing (one object: compare with `is`)
 
 
 @attrs.frozen
@@ -126,14 +126,6 @@ class PoolPolicy:
         return self.tally.layers
 
     @property
-    def reads(self) -> int:
-        return self.tally.reads
-
-    @property
-    def bytes_read(self) -> int:
-        return self.tally.bytes_read
-
-    @property
     def moe_order(self) -> dict[int, int]:
         return self.gate.moe_order
 
@@ -180,7 +172,8 @@ class PoolPolicy:
         When the slots it needs are still loading for a cancelled step, the acquire waits
         (no reads, no grant) and `read_done` takes it up again.
         """
-        if self.grants.known(key):
+        grants = self.grants
+        if key in grants.pending or key in grants.held or key in grants.deferred:  # Grants.known, inline
             raise AssertionError(f"grant {key} asked for twice")
         if self.heat is not None:
             self.heat.count(key[0], key[1], experts)
@@ -214,7 +207,7 @@ class PoolPolicy:
         self.grants.deferred[key] = Deferred(tuple(experts), now, tuple(in_side))
 
     def _admit(self, key: GrantKey, experts: Sequence[int],
-               now: float) -> tuple[list[Load], Grant | None, list[Promotion]] | None:
+               now: float) -> tuple[Sequence[Load], Grant | None, list[Promotion]] | None:
         """Grant `key` now if its resident part has a slot for each miss: the reads to issue, the grant if
         complete and the prefetches it waits for; None: it must wait for slots still loading. CapacityError
         (nothing changed) when the resident region cannot give its part even once the reads are done."""
@@ -317,14 +310,19 @@ class PoolPolicy:
         """The read of (`layer`, `expert`) into `slot` finished: the reads and grants that follow."""
         table, local = self.placement.table_of(layer, slot)
         table.loaded(expert, local)
-        self.tally.read(layer)
         grants = self.grants
+        waited_for = (layer, expert) in grants.waiters
         if self.placement.prefetch_landed(layer, expert, table):
             self.gate.reads_out -= 1
-            self.attribution.landed(layer, expert, waited_for=(layer, expert) in grants.waiters)
-        done, landed = grants.read_done(layer, expert)
+            self.attribution.landed(layer, expert, waited_for=waited_for)
+        if not waited_for:  # a prefetch no step waits for yet (most reads, with prediction on)
+            if not grants.deferred:
+                return NOTHING_READ
+            done, landed = [], []
+        else:
+            done, landed = grants.read_done(layer, expert)
         if not grants.deferred:  # nothing to take up (the common case: skip building a second result)
-            return ReadResult(grants=tuple(done), landed=tuple(landed)) if done or landed else _NOTHING_READ
+            return ReadResult(grants=tuple(done), landed=tuple(landed)) if done or landed else NOTHING_READ
         more = self.retry_deferred(layer)
         return ReadResult(more.loads, (*done, *more.grants), tuple(landed), more.promotions)
 
@@ -389,5 +387,5 @@ class PoolPolicy:
                     self.attribution.wasted(layer, e)
 
 
-__all__ = ["AcquireResult", "Deferred", "Grant", "GrantKey", "HintFate", "LayerCounters", "MissKind", "PoolOptions",
-           "PoolPolicy", "PoolStatistics", "PrefetchBudgets", "Promotion", "ReadResult", "SlotMap"]
+__all__ = ["NOTHING_READ", "AcquireResult", "Deferred", "Grant", "GrantKey", "HintFate", "LayerCounters", "MissKind",
+           "PoolOptions", "PoolPolicy", "PoolStatistics", "PrefetchBudgets", "Promotion", "ReadResult", "SlotMap"]

@@ -57,7 +57,6 @@ class Attribution:
 
     def landed(self, layer: int, expert: int, waited_for: bool) -> None:
         """A prefetch's read finished (`waited_for`: a step waits for it already, so it is used)."""
-        self.counters.prefetches_done += 1
         self.counters.layers[layer].prefetch_reads += 1
         if not waited_for:
             self.unused[(layer, expert)] = True

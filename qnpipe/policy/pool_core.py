@@ -14,7 +14,7 @@ others are still on their way; `Granted` (all of them) ends it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import assert_never
 
 import attrs
@@ -35,7 +35,7 @@ from qnpipe.messages import (
     Release,
 )
 from qnpipe.policy.outbox import Outbox
-from qnpipe.policy.pool import Grant, PoolPolicy, PoolStatistics, Promotion
+from qnpipe.policy.pool import NOTHING_READ, Grant, PoolPolicy, PoolStatistics, Promotion
 from qnpipe.policy.read_queue import ReadClass
 from qnpipe.policy.slot_table import Load
 from qnpipe.trace.format import Evicted, RecallSample
@@ -73,6 +73,19 @@ class PoolCore:
     def handle(self, msg: PoolInbox, now: float) -> Outbox:
         """Apply one message at time `now`. Raises RouteError when route verification fails."""
         out = Outbox()
+        self._handle(msg, now, out)
+        return out
+
+    def turn(self, msgs: Iterable[PoolInbox], now: float) -> Outbox:
+        """A whole turn: `handle` of each of `msgs` in order, then `end_turn`, answered as one `Outbox`
+        (what extending their answers in order gives; one answer to make and deliver, not one per message)."""
+        out = Outbox()
+        for msg in msgs:
+            self._handle(msg, now, out)
+        self._end_turn(now, out)
+        return out
+
+    def _handle(self, msg: PoolInbox, now: float, out: Outbox) -> None:
         policy = self.policy
         if self.logging and not isinstance(msg, ReadsDone):  # the scheduler logs a ReadDone per read
             out.log.append(msg)
@@ -91,12 +104,16 @@ class PoolCore:
                     if (there := policy.present(key))[0]:
                         self._present(key, *there, now, out)
             case ReadsDone():
+                read_done = policy.read_done
                 for layer, expert, slot in zip(msg.layers, msg.experts, msg.slots, strict=True):
-                    done = policy.read_done(layer, expert, slot)
+                    done = read_done(layer, expert, slot)
+                    if done is NOTHING_READ:  # most reads: skip taking the empty result apart
+                        continue
                     for key, e, s in done.landed:
                         if key in self.early:
                             self.landed.setdefault(key, []).append((e, s))
-                    self._read(layer, done.loads, now, out, done.promotions)
+                    if done.loads or done.promotions:
+                        self._read(layer, done.loads, now, out, done.promotions)
                     for g in done.grants:
                         self._grant(g, now, out)
             case Release():
@@ -127,14 +144,17 @@ class PoolCore:
                         self._grant(g, now, out)
             case _:
                 assert_never(msg)
-        return out
 
     def end_turn(self, now: float) -> Outbox:
         out = Outbox()
-        for key in list(self.landed):  # one Present per grant per burst of reads
-            got = self.landed.pop(key)
-            self._present(key, tuple(e for e, _ in got), tuple(s for _, s in got), now, out)
+        self._end_turn(now, out)
         return out
+
+    def _end_turn(self, now: float, out: Outbox) -> None:
+        if self.landed:
+            for key in list(self.landed):  # one Present per grant per burst of reads
+                got = self.landed.pop(key)
+                self._present(key, tuple(e for e, _ in got), tuple(s for _, s in got), now, out)
 
     def _present(self, key: GrantKey, experts: tuple[int, ...], slots: tuple[int, ...], now: float,
                  out: Outbox) -> None:
@@ -158,7 +178,8 @@ class PoolCore:
         # All of a step's misses go to the scheduler in one message, so they go out as one batch.
         if loads:
             self._send(ReadExperts(t=now, seq=self._seq(), layer=layer, experts=tuple(ld.expert for ld in loads),
-                                   slots=tuple(ld.slot for ld in loads)), out, [ld.evicted for ld in loads])
+                                   slots=tuple(ld.slot for ld in loads)), out,
+                       [ld.evicted for ld in loads] if self.logging else ())
         for ly, e, _slot in promotions:  # a step now waits on these prefetches
             self._send(Promote(t=now, seq=self._seq(), layer=ly, expert=e), out)
 

@@ -81,14 +81,15 @@ class PoolStatistics:
 
 @attrs.define
 class PoolCounters:
-    """The live counters: `layers` per MoE layer, the rest over the whole pool."""
+    """The live counters: `layers` per MoE layer, the rest over the whole pool.
+
+    Reads and their bytes are the read side's to count (`ReadSchedulerStats`: the one count of
+    what left the device), and prefetch reads done the layers' (`LayerCounters.prefetch_reads`,
+    summed as both `prefetch_reads` and `prefetches_done`): nothing is counted twice."""
 
     record_nbytes: Mapping[int, int]
     layers: dict[int, LayerCounters]
-    reads: int = 0
-    bytes_read: int = 0
     prefetches_issued: int = 0
-    prefetches_done: int = 0
     prefetches_used: int = 0
     prefetches_expired: int = 0
     hints_dropped_budget: int = 0
@@ -108,10 +109,6 @@ class PoolCounters:
                 c.capacity += 1
             c.evictions += ld.evicted >= 0
 
-    def read(self, layer: int) -> None:
-        self.reads += 1
-        self.bytes_read += self.record_nbytes[layer]
-
     def prefetch_used(self, layer: int) -> None:
         self.prefetches_used += 1
         self.layers[layer].prefetch_used += 1
@@ -119,6 +116,7 @@ class PoolCounters:
     def statistics(self) -> PoolStatistics:
         layers = {layer: attrs.evolve(c, causes=dict(c.causes)) for layer, c in self.layers.items()}
         cs = layers.values()
+        prefetch_reads = sum(c.prefetch_reads for c in cs)
         causes: dict[str, int] = {}
         for c in cs:
             for kind, n in c.causes.items():
@@ -126,9 +124,9 @@ class PoolCounters:
         return PoolStatistics(
             layers=layers, hits=sum(c.hits for c in cs), misses=sum(c.misses for c in cs),
             side_hits=sum(c.side_hits for c in cs), used=sum(c.used for c in cs),
-            predicted_used=sum(c.predicted_used for c in cs), prefetch_reads=sum(c.prefetch_reads for c in cs),
+            predicted_used=sum(c.predicted_used for c in cs), prefetch_reads=prefetch_reads,
             prefetch_used=sum(c.prefetch_used for c in cs), causes=causes, prefetches_issued=self.prefetches_issued,
-            prefetches_done=self.prefetches_done, prefetches_used=self.prefetches_used,
+            prefetches_done=prefetch_reads, prefetches_used=self.prefetches_used,
             prefetches_expired=self.prefetches_expired, hints_dropped_budget=self.hints_dropped_budget,
             wasted_bytes=self.wasted_bytes)
 

@@ -9,9 +9,11 @@ answers with the batches to start now (as the in-flight budget allows, in
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import assert_never
 
 import attrs
+import msgspec
 
 from qnpipe.config import Config
 from qnpipe.messages import Promote, ReadDone, ReadExperts, ReadExpired, ReadInbox, ReadsDone
@@ -56,8 +58,7 @@ class ReadSchedulerSnapshot:
     expired: int
 
 
-@attrs.frozen
-class BatchDone:
+class BatchDone(msgspec.Struct, frozen=True):
     """`batch` left the device (`nbytes` read per job): the driver's input when its reads are done."""
 
     batch: Batch
@@ -85,36 +86,54 @@ class ReadCore:
 
     def handle(self, msg: ReadInbox | BatchDone, now: float) -> Outbox:
         out = Outbox()
+        self._handle(msg, now, out)
+        return out
+
+    def turn(self, msgs: Iterable[ReadInbox | BatchDone], now: float) -> Outbox:
+        """A whole turn: `handle` of each of `msgs` in order, then `end_turn`, answered as one `Outbox`
+        (what extending their answers in order gives)."""
+        out = Outbox()
+        for msg in msgs:
+            self._handle(msg, now, out)
+        self._end_turn(now, out)
+        return out
+
+    def _handle(self, msg: ReadInbox | BatchDone, now: float, out: Outbox) -> None:
         match msg:
             case Promote():
                 self.stats.promoted += self.queue.promote((msg.layer, msg.expert))
             case ReadExperts():
                 scores = msg.scores or (0.0,) * len(msg.experts)
+                self.stats.requests += len(msg.experts)
+                layer, cls, deadline, push, issued = msg.layer, msg.cls, msg.deadline, self.queue.push, self.issued
                 for expert, slot, score in zip(msg.experts, msg.slots, scores, strict=True):
-                    self.stats.requests += 1
-                    job = Job(msg.layer, expert, slot, msg.cls, msg.deadline, score)
-                    if self.queue.push(job):
-                        self.issued[job.key] = msg.t
+                    job = Job(layer, expert, slot, cls, deadline, score)
+                    if push(job):
+                        issued[job.key] = msg.t
             case BatchDone():
                 self._complete(msg.batch, msg.nbytes, now, out)
             case _:
                 assert_never(msg)
-        return out
 
     def end_turn(self, now: float) -> Outbox:
         """The batches to put on the device now; expired prefetches go to the pool as `ReadExpired`."""
         out = Outbox()
+        self._end_turn(now, out)
+        return out
+
+    def _end_turn(self, now: float, out: Outbox) -> None:
         while jobs := self.queue.take(now):
             if self.logging:
                 out.log += [ReadStarted(t=now, seq=self._seq(), layer=j.layer, expert=j.expert, slot=j.slot)
                             for j in jobs]
             self.batches += 1
             out.batches.append(Batch(self.batches, jobs, now))
+        if not self.queue.expired:
+            return
         for job in self.queue.pop_expired():
             self.stats.expired += 1
             self.issued.pop(job.key, None)
             out.pool.append(ReadExpired(t=now, seq=self._seq(), layer=job.layer, expert=job.expert, slot=job.slot))
-        return out
 
     def _complete(self, batch: Batch, nbytes: tuple[int, ...] | list[int], now: float, out: Outbox) -> None:
         stats = self.stats

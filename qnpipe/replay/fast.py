@@ -165,8 +165,7 @@ class FastReplay:
         if not self.done_batches:
             return False
         b, sizes = self.batches.pop(heapq.heappop(self.done_batches))
-        self._deliver(self.reads.handle(BatchDone(b, sizes), now))
-        self._deliver(self.reads.end_turn(now))
+        self._deliver(self.reads.turn((BatchDone(b, sizes),), now))
         return True
 
     def _pool_turn(self, now: float) -> bool:
@@ -176,39 +175,25 @@ class FastReplay:
         self.pool_inbox.clear()
         self.pool_from_reads.clear()
         self.pool_from_predictor.clear()
-        for m in msgs:
-            self._deliver(self.pool.handle(m, now))
-        self._deliver(self.pool.end_turn(now))
+        self._deliver(self.pool.turn(msgs, now))
         return True
 
     def _reads_turn(self, now: float) -> bool:
         if not self.reads_inbox:
             return False
-        for r in self.reads_inbox:
-            self._deliver(self.reads.handle(r, now))
-        self.reads_inbox.clear()
-        self._deliver(self.reads.end_turn(now))
+        msgs, self.reads_inbox = self.reads_inbox, []
+        self._deliver(self.reads.turn(msgs, now))
         return True
 
     def _predictor_turn(self, now: float) -> bool:
         if not self.cand_inbox:
             return False
         assert self.hinter is not None
-        cands = list(self.cand_inbox)
-        self.cand_inbox.clear()
+        cands, self.cand_inbox = self.cand_inbox, []
         self.hinter.room = self.pool_cap - len(self.pool_inbox) - len(self.pool_from_reads) - len(
             self.pool_from_predictor)
-        for c in cands:
-            self.pool_from_predictor += self.hinter.handle(c, now).pool
+        self.pool_from_predictor += self.hinter.turn(cands, now).pool
         return True
-
-    def _turn(self) -> bool:
-        """Take the next wanted turn; False when none is wanted."""
-        now = self.now
-        for take in self._turns:
-            if take(now):
-                return True
-        return False
 
     # ------------------------------------------------------------------ the loop
 
@@ -216,12 +201,12 @@ class FastReplay:
         fwd = self.forward()
         kind, arg = next(fwd)
         wake = self.now + arg if kind == _SLEEP else math.inf
-        dev = self.dev
+        dev, turns, to_forward = self.dev, self._turns, self.to_forward
         while True:
             # What is not a turn acts first: the forward (its compute ended, or its grant came) and the device.
-            if (kind == _SLEEP and wake <= self.now) or (kind == _GRANT and self.to_forward):
+            if (kind == _SLEEP and wake <= self.now) or (kind == _GRANT and to_forward):
                 try:
-                    kind, arg = fwd.send(None if kind == _SLEEP else self.to_forward.popleft())
+                    kind, arg = fwd.send(None if kind == _SLEEP else to_forward.popleft())
                 except StopIteration:
                     break
                 wake = self.now + arg if kind == _SLEEP else math.inf
@@ -230,13 +215,16 @@ class FastReplay:
                 for number in dev.advance(self.now):
                     heapq.heappush(self.done_batches, number)
                 continue
-            if self._turn():
-                continue
-            t = min(wake, dev.next_time())
-            if t == math.inf:
-                raise StallError(f"replay: the forward waits for a grant and nothing is due: "
-                                 f"pool pending {sorted(self.policy.pending)}, deferred {sorted(self.policy.deferred)}")
-            self.now = t
+            for take in turns:  # the next wanted turn
+                if take(self.now):
+                    break
+            else:
+                t = min(wake, dev.next_time())
+                if t == math.inf:
+                    raise StallError(f"replay: the forward waits for a grant and nothing is due: "
+                                     f"pool pending {sorted(self.policy.pending)}, "
+                                     f"deferred {sorted(self.policy.deferred)}")
+                self.now = t
         return RunResult(pool=self.pool.statistics(), stall_s=self.core.stats.stall_s, elapsed_s=self.now,
                          busy_s=dev.busy_s(self.now), device_reads=dev.stats.reads, device_bytes=dev.stats.bytes_read,
                          tokens=self.tokens)
