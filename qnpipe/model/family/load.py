@@ -184,6 +184,7 @@ def _load_converted(model_dir: Path, config: dict[str, Any], infos: dict[str, Te
             for layer, s in sites.items():
                 pooled[layer] = PooledSwitch(s.module, s.layer)
                 s.replace(pooled[layer])
+                pooled[layer].share_ahead(s.parent)
     _load_strict(model, weights, infos, model_dir)
     model.eval()
     mx.eval(model.parameters())

@@ -26,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 from qnpipe.model.experts import expert_view
+from qnpipe.model.family.shared_ahead import shared_of, start
 from qnpipe.model.family.switches import expert_linears, expert_params
 from qnpipe.model.stepper import run_parts
 from qnpipe.steps import LayerRoute, PartDone, Queued
@@ -78,6 +79,7 @@ class _Held:
 
     template: nn.Module
     slots: _Slots | None = None
+    shared: nn.Module | None = None  # the block's shared expert, started before the pool's reads (shared_ahead)
 
 
 class PooledSwitch(nn.Module):
@@ -131,6 +133,12 @@ class PooledSwitch(nn.Module):
         slots.module = module
         self._held.slots = slots
 
+    def share_ahead(self, block: Any) -> bool:
+        """Start the shared expert of `block` (the MoE block holding this switch) before each wait for
+        the pool, as the native path does (qnpipe.model.family.shared_ahead). False: it has none."""
+        self._held.shared = shared_of(block)
+        return self._held.shared is not None
+
     def detach(self) -> None:
         """Back to the template (every expert resident)."""
         self._held.slots = None
@@ -143,6 +151,8 @@ class PooledSwitch(nn.Module):
         if preds:
             mx.eval(indices, *[a for _, i, p in preds for a in (i, p)])  # one host sync for all
         ids = np.array(indices)  # the one host sync of the layer: the router's ids
+        if self._held.shared is not None:  # it computes while the pool answers and reads
+            start(self._held.shared, x)
         parent = greenlet.getcurrent().parent
         if parent is None:
             raise RuntimeError(f"layer {self.layer}: a pooled switch runs inside GreenletBackend's step")
