@@ -27,7 +27,7 @@ from qnpipe.errors import ConfigError
 from qnpipe.io.outdir import atomic_dir, check_output_location, check_replaceable, clean_stale, output_path
 from qnpipe.model.args import args_from_dict
 
-__all__ = ["TINY_CONFIG", "TOKENIZER_DIR", "TOKENIZER_VOCAB_SIZE", "make_tiny", "random_hf_weights"]
+__all__ = ["TINY_CONFIG", "TOKENIZER_DIR", "TOKENIZER_VOCAB_SIZE", "make_tiny", "prepare_output", "random_hf_weights"]
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "data" / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -342,12 +342,7 @@ def make_tiny(
         raise ValueError(f"shards must be 1, or > 1 with layout='hf'; got {shards} with layout={layout!r}")
     config = _config(config_overrides, dtype)
 
-    out = output_path(out_dir)
-    if out.name and out.parent.is_dir():  # first: a replace cut short may have left the only copy of `out` aside
-        clean_stale(out.parent, out.name, log or _stderr)
-    check_replaceable(out, force, "output directory", force_flag="force=True")
-    check_output_location(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = prepare_output(out_dir, force, log)
     with atomic_dir(out, marker="qnpipe make-tiny") as build:
         hf = build.parent / "hf"  # inside the locked temporary directory: removed with it, even after a kill
         if layout == "mlx":
@@ -359,4 +354,16 @@ def make_tiny(
         else:
             build.rmdir()
             _write_hf(build, config, seed, shards, dtype)
+    return out
+
+
+def prepare_output(out_dir: str | os.PathLike[str], force: bool, log: Callable[[str], None] | None) -> Path:
+    """make-tiny's output directory, checked (replaceable only with `force`, and only if qnpipe wrote it)
+    and its parent made; what an interrupted earlier run left is cleaned first."""
+    out = output_path(out_dir)
+    if out.name and out.parent.is_dir():  # first: a replace cut short may have left the only copy of `out` aside
+        clean_stale(out.parent, out.name, log or _stderr)
+    check_replaceable(out, force, "output directory", force_flag="force=True")
+    check_output_location(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     return out

@@ -14,14 +14,13 @@ import copy
 import io
 import os
 import shutil
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from qnpipe.convert.tiny import TOKENIZER_DIR, TOKENIZER_FILES, TOKENIZER_VOCAB_SIZE
+from qnpipe.convert.tiny import TOKENIZER_DIR, TOKENIZER_FILES, TOKENIZER_VOCAB_SIZE, prepare_output
 from qnpipe.errors import ConfigError
-from qnpipe.io.outdir import atomic_dir, check_output_location, check_replaceable, clean_stale, output_path
+from qnpipe.io.outdir import atomic_dir
 
 __all__ = ["MODES", "family_config", "make_tiny_family", "random_family_model"]
 
@@ -75,10 +74,6 @@ def quantize_as_mlx_lm(model: Any, config: dict[str, Any], bits: int | None, gro
     return quantized
 
 
-def _stderr(msg: str) -> None:
-    print(f"qnpipe: {msg}", file=sys.stderr)
-
-
 def make_tiny_family(
     out_dir: str | os.PathLike[str],
     family: str,
@@ -102,12 +97,7 @@ def make_tiny_family(
     quantized = bits is not None or mode != "affine"
     config = family_config(family)
 
-    out = output_path(out_dir)
-    if out.name and out.parent.is_dir():  # first: a replace cut short may have left the only copy of `out` aside
-        clean_stale(out.parent, out.name, log or _stderr)
-    check_replaceable(out, force, "output directory", force_flag="force=True")
-    check_output_location(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = prepare_output(out_dir, force, log)
 
     from mlx_lm.utils import save_config, save_model
 

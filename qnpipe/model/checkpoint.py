@@ -14,12 +14,14 @@ import os
 import re
 import stat
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from qnpipe.errors import CheckpointError
 from qnpipe.io.dtypes import ST_DTYPE_BYTES, ST_NUMPY
@@ -250,3 +252,19 @@ def sanitize_tensor(name: str, a: mx.array) -> mx.array:
     if any(name.endswith(s) for s in NORM_SUFFIXES) and a.ndim == 1:
         a = a + 1.0
     return a
+
+
+def load_strict(model: Any, w: Mapping[str, mx.array], infos: dict[str, TensorInfo], model_dir: Path) -> None:
+    """Every tensor the model has, each of its shape, and no other: else CheckpointError naming the file."""
+    expected = dict(tree_flatten(model.parameters()))
+    for name in sorted(w):
+        if name not in expected:
+            file = infos[name].file if name in infos else model_dir
+            raise CheckpointError(f"{file}: unexpected tensor {name} (not part of this model's config)")
+    for name, arr in expected.items():
+        if name not in w:
+            raise CheckpointError(f"{model_dir}: missing tensor {name}")
+        if tuple(w[name].shape) != tuple(arr.shape):
+            file = infos[name].file if name in infos else model_dir
+            raise CheckpointError(f"{file}: tensor {name} has shape {list(w[name].shape)}, expected {list(arr.shape)}")
+    model.load_weights(list(w.items()), strict=True)

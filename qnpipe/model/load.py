@@ -9,7 +9,6 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from qnpipe.config.validate import check_topk_override
 from qnpipe.errors import CheckpointError
@@ -21,6 +20,7 @@ from qnpipe.model.checkpoint import (
     TensorInfo,
     detect_layout,
     is_qnpipe_dir,
+    load_strict,
     load_tensors,
     read_header,
     scan,
@@ -169,23 +169,6 @@ def _quantize_skeleton(model: Model, qcfg: dict[str, Any], w: dict[str, mx.array
                 mode=qcfg.get("mode", "affine"), class_predicate=predicate)
 
 
-def _check_and_load(model: Model, w: dict[str, mx.array], where: dict[str, TensorInfo], model_dir: Path) -> None:
-    expected = dict(tree_flatten(model.parameters()))
-    for name in sorted(w):
-        if name not in expected:
-            file = where[name].file if name in where else model_dir
-            raise CheckpointError(f"{file}: unexpected tensor {name} (not part of this model's config)")
-    for name, arr in expected.items():
-        if name not in w:
-            raise CheckpointError(f"{model_dir}: missing tensor {name}")
-        if tuple(w[name].shape) != tuple(arr.shape):
-            file = where[name].file if name in where else model_dir
-            raise CheckpointError(
-                f"{file}: tensor {name} has shape {list(w[name].shape)}, expected {list(arr.shape)}"
-            )
-    model.load_weights(list(w.items()), strict=True)
-
-
 def _on_cpu() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
@@ -306,7 +289,7 @@ def load_model(model_dir: str | Path, *, expert_dir: str | Path | None = None, v
         prune(model, stage)
     if qcfg is not None:
         _quantize_skeleton(model, qcfg, weights)
-    _check_and_load(model, weights, infos, model_dir)
+    load_strict(model, weights, infos, model_dir)
     model.eval()
     model.attach_experts(experts)
     mx.eval(model.parameters(), [a for le in experts.layers.values() for p in (le.gate_proj, le.up_proj, le.down_proj)

@@ -20,10 +20,9 @@ from typing import Any, cast
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from qnpipe.errors import CheckpointError
-from qnpipe.model.checkpoint import Layout, TensorInfo, is_qnpipe_dir, load_tensors, scan
+from qnpipe.model.checkpoint import Layout, TensorInfo, is_qnpipe_dir, load_strict, load_tensors, scan
 from qnpipe.model.family.skeleton import FamilyInfo, build_skeleton, family_info, text_config
 from qnpipe.model.family.switches import SwitchSite, expert_params, find_switches
 
@@ -137,7 +136,7 @@ def load_family(model_dir: Path, config: dict[str, Any], *, expert_dir: str | Pa
     sanitize = getattr(model, "sanitize", None)
     if callable(sanitize):
         weights = cast(dict[str, mx.array], sanitize(weights))
-    _load_strict(model, weights, infos, model_dir)
+    load_strict(model, weights, infos, model_dir)
     model.eval()
     mx.eval(model.parameters())
     sites = {s.layer: s for s in find_switches(model)}
@@ -185,25 +184,9 @@ def _load_converted(model_dir: Path, config: dict[str, Any], infos: dict[str, Te
                 pooled[layer] = PooledSwitch(s.module, s.layer)
                 s.replace(pooled[layer])
                 pooled[layer].share_ahead(s.parent)
-    _load_strict(model, weights, infos, model_dir)
+    load_strict(model, weights, infos, model_dir)
     model.eval()
     mx.eval(model.parameters())
     args = family_args(config, info)
     return FamilyLoaded(FamilyModel(model, args), args, ResidentSwitches(nbytes), config, Layout.QNPIPE,
                         model_dir, sites, pooled, store_dir)
-
-
-def _load_strict(model: nn.Module, w: Mapping[str, mx.array], infos: dict[str, TensorInfo], model_dir: Path) -> None:
-    """Every tensor the model has, each of its shape, and no other: else CheckpointError naming the file."""
-    expected = dict(tree_flatten(model.parameters()))
-    for name in sorted(w):
-        if name not in expected:
-            file = infos[name].file if name in infos else model_dir
-            raise CheckpointError(f"{file}: unexpected tensor {name} (not part of this model's config)")
-    for name, arr in expected.items():
-        if name not in w:
-            raise CheckpointError(f"{model_dir}: missing tensor {name}")
-        if tuple(w[name].shape) != tuple(arr.shape):
-            file = infos[name].file if name in infos else model_dir
-            raise CheckpointError(f"{file}: tensor {name} has shape {list(w[name].shape)}, expected {list(arr.shape)}")
-    model.load_weights(list(w.items()), strict=True)
