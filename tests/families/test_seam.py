@@ -17,17 +17,21 @@ import pytest
 from mlx.utils import tree_flatten
 
 from qnpipe.model.family import tiny
+from qnpipe.model.family.registry import FIRST
 from qnpipe.model.family.switches import expert_params, find_switches
 from tests.families.seam_pool import FakePool, pool_switches, pooled, reference
 
-CASES = [(f, q) for f in tiny.CONFIGS for q in (None, "affine4", *(("mxfp4",) if f == "gpt_oss" else ()))]
+# The first eight families and the native one stay in the fast loop (`-m "not slow"`); CI runs every family.
+CASES = [pytest.param(f, q, id=f"{f}-{q or 'float32'}",
+                      marks=() if f in (*FIRST, "qwen3_next") else pytest.mark.slow)
+         for f in tiny.CONFIGS for q in (None, "affine4", *(("mxfp4",) if f == "gpt_oss" else ()))]
 
 
 def _same(got: list[np.ndarray], want: list[np.ndarray]) -> bool:
     return all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize(("family", "quant"), CASES, ids=[f"{f}-{q or 'float32'}" for f, q in CASES])
+@pytest.mark.parametrize(("family", "quant"), CASES)
 def test_pooled_logits_are_mlx_lm_s_bit_for_bit(family: str, quant: str | None) -> None:
     cfg = tiny.tiny_config(family)
     k = tiny.top_k(cfg)
