@@ -28,7 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from qnpipe.convert import hub
@@ -45,7 +44,7 @@ from qnpipe.convert.plan import (
     transform,
 )
 from qnpipe.convert.records import write_expert_layer
-from qnpipe.convert.report import MODEL_FORMAT, MODEL_VERSION, ConvertReport
+from qnpipe.convert.report import MODEL_FORMAT, MODEL_VERSION, ConvertReport, experts_section
 from qnpipe.convert.safetensors_out import plan_shards, safetensors_nbytes, write_model_shards, write_safetensors
 from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
 from qnpipe.io import store as st
@@ -61,7 +60,7 @@ from qnpipe.io.outdir import (
     output_path,
     peak_rss,
 )
-from qnpipe.io.store_format import ALIGN, FORMAT, LayerFile, Quant, StoreIndex, quant_dict
+from qnpipe.io.store_format import LayerFile, Quant, StoreIndex, quant_dict
 from qnpipe.model.args import ModelArgs, args_from_dict, model_id, read_config
 from qnpipe.model.checkpoint import Layout, detect_layout, is_qnpipe_dir, scan
 
@@ -294,20 +293,7 @@ def _qnpipe_section(layout: Layout, plan: ConvertPlan, index: StoreIndex, index_
         "source_layout": str(layout),
         "dtype": plan.float_dtype,
         "quantization": {k: quant_dict(v) for k, v in q.items()} if q else None,
-        "experts": {
-            "dir": st.EXPERTS_DIR,
-            "index": f"{st.EXPERTS_DIR}/index.json",
-            "store_format": FORMAT,
-            "store_version": index.version,
-            "model_id": index.model_id,
-            "index_sha256": index_sha256,  # the store of this model, not only of its shape (qnpipe.model.args.store_sha256)
-            "align": ALIGN,
-            "layers": [x.layer for x in index.layers],
-            "num_experts": lf.num_experts,
-            "stride": lf.stride,
-            "record_nbytes": lf.record_nbytes,
-            "record": [msgspec.to_builtins(t) for t in lf.tensors],
-        },
+        "experts": experts_section(index, index_sha256),
         "mtp": None if not plan.mtp else {
             "file": "mtp.safetensors",
             "naming": "hf",

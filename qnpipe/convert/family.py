@@ -31,7 +31,7 @@ import numpy as np
 from qnpipe.convert.family_hf import as_hf_report, through_mlx_lm
 from qnpipe.convert.plan import TOKENIZER_GLOBS
 from qnpipe.convert.records import write_expert_layer
-from qnpipe.convert.report import MODEL_FORMAT, MODEL_VERSION, ConvertReport
+from qnpipe.convert.report import MODEL_FORMAT, MODEL_VERSION, ConvertReport, experts_section
 from qnpipe.convert.safetensors_out import (
     OutTensor,
     WriteJob,
@@ -43,7 +43,7 @@ from qnpipe.errors import CheckpointError, ConfigError, QnpipeError
 from qnpipe.io import store as st
 from qnpipe.io.dtypes import NAME_OF_ST
 from qnpipe.io.outdir import ByteProgress, Log, atomic_dir, fsync_dir, human_bytes, peak_rss
-from qnpipe.io.store_format import ALIGN, FORMAT, VERSION, Family, LayerFile, Quant, StoreIndex, quant_dict
+from qnpipe.io.store_format import VERSION, Family, LayerFile, Quant, StoreIndex, quant_dict
 from qnpipe.model.args import read_config
 from qnpipe.model.checkpoint import TensorInfo, read_tensor, scan, weight_files
 from qnpipe.model.family.skeleton import build_skeleton, family_info, text_config
@@ -321,20 +321,7 @@ def qnpipe_section(plan: FamilyPlan, index: StoreIndex, index_sha256: str) -> di
         "dtype": plan.float_dtype,
         "quantization": {k: quant_dict(v) for k, v in lf.quant.items()} if lf.quant else None,
         "family": msgspec.to_builtins(plan.family, str_keys=True),
-        "experts": {
-            "dir": st.EXPERTS_DIR,
-            "index": f"{st.EXPERTS_DIR}/index.json",
-            "store_format": FORMAT,
-            "store_version": index.version,
-            "model_id": index.model_id,
-            "index_sha256": index_sha256,
-            "align": ALIGN,
-            "layers": [x.layer for x in index.layers],
-            "num_experts": lf.num_experts,
-            "stride": lf.stride,
-            "record_nbytes": lf.record_nbytes,
-            "record": [msgspec.to_builtins(t) for t in lf.tensors],
-        },
+        "experts": experts_section(index, index_sha256),
         "mtp": None,
     }
 

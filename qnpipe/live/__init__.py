@@ -14,15 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from qnpipe.live.decoding import Output, generate, generate_stats, logits, next_logits
-    from qnpipe.live.loaded import LoadedModel, Streaming, ThreadedBackend, load_model, open_model_pipeline
+    from qnpipe.live.loaded import LoadedModel, ThreadedBackend, load_model, open_model_pipeline
     from qnpipe.live.mlx_thread import MLXThread, run_on
     from qnpipe.live.prefix import PrefixCache, SnapshotFileWarning, resume
+    from qnpipe.live.streaming import Streaming
 
 # Loaded on first use, not here: importing a module here would otherwise start MLX and load mlx-lm
 # for a caller that only wants `MLXThread`.
 _LAZY = {
     "LoadedModel": "qnpipe.live.loaded",
-    "Streaming": "qnpipe.live.loaded",
+    "Streaming": "qnpipe.live.streaming",
     "ThreadedBackend": "qnpipe.live.loaded",
     "load_model": "qnpipe.live.loaded",
     "open_model_pipeline": "qnpipe.live.loaded",

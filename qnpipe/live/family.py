@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
 import mlx.core as mx
 import numpy as np
 
@@ -26,22 +25,13 @@ from qnpipe.config import Config, PoolCfg
 from qnpipe.errors import ConfigError
 from qnpipe.io.reader import ExpertReader
 from qnpipe.io.store import ExpertStore
+from qnpipe.live.streaming import Streaming
 from qnpipe.model.runner import Runner
 from qnpipe.model.stage import Stage
 from qnpipe.steps import Event, LayerRoute, PartDone, PartGrant, Queued, StepDone, Tail
 
 # Below this many (token, expert) pairs mlx-lm's switch does not sort, so early grants change no bit.
 EARLY_PAIRS = 64
-
-
-@attrs.frozen
-class Streamed:
-    """The parts of a `Streaming` (qnpipe.live.loaded) the generic tier makes."""
-
-    store: ExpertStore
-    reader: ExpertReader
-    slots: dict[int, Any]
-    capacities: dict[int, int]
 
 
 def check_generic_cfg(cfg: Config, family: str, stage: Stage | None) -> None:
@@ -81,7 +71,7 @@ class ResidentBackend:
 
 
 def load_generic(cfg: Config, runner: Runner, model_dir: Path, stream: bool,
-                 reader: ExpertReader | None) -> tuple[Streamed | None, Any]:
+                 reader: ExpertReader | None) -> tuple[Streaming | None, Any]:
     """What the generic tier adds to its `LoadedModel` (qnpipe.live.loaded): when the experts stream, the
     store, reader, slot arrays and capacities; and the backend."""
     from qnpipe.actors.pipeline import layer_capacities, side_slots
@@ -114,7 +104,7 @@ def load_generic(cfg: Config, runner: Runner, model_dir: Path, stream: bool,
     from qnpipe.model.family.backend import GreenletBackend
 
     backend = GreenletBackend(loaded.model)
-    return Streamed(store, reader, slots, caps), backend
+    return Streaming(store, reader, slots, caps), backend
 
 
 def _predictor(cfg: Config, loaded: Any) -> Any:

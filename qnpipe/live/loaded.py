@@ -28,33 +28,17 @@ from qnpipe.io.device import StoreDevice
 from qnpipe.io.reader import ExpertReader
 from qnpipe.io.store import ExpertStore
 from qnpipe.live.mlx_thread import MLXThread, run_on
+from qnpipe.live.streaming import Streaming
 from qnpipe.model.args import ModelArgs, model_id
 from qnpipe.model.checkpoint import Layout
 from qnpipe.model.runner import Runner
-from qnpipe.model.slots import LayerSlots, make_layer_slots
+from qnpipe.model.slots import make_layer_slots
 from qnpipe.model.stage import Stage
 from qnpipe.model.stepper import MlxBackend
 from qnpipe.policy.predict import predict_targets
 from qnpipe.steps import Event, PartGrant, PredictPlan, Tail
 from qnpipe.trace import ModelShape
 from qnpipe.trace.format import RunPart
-
-
-@attrs.define
-class Streaming:
-    """What a streamed model adds: the store, the reader, and the slot arrays per MoE layer."""
-
-    store: ExpertStore
-    reader: ExpertReader
-    slots: dict[int, LayerSlots]
-    capacities: dict[int, int]
-    mtp: Any = None  # the MTP layer's record layout and its reader (qnpipe.live.mtp.mtp_store.MtpLayer) when it streams
-
-    def close(self) -> None:
-        self.reader.close()
-        self.store.close()
-        if self.mtp is not None:
-            self.mtp.close()
 
 
 @attrs.define
@@ -106,8 +90,7 @@ def load_model(model_dir: Path, cfg: Config, reader: ExpertReader | None = None,
         runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
                         expert_dir=cfg.model.expert_dir or None, resident_experts=not stream,
                         verify=cfg.read.verify_crc32, tier="generic")
-        st, backend = load_generic(cfg, runner, model_dir, stream, reader)
-        streaming = None if st is None else Streaming(st.store, st.reader, st.slots, st.capacities)
+        streaming, backend = load_generic(cfg, runner, model_dir, stream, reader)
         return LoadedModel(cfg, runner, streaming, backend, None, stage)
     runner = Runner(model_dir, prefill_chunk=cfg.forward.prefill_chunk_tokens,
                     expert_dir=cfg.model.expert_dir or None, resident_experts=not stream,
