@@ -96,19 +96,16 @@ def check_budgets(facts: ModelFacts | FamilyFacts, cfg: Config, budgets: Sequenc
 
 
 def synth_spec(shape: ModelShape) -> SynthSpec:
-    """The synthetic log's spec for a model of `shape` (every layer a MoE layer)."""
-    return SynthSpec(layers=shape.num_layers, experts=shape.num_experts, top_k=shape.top_k, **SYNTH)
+    """The synthetic log's spec for a model of `shape` (one synthetic layer per MoE layer)."""
+    return SynthSpec(layers=len(shape.moe_layers), experts=shape.num_experts, top_k=shape.top_k, **SYNTH)
 
 
 def synthetic_log(facts: ModelFacts | FamilyFacts, path: str | Path) -> Path:
     """A synthetic routing log of the model's shape (SYNTH), written once at `path`."""
     a = facts.shape
-    if tuple(a.moe_layers) != tuple(range(a.num_layers)):
-        raise ConfigError(f"{facts.source}: a synthetic log makes every layer a MoE layer; this model's MoE layers "
-                          f"are {list(a.moe_layers)}: give a recorded log (--log)")
     p = Path(path)
     if p.is_symlink() or not p.exists():  # written under a temporary name, renamed over a link, never through it
-        write_synth(p, synth_spec(facts.shape))
+        write_synth(p, synth_spec(a), moe_layers=a.moe_layers, num_layers=a.num_layers)
     return p
 
 

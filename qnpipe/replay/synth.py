@@ -16,7 +16,7 @@ in this order of preference:
   /work/shared/traces/raw/SOURCES.md §5), Zipf (`"zipf:a"`, ranks shuffled per layer) or uniform.
 
 The output is a routing log (docs/trace-format.md, `contents = "routes"`): the header's
-model is the synthetic shape (every layer a MoE layer), `t` is 0 throughout, and the same
+model is the synthetic shape (every layer a MoE layer, or the given `moe_layers`), `t` is 0 throughout, and the same
 spec always gives the same bytes (one `numpy.random.Generator` drawn in a fixed order).
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -187,11 +188,21 @@ def synth(spec: SynthSpec) -> list[list[tuple[int, ...]]]:
     return out
 
 
-def write_synth(path: str | Path, spec: SynthSpec) -> Path:
-    """Write the routing log of `spec` to `path` (temp name, then renamed); returns the path."""
+def write_synth(path: str | Path, spec: SynthSpec, *, moe_layers: Sequence[int] | None = None,
+                num_layers: int | None = None) -> Path:
+    """Write the routing log of `spec` to `path` (temp name, then renamed); returns the path.
+
+    `moe_layers`: the layer ids the spec's layers are written at, in order (a model whose dense layers
+    route nothing: its log names its own MoE layers), of `num_layers` in all; default 0..spec.layers-1."""
+    layers = tuple(range(spec.layers)) if moe_layers is None else tuple(int(x) for x in moe_layers)
+    total = spec.layers if num_layers is None else num_layers
+    if len(layers) != spec.layers or list(layers) != sorted(set(layers)) or (layers and not 0 <= layers[0]) \
+            or (layers and layers[-1] >= total):
+        raise ConfigError(f"synth moe_layers={list(layers)}: must be {spec.layers} distinct increasing layer ids "
+                          f"in [0, {total})")
     routes = synth(spec)
-    shape = ModelShape(num_layers=spec.layers, moe_layers=tuple(range(spec.layers)), num_experts=spec.experts,
-                       top_k=spec.top_k, hidden_size=0)
+    shape = ModelShape(num_layers=total, moe_layers=layers, num_experts=spec.experts, top_k=spec.top_k,
+                       hidden_size=0)
     digest = hashlib.sha256(b"synth:" + msgspec.json.encode(spec)).hexdigest()
     header = Header(schema_version=SCHEMA_VERSION, fingerprint=digest, model=shape, clock_start_t=0.0,
                     wall_start_unix_s=0.0, contents="routes")
@@ -199,7 +210,7 @@ def write_synth(path: str | Path, spec: SynthSpec) -> Path:
     try:
         seq = 0
         for t, row in enumerate(routes, start=1):
-            for layer, experts in enumerate(row):
+            for layer, experts in zip(layers, row, strict=True):
                 seq += 1
                 w.write(Route(t=0.0, seq=seq, step=t, layer=layer, top_k=spec.top_k, experts=experts))
         w.close(0, 0.0)
