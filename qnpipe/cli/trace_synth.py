@@ -13,7 +13,18 @@ def cmd_synth(args: argparse.Namespace) -> int:
     popularity = args.popularity if args.popularity != "uniform" and not args.popularity.startswith("zipf:") else None
     check_outputs([("-o", args.output)], [("--popularity", popularity)])
     spec = SynthSpec(layers=args.layers, experts=args.experts, top_k=args.top_k, tokens=args.tokens, seed=args.seed,
-                     locality=args.locality, cross_layer=args.cross_layer, popularity=args.popularity)
+                     locality=args.locality, cross_layer=args.cross_layer, popularity=args.popularity,
+                     reuse_depth=args.reuse_depth)
+    if args.calibrate:
+        from qnpipe.replay.synth_calibrate import calibrate, parse_targets
+
+        targets = parse_targets(args.calibrate)
+        spec, got = calibrate(spec, targets)
+        want = {**{f"lru:{c}": r for c, r in targets.lru.items()},
+                **({f"hot:{targets.hot_k}": targets.hot_share} if targets.hot_k else {})}
+        print(f"calibrated: --popularity {spec.popularity} --locality {spec.locality} --reuse-depth {spec.reuse_depth}")
+        for k, v in got.items():
+            print(f"  {k}: {v:.4f} (target {want[k]:.4f})")
     path = write_synth(args.output, spec)
     print(f"{path}: {spec.tokens} steps x {spec.layers} MoE layers, {spec.experts} experts, top-{spec.top_k}")
     return 0
@@ -29,6 +40,8 @@ def register(tsub: Any, fmt: Any) -> None:
                         epilog="examples:\n"
                         "  qnpipe trace synth -o synth.qtrace --layers 48 --experts 512 --top-k 10 --tokens 1000 --seed 1\n"
                         "  qnpipe trace synth -o local.qtrace --locality 0.6 --cross-layer 0.5 --popularity zipf:1.1\n"
+                        "  qnpipe trace synth -o 80b.qtrace --tokens 2000 --seed 1 --calibrate "
+                        "lru:64=0.67,lru:128=0.81,hot:32=0.10\n"
                         "  qnpipe trace synth -o q30b.qtrace --experts 128 --top-k 8 --popularity "
                         "traces/raw/sarelWeinberger__qwen-hebrew-finetuning/"
                         "moe_all_layers_analysis_gsm_en_he_500_20250921_115824_avg_activation.csv")
@@ -45,4 +58,9 @@ def register(tsub: Any, fmt: Any) -> None:
     s.add_argument("--popularity", default="uniform", metavar="FILE|zipf:A",
                    help="per-layer popularity: uniform (default), zipf:A (ranks shuffled per layer) or a CSV "
                    "with a Layer column and Expert_<i> columns (the Qwen3-30B tables: SOURCES.md §5)")
+    s.add_argument("--reuse-depth", type=int, default=1, metavar="D",
+                   help="a repeated expert is the one of the token d back, d uniform in 1..D (default 1: the previous)")
+    s.add_argument("--calibrate", metavar="POINTS",
+                   help="fit --popularity (zipf), --locality and --reuse-depth to per-layer points, e.g. "
+                   "lru:64=0.67,lru:128=0.81,hot:32=0.10 (LRU hit rate at a capacity; a static hot list's share)")
     s.set_defaults(func=cmd_synth)

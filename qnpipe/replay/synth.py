@@ -7,7 +7,8 @@ Every step is one token (a decode step). Each of its `top_k` experts at a layer 
 in this order of preference:
 
 - with probability `locality`, the expert the previous token put in the same position at
-  this layer (temporal locality: shorter reuse distances);
+  this layer (temporal locality: shorter reuse distances), or with `reuse_depth` D > 1 the
+  expert of the token d back, d uniform in 1..D (reuse distances spread over D tokens);
 - else with probability `cross_layer`, the fixed partner (a seeded permutation per layer)
   of the expert this token put in that position at the previous layer (cross-layer
   correlation: a transition table learns it);
@@ -38,7 +39,7 @@ from qnpipe.trace import SCHEMA_VERSION, Header, ModelShape, Route, TraceWriter
 # 94 layers, top-10 at most today). The draws are made up front in one fixed order (the same spec gives the
 # same bytes), about 120 bytes per (token, layer, top_k) choice at the peak: 10^7 choices take ~1.2 GB and
 # ~15 s; the [layers, experts] tables (popularity, its cdf, the partners) 8 bytes per entry each.
-LIMITS = {"layers": 4096, "experts": 1 << 16, "top_k": 1024, "tokens": 10**7}
+LIMITS = {"layers": 4096, "experts": 1 << 16, "top_k": 1024, "tokens": 10**7, "reuse_depth": 4096}
 MAX_CHOICES = 10**7  # tokens x layers x top_k
 MAX_TABLE = 1 << 24  # layers x experts
 MAX_SEED = 2**64 - 1
@@ -55,6 +56,14 @@ class SynthSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     locality: float = 0.0  # P(reuse the previous token's expert in the same position)
     cross_layer: float = 0.0  # P(the partner of the previous layer's expert), when not reused
     popularity: str = "uniform"  # "uniform", "zipf:A" or a CSV table's path
+    reuse_depth: int = 1  # a reused expert is the one of the token d back, d uniform in 1..reuse_depth
+
+    def digest(self) -> str:
+        """The log's fingerprint: of every field, `reuse_depth` only when not 1 (older specs keep theirs)."""
+        fields = msgspec.to_builtins(self)
+        if self.reuse_depth == 1:
+            del fields["reuse_depth"]
+        return hashlib.sha256(b"synth:" + msgspec.json.encode(fields)).hexdigest()
 
     def check(self) -> SynthSpec:
         """Self, or ConfigError naming the bad field."""
@@ -152,6 +161,9 @@ def synth(spec: SynthSpec) -> list[list[tuple[int, ...]]]:
     u = rng.random((spec.layers, n * (k + extra)))
     draws = np.stack([np.searchsorted(cdf[layer], u[layer], side="right") for layer in range(spec.layers)])
     draws = np.minimum(draws, e_count - 1).reshape(spec.layers, n, k + extra)
+    # Drawn last, and only for a depth above 1: a spec of depth 1 gives the bytes it always gave.
+    back = rng.integers(1, spec.reuse_depth + 1, size=(n, spec.layers, k)).tolist() if spec.reuse_depth > 1 else None
+    history: list[list[list[int]]] = []
     reuse = (coins[..., 0] < spec.locality).tolist()
     cross = (coins[..., 1] < spec.cross_layer).tolist()
     partner_l = partner.tolist()
@@ -167,7 +179,12 @@ def synth(spec: SynthSpec) -> list[list[tuple[int, ...]]]:
             pi = 0
             for j in range(k):
                 e = -1
-                if prev is not None and reuse[t][layer][j] and prev[layer][j] not in seen:
+                if back is not None and reuse[t][layer][j] and t:
+                    cand = history[max(t - back[t][layer][j], 0)][layer][j]
+                    e = cand if cand not in seen else -1
+                    if e < 0 and below is not None and cross[t][layer][j] and partner_l[layer][below[j]] not in seen:
+                        e = partner_l[layer][below[j]]
+                elif prev is not None and reuse[t][layer][j] and prev[layer][j] not in seen:
                     e = prev[layer][j]
                 elif below is not None and cross[t][layer][j] and partner_l[layer][below[j]] not in seen:
                     e = partner_l[layer][below[j]]
@@ -185,6 +202,8 @@ def synth(spec: SynthSpec) -> list[list[tuple[int, ...]]]:
             below = chosen
         out.append(row)
         prev = [list(r) for r in row]
+        if back is not None:
+            history.append(prev)
     return out
 
 
@@ -203,7 +222,7 @@ def write_synth(path: str | Path, spec: SynthSpec, *, moe_layers: Sequence[int] 
     routes = synth(spec)
     shape = ModelShape(num_layers=total, moe_layers=layers, num_experts=spec.experts, top_k=spec.top_k,
                        hidden_size=0)
-    digest = hashlib.sha256(b"synth:" + msgspec.json.encode(spec)).hexdigest()
+    digest = spec.digest()
     header = Header(schema_version=SCHEMA_VERSION, fingerprint=digest, model=shape, clock_start_t=0.0,
                     wall_start_unix_s=0.0, contents="routes")
     w = TraceWriter(path, header)
