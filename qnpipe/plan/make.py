@@ -34,6 +34,7 @@ from qnpipe.plan.account import (
 from qnpipe.plan.family_account import FamilyFacts, dir_facts
 from qnpipe.plan.fixed import user_fixed
 from qnpipe.plan.plan_file import BUDGET_KEYS, BudgetKey, Plan, plan_overrides
+from qnpipe.plan.published import load_published, published_cost, published_names
 from qnpipe.plan.ranks import Share, check_ranks, layer_weights, restricted_log, share_lines, share_shape
 from qnpipe.plan.search import WINDOW_LAYER_STEPS, Search, slot_totals
 from qnpipe.plan.units import fmt_bytes, parse_memory
@@ -57,9 +58,12 @@ def resolve_device(device: str | Path | DeviceProfile, cfg: Config) -> tuple[str
     name = str(device)
     if name in device_names():
         return name, named_profile(name, cfg.read.device_profile_path)
+    if name in published_names():  # shipped data whose every figure names its public source
+        return name, load_published(name).device
     if Path(name).exists():
         return name, load_profile(name).profile
-    raise ConfigError(f"--device {name}: neither a device profile ({', '.join(device_names())}) nor a profile file")
+    raise ConfigError(f"--device {name}: neither a device profile ({', '.join(device_names() + published_names())}) "
+                      f"nor a profile file")
 
 
 def resolve_cost(cost: CostModel | str | Path | None) -> CostModel:
@@ -146,7 +150,7 @@ def _make_plans(model: str | Path | ModelFacts | FamilyFacts, budgets: Sequence[
     sizes = [parse_memory(b) if isinstance(b, str) else int(b) for b in budgets]
     facts = resolve_model(model, cfg, bits)
     dev_name, dev = resolve_device(device, cfg)
-    cost_model = resolve_cost(cost)
+    cost_model = resolve_cost(cost if cost is not None else published_cost(device))  # a published device's own
     shape = facts.shape
     if share is None:
         check_budgets(facts, cfg, sizes, context=context, headroom_bytes=headroom_bytes)
