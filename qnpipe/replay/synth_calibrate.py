@@ -5,10 +5,10 @@
 
 Two knobs of `SynthSpec` are fitted, in this order, each by bisection (each point is monotone in its knob):
 
-- `popularity="zipf:A"`: A such that a static hot list of the `hot:K` most popular experts of a layer
-  covers the target share of its traffic (the expected share of the top K Zipf ranks: the published
-  figure is a list learned on half a workload and scored on the other half, which this reads as the
-  stationary share; uniform routing gives K / experts);
+- `popularity="zipf:A"`: A such that a static hot list of the `hot:K` most used experts of a layer
+  covers the target share of its traffic: first the stationary share of the top K Zipf ranks, then
+  (once the reuse below is fitted) as the published figure was measured, a list learned on the log's
+  first half scored on its second (`hot_share_learned`), after which the reuse is fitted again;
 - `locality`: the probability a token reuses an earlier token's expert, such that the per-layer LRU
   hit rate at the first `lru:C` capacity lands on its target (what `qnpipe replay --mrc` reports:
   every request of the log, cold start included);
@@ -112,6 +112,22 @@ def _bisect(f: Callable[[float], float], lo: float, hi: float, target: float) ->
     return (lo + hi) / 2
 
 
+def _fit_reuse(fit: SynthSpec, targets: Targets) -> SynthSpec:
+    """`fit` with `locality` (bisection on the first LRU point) at the depth of `DEPTHS` nearest the others."""
+    caps = list(targets.lru)
+    cap, want = caps[0], targets.lru[caps[0]]
+    best: tuple[float, SynthSpec] | None = None
+    for depth in DEPTHS if len(caps) > 1 else (1,):
+        at = msgspec.structs.replace(fit, reuse_depth=depth)
+        loc = _bisect(lambda x, at=at: lru_rates(msgspec.structs.replace(at, locality=x), [cap])[cap], 0.0, 1.0, want)
+        cand = msgspec.structs.replace(at, locality=round(loc, 5))
+        err = sum((r - targets.lru[c]) ** 2 for c, r in lru_rates(cand, caps).items())
+        if best is None or err < best[0]:
+            best = (err, cand)
+    assert best is not None
+    return best[1]
+
+
 def calibrate(spec: SynthSpec, targets: Targets) -> tuple[SynthSpec, dict[str, float]]:
     """`spec` with `popularity` and `locality` fitted to `targets` (module doc), and what its log gives:
     `lru:C` the per-layer LRU hit rate at each target capacity, `hot:K` the learned hot list's share."""
@@ -126,19 +142,13 @@ def calibrate(spec: SynthSpec, targets: Targets) -> tuple[SynthSpec, dict[str, f
                               f"{floor:.4f}: no Zipf skew gives it")
         a = _bisect(lambda x: zipf_share(x, spec.experts, targets.hot_k), 0.0, 3.0, targets.hot_share)
         pop = f"zipf:{a:.5f}"
-    fit = msgspec.structs.replace(spec, layers=min(spec.layers, FIT_LAYERS), popularity=pop)
-    caps = list(targets.lru)
-    cap, want = caps[0], targets.lru[caps[0]]
-    best: tuple[float, SynthSpec] | None = None
-    for depth in DEPTHS if len(caps) > 1 else (1,):
-        at = msgspec.structs.replace(fit, reuse_depth=depth)
-        loc = _bisect(lambda x, at=at: lru_rates(msgspec.structs.replace(at, locality=x), [cap])[cap], 0.0, 1.0, want)
-        cand = msgspec.structs.replace(at, locality=round(loc, 5))
-        err = sum((r - targets.lru[c]) ** 2 for c, r in lru_rates(cand, caps).items())
-        if best is None or err < best[0]:
-            best = (err, cand)
-    assert best is not None
-    out = msgspec.structs.replace(spec, popularity=pop, locality=best[1].locality, reuse_depth=best[1].reuse_depth)
+    fit = _fit_reuse(msgspec.structs.replace(spec, layers=min(spec.layers, FIT_LAYERS), popularity=pop), targets)
+    if targets.hot_k:  # the published share is of a list learned on half the log: fit that, then the reuse again
+        a = _bisect(lambda x: hot_share_learned(msgspec.structs.replace(fit, popularity=f"zipf:{x:.5f}"), targets.hot_k),
+                    0.0, 3.0, targets.hot_share)
+        pop = f"zipf:{a:.5f}"
+        fit = _fit_reuse(msgspec.structs.replace(fit, popularity=pop), targets)
+    out = msgspec.structs.replace(spec, popularity=pop, locality=fit.locality, reuse_depth=fit.reuse_depth)
     got = {f"lru:{c}": r for c, r in lru_rates(out, list(targets.lru)).items()}
     if targets.hot_k:
         got[f"hot:{targets.hot_k}"] = hot_share_learned(out, targets.hot_k)

@@ -17,8 +17,8 @@ from qnpipe.replay.synth_calibrate import parse_targets, zipf_share
 
 POINTS = "lru:64=0.67,lru:128=0.81,hot:32=0.10"
 # The tolerance held: the fitted point (LRU-64) to 0.01, the other LRU point to 0.035 (the generator's
-# reuse depths are a grid); the hot list's learned share is reported, not held (module doc of synth_calibrate).
-FITTED_TOL, OTHER_TOL = 0.01, 0.035
+# reuse depths are a grid), the hot list's learned share to 0.02 (fitted on 8 layers, a noisy measure).
+FITTED_TOL, OTHER_TOL, HOT_TOL = 0.01, 0.035, 0.02
 
 
 @pytest.mark.slow
@@ -30,7 +30,10 @@ def test_the_calibrated_logs_mrc_lands_on_the_published_points(tmp_path: Path) -
                      "--tokens", "1000", "--seed", "1", "--calibrate", POINTS]) == 0
         assert main(["replay", str(log), "--mrc", "--mrc-policies", "lru", "--csv", str(table),
                      "--plot", str(tmp_path / "80b.mrc.png")]) == 0
-    assert "calibrated: --popularity zipf:" in out.getvalue()
+    said = out.getvalue()
+    assert "calibrated: --popularity zipf:" in said
+    hot = float(said.split("hot:32: ")[1].split()[0])
+    assert abs(hot - 0.10) <= HOT_TOL, said
     with table.open() as f:
         rate = {int(r["capacity"]): float(r["hit_rate"]) for r in csv.DictReader(f)
                 if r["policy"] == "lru" and r["layer"] == "all"}
