@@ -73,11 +73,11 @@ def fetch(src: str | os.PathLike[str], *, what: str = "SRC", progress: bool = Tr
     unreachable = _Unreachable(f"{what} {src}", endpoint, timeout_s)
     try:
         with _bounded_requests(timeout_s):
+            cached = None
             if check is not None and not constants.is_offline_mode():
-                remote, commit = _before_download(repo, revision, f"{what} {src}", log)
-                check(remote)  # the family and the disk: refused here, only config.json has been fetched
-                _check_index(repo, commit, remote)
-            folder = huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=list(CONVERT_FILES))
+                cached = _checked_first(repo, revision, f"{what} {src}", check, unreachable, log)
+            folder = cached or huggingface_hub.snapshot_download(repo, revision=revision,
+                                                                 allow_patterns=list(CONVERT_FILES))
     except errors.IncompleteSnapshotError as e:
         if constants.is_offline_mode() or e.__cause__ is None:
             raise CheckpointError(f"{what} {src}: the hub cache holds only part of it and the Hub cannot be "
@@ -100,6 +100,31 @@ def fetch(src: str | os.PathLike[str], *, what: str = "SRC", progress: bool = Tr
     except (errors.HfHubHTTPError, *_transport_errors(), json.JSONDecodeError) as e:
         raise unreachable.error(e) from None
     return Path(folder)
+
+
+def _checked_first(repo: str, revision: str | None, where: str, check: Callable[[RemoteCheckpoint], None],
+                   unreachable: _Unreachable, log: Callable[[str], None] | None) -> str | None:
+    """Refuse the repository by `check` before its download; None once it passes. A Hub that cannot be
+    reached checks nothing: the cached snapshot when the cache holds all of it (returned), as
+    snapshot_download would use it, else the error naming the endpoint."""
+    import huggingface_hub
+    from huggingface_hub import constants, errors
+
+    try:
+        remote, commit = _before_download(repo, revision, where, log)
+    except (errors.HfHubHTTPError, *_transport_errors(), json.JSONDecodeError) as e:
+        if isinstance(e, (errors.RepositoryNotFoundError, errors.GatedRepoError, errors.RevisionNotFoundError)):
+            raise
+        try:
+            return huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=list(CONVERT_FILES),
+                                                     local_files_only=True)
+        except errors.IncompleteSnapshotError as part:
+            raise unreachable.error(e, f"the hub cache holds only part of it ({_first_line(part)}) and ") from None
+        except errors.LocalEntryNotFoundError:
+            raise unreachable.error(e, f"not in the hub cache ({constants.HF_HUB_CACHE}) and ") from None
+    check(remote)  # the family and the disk: refused here, when only config.json has been fetched
+    _check_index(repo, commit, remote)
+    return None
 
 
 def _before_download(repo: str, revision: str | None, where: str,

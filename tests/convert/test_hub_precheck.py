@@ -30,8 +30,8 @@ class FakeHub:
     """A Hub endpoint serving REPO from `files` (name -> bytes); `claimed` overrides the sizes the file list
     gives (a checkpoint bigger than any disk without writing one). `fetched` lists each file body sent."""
 
-    def __init__(self, files: dict[str, bytes], claimed: dict[str, int] | None = None) -> None:
-        self.files, self.claimed = files, claimed or {}
+    def __init__(self, files: dict[str, bytes], claimed: dict[str, int] | None = None, *, down: bool = False) -> None:
+        self.files, self.claimed, self.down = files, claimed or {}, down  # down: HTTP 500 to everything
         self.fetched: list[str] = []
         self.requests: list[str] = []
         hub = self
@@ -60,7 +60,11 @@ class FakeHub:
         info = f"/api/models/{REPO}/revision/"
         tree = f"/api/models/{REPO}/tree/"
         resolve = f"/{REPO}/resolve/"
-        if path == f"/api/models/{REPO}" or path.startswith(info):
+        if self.down:
+            h.send_response(500)
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+        elif path == f"/api/models/{REPO}" or path.startswith(info):
             self.send_json(h, {"id": REPO, "modelId": REPO, "sha": COMMIT, "private": False,
                                "siblings": [{"rfilename": n} for n in self.files]}, body)
         elif path.startswith(tree):
@@ -105,8 +109,8 @@ class FakeHub:
 def serve(tmp_path: Path) -> Iterator[object]:
     made: list[FakeHub] = []
 
-    def start(files: dict[str, bytes], claimed: dict[str, int] | None = None) -> FakeHub:
-        made.append(FakeHub(files, claimed))
+    def start(files: dict[str, bytes], claimed: dict[str, int] | None = None, *, down: bool = False) -> FakeHub:
+        made.append(FakeHub(files, claimed, down=down))
         return made[-1]
 
     yield start
@@ -199,3 +203,16 @@ def test_convert_prints_no_blas_warning(tmp_path: Path, tiny_hf: Path) -> None:
                 env=(("PYTHONWARNINGS", "error::UserWarning"),))
     err = r.stderr.decode()
     assert r.returncode == 0 and "BlasWarning" not in err and "BLAS" not in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_a_hub_that_is_down_still_lets_a_fully_cached_repository_convert(tmp_path: Path, tiny_hf: Path,
+                                                                          serve: object) -> None:
+    from tests.convert.test_hub import REPO as CACHED, _hub_cache
+
+    hub = serve({}, down=True)  # type: ignore[operator]
+    env = (*_env(tmp_path, hub), ("HF_HUB_CACHE", str(_hub_cache(tmp_path / "cache", tiny_hf))))
+    r = run_cli(["convert", CACHED, "--out", tmp_path / "qn", "-q"], env=env, timeout=HANG_GUARD_S)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    assert hub.fetched == [] and hub.requests, hub.requests  # asked, answered 500, the cache used
+    assert (tmp_path / "qn" / "experts" / "index.json").is_file()
