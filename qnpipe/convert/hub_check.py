@@ -7,8 +7,10 @@ anything else is downloaded:
 
 - the family: a `model_type` qnpipe runs (`qnpipe.model.family.registry`, or the native
   qwen3_next, whose config must parse and have MoE layers); an unsupported one names its reason,
-  a dense or unknown one the families that run; a config naming model code of its own is refused
-  as loading would refuse it;
+  a dense or unknown one the families that run; a config naming model code of its own, or one
+  mlx-lm's class cannot be built from or builds without routed experts, is refused as loading
+  would refuse it (the model's layer and expert shapes come from that class);
+- the weights: safetensors files in the list (convert reads no other format);
 - the disk: the files still to download (into the hub cache), the output (its weights at the
   output's bits per weight), and, for another family's original HF checkpoint, mlx-lm's own
   conversion, which is written beside the output before the re-layout and lives as long as it.
@@ -54,6 +56,9 @@ def check_remote(remote: RemoteCheckpoint, *, out: Path, bits: int | None = None
 
     Raises CheckpointError (the family) or QnpipeError (the disk: every figure named)."""
     check_family(remote.config, remote.where)
+    if not any(f.endswith(".safetensors") for f in remote.files):
+        raise CheckpointError(f"{remote.where}: the repository has no *.safetensors weights (convert reads "
+                              "safetensors only; a PyTorch .bin checkpoint needs converting to safetensors first)")
     _check_disk(remote, out, disk_needs(remote, bits=bits, group_size=group_size, mode=mode, dtype=dtype))
 
 
@@ -84,6 +89,12 @@ def check_family(config: Mapping[str, Any], where: str) -> None:
         raise CheckpointError(f"{where}: model_type {model_type!r} is not a mixture-of-experts family qnpipe runs "
                               f"(a dense model, or one mlx-lm does not know); the families: {', '.join(TESTED)} "
                               "(docs/model.md, \"Supported families\")")
+    # mlx-lm's own class built from the config, its weights never materialised (under a second for a
+    # 235B config): a config it cannot build, or one with no routed experts, is refused as loading would.
+    from qnpipe.model.family.skeleton import build_skeleton, family_info
+
+    plain = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    family_info(plain, build_skeleton(plain, {}, where), where)
 
 
 @attrs.frozen

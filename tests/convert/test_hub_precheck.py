@@ -143,6 +143,8 @@ def _convert(tmp: Path, hub: FakeHub, *extra: str) -> tuple[int, str]:
     ("dense", {"model_type": "llama"}, ("model_type 'llama' is not a mixture-of-experts family", "qwen3_moe")),
     ("unsupported", {"model_type": "dbrx"}, ("a dbrx model, which qnpipe does not run", "SwitchGLU")),
     ("own code", {"model_file": "modeling_x.py"}, ("asks to import model code",)),
+    ("cannot build", {"model_type": "qwen3_moe", "num_experts": "many"}, ("mlx-lm cannot build a qwen3_moe model",)),
+    ("no experts", {"model_type": "qwen3_moe", "num_experts": 0}, ("has no routed experts",)),
 ])
 def test_a_family_qnpipe_does_not_run_is_refused_after_config_json_alone(
         tmp_path: Path, tiny_hf: Path, serve: object, case: str, changes: dict[str, object],
@@ -152,6 +154,16 @@ def test_a_family_qnpipe_does_not_run_is_refused_after_config_json_alone(
     assert rc == 2 and f"SRC {REPO}" in err and all(n in err for n in needles), (err, hub.requests)
     assert hub.fetched == ["config.json"], hub.requests
     assert not (tmp_path / "qn").exists()
+
+
+def test_a_repository_without_safetensors_weights_is_refused_after_config_json_alone(
+        tmp_path: Path, tiny_hf: Path, serve: object) -> None:
+    files = _files(tiny_hf)
+    files["pytorch_model.bin"] = files.pop("model.safetensors")
+    hub = serve(files)  # type: ignore[operator]
+    rc, err = _convert(tmp_path, hub)
+    assert rc == 2 and "no *.safetensors weights" in err, (err, hub.requests)
+    assert hub.fetched == ["config.json"], hub.requests
 
 
 def test_a_checkpoint_larger_than_the_free_disk_is_refused_after_config_json_alone(
