@@ -220,7 +220,8 @@ def test_convert_prints_no_blas_warning(tmp_path: Path, tiny_hf: Path) -> None:
 @pytest.mark.slow
 def test_a_hub_that_is_down_still_lets_a_fully_cached_repository_convert(tmp_path: Path, tiny_hf: Path,
                                                                           serve: object) -> None:
-    from tests.convert.test_hub import REPO as CACHED, _hub_cache
+    from tests.convert.test_hub import REPO as CACHED
+    from tests.convert.test_hub import _hub_cache
 
     hub = serve({}, down=True)  # type: ignore[operator]
     env = (*_env(tmp_path, hub), ("HF_HUB_CACHE", str(_hub_cache(tmp_path / "cache", tiny_hf))))
