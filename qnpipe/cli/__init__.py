@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from qnpipe.cli import bench_cmd, plan_cmd, replay_cmd, run, serve_cmd, store, sweep_cmd, trace_cmd
 from qnpipe.cli.common import DEMO_MODEL_DIR
+from qnpipe.cli.model_names import resolve_builtin_model
 from qnpipe.errors import QnpipeError, root_cause
 
 __all__ = ["COMMANDS", "DEMO_MODEL_DIR", "build_parser", "main"]
@@ -69,7 +70,7 @@ def _quiet_broken_pipe() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = resolve_builtin_model(build_parser().parse_args(argv))  # `tiny`: the built-in model
     # A shell without job control starts background jobs with SIGINT ignored; `kill -INT` must still stop us.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from qnpipe import hang_guard

@@ -176,7 +176,7 @@ def register(sub: Any, fmt: Any) -> None:
                        "pool takes) to the expert count, in one pass over the log, under the pool's own rules\n"
                        "(a step's experts at a layer are held together). The same numbers as a replay with\n"
                        "--set pool.expert_slots=C --set pool.evict_policy=lru (and its Belady column) at each C,\n"
-                       "without the device or timing. Writes a CSV (-o) and a PNG (--plot); docs/replay.md.",
+                       "without the device or timing. Writes a CSV (--csv) and a PNG (--plot); docs/replay.md.",
                        epilog="examples:\n"
                        "  qnpipe generate ./tiny-qn -p 'def fib(n):' -n 32 --trace run.qtrace\n"
                        "  qnpipe replay run.qtrace --set pool.expert_slots=16 --set pool.evict_policy=lru\n"

@@ -42,9 +42,9 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    cfg = load_config(args)  # first: it puts the configured CPU BLAS in front of MLX, which qnpipe.convert imports
     from qnpipe.convert import convert
 
-    cfg = load_config(args)
     mtp_bits = cfg.mtp.bits if args.mtp_bits is None else args.mtp_bits
     report = convert(args.src, args.out, bits=args.bits, group_size=args.group_size, mode=args.mode, dtype=args.dtype,
                      mtp_bits=mtp_bits, mtp_from=args.mtp_from, force=args.force, hub_timeout_s=cfg.net.hub_timeout_s,

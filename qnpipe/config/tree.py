@@ -60,18 +60,23 @@ class EvictPolicy(enum.StrEnum):
 
 # A plug-in policy: an importable module and a class in it (qnpipe.policy.eviction_plugin loads it).
 _PLUGIN_SPEC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+_EVICT_POLICY_VALUES = frozenset(EvictPolicy)
 EVICT_POLICY_ALLOWED = f"one of {', '.join(EvictPolicy)}, or a plug-in class package.module:Class"
 
 
 def check_evict_policy(value: str) -> str:
     """`value` as `pool.evict_policy` holds it: an `EvictPolicy`, or a plug-in's "package.module:Class".
 
+    A built-in's name is matched without case, '-' or '_' (`s3-fifo`, the paper's spelling, is `s3fifo`).
     Raises ConfigError naming the value when it is neither.
     """
     try:
         return EvictPolicy(value)
     except ValueError:
         pass
+    folded = value.lower().replace("-", "").replace("_", "")
+    if folded in _EVICT_POLICY_VALUES:
+        return EvictPolicy(folded)
     if _PLUGIN_SPEC.fullmatch(value):
         return value
     raise ConfigError(f"pool.evict_policy {value!r} is neither a built-in eviction policy nor a plug-in "

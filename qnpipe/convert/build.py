@@ -19,6 +19,7 @@ how each tensor is transformed) is `qnpipe.convert.plan`; the streaming safetens
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from qnpipe.convert import hub
+from qnpipe.convert.hub_check import check_remote
 from qnpipe.convert.plan import (
     BITS,
     DTYPES,
@@ -151,7 +153,8 @@ def convert(
 
     `src` (and `mtp_from`) is a directory or a Hugging Face repository id (`owner/name[@revision]`),
     fetched into the hub cache first (qnpipe.convert.hub), every connect and read waiting at most
-    `hub_timeout_s`.
+    `hub_timeout_s`; a family qnpipe does not run, or a download and output larger than the free disk,
+    is refused from its config.json and file list before the download (qnpipe.convert.hub_check).
 
     `bits`/`group_size` (default 64) quantize an unquantized source exactly as `mlx_lm.convert -q`
     does (router and shared-expert gate at 8 bits / 64); `mode` (affine, mxfp4, nvfp4, mxfp8) applies to
@@ -186,7 +189,8 @@ def convert(
         clean_stale(out_p.parent, out_p.name, log)
     if any(p is not None and hub.hub_id(p) is not None for p in (src, mtp_from)):
         check_replaceable(out_p, force, "--out")  # before a download from the Hub, not after
-    src_p = hub.fetch(src, progress=progress, timeout_s=hub_timeout_s, log=log).resolve()
+    before = functools.partial(check_remote, out=out_p, bits=bits, group_size=group_size, mode=mode, dtype=dtype)
+    src_p = hub.fetch(src, progress=progress, timeout_s=hub_timeout_s, log=log, check=before).resolve()
     mtp_p = (hub.fetch(mtp_from, what="--mtp-from", progress=progress, timeout_s=hub_timeout_s, log=log).resolve()
              if mtp_from is not None else None)
     _check_paths(src_p, out_p, mtp_p, force)

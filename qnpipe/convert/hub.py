@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from qnpipe.config.tree import HUB_TIMEOUT_S
+from qnpipe.convert.hub_check import RemoteCheckpoint
 from qnpipe.convert.plan import TOKENIZER_GLOBS
 from qnpipe.errors import CheckpointError
+from qnpipe.io.outdir import human_bytes
 
 # What convert reads from a checkpoint: its config, tensors, and the tokenizer files it copies
 # (plus what mlx-lm's loader reads of another family's checkpoint: NVIDIA ModelOpt's quantization).
@@ -47,11 +49,13 @@ def hub_id(src: str | os.PathLike[str]) -> tuple[str, str | None] | None:
 
 
 def fetch(src: str | os.PathLike[str], *, what: str = "SRC", progress: bool = True,
-          timeout_s: float = HUB_TIMEOUT_S, log: Callable[[str], None] | None = None) -> Path:
+          timeout_s: float = HUB_TIMEOUT_S, log: Callable[[str], None] | None = None,
+          check: Callable[[RemoteCheckpoint], None] | None = None) -> Path:
     """`src` itself when it is a local path; else the cached snapshot of the Hub repository it names.
 
     Every connect and read waits at most `timeout_s`; `log` is told what is asked of which endpoint
-    before the first wait."""
+    before the first wait. Online, `check` is given the repository's config.json and file list
+    (`qnpipe.convert.hub_check`) before anything else is downloaded, and may refuse it by raising."""
     named = hub_id(src)
     if named is None:
         return Path(src)
@@ -69,7 +73,11 @@ def fetch(src: str | os.PathLike[str], *, what: str = "SRC", progress: bool = Tr
     unreachable = _Unreachable(f"{what} {src}", endpoint, timeout_s)
     try:
         with _bounded_requests(timeout_s):
-            folder = huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=list(CONVERT_FILES))
+            cached = None
+            if check is not None and not constants.is_offline_mode():
+                cached = _checked_first(repo, revision, f"{what} {src}", check, unreachable, log)
+            folder = cached or huggingface_hub.snapshot_download(repo, revision=revision,
+                                                                 allow_patterns=list(CONVERT_FILES))
     except errors.IncompleteSnapshotError as e:
         if constants.is_offline_mode() or e.__cause__ is None:
             raise CheckpointError(f"{what} {src}: the hub cache holds only part of it and the Hub cannot be "
@@ -92,6 +100,78 @@ def fetch(src: str | os.PathLike[str], *, what: str = "SRC", progress: bool = Tr
     except (errors.HfHubHTTPError, *_transport_errors(), json.JSONDecodeError) as e:
         raise unreachable.error(e) from None
     return Path(folder)
+
+
+def _checked_first(repo: str, revision: str | None, where: str, check: Callable[[RemoteCheckpoint], None],
+                   unreachable: _Unreachable, log: Callable[[str], None] | None) -> str | None:
+    """Refuse the repository by `check` before its download; None once it passes. A Hub that cannot be
+    reached checks nothing: the cached snapshot when the cache holds all of it (returned), as
+    snapshot_download would use it, else the error naming the endpoint."""
+    import huggingface_hub
+    from huggingface_hub import constants, errors
+
+    try:
+        remote, commit = _before_download(repo, revision, where, log)
+    except (errors.HfHubHTTPError, *_transport_errors(), json.JSONDecodeError) as e:
+        if isinstance(e, (errors.RepositoryNotFoundError, errors.GatedRepoError, errors.RevisionNotFoundError)):
+            raise
+        try:
+            return huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=list(CONVERT_FILES),
+                                                     local_files_only=True)
+        except errors.IncompleteSnapshotError as part:
+            raise unreachable.error(e, f"the hub cache holds only part of it ({_first_line(part)}) and ") from None
+        except errors.LocalEntryNotFoundError:
+            raise unreachable.error(e, f"not in the hub cache ({constants.HF_HUB_CACHE}) and ") from None
+    check(remote)  # the family and the disk: refused here, when only config.json has been fetched
+    _check_index(repo, commit, remote)
+    return None
+
+
+def _before_download(repo: str, revision: str | None, where: str,
+                     log: Callable[[str], None] | None) -> tuple[RemoteCheckpoint, str]:
+    """The repository's file list and config.json (the one file fetched), and the commit they are of."""
+    from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.hf_api import RepoFile
+    from huggingface_hub.utils import filter_repo_objects
+
+    api = HfApi()
+    commit = api.repo_info(repo, revision=revision).sha or revision or "main"
+    listing = {f.path: f.size for f in api.list_repo_tree(repo, recursive=True, revision=commit)
+               if isinstance(f, RepoFile)}
+    files = {name: listing[name] for name in filter_repo_objects(listing, allow_patterns=list(CONVERT_FILES))}
+    if "config.json" not in files:
+        raise CheckpointError(f"{where}: the repository has no config.json: not a model checkpoint")
+    if log is not None:
+        log(f"qnpipe convert: {repo} has {len(files)} files for convert ({human_bytes(sum(files.values()))}); reading its "
+            "config.json first")
+    config = _json_file(hf_hub_download(repo, "config.json", revision=commit), where, "config.json")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{where}: its config.json is not a JSON object")
+    cached = frozenset(n for n in files if isinstance(try_to_load_from_cache(repo, n, revision=commit), str))
+    return RemoteCheckpoint(where=where, config=config, files=files, cached=cached,
+                            cache_dir=Path(constants.HF_HUB_CACHE)), commit
+
+
+def _check_index(repo: str, commit: str, remote: RemoteCheckpoint) -> None:
+    """A weight index that names shards the repository lacks is refused before the shards are fetched."""
+    from huggingface_hub import hf_hub_download
+
+    for name in (n for n in remote.files if n.endswith(".safetensors.index.json")):
+        index = _json_file(hf_hub_download(repo, name, revision=commit), remote.where, name)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{remote.where}: its {name} has no weight_map")
+        missing = sorted({str(f) for f in weight_map.values() if f not in remote.files})
+        if missing:
+            raise CheckpointError(f"{remote.where}: its {name} names files the repository does not have: "
+                                  f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}")
+
+
+def _json_file(path: str, where: str, name: str) -> Any:
+    try:
+        return json.loads(Path(path).read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{where}: its {name} is not JSON ({e})") from None
 
 
 def _transport_errors() -> tuple[type[Exception], ...]:
