@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qnpipe.io.figure import save
+from qnpipe.io.figure import DEFAULT_OPTIONS, FigureOptions, finish, provenance, save
 from qnpipe.trace.timeline import Timeline
 
 COLOURS = {"compute": "#4c72b0", "stall": "#c44e52", "demand": "#8c8c8c", "in time": "#55a868", "late": "#dd8452",
@@ -19,8 +19,10 @@ COLOURS = {"compute": "#4c72b0", "stall": "#c44e52", "demand": "#8c8c8c", "in ti
 LABEL_READS = 80  # up to this many reads in the window, each bar is labelled with its layer and expert
 
 
-def draw(tl: Timeline, out: str | Path, *, title: str = "", fmt: str = "png") -> Path:
-    """Write the plot to `out` as `fmt` (png, pdf, svg; through a temporary name) and return its path."""
+def draw(tl: Timeline, out: str | Path, *, title: str = "", fmt: str = "png", opts: FigureOptions = DEFAULT_OPTIONS,
+         source: str = "") -> Path:
+    """Write the plot to `out` as `fmt` (png, pdf, svg; through a temporary name) and return its path. `source`
+    is the provenance line (default: qnpipe's version alone)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -28,7 +30,7 @@ def draw(tl: Timeline, out: str | Path, *, title: str = "", fmt: str = "png") ->
 
     ms = 1e3
     n_layers, n_lanes = max(1, len(tl.layers)), max(1, tl.lanes)
-    fig = Figure(figsize=(13, min(30.0, 2.2 + 0.28 * (n_layers + n_lanes))), layout="constrained")
+    fig = Figure(figsize=opts.figsize((13, min(30.0, 2.6 + 0.28 * (n_layers + n_lanes)))), layout="constrained")
     FigureCanvasAgg(fig)
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[n_layers + 1, n_lanes + 1])
 
@@ -76,8 +78,11 @@ def draw(tl: Timeline, out: str | Path, *, title: str = "", fmt: str = "png") ->
     handles += [Line2D([], [], marker=">", color="black", linestyle="none", label="hint"),
                 Line2D([], [], marker="|", color="black", linestyle="none", markersize=9, label="needed")]
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=7, frameon=False)
-    fig.suptitle(title or f"steps {tl.first}..{tl.last}", fontsize=9)
-    return save(fig, out, fmt, dpi=110)
+    fig.suptitle(opts.title or title or f"steps {tl.first}..{tl.last}", fontsize=9)
+    if opts.xlabel is not None:
+        bottom.set_xlabel(opts.xlabel)
+    finish(fig, None, FigureOptions(), source or provenance())
+    return save(fig, out, fmt, dpi=opts.dpi)
 
 
 __all__ = ["COLOURS", "LABEL_READS", "draw"]
