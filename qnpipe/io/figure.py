@@ -26,7 +26,7 @@ DPI = 200  # PNG only: the vector formats do not depend on it
 PROVENANCE_PT = 6.0  # the provenance line's font size
 _NO_DATE: dict[str, dict[str, Any]] = {"png": {}, "pdf": {"CreationDate": None}, "svg": {"Date": None}}
 # svg.hashsalt: the SVG's element ids are otherwise random on each run; fonttypes: text as text
-_RC = {"svg.hashsalt": "qnpipe", "svg.fonttype": "none", "pdf.fonttype": 42}
+_RC: dict[Any, Any] = {"svg.hashsalt": "qnpipe", "svg.fonttype": "none", "pdf.fonttype": 42}
 
 
 class FigureOptions(msgspec.Struct, frozen=True, kw_only=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -239,7 +240,7 @@ META_NAMES = {"process_name": "name", "thread_name": "name", "process_sort_index
               "thread_sort_index": "sort_index"}
 
 
-def _check_trace_events(doc: object) -> list[dict[str, object]]:
+def _check_trace_events(doc: object) -> list[dict[str, Any]]:
     """The Chrome trace-event format's rules (the JSON object form) that Perfetto's JSON importer relies on;
     the events. Slices of one thread must nest (none may end inside another it started in): the importer
     drops or misplaces those that do not."""
@@ -270,7 +271,7 @@ def _check_trace_events(doc: object) -> list[dict[str, object]]:
     return events
 
 
-def _slice_counts(events: list[dict[str, object]]) -> dict[str, int]:
+def _slice_counts(events: list[dict[str, Any]]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for e in events:
         if e["ph"] in ("X", "i"):
@@ -383,7 +384,9 @@ def test_a_live_runs_export_loads_in_perfettos_trace_processor(live_log: Path, l
 
     tp = TraceProcessor(trace=str(live_export), config=TraceProcessorConfig(bin_path=binary))
     try:
-        loaded = {row.name: row.n for row in tp.query("select name, count(*) as n from slice group by name")}
+        rows = tp.query("select name, count(*) as n from slice group by name")
+        # a Row's columns are its attributes, made at run time
+        loaded = {str(row.name): int(row.n) for row in rows}  # pyright: ignore[reportAttributeAccessIssue]
     finally:
         tp.close()
     assert loaded == _slice_counts(json.loads(live_export.read_text())["traceEvents"])
