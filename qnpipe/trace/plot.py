@@ -9,6 +9,7 @@ needed it (a dotted line from the bar's end to it: the slack of one that landed 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from qnpipe.io.figure import DEFAULT_OPTIONS, FigureOptions, finish, provenance, save
@@ -70,14 +71,19 @@ def draw(tl: Timeline, out: str | Path, *, title: str = "", fmt: str = "png", op
     for ax in (top, bottom):
         for _, t in tl.step_starts:
             ax.axvline(x(t), color="black", linewidth=0.5, linestyle=":")
+    room = 0.045 * max(x(tl.t1), 1e-9)  # a label's width: closer steps go unlabelled, not overprinted
+    last = -math.inf
     for step, t in tl.step_starts:
-        top.annotate(f"step {step}", (x(t), 1), xycoords=("data", "axes fraction"), xytext=(2, 3),
-                     textcoords="offset points", fontsize=7)
+        if x(t) - last >= room:
+            top.annotate(f"step {step}", (x(t), 1), xycoords=("data", "axes fraction"), xytext=(2, 3),
+                         textcoords="offset points", fontsize=7)
+            last = x(t)
     handles = [Patch(color=COLOURS[k], label=k) for k in ("compute", "stall")]
     handles += [Patch(color=COLOURS[k], label=f"read: {k}") for k in ("demand", "in time", "late", "unused")]
     handles += [Line2D([], [], marker=">", color="black", linestyle="none", label="hint"),
                 Line2D([], [], marker="|", color="black", linestyle="none", markersize=9, label="needed")]
-    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=7, frameon=False)
+    # beside the axes: the bottom edge holds the provenance line, the top the title
+    fig.legend(handles=handles, loc="outside right upper", fontsize=7, frameon=False)
     fig.suptitle(opts.title or title or f"steps {tl.first}..{tl.last}", fontsize=9)
     if opts.xlabel is not None:
         bottom.set_xlabel(opts.xlabel)

@@ -341,3 +341,33 @@ def test_replay_mrc_writes_no_plot_unless_asked(log: Path, tmp_path: Path, monke
     assert (tmp_path / "c.pdf").read_bytes().startswith(b"%PDF-")  # the format its name asks for, not PNG bytes
     assert main(["replay", str(log), "--mrc", "--plot", "d.png", "--size", "huge"]) == 2
     assert "--size huge" in capsys.readouterr().err and not (tmp_path / "d.png").exists()
+
+
+def _drawn(write: Callable[[Path], Any]) -> Any:
+    """The matplotlib figure `write` saves."""
+    import tempfile
+
+    import matplotlib.figure
+
+    captured: list[Any] = []
+    real = matplotlib.figure.Figure.savefig
+
+    def keep(self: Any, *a: Any, **k: Any) -> None:
+        captured.append(self)
+        real(self, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp, tempfile.TemporaryDirectory() as d:
+        mp.setattr(matplotlib.figure.Figure, "savefig", keep)
+        write(Path(d) / "x.png")
+    return captured[0]
+
+
+@pytest.mark.parametrize("kind", ["mrc", "timeline"])
+def test_the_mrc_and_timeline_figures_keep_every_text_on_the_canvas(
+        kind: str, result: sweep.SweepResult, categorical: sweep.SweepResult, log: Path, events: Path,
+        tmp_path: Path) -> None:
+    fig = _drawn(_figures(result, categorical, log, events, tmp_path)[kind][0])
+    assert outside_canvas(fig) == []
+    renderer = fig.canvas.get_renderer()
+    legend = (fig.legends or [fig.axes[0].get_legend()])[0].get_window_extent(renderer)
+    assert not _overlaps(fig._supxlabel.get_window_extent(renderer), legend)  # the provenance line
