@@ -218,7 +218,7 @@ def register(sub: Any, fmt: Any) -> None:
                    help="miss-ratio curves instead of one replay: LRU and Belady hit rate at every capacity "
                    "(top-k .. expert count), per layer and in total; writes --csv (one row per policy x layer x "
                    "capacity: policy,layer,capacity,hits,requests,hit_rate, layer 'all' = the total; default "
-                   "<log name>.mrc.csv here) and --plot, prints a summary")
+                   "<log name>.mrc.csv here) and, when given, --plot; prints a summary")
     r.add_argument("--plot", metavar="FILE", help="--mrc: also draw the miss-ratio curves to FILE (.png, .pdf or .svg "
                    "by its suffix; none by default)")
     add_figure_flags(r)

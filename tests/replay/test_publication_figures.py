@@ -300,23 +300,9 @@ def test_the_mrc_plot_draws_the_miss_ratio_and_says_when_belady_is_not_monotone(
 
 
 def _mrc_axes(res: MrcResult) -> Any:
-    import matplotlib.figure
-
-    captured: list[Any] = []
-    real = matplotlib.figure.Figure.savefig
-
-    def keep(self: Any, *a: Any, **k: Any) -> None:
-        captured.append(self)
-        real(self, *a, **k)
-
-    import tempfile
-
     from qnpipe.replay.mrc_export import plot
 
-    with pytest.MonkeyPatch.context() as mp, tempfile.TemporaryDirectory() as d:
-        mp.setattr(matplotlib.figure.Figure, "savefig", keep)
-        plot(res, Path(d) / "x.png")
-    return captured[0].axes[0]
+    return _drawn(lambda p: plot(res, p)).axes[0]
 
 
 def test_sweep_notes_a_falling_belady() -> None:
