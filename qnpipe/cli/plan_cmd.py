@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from qnpipe.cli.common import add_config_flags, config_overrides, stop_on_signals
+from qnpipe.cli.figure_flags import add_figure_flags, figure_options
 from qnpipe.errors import QnpipeError
 
 PLOT_FRACTIONS = (0.25, 0.5, 0.75, 1.0, 1.25)  # --plot: budgets between the smallest that fits and 1.25 x --memory
@@ -34,6 +35,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.ranks is not None:
         return plan_ranks(args, cfg, facts, memory, headroom)
     budgets = [memory]
+    opts = figure_options(args)  # a bad --size now, not after the plans
     if args.plot:
         least = minimum_budget(facts, cfg, context=args.context, headroom_bytes=headroom)
         budgets = sorted({max(least, int(least + (memory - least) * f)) for f in PLOT_FRACTIONS} | {memory})
@@ -48,7 +50,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.plot:
         from qnpipe.plan.plot import plot_plans
 
-        plot_plans(plans, plan, args.plot)
+        plot_plans(plans, plan, args.plot, opts)
     print(describe(plan, fmt_bytes))
     return 0
 
@@ -158,7 +160,9 @@ def register(sub: Any, fmt: Any) -> None:
     p.add_argument("--bits", type=int, default=None, help="with --shape: expert bits (default: the config's "
                    "quantization, else its float dtype)")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan (JSON) here")
-    p.add_argument("--plot", metavar="PNG", help="draw tok/s and hit rate against the budget, and the slots per layer")
+    p.add_argument("--plot", metavar="FILE", help="draw tok/s and hit rate against the budget, and the slots per layer "
+                   "(.png, .pdf or .svg by its suffix)")
+    add_figure_flags(p)
     p.add_argument("--window-layer-steps", type=int, default=12_000, metavar="N",
                    help="timing replays cover the log's last N layer-steps (default 12000)")
     p.add_argument("--ranks", type=int, default=None, metavar="N",

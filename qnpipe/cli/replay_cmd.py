@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from qnpipe.cli.common import add_config_flags, config_overrides, stop_on_signals
+from qnpipe.cli.figure_flags import add_figure_flags, figure_options
 from qnpipe.errors import QnpipeError
 from qnpipe.io.clobber import check_outputs
 
@@ -130,11 +131,12 @@ def _mrc(args: argparse.Namespace) -> int:
     stem = Path(args.log).name.removesuffix(".gz").rsplit(".", 1)[0] or "log"
     check_exports(args)
     csv_path = Path(args.csv or f"{stem}.mrc.csv")
-    png_path = Path(args.plot or f"{stem}.mrc.png")
-    check_outputs([("--csv" if args.csv else "the curves' CSV", csv_path), ("--plot" if args.plot else "the plot", png_path),
+    png_path = Path(args.plot) if args.plot else None  # a plot only when asked for
+    opts = figure_options(args)  # a bad --size before the curves, not after them
+    check_outputs([("--csv" if args.csv else "the curves' CSV", csv_path), ("--plot", png_path),
                    ("--parquet", args.parquet)], [("LOG", args.log), ("--config", args.config)])
     for p in (csv_path, png_path):
-        if p.is_dir():
+        if p is not None and p.is_dir():
             raise QnpipeError(f"{p}: is a directory, give a file name")
     t0 = time.perf_counter()
     result = miss_ratio_curves(args.log, policies=policies)
@@ -148,12 +150,13 @@ def _mrc(args: argparse.Namespace) -> int:
         from qnpipe.replay.export import write_parquet
 
         write_parquet(result.rows(), args.parquet)
-    plot(result, png_path, layers=layers)
+    if png_path is not None:
+        plot(result, png_path, layers=layers, opts=opts)
     if args.json:
         print(msgspec.json.encode(result).decode())
     else:
         print(summary(result))
-        print(f"  {took:.2f} s; wrote {csv_path} ({len(result.rows())} rows) and {png_path}")
+        print(f"  {took:.2f} s; wrote {csv_path} ({len(result.rows())} rows)" + (f" and {png_path}" if png_path else ""))
     return 0
 
 
@@ -188,7 +191,7 @@ def register(sub: Any, fmt: Any) -> None:
                        "  qnpipe replay synth.qtrace --predict transition --train-frac 0.2 --set replay.record_nbytes=1700000\n"
                        "  qnpipe replay synth.qtrace --predict oracle --recall 0.8 --seed 1 --set replay.record_nbytes=1700000\n"
                        "  qnpipe replay run.qtrace --set pool.expert_slots=16 --csv run.csv\n"
-                       "  qnpipe replay run.qtrace --mrc                       run.mrc.csv and run.mrc.png here\n"
+                       "  qnpipe replay run.qtrace --mrc                       run.mrc.csv here\n"
                        "  qnpipe replay run.qtrace --mrc --csv out/run.csv --plot out/run.png --mrc-layers 0,23")
     r.add_argument("log", metavar="LOG", help="event log (qnpipe generate --trace), docs/trace-format.md")
     r.add_argument("--device", default="apple-m5-internal", metavar="NAME",
@@ -215,8 +218,10 @@ def register(sub: Any, fmt: Any) -> None:
                    help="miss-ratio curves instead of one replay: LRU and Belady hit rate at every capacity "
                    "(top-k .. expert count), per layer and in total; writes --csv (one row per policy x layer x "
                    "capacity: policy,layer,capacity,hits,requests,hit_rate, layer 'all' = the total; default "
-                   "<log name>.mrc.csv here) and --plot, prints a summary")
-    r.add_argument("--plot", metavar="PNG", help="--mrc: the plot to write (default <log name>.mrc.png here)")
+                   "<log name>.mrc.csv here) and, when given, --plot; prints a summary")
+    r.add_argument("--plot", metavar="FILE", help="--mrc: also draw the miss-ratio curves to FILE (.png, .pdf or .svg "
+                   "by its suffix; none by default)")
+    add_figure_flags(r)
     r.add_argument("--mrc-policies", default="lru,belady", metavar="P,P",
                    help="--mrc: which curves, of lru and belady (default both)")
     r.add_argument("--mrc-layers", metavar="L,L", help="--mrc: also plot these layers' own curves (thin lines)")

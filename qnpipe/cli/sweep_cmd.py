@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from qnpipe.cli.common import add_config_flags
+from qnpipe.cli.figure_flags import add_figure_flags, figure_options
 from qnpipe.cli.replay_cmd import add_export_flags, check_exports, log_outputs, write_exports
 from qnpipe.errors import QnpipeError
 from qnpipe.io.clobber import check_outputs
@@ -168,6 +169,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.plot_dir and Path(args.plot_dir).exists() and not Path(args.plot_dir).is_dir():
         raise QnpipeError(f"--plot-dir {args.plot_dir}: exists and is not a directory")
     check_exports(args)
+    opts = figure_options(args)  # a bad --size now, not after the sweep
     cfg, base, fixed = _base(args)
     points = plan(args.log, parse_grid(args.grid), cfg, base=base, fixed=fixed, equal_memory=args.equal_memory)
     check_outputs(_outputs(args, metric, points), [("LOG", args.log), ("--config", args.config)])
@@ -187,7 +189,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.plot_dir:
         from qnpipe.replay.sweep_plot import plot
 
-        plot(result, metric, args.plot_dir, fmt=args.plot_format)
+        plot(result, metric, args.plot_dir, fmt=args.plot_format, opts=opts)
     if args.csv or args.parquet:
         from qnpipe.replay.export import config_columns
         from qnpipe.replay.sweep import replay_keys, resolve_key
@@ -244,6 +246,7 @@ def register(sub: Any, fmt: Any) -> None:
     s.add_argument("--plot-dir", metavar="DIR", help="write a plot of the metric against each swept field to DIR")
     s.add_argument("--plot-format", choices=PLOT_FORMATS, default="png",
                    help="the plots' file format (default %(default)s; pdf and svg are vector graphics)")
+    add_figure_flags(s)
     add_export_flags(s)
     s.add_argument("--jobs", type=int, metavar="N", help="worker processes (default: the machine's cores)")
     s.add_argument("--executor", choices=["processes", "dask", "serial"], default="processes",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from qnpipe.cli.figure_flags import add_figure_flags, figure_options
 from qnpipe.io.figure import PLOT_FORMATS
 
 
@@ -12,17 +13,19 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from qnpipe.io.clobber import check_outputs
-    from qnpipe.io.figure import check_format, format_of
+    from qnpipe.io.figure import check_format, format_of, provenance
     from qnpipe.trace import read
     from qnpipe.trace.plot import draw
     from qnpipe.trace.timeline import parse_steps, timeline
 
     fmt = check_format(args.plot_format) if args.plot_format else format_of(args.output)
+    opts = figure_options(args)
     check_outputs([("-o", args.output)], [("LOG", args.log)])
     window = parse_steps(args.steps) if args.steps else (None, None)
     header, records = read(args.log)
     tl = timeline(header, records, window, path=args.log)
-    draw(tl, args.output, title=f"{Path(args.log).name}: steps {tl.first}..{tl.last}", fmt=fmt)
+    draw(tl, args.output, title=f"{Path(args.log).name}: steps {tl.first}..{tl.last}", fmt=fmt, opts=opts,
+         source=provenance(log=args.log, extra=f"the run's config fingerprint {header.fingerprint[:16]}"))
     late = sum(r.outcome == "late" for r in tl.reads)
     print(f"{args.output}: steps {tl.first}..{tl.last}, {len(tl.layers)} layers, {len(tl.reads)} reads on "
           f"{tl.lanes} lanes ({late} late prefetches), {len(tl.stalls)} stalls")
@@ -48,6 +51,8 @@ def register(tsub: Any, fmt: Any) -> None:
     p.add_argument("--plot-format", choices=PLOT_FORMATS,
                    help="the file format (default: by the -o name's suffix, .pdf or .svg, else png)")
     p.add_argument("--steps", metavar="A:B",
-                   help="steps A to B-1 (a Python slice: A: = from A, :B = up to B-1, : = all; A alone = step A); "
+                   help="the log's steps numbered A to B-1 (step numbers count from 1, as the log and `trace stats` "
+                   "number them; half-open: A: = from A on, :B = before B, : = all; A alone = step A); "
                    "default: the first 4 steps")
+    add_figure_flags(p)
     p.set_defaults(func=cmd_plot)

@@ -6,8 +6,13 @@ tick each in grid order, the series' points side by side within it, never joined
 between two policies would suggest values between them). Every series has its own marker
 (hollow, and on a numeric axis of another size, so points that coincide stay visible) and
 line style. A hit-rate plot also shows Belady's hit rate at the same points (the demand-only
-optimum at the resident slots). Axis labels come from `LABELS` (what the field is, and its
-unit), never the raw key; the legend sits outside the axes.
+optimum at the resident slots), with a note when it falls as the slots rise (on logs whose steps
+route several tokens, holding a step's experts together makes the furthest-next-use rule no
+longer optimal nor monotone). Axis labels come from `LABELS` (what the field is, and its unit),
+never the raw key, and long labels, ticks and legend entries are wrapped to stay on the canvas;
+the legend sits outside the axes. Every y axis starts at 0 (no metric here is negative, and a
+1 % spread drawn over the full height reads as a cliff). The last line names what produced the
+numbers: qnpipe's version, the log, the device profile and the cost model.
 """
 
 from __future__ import annotations
@@ -17,7 +22,17 @@ import re
 from pathlib import Path
 from typing import Any
 
-from qnpipe.io.figure import check_format, save
+from qnpipe.io.figure import (
+    DEFAULT_OPTIONS,
+    FigureOptions,
+    check_format,
+    describe_cost,
+    describe_device,
+    finish,
+    provenance,
+    save,
+    wrap,
+)
 from qnpipe.replay.sweep import SweepResult, fmt_value
 
 MAX_LEGEND = 24  # more series than this: no legend (the title says how many)
@@ -25,7 +40,10 @@ MAX_LEGEND = 24  # more series than this: no legend (the title says how many)
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", "h")
 STYLES = ("-", "--", "-.", ":")
 BELADY = "belady_hit_rate"
-HIT_RATES = ("hit_rate", "resident_hit_rate", "side_hit_rate", BELADY)
+HIT_RATES = ("hit_rate", "resident_hit_rate", "side_hit_rate", "victim_hit_rate", BELADY)
+TICK_CHARS = 12  # a categorical tick's label wraps past this many characters
+LEGEND_CHARS = 30  # and a legend entry past this many
+NOT_MONOTONE = "Belady falls as the slots rise: with a step's experts held together it is not optimal"
 
 # field or metric -> (what it is, unit, factor from the stored value to the unit)
 LABELS: dict[str, tuple[str, str, float]] = {
@@ -33,6 +51,7 @@ LABELS: dict[str, tuple[str, str, float]] = {
     "hit_rate": ("hit rate", "fraction of expert requests", 1.0),
     "resident_hit_rate": ("resident hit rate", "fraction of expert requests", 1.0),
     "side_hit_rate": ("prefetched-in-time hit rate", "fraction of expert requests", 1.0),
+    "victim_hit_rate": ("victim-region hit rate", "fraction of expert requests", 1.0),
     BELADY: ("Belady hit rate", "fraction of expert requests", 1.0),
     "misses": ("misses", "expert reads on demand", 1.0),
     "stall_s_per_token": ("stall", "ms per step", 1e3),
@@ -46,6 +65,8 @@ LABELS: dict[str, tuple[str, str, float]] = {
     "pool.expert_slots": ("resident expert slots", "per layer", 1.0),
     "pool.evict_policy": ("eviction policy", "", 1.0),
     "pool.side_region_slots": ("side-region (prefetch) slots", "per layer", 1.0),
+    "pool.prefetch_into": ("prefetch placement", "", 1.0),
+    "pool.autopin": ("autopin", "", 1.0),
     "read.workers": ("reader threads", "", 1.0),
     "predict.width_experts": ("prediction width", "experts per predicted layer", 1.0),
     "replay.predictor": ("predictor", "", 1.0),
@@ -70,7 +91,9 @@ def label(name: str) -> tuple[str, float]:
     from qnpipe.config import field_specs
 
     doc = next((s.doc for s in field_specs() if s.path == name), "")
-    return (doc or name.rpartition(".")[2].replace("_", " ")), 1.0
+    # a config field's doc runs on past its name ("where prefetches land: side (...) or main (...)"): its head
+    head = re.split(r"[:;(]", doc, maxsplit=1)[0].strip() if doc else ""
+    return (head or name.rpartition(".")[2].replace("_", " ")), 1.0
 
 
 def _numeric(values: list[Any]) -> bool:
@@ -91,23 +114,39 @@ def series(result: SweepResult, field: str, metric: str) -> tuple[list[Any], dic
     return xs, lines
 
 
+def short(name: str) -> str:
+    """A field's or metric's label without its unit or asides: "side-region (prefetch) slots (per layer)" -> "side-region slots"."""
+    return re.sub(r"\s*\([^)]*\)", "", label(name)[0])
+
+
 def _series_label(values: dict[str, Any], field: str) -> str:
-    return ", ".join(f"{label(k)[0].partition(' (')[0]} = {fmt_value(v)}" for k, v in values.items() if k != field)
+    return ", ".join(f"{short(k)} = {fmt_value(v)}" for k, v in values.items() if k != field)
 
 
 def file_name(metric: str, field: str, fmt: str = "png") -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{metric}-vs-{field}") + f".{fmt}"
 
 
-def plot(result: SweepResult, metric: str, out_dir: str | Path, *, fmt: str = "png") -> list[Path]:
+def plot(result: SweepResult, metric: str, out_dir: str | Path, *, fmt: str = "png",
+         opts: FigureOptions = DEFAULT_OPTIONS) -> list[Path]:
     """Write `<metric>-vs-<field>.<fmt>` in `out_dir` (created) for every swept field; the paths written."""
     check_format(fmt)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return [save(figure(result, metric, field), out / file_name(metric, field, fmt), fmt) for field in result.fields]
+    return [save(figure(result, metric, field, opts), out / file_name(metric, field, fmt), fmt, dpi=opts.dpi)
+            for field in result.fields]
 
 
-def figure(result: SweepResult, metric: str, field: str) -> Any:
+def source(result: SweepResult) -> str:
+    """The provenance line of a sweep's figures: the device profile and cost model of its points (or that they vary)."""
+    reports = [p.report for p in result.points if p.report is not None]
+    devices = {describe_device(r.device) for r in reports}
+    costs = {describe_cost(r.cost) for r in reports}
+    return provenance(log=result.log, device=devices.pop() if len(devices) == 1 else "varies (swept)",
+                      cost=costs.pop() if len(costs) == 1 else "varies (swept)")
+
+
+def figure(result: SweepResult, metric: str, field: str, opts: FigureOptions = DEFAULT_OPTIONS) -> Any:
     """The figure of `metric` against `field` (see the module doc)."""
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -119,7 +158,7 @@ def figure(result: SweepResult, metric: str, field: str) -> Any:
     xlabel, xf = label(field)
     numeric = _numeric(xs)
     legend = 1 < len(lines) <= MAX_LEGEND or bool(belady)
-    fig = Figure(figsize=(7.6 if legend else 6.4, 4.2), layout="constrained")
+    fig = Figure(figsize=opts.figsize((7.6 if legend else 6.4, 4.2)), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     cycle = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -128,7 +167,8 @@ def figure(result: SweepResult, metric: str, field: str) -> Any:
     for i, (name, pts) in enumerate(lines.items()):
         style = {"color": colours[i], "marker": MARKERS[i % len(MARKERS)], "markerfacecolor": "none",
                  # on a numeric axis sizes differ, so that coinciding points nest instead of hiding each other
-                 "markersize": 6 + 2 * ((len(lines) - 1 - i) % 3) if numeric else 7, "label": name or metric}
+                 "markersize": 6 + 2 * ((len(lines) - 1 - i) % 3) if numeric else 7,
+                 "label": wrap(name, LEGEND_CHARS) if name else metric}
         if numeric:
             pts = sorted(pts, key=lambda p: p[0])
             ax.plot([x * xf for x, _ in pts], [y * yf for _, y in pts], linestyle=STYLES[i % len(STYLES)], **style)
@@ -137,18 +177,23 @@ def figure(result: SweepResult, metric: str, field: str) -> Any:
             ax.plot([xs.index(x) + dx for x, _ in pts], [y * yf for _, y in pts], linestyle="none", **style)
     _draw_belady(ax, belady, xs, numeric, xf, yf, colours, width)
     if not numeric:
-        ax.set_xticks(list(range(len(xs))), [fmt_value(x) for x in xs])
+        ticks = [wrap(fmt_value(x), TICK_CHARS) for x in xs]
+        crowded = sum(max(len(line) for line in t.split("\n")) for t in ticks) > 6 * fig.get_figwidth()
+        ax.set_xticks(list(range(len(xs))), ticks, rotation=30 if crowded else 0, ha="right" if crowded else "center")
         ax.set_xlim(-0.6, len(xs) - 0.4)
     elif len(xs) <= MAX_LEGEND:
         ax.set_xticks([x * xf for x in sorted(xs)], [fmt_value(x * xf if xf != 1.0 else x) for x in sorted(xs)])
-    if metric in HIT_RATES:
-        ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0.0)
+    if metric in HIT_RATES and ax.get_ylim()[1] > 1.0:
+        ax.set_ylim(top=1.02)
+    chars = int(fig.get_figwidth() * 11)  # ~11 characters of 10 pt text to the inch
+    ax.set_xlabel(wrap(xlabel, chars))
+    ax.set_ylabel(wrap(ylabel, int(fig.get_figheight() * 11)))
     many = f", {len(lines)} series" if len(lines) > MAX_LEGEND else ""
-    ax.set_title(f"{ylabel.partition(' (')[0]} against {xlabel.partition(' (')[0]}  "
-                 f"({Path(result.log).name}, {len(result.points)} points{many})", fontsize=9)
+    ax.set_title(wrap(f"{short(metric)} against {short(field)} "
+                      f"({len(result.points)} points{many})", chars), fontsize=9)
     ax.grid(True, alpha=0.3)
+    finish(fig, ax, opts, source(result))
     if legend:
         fig.legend(loc="outside right upper", fontsize=7, frameon=False)
     return fig
@@ -161,17 +206,22 @@ def _draw_belady(ax: Any, belady: dict[str, list[tuple[Any, float]]], xs: list[A
     if not belady:
         return
     one = len({tuple(y for _, y in pts) for pts in belady.values()}) == 1
+    falls = numeric and any(b[1] < a[1] - 1e-12 for pts in belady.values()
+                            for a, b in itertools.pairwise(sorted(pts, key=lambda p: p[0])))
     dash = (0, (4, 2))
     for i, pts in enumerate(belady.values()):
         colour = "black" if one else colours[i]
         name = "Belady (demand-only optimum)" if i == 0 else None
+        if name and falls:
+            name = "Belady (demand-only, furthest next use);\n" + wrap(NOT_MONOTONE, LEGEND_CHARS)
         if numeric:
             pts = sorted(pts, key=lambda p: p[0])
             ax.plot([x * xf for x, _ in pts], [y * yf for _, y in pts], color=colour, linestyle=dash,
                     linewidth=1.2, alpha=0.8, label=name if one else None, zorder=1)
         else:
             slot = width / max(1, len(belady))
-            at = [xs.index(x) + (i - (len(belady) - 1) / 2) * slot for x, _ in pts]
+            # one line for every series: centred on the category, across all of its points
+            at = [xs.index(x) + (0.0 if one else (i - (len(belady) - 1) / 2) * slot) for x, _ in pts]
             lo, hi = (([c - width / 2 for c in at], [c + width / 2 for c in at]) if one
                       else ([c - slot / 2 for c in at], [c + slot / 2 for c in at]))
             # solid: a dash pattern on a bar this short looks shifted off its point
@@ -184,4 +234,5 @@ def _draw_belady(ax: Any, belady: dict[str, list[tuple[Any, float]]], xs: list[A
                 label="Belady (demand-only optimum),\nin each series' colour")
 
 
-__all__ = ["LABELS", "MARKERS", "MAX_LEGEND", "STYLES", "figure", "file_name", "label", "plot", "series"]
+__all__ = ["LABELS", "MARKERS", "MAX_LEGEND", "NOT_MONOTONE", "STYLES", "figure", "file_name", "label", "plot",
+           "series", "source"]

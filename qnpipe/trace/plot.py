@@ -9,9 +9,10 @@ needed it (a dotted line from the bar's end to it: the slack of one that landed 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from qnpipe.io.figure import save
+from qnpipe.io.figure import DEFAULT_OPTIONS, FigureOptions, finish, provenance, save
 from qnpipe.trace.timeline import Timeline
 
 COLOURS = {"compute": "#4c72b0", "stall": "#c44e52", "demand": "#8c8c8c", "in time": "#55a868", "late": "#dd8452",
@@ -19,8 +20,10 @@ COLOURS = {"compute": "#4c72b0", "stall": "#c44e52", "demand": "#8c8c8c", "in ti
 LABEL_READS = 80  # up to this many reads in the window, each bar is labelled with its layer and expert
 
 
-def draw(tl: Timeline, out: str | Path, *, title: str = "", fmt: str = "png") -> Path:
-    """Write the plot to `out` as `fmt` (png, pdf, svg; through a temporary name) and return its path."""
+def draw(tl: Timeline, out: str | Path, *, title: str = "", fmt: str = "png", opts: FigureOptions = DEFAULT_OPTIONS,
+         source: str = "") -> Path:
+    """Write the plot to `out` as `fmt` (png, pdf, svg; through a temporary name) and return its path. `source`
+    is the provenance line (default: qnpipe's version alone)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -28,7 +31,7 @@ def draw(tl: Timeline, out: str | Path, *, title: str = "", fmt: str = "png") ->
 
     ms = 1e3
     n_layers, n_lanes = max(1, len(tl.layers)), max(1, tl.lanes)
-    fig = Figure(figsize=(13, min(30.0, 2.2 + 0.28 * (n_layers + n_lanes))), layout="constrained")
+    fig = Figure(figsize=opts.figsize((13, min(30.0, 2.6 + 0.28 * (n_layers + n_lanes)))), layout="constrained")
     FigureCanvasAgg(fig)
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[n_layers + 1, n_lanes + 1])
 
@@ -68,16 +71,24 @@ def draw(tl: Timeline, out: str | Path, *, title: str = "", fmt: str = "png") ->
     for ax in (top, bottom):
         for _, t in tl.step_starts:
             ax.axvline(x(t), color="black", linewidth=0.5, linestyle=":")
+    room = 0.045 * max(x(tl.t1), 1e-9)  # a label's width: closer steps go unlabelled, not overprinted
+    last = -math.inf
     for step, t in tl.step_starts:
-        top.annotate(f"step {step}", (x(t), 1), xycoords=("data", "axes fraction"), xytext=(2, 3),
-                     textcoords="offset points", fontsize=7)
+        if x(t) - last >= room:
+            top.annotate(f"step {step}", (x(t), 1), xycoords=("data", "axes fraction"), xytext=(2, 3),
+                         textcoords="offset points", fontsize=7)
+            last = x(t)
     handles = [Patch(color=COLOURS[k], label=k) for k in ("compute", "stall")]
     handles += [Patch(color=COLOURS[k], label=f"read: {k}") for k in ("demand", "in time", "late", "unused")]
     handles += [Line2D([], [], marker=">", color="black", linestyle="none", label="hint"),
                 Line2D([], [], marker="|", color="black", linestyle="none", markersize=9, label="needed")]
-    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=7, frameon=False)
-    fig.suptitle(title or f"steps {tl.first}..{tl.last}", fontsize=9)
-    return save(fig, out, fmt, dpi=110)
+    # beside the axes: the bottom edge holds the provenance line, the top the title
+    fig.legend(handles=handles, loc="outside right upper", fontsize=7, frameon=False)
+    fig.suptitle(opts.title or title or f"steps {tl.first}..{tl.last}", fontsize=9)
+    if opts.xlabel is not None:
+        bottom.set_xlabel(opts.xlabel)
+    finish(fig, None, FigureOptions(), source or provenance())
+    return save(fig, out, fmt, dpi=opts.dpi)
 
 
 __all__ = ["COLOURS", "LABEL_READS", "draw"]

@@ -77,7 +77,8 @@ class Timeline(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def parse_steps(text: str) -> tuple[int | None, int | None]:
-    """`A:B` (steps A to B-1, as a Python slice; `A:` from A on, `:B` up to B-1, `:` all) or `A` (step A alone)."""
+    """`A:B` (the steps numbered A to B-1: half-open like a Python slice, but of step numbers, which count from
+    1 as the log numbers them, not of 0-based positions; `A:` from A on, `:B` before B, `:` all) or `A` (step A)."""
     lo, sep, hi = text.partition(":")
     try:
         a = int(lo) if lo.strip() else None

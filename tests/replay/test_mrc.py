@@ -191,7 +191,7 @@ def test_mrc_cli_writes_the_csv_and_the_plot(tmp_path: Path, capsys: pytest.Capt
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for p in (out, png):  # the usual permissions, never the temporary file's 0600
         assert os.stat(p).st_mode & 0o777 == 0o666 & ~UMASK
-    # defaults: <log name>.mrc.csv and .png in the current directory
+    # defaults: <log name>.mrc.csv in the current directory, and no plot unless --plot asks for one
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
@@ -200,7 +200,7 @@ def test_mrc_cli_writes_the_csv_and_the_plot(tmp_path: Path, capsys: pytest.Capt
         os.chdir(cwd)
     with (tmp_path / "two.mrc.csv").open() as f:
         assert {r["policy"] for r in csv.DictReader(f)} == {"belady"}
-    assert (tmp_path / "two.mrc.png").exists()
+    assert not (tmp_path / "two.mrc.png").exists() and not list(tmp_path.glob("*.png"))
     # --json: the curves on stdout, the same numbers as the CSV and the Python API
     capsys.readouterr()
     assert main(["replay", str(log), "--mrc", "--json", "--csv", str(out), "--plot", str(png)]) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -230,3 +231,163 @@ def test_a_live_runs_prefetches_are_drawn_with_their_hints(live_log: Path, tmp_p
     out = tmp_path / "live.png"
     assert main(["trace", "plot", str(live_log), "-o", str(out), "--steps", "2:5"]) == 0
     _png_size(out)
+
+
+# --- `qnpipe trace export --perfetto`: the timeline as Chrome trace events --------------------------------
+
+PHASES = {"X", "i", "M"}  # what the export writes: complete slices, instants, metadata
+META_NAMES = {"process_name": "name", "thread_name": "name", "process_sort_index": "sort_index",
+              "thread_sort_index": "sort_index"}
+
+
+def _check_trace_events(doc: object) -> list[dict[str, Any]]:
+    """The Chrome trace-event format's rules (the JSON object form) that Perfetto's JSON importer relies on;
+    the events. Slices of one thread must nest (none may end inside another it started in): the importer
+    drops or misplaces those that do not."""
+    assert isinstance(doc, dict) and isinstance(doc["traceEvents"], list) and doc["displayTimeUnit"] in ("ms", "ns")
+    events = doc["traceEvents"]
+    for e in events:
+        assert isinstance(e, dict) and e["ph"] in PHASES and isinstance(e["name"], str) and e["name"]
+        assert isinstance(e["pid"], int) and isinstance(e.get("tid", 0), int)
+        if e["ph"] == "M":
+            assert set(e["args"]) == {META_NAMES[e["name"]]}
+            continue
+        assert isinstance(e["ts"], int | float) and e["ts"] >= 0 and isinstance(e.get("args", {}), dict)
+        if e["ph"] == "X":
+            assert isinstance(e["dur"], int | float) and e["dur"] >= 0
+        else:
+            assert e["s"] in ("t", "p", "g")
+    by_thread: dict[tuple[object, object], list[tuple[float, float]]] = {}
+    for e in events:
+        if e["ph"] == "X":
+            by_thread.setdefault((e["pid"], e["tid"]), []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    for thread, spans in by_thread.items():
+        open_ends: list[float] = []
+        for start, end in sorted(spans, key=lambda s: (s[0], -s[1])):
+            while open_ends and open_ends[-1] <= start + 1e-6:  # to the nanosecond the importer keeps
+                open_ends.pop()
+            assert not open_ends or end <= open_ends[-1] + 1e-6, f"{thread}: slices overlap without nesting at {start}"
+            open_ends.append(end)
+    return events
+
+
+def _slice_counts(events: list[dict[str, Any]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for e in events:
+        if e["ph"] in ("X", "i"):
+            counts[str(e["name"])] = counts.get(str(e["name"]), 0) + 1
+    return counts
+
+
+def test_an_export_of_the_hand_log_names_each_read_by_its_fate(hand_log: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    out = tmp_path / "hand.json"
+    assert main(["trace", "export", str(hand_log), "--perfetto", str(out)]) == 0
+    assert "2 stall slices" in capsys.readouterr().out
+    events = _check_trace_events(json.loads(out.read_text()))
+    assert _slice_counts(events) == {"step 1": 1, "step 2": 1, "compute": 3, "stall": 2, "demand": 2,
+                                     "prefetch in time": 1, "prefetch late": 1, "prefetch unused": 1, "hint": 1}
+    late = next(e for e in events if e["name"] == "prefetch late")
+    # expert 4: hinted and issued at 0.5 s, on the device 1.5..2.5 s, needed at 2.0 s: 0.5 s late
+    assert late["ts"] == 1.5e6 and late["dur"] == 1e6 and late["pid"] == 2
+    assert late["args"] == {"layer": 1, "expert": 4, "class": "prefetch", "outcome": "late", "issued_ms": 500.0,
+                            "queued_ms": 1000.0, "hint_ms": 500.0, "needed_ms": 2000.0, "slack_ms": -500.0}
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["name"] in ("thread_name", "process_name")}
+    assert names[(1, None)] == "forward" and names[(2, None)] == "device" and "layer 1" in names.values()
+
+
+def _trace_processor() -> str | None:
+    """The trace processor binary the `perfetto` package would run, when it is on this machine (it downloads it
+    on first use, which an offline machine cannot)."""
+    import shutil
+
+    try:
+        from perfetto.prebuilts.manifests.trace_processor_shell import TRACE_PROCESSOR_SHELL_MANIFEST
+    except ImportError:
+        return None
+    found = shutil.which("trace_processor_shell")
+    if found:
+        return found
+    import platform
+    import sys
+
+    for entry in TRACE_PROCESSOR_SHELL_MANIFEST:
+        if entry.get("platform") == sys.platform and platform.machine().lower() in entry.get("machine", []):
+            root, ext = Path(entry["file_name"]).stem, Path(entry["file_name"]).suffix
+            cached = Path.home() / ".local/share/perfetto/prebuilts" / f"{root}-{entry['sha256'][:16]}{ext}"
+            return str(cached) if cached.exists() else None
+    return None
+
+
+@pytest.fixture(scope="module")
+def live_export(live_log: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("export") / "live.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["trace", "export", str(live_log), "--perfetto", str(out)]) == 0
+    return out
+
+
+def _live_counts(live_log: Path) -> dict[str, int]:
+    """The slices a live log's export must hold, counted from its records."""
+    from qnpipe.trace.format import Stalled
+
+    _, records = trace.read(live_log)
+    return {"compute": sum(1 for r in records if isinstance(r, Release)),
+            "stall": sum(1 for r in records if isinstance(r, Stalled)),
+            "reads": sum(1 for r in records if isinstance(r, ReadDone)),
+            "steps": len({r.step for r in records if isinstance(r, Release)})}
+
+
+def _summed(counts: dict[str, int]) -> dict[str, int]:
+    return {"compute": counts["compute"], "stall": counts.get("stall", 0),
+            "reads": sum(counts.get(n, 0) for n in ("demand", "prefetch in time", "prefetch late", "prefetch unused")),
+            "steps": sum(v for k, v in counts.items() if k.startswith("step "))}
+
+
+def test_a_live_runs_export_holds_every_slice_of_its_log(live_log: Path, live_export: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    counts = _slice_counts(_check_trace_events(json.loads(live_export.read_text())))
+    assert _summed(counts) == _live_counts(live_log)
+    assert counts.get("prefetch in time", 0) + counts.get("prefetch late", 0) > 0  # prefetch was on
+    # the windowed export keeps only its steps
+    part = tmp_path / "part.json"
+    assert main(["trace", "export", str(live_log), "--perfetto", str(part), "--steps", "2:4"]) == 0
+    capsys.readouterr()
+    assert {k for k in _slice_counts(_check_trace_events(json.loads(part.read_text()))) if k.startswith("step ")} \
+        == {"step 2", "step 3"}
+
+
+def test_the_format_check_refuses_slices_that_do_not_nest() -> None:
+    def x(ts: float, dur: float) -> dict[str, object]:
+        return {"ph": "X", "pid": 1, "tid": 0, "name": "s", "ts": ts, "dur": dur}
+
+    _check_trace_events({"traceEvents": [x(0, 10), x(2, 3), x(10, 5)], "displayTimeUnit": "ms"})  # nested, adjacent
+    with pytest.raises(AssertionError, match="overlap without nesting"):
+        _check_trace_events({"traceEvents": [x(0, 10), x(5, 10)], "displayTimeUnit": "ms"})
+
+
+def test_a_live_runs_export_loads_in_perfettos_trace_processor(live_log: Path, live_export: Path) -> None:
+    import json
+
+    binary = _trace_processor()
+    if binary is None:
+        pytest.skip("perfetto's trace processor is not on this machine (the package downloads it on first use, "
+                    "offline it cannot): test_a_live_runs_export_holds_every_slice_of_its_log checks the format")
+    from perfetto.trace_processor import TraceProcessor, TraceProcessorConfig
+
+    tp = TraceProcessor(trace=str(live_export), config=TraceProcessorConfig(bin_path=binary))
+    try:
+        rows = tp.query("select name, count(*) as n from slice group by name")
+        # a Row's columns are its attributes, made at run time
+        loaded = {str(row.name): int(row.n) for row in rows}  # pyright: ignore[reportAttributeAccessIssue]
+    finally:
+        tp.close()
+    assert loaded == _slice_counts(json.loads(live_export.read_text())["traceEvents"])
+    assert _summed(loaded) == _live_counts(live_log)
