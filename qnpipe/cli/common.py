@@ -432,15 +432,7 @@ def run_generate(eng: Any, prompt: str | list[int], args: argparse.Namespace) ->
 
 
 def print_engine_stats(st: Any) -> None:
-    if st.cpu_blas is not None:
-        print(f"[{st.cpu_blas.describe()}]", file=sys.stderr)
-    p = st.pool
-    if p is None:
-        print(f"[experts: {st.expert_source}, {st.resident_expert_bytes / 2**20:.1f} MiB in memory]", file=sys.stderr)
-        return
-    causes = ", ".join(f"{k} {v}" for k, v in sorted(p.misses_by_cause.items()))
-    occ = " ".join(f"{ly.layer}:{ly.occupancy}/{ly.capacity}" for ly in p.layers)
-    print(f"[experts: pool, {p.slot_bytes / 2**20:.1f} MiB of slots; hits {p.hits}, misses {p.misses} ({causes}), "
-          f"hit rate {p.hit_rate:.3f}; {p.reads} reads, {p.bytes_read / 2**20:.1f} MiB read, "
-          f"stall {p.stall_s:.3f}s; {p.split_layer_steps} layer-steps in parts; {p.early_grants} early grants]\n[occupancy {occ}]",
-          file=sys.stderr)
+    from qnpipe.stats_lines import engine_lines
+
+    for line in engine_lines(st):
+        print(line, file=sys.stderr)
