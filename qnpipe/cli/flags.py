@@ -74,4 +74,5 @@ class SubcommandParser(argparse.ArgumentParser):
             if given is None and flagged is None:
                 self.error(f"the following arguments are required: {metavar} (or {flag} {metavar})")
             setattr(ns, dest, given if given is not None else flagged)
+            delattr(ns, f"{dest}_flag")  # one name for the one value
         return ns, []
