@@ -63,9 +63,10 @@ def eng(tiny_hf: Path):
 
 def test_top_k_1_and_min_p_1_sample_the_greedy_tokens(eng: qnpipe.Engine) -> None:
     greedy = eng.generate(PROMPT, max_tokens=10, stop_at_eos=False).tokens
-    for kw in ({"top_k": 1}, {"min_p": 1.0}):
-        got = eng.generate(PROMPT, max_tokens=10, temperature=2.0, seed=5, stop_at_eos=False, **kw).tokens
-        assert got == greedy, kw
+    for top_k, min_p in ((1, 0.0), (0, 1.0)):
+        got = eng.generate(PROMPT, max_tokens=10, temperature=2.0, seed=5, stop_at_eos=False, top_k=top_k,
+                           min_p=min_p).tokens
+        assert got == greedy, (top_k, min_p)
 
 
 def test_top_k_draws_only_from_the_k_most_likely(eng: qnpipe.Engine) -> None:
