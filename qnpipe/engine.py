@@ -27,7 +27,7 @@ from qnpipe.actors.pipeline import Pipeline
 from qnpipe.compute import blas
 from qnpipe.config import Config
 from qnpipe.config.launch import launch_rank, read_launch
-from qnpipe.config.validate import check_generate_args
+from qnpipe.engine_args import Prompt, check_trio, gen_kwargs, planned, resolve, settings_of
 from qnpipe.errors import DistributedError, PipelineError
 from qnpipe.io.reader import ExpertReader
 from qnpipe.live import decoding
@@ -40,37 +40,8 @@ from qnpipe.live.prefix import Peers, PrefixCache
 from qnpipe.model.kvquant import model_bytes_per_token
 from qnpipe.model.snapshots import engine_fingerprint
 from qnpipe.stats import EngineStats, GenerateResult
+from qnpipe.stats_lines import summary_lines
 from qnpipe.stats_snapshot import engine_stats
-
-Prompt = str | Sequence[int]
-
-
-def _resolve(model_dir: str | Path | None, cfg: Config | None, overrides: dict[str, Any]) -> Config:
-    """The engine's Config: `cfg` (or defaults < TOML < environment) + `overrides` + `model_dir`."""
-    from qnpipe import config as config_mod
-
-    if model_dir is not None:
-        overrides = {**overrides, "model.model_dir": str(model_dir)}
-    if cfg is None:
-        return config_mod.load(overrides=overrides)
-    return config_mod.with_overrides(cfg, overrides) if overrides else cfg
-
-
-def _planned(cfg: Config, distributed: bool | None) -> tuple[Config, Any]:
-    """`cfg` with its `plan.memory` plan applied, and the plan (qnpipe.plan.startup; imported only when asked)."""
-    if not cfg.plan.memory:
-        return cfg, None
-    from qnpipe.plan.startup import plan_at_startup
-
-    return plan_at_startup(cfg, distributed=distributed)
-
-
-def _gen_kwargs(prompt: Prompt, max_tokens: int, temperature: float, top_p: float, seed: int | None,
-                stop_at_eos: bool) -> dict[str, Any]:
-    """The checked generation arguments (ValueError naming the first bad one: qnpipe.config.validate)."""
-    check_generate_args(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-            "stop_at_eos": stop_at_eos}
 
 
 def _layers_tag(core: LoadedModel) -> str:
@@ -124,6 +95,7 @@ class _Runtime:
             res = await decoding.generate(
                 self.pipe.forward, self.thread, runner.loaded.model, runner.tokenizer, ids,
                 max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_p=kw["top_p"], seed=kw["seed"],
+                top_k=kw["top_k"], min_p=kw["min_p"],
                 eos=runner.eos_ids if kw["stop_at_eos"] else set(), chunk=self.core.cfg.forward.prefill_chunk_tokens,
                 on_text=on_text, on_prefill=on_prefill, partial=partial,
                 prefix=self.prefix if self.prefix.enabled else None)
@@ -191,8 +163,11 @@ class AsyncEngine:
                        top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
                        on_text: Callable[[str], None] | None = None,
                        on_prefill: Callable[[int, int], None] | None = None,
-                       partial: list[int] | None = None) -> GenerateResult:
+                       partial: list[int] | None = None, top_k: int = 0, min_p: float = 0.0) -> GenerateResult:
         """Generate after `prompt` (text or token ids); greedy when temperature is 0.
+
+        Sampling keeps the tokens mlx-lm's sampler keeps: `top_p` (nucleus mass), `min_p` (probability
+        relative to the most likely token's) and `top_k` (0 = off), in that order, then `temperature`.
 
         Stops at an EOS token (unless `stop_at_eos` is False) or after `max_tokens`.
         `on_text` receives detokenized text pieces as they are produced and
@@ -203,12 +178,19 @@ class AsyncEngine:
         starts like an earlier one resumes from its kept state (qnpipe.live.prefix): same result,
         bit for bit, without prefilling the shared part again.
         """
-        kw = _gen_kwargs(prompt, max_tokens, temperature, top_p, seed, stop_at_eos)
+        kw = gen_kwargs(prompt, max_tokens, temperature, top_p, seed, stop_at_eos, top_k, min_p)
+        if self._rt.core.backend.ring_tail is not None and (top_k or min_p):
+            raise ValueError("top_k and min_p are not sent across the ranks of a ring yet: sample with "
+                             "temperature and top_p when distributed")
         return await self._rt.generate(prompt, kw, on_text, on_prefill, partial)
 
     def stats(self) -> EngineStats:
         """Totals since the engine opened, with the pool's figures when experts stream."""
         return self._rt.stats()
+
+    def summary(self) -> str:
+        """`stats()` as the lines `qnpipe generate --stats` prints: totals, BLAS, experts, pool occupancy."""
+        return "\n".join(summary_lines(self.stats()))
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                     *, add_generation_prompt: bool = True) -> str:
@@ -225,7 +207,7 @@ class AsyncEngine:
 @asynccontextmanager
 async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = None, *,
                       reader: ExpertReader | None = None, warm_up: bool = False, distributed: bool | None = None,
-                      **overrides: Any) -> AsyncIterator[AsyncEngine]:
+                      settings: Mapping[str, Any] | None = None, **overrides: Any) -> AsyncIterator[AsyncEngine]:
     """`async with open_engine(model_dir, cfg) as eng:` — the engine, its actors stopped on exit.
 
     `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name). `reader`
@@ -245,10 +227,11 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
     Distributed, the budget is each rank's own: the layers are split by the memory account and each
     rank plans its own (`eng.plan` is this rank's; a rank whose budget is too small is named).
     """
-    cfg = _resolve(model_dir, cfg, overrides)
+    check_trio()
+    cfg = resolve(model_dir, cfg, settings_of(settings, overrides))
     # Checked before anything else: MLX's ring crashes on launch variables it cannot use.
     launch = read_launch() if (cfg.distributed.enabled if distributed is None else distributed) else None
-    cfg, plan = _planned(cfg, distributed)
+    cfg, plan = planned(cfg, distributed)
     thread = MLXThread.shared()
     t0 = time.perf_counter()
     ring = stage = None
@@ -308,8 +291,10 @@ async def open_engine(model_dir: str | Path | None = None, cfg: Config | None = 
 class Engine:
     """Synchronous engine: `with qnpipe.Engine(model_dir, **overrides) as eng: ...`.
 
-    `overrides` are configuration fields by name (`expert_slots=32`, `prefill_chunk_tokens=0`)
-    applied on top of defaults, the TOML file and the environment (see docs/config.md);
+    `overrides` are configuration fields by name (`expert_slots=32`, `prefill_chunk_tokens=0`,
+    `memory__mlx_cache_limit_gb=2` for `memory.mlx_cache_limit_gb`), and `settings` a mapping of
+    any setting names (`settings={"memory.mlx_cache_limit_gb": 2}`), applied on top of defaults,
+    the TOML file and the environment (see docs/config.md);
     `model_dir` None means `cfg.model.model_dir` (the `MODEL` environment name). The
     pipeline runs as tasks of the MLX thread's trio loop (qnpipe.live.mlx_thread), apart from the
     caller's thread; with prefetch on (`predict.cross_layer_prefetch`) in a trio loop on a
@@ -321,9 +306,9 @@ class Engine:
 
     def __init__(self, model_dir: str | Path | None = None, cfg: Config | None = None, *,
                  reader: ExpertReader | None = None, warm_up: bool = False, distributed: bool | None = None,
-                 **overrides: Any):
+                 settings: Mapping[str, Any] | None = None, **overrides: Any):
         # Planned here, in the caller's thread, before the model loads (open_engine then finds it applied).
-        self.cfg, self.plan = _planned(_resolve(model_dir, cfg, overrides), distributed)
+        self.cfg, self.plan = planned(resolve(model_dir, cfg, settings_of(settings, overrides)), distributed)
         self._distributed = distributed
         self._reader = reader
         self._warm_up = warm_up
@@ -462,19 +447,19 @@ class Engine:
                  seed: int | None = None, stop_at_eos: bool = True,
                  on_text: Callable[[str], None] | None = None,
                  on_prefill: Callable[[int, int], None] | None = None,
-                 partial: list[int] | None = None) -> GenerateResult:
+                 partial: list[int] | None = None, top_k: int = 0, min_p: float = 0.0) -> GenerateResult:
         """As `AsyncEngine.generate`; the callbacks run on the engine's loop thread.
 
         A KeyboardInterrupt while waiting stops the generation at its next layer, then
         propagates; `partial` then holds the tokens generated so far.
         """
-        _gen_kwargs(prompt, max_tokens, temperature, top_p, seed, stop_at_eos)  # errors in the caller's thread
+        gen_kwargs(prompt, max_tokens, temperature, top_p, seed, stop_at_eos, top_k, min_p)  # errors in the caller's thread
         eng = self._eng
 
         async def run() -> GenerateResult:
             return await eng.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                       seed=seed, stop_at_eos=stop_at_eos, on_text=on_text,
-                                      on_prefill=on_prefill, partial=partial)
+                                      on_prefill=on_prefill, partial=partial, top_k=top_k, min_p=min_p)
 
         return self._call(run)
 
@@ -492,3 +477,7 @@ class Engine:
             return self._eng.stats()
 
         return self._call(snap)
+
+    def summary(self) -> str:
+        """`stats()` as the lines `qnpipe generate --stats` prints: totals, BLAS, experts, pool occupancy."""
+        return "\n".join(summary_lines(self.stats()))

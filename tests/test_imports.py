@@ -98,11 +98,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("qnpipe.io", "qnpipe.compute"),
     ("qnpipe.trace", "qnpipe.chat", "qnpipe.stats"),
     ("qnpipe.policy", "qnpipe.model"),
-    ("qnpipe.stats_snapshot",),  # the pipeline's figures: the pool policy's snapshot in, the public stats out
+    ("qnpipe.stats_snapshot", "qnpipe.stats_lines"),  # the pipeline's figures: the pool policy's snapshot in, the public stats out
     ("qnpipe.hang_guard", "qnpipe.actors"),
     ("qnpipe.replay", "qnpipe.convert"),
     ("qnpipe.plan",),
-    ("qnpipe.live",),
+    ("qnpipe.live", "qnpipe.engine_args"),  # engine_args: what Engine is given, made a Config
     ("qnpipe.engine",),
     ("qnpipe.embed",),  # the engine's old name, kept importable
     ("qnpipe.server",),

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from qnpipe.cli import bench_cmd, plan_cmd, replay_cmd, run, serve_cmd, store, sweep_cmd, trace_cmd
 from qnpipe.cli.common import DEMO_MODEL_DIR
+from qnpipe.cli.flags import SubcommandParser
 from qnpipe.cli.model_names import resolve_builtin_model
 from qnpipe.errors import QnpipeError, root_cause
 
@@ -25,6 +26,7 @@ examples:
   qnpipe demo                                   generate from the built-in tiny model
   qnpipe generate MODEL_DIR -p "def fib(n):" -n 64
   qnpipe generate MODEL_DIR --chat -p "Hi" --temperature 0.7 --top-p 0.8 --seed 1
+  qnpipe generate --model MODEL_DIR --system-prompt "Be terse." -p - -m 64 --temp 0.7 --top-k 20   mlx-lm's names
   qnpipe chat MODEL_DIR --system "You are terse."
   qnpipe make-tiny ./tiny --layout mlx --bits 4
   qnpipe make-tiny ./tiny-moe --family qwen3_moe     a tiny random model of another MoE family
@@ -38,6 +40,7 @@ examples:
 
 Configuration: defaults < --config FILE.toml < QNPIPE_* / legacy environment names < flags.
 Any setting can be given with --set SECTION.FIELD=VALUE (see docs/config.md).
+mlx-lm's flag names and what qnpipe calls them: docs/mlx-lm-flags.md.
 """
 
 
@@ -50,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     from qnpipe._version import __version__
 
     p.add_argument("--version", action="version", version=f"qnpipe {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # Each subcommand answers a bad flag with its own usage (qnpipe.cli.flags); nested ones inherit the class.
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=SubcommandParser)
     for module in COMMANDS:
         module.register(sub, fmt)
     return p

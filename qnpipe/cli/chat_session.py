@@ -133,7 +133,7 @@ class ChatSession:
         try:
             res = self.eng.generate(self.eng.render_chat(self.conv.messages()), max_tokens=self.args.max_tokens,
                                     temperature=self.args.temperature, top_p=self.args.top_p, seed=self.args.seed,
-                                    on_text=show)
+                                    top_k=self.args.top_k, min_p=self.args.min_p, on_text=show)
         except KeyboardInterrupt:
             # The engine stopped the answer at its next layer and stays usable; the conversation
             # keeps the part the user saw.

@@ -14,6 +14,14 @@ from typing import Any
 
 import msgspec
 
+from qnpipe.config.validate import (
+    check_max_tokens,
+    check_min_p,
+    check_seed,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+)
 from qnpipe.errors import QnpipeError
 
 # The embedded default model: a tiny Qwen3-Next trained on the Python standard library
@@ -28,8 +36,9 @@ def add_config_flags(p: argparse.ArgumentParser, *, prefill: bool = True,
     g.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="sets",
                    help=f"override one setting, e.g. --set {example} (repeatable)")
     if prefill:  # convert runs no forward
-        g.add_argument("--prefill-chunk", type=int, metavar="N",
-                       help="prefill N prompt tokens per forward (0 = whole prompt); PREFILL_CHUNK")
+        g.add_argument("--prefill-chunk", "--prefill-step-size", type=int, metavar="N",
+                       help="prefill N prompt tokens per forward (0 = whole prompt; mlx-lm's --prefill-step-size); "
+                       "sets forward.prefill_chunk_tokens (PREFILL_CHUNK)")
 
 
 def echo(piece: str) -> None:
@@ -38,17 +47,10 @@ def echo(piece: str) -> None:
 
 
 def add_gen_flags(p: argparse.ArgumentParser, default_tokens: int, json: bool = True) -> None:
-    from qnpipe.config.validate import check_max_tokens, check_seed, check_temperature, check_top_p
-
     g = p.add_argument_group("generation")
-    g.add_argument("-n", "--max-tokens", type=int_arg(check_max_tokens), default=default_tokens, metavar="N",
+    g.add_argument("-n", "-m", "--max-tokens", type=int_arg(check_max_tokens), default=default_tokens, metavar="N",
                    help=f"stop after N new tokens (default {default_tokens}); generation also stops at EOS")
-    g.add_argument("--temperature", type=float_arg(check_temperature), default=0.0, metavar="T",
-                   help="sampling temperature; 0 = greedy (default)")
-    g.add_argument("--top-p", type=float_arg(check_top_p), default=1.0, metavar="P",
-                   help="nucleus sampling mass, (0, 1] (default 1)")
-    g.add_argument("--seed", type=int_arg(check_seed), default=None,
-                   help="random seed for sampling, >= 0 (reproducible output)")
+    add_sampling_flags(g, temperature=0.0)
     g.add_argument("--stats", action="store_true",
                    help="print the engine's figures on stderr: expert source, pool hits and misses by cause, "
                         "reads, bytes read, stall time, per-layer occupancy")
@@ -59,6 +61,22 @@ def add_gen_flags(p: argparse.ArgumentParser, default_tokens: int, json: bool = 
     if json:
         g.add_argument("--json", action="store_true",
                        help="print one JSON object (text, tokens, stats, engine stats) instead of text")
+
+
+def add_sampling_flags(g: Any, *, temperature: float, what: str = "") -> None:
+    """--temperature/--temp, --top-p, --top-k, --min-p, --seed (mlx-lm's names and its sampler: qnpipe.model.tails)."""
+    g.add_argument("--temperature", "--temp", type=float_arg(check_temperature), default=temperature, metavar="T",
+                   help=f"sampling temperature{what}; 0 = greedy (default {temperature:g})")
+    g.add_argument("--top-p", type=float_arg(check_top_p), default=1.0, metavar="P",
+                   help=f"nucleus sampling mass{what}, (0, 1] (default 1 = off)")
+    g.add_argument("--top-k", type=int_arg(check_top_k), default=0, metavar="K",
+                   help=f"sample from the K most likely tokens{what} (default 0 = off)")
+    g.add_argument("--min-p", type=float_arg(check_min_p), default=0.0, metavar="P",
+                   help=f"keep tokens at least P times as likely as the most likely one{what}, [0, 1] "
+                   "(default 0 = off); filters apply as mlx-lm's: top-p, min-p, top-k, then temperature")
+    if not what:
+        g.add_argument("--seed", type=int_arg(check_seed), default=None,
+                       help="random seed for sampling, >= 0 (reproducible output)")
 
 
 # `--trace` given without a file: the model's recorded log (Config.recorded_log_path), set once the config is loaded.
@@ -76,6 +94,11 @@ def add_memory_flags(p: argparse.ArgumentParser) -> None:
                         "each rank's own budget: layers split by the memory account, each rank plans its own")
     # dest plan_log: `replay` and `sweep` have a positional LOG of their own
     g.add_argument("--log", dest="plan_log", metavar="LOG", help="with --memory: the routing or event log to plan from")
+    g.add_argument("--kv-bits", type=int_arg(_check_kv_bits), metavar="N",
+                   help="quantize the KV cache of the full-attention layers to N bits, keys and values (mlx-lm's "
+                   "--kv-bits; sets kv.quantize, kv.k_bits, kv.v_bits; from the first token). mlx-lm's "
+                   "--max-kv-size has no counterpart: qnpipe keeps the whole context, a rotating cache would "
+                   "change the answers (docs/mlx-lm-flags.md)")
 
 
 def apply_memory(args: argparse.Namespace, cfg: Any) -> Any:
@@ -100,6 +123,12 @@ def add_mtp_flags(p: argparse.ArgumentParser) -> None:
                         "its distribution (sets mtp.enabled; variants: --set mtp.tree_top2=true, ...)")
     g.add_argument("-K", "--num-draft-tokens", type=int_arg(_check_k), default=None, metavar="N",
                    help="drafts per round with --mtp (default: mtp.num_draft_tokens, 3)")
+
+
+def _check_kv_bits(bits: int, name: str) -> int:
+    if not 2 <= bits <= 8:
+        raise ValueError(f"{name} must be in 2..8 (kv.k_bits, kv.v_bits), got {bits}")
+    return bits
 
 
 def _check_k(k: int, name: str) -> int:
@@ -127,6 +156,8 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["mtp.enabled"] = True
     if getattr(args, "num_draft_tokens", None) is not None:
         out["mtp.num_draft_tokens"] = args.num_draft_tokens
+    if getattr(args, "kv_bits", None) is not None:
+        out |= {"kv.quantize": True, "kv.k_bits": args.kv_bits, "kv.v_bits": args.kv_bits}
     return out
 
 
@@ -190,6 +221,21 @@ def float_arg(check: Any) -> Any:
         except ValueError:
             raise ValueError(f"expected a number, got {text!r}") from None
         return check(value, name="value")
+    return checked(parse)
+
+
+def prompt_arg() -> Any:
+    """The prompt's text; `-` reads it from standard input (as mlx-lm's `-p -`)."""
+    from qnpipe.config.validate import check_text
+
+    def parse(text: str) -> str:
+        if text == "-":
+            text = sys.stdin.read()
+            if not text:
+                raise ValueError("-p -: standard input was empty: give at least one character")
+        if not text:
+            raise ValueError("empty text: give at least one character")
+        return check_text(text, "value")
     return checked(parse)
 
 
@@ -418,7 +464,7 @@ def run_generate(eng: Any, prompt: str | list[int], args: argparse.Namespace) ->
 
     with PrefillBar(enabled=not args.json and sys.stderr.isatty()) as bar:
         res = eng.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                           seed=args.seed, on_text=None if args.json else bar.then(echo), on_prefill=bar.update)
+                           top_k=args.top_k, min_p=args.min_p, seed=args.seed, on_text=None if args.json else bar.then(echo), on_prefill=bar.update)
     if args.json:
         print(msgspec.json.encode({"text": res.text, "tokens": res.tokens, "stats": res.stats,
                                    "engine": eng.stats()}).decode())
@@ -432,15 +478,7 @@ def run_generate(eng: Any, prompt: str | list[int], args: argparse.Namespace) ->
 
 
 def print_engine_stats(st: Any) -> None:
-    if st.cpu_blas is not None:
-        print(f"[{st.cpu_blas.describe()}]", file=sys.stderr)
-    p = st.pool
-    if p is None:
-        print(f"[experts: {st.expert_source}, {st.resident_expert_bytes / 2**20:.1f} MiB in memory]", file=sys.stderr)
-        return
-    causes = ", ".join(f"{k} {v}" for k, v in sorted(p.misses_by_cause.items()))
-    occ = " ".join(f"{ly.layer}:{ly.occupancy}/{ly.capacity}" for ly in p.layers)
-    print(f"[experts: pool, {p.slot_bytes / 2**20:.1f} MiB of slots; hits {p.hits}, misses {p.misses} ({causes}), "
-          f"hit rate {p.hit_rate:.3f}; {p.reads} reads, {p.bytes_read / 2**20:.1f} MiB read, "
-          f"stall {p.stall_s:.3f}s; {p.split_layer_steps} layer-steps in parts; {p.early_grants} early grants]\n[occupancy {occ}]",
-          file=sys.stderr)
+    from qnpipe.stats_lines import engine_lines
+
+    for line in engine_lines(st):
+        print(line, file=sys.stderr)

@@ -19,11 +19,15 @@ from qnpipe.cli.common import (
     check_token_ids,
     load_config,
     precheck_model,
+    prompt_arg,
     run_generate,
     stop_on_signals,
     text_arg,
 )
+from qnpipe.cli.flags import positional_or_flag
 from qnpipe.errors import QnpipeError
+
+MODEL_HELP = "model directory (original HF, mlx-lm, or qnpipe convert layout)"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -61,8 +65,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.tokens is None):
         raise QnpipeError("give exactly one of --prompt TEXT or --tokens IDS")
     tokens = _read_tokens(args.tokens) if args.tokens is not None else None
-    if tokens is not None and args.chat:
-        raise QnpipeError("--chat needs --prompt TEXT (token ids are sent as they are)")
+    if tokens is not None and (args.chat or args.system is not None):
+        raise QnpipeError(f"{'--chat' if args.chat else '--system'} needs --prompt TEXT (token ids are sent as they are)")
     cfg = load_config(args)
     check_run_outputs(args, cfg, args.model_dir)
     margs = precheck_model(args.model_dir, cfg)
@@ -79,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt: str | list[int]
         if tokens is not None:
             prompt = tokens
-        elif args.chat:
+        elif args.chat or args.system is not None:
             msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
                 {"role": "user", "content": args.prompt}]
             prompt = eng.render_chat(msgs)
@@ -112,8 +116,8 @@ def register(sub: Any, fmt: Any) -> None:
                        epilog="examples:\n  qnpipe demo\n  qnpipe demo -p 'Write a function that reverses a list.' -n 80\n"
                        "  qnpipe demo --raw -p 'def fibonacci(n):' --json")
     d.add_argument("--model", metavar="DIR", help="use this model directory instead of the built-in one")
-    d.add_argument("-p", "--prompt", default="Write a Python function that adds two numbers.", type=text_arg(),
-                   help="the user message (default: %(default)r)")
+    d.add_argument("-p", "--prompt", default="Write a Python function that adds two numbers.", type=prompt_arg(),
+                   help="the user message, - reads it from standard input (default: %(default)r)")
     d.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     add_gen_flags(d, 48)
     add_config_flags(d)
@@ -127,11 +131,15 @@ def register(sub: Any, fmt: Any) -> None:
                        "  qnpipe generate ./tiny -p 'def fib(n):' --memory 1.2GB     # plan the pool for a budget\n"
                        "  qnpipe generate ./tiny -p 'def fib(n):' --mtp -K 2 --stats   # MTP speculation\n"
                        "  mlx.launch --backend ring -n 2 -- qnpipe generate ./tiny -p 'def fib(n):' --distributed")
-    g.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (original HF, mlx-lm, or qnpipe convert layout)")
-    g.add_argument("-p", "--prompt", type=text_arg(), help="prompt text")
+    positional_or_flag(g, "model_dir", "MODEL_DIR", "--model", MODEL_HELP)
+    g.add_argument("-p", "--prompt", type=prompt_arg(), help="prompt text; - reads it from standard input")
     g.add_argument("--tokens", metavar="IDS", help="prompt as token ids, e.g. '1,2,3'")
-    g.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template as a user turn")
-    g.add_argument("--system", type=text_arg(allow_empty=True), help="system message (with --chat)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap --prompt in the model's chat template as a user turn. Without it the prompt is sent "
+                   "as it is (unlike mlx-lm, which applies the template unless --ignore-chat-template): a "
+                   "continuation is what code completion and the traces want")
+    g.add_argument("--system", "--system-prompt", type=text_arg(allow_empty=True),
+                   help="system message; implies --chat")
     add_gen_flags(g, 128)
     add_mtp_flags(g)
     add_memory_flags(g)
@@ -151,8 +159,8 @@ def register(sub: Any, fmt: Any) -> None:
                        "  qnpipe chat MODEL_DIR --memory 8GB          (plan the pool for 8 GiB: docs/plan.md)\n"
                        "  qnpipe chat MODEL_DIR -n 256 --temperature 0.7 --seed 1\n"
                        "  qnpipe chat MODEL_DIR --set prefix.snapshot_dir=~/.cache/qnpipe-snaps   (reuse heads across runs)")
-    c.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (original HF, mlx-lm, or qnpipe convert layout)")
-    c.add_argument("--system", type=text_arg(allow_empty=True), help="system message")
+    positional_or_flag(c, "model_dir", "MODEL_DIR", "--model", MODEL_HELP)
+    c.add_argument("--system", "--system-prompt", type=text_arg(allow_empty=True), help="system message")
     c.add_argument("-v", "--verbose", action="store_true", help="print stats after each answer")
     add_gen_flags(c, 512, json=False)
     add_memory_flags(c)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from qnpipe.cli.common import (
     add_config_flags,
     add_distributed_flag,
     add_memory_flags,
+    add_sampling_flags,
     apply_memory,
     check_run_outputs,
     checked,
@@ -19,8 +21,10 @@ from qnpipe.cli.common import (
     load_config,
     precheck_model,
 )
+from qnpipe.cli.flags import positional_or_flag
 from qnpipe.errors import QnpipeError
 from qnpipe.io.files import KiB, read_text_capped
+from qnpipe.server.access_log import LEVELS
 
 KEY_FILE_CAP = 64 * KiB
 
@@ -78,8 +82,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           f"{args.max_tokens_cap}")
     opts = ServerOptions(host=args.host, port=args.port, api_key=api_key(args), max_queue=args.max_queue,
                          limits=Limits(max_tokens_cap=args.max_tokens_cap, default_max_tokens=args.default_max_tokens,
-                                       max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout),
-                         model_name=args.model_name)
+                                       max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+                                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                       min_p=args.min_p),
+                         model_name=args.model_name, log_level=args.log_level)
     check_options(opts)  # before the model loads
     cfg = load_config(args)
     check_run_outputs(args, cfg, args.model_dir)
@@ -90,7 +96,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"qnpipe serve: {opts.model_name or Path(args.model_dir).name} on {', '.join(binds)} "
               f"(queue {opts.max_queue}; Ctrl-C stops)", file=sys.stderr, flush=True)
 
-    run_server(args.model_dir, cfg, opts, on_ready=ready)
+    signum = run_server(args.model_dir, cfg, opts, on_ready=ready)
+    if signum is not None:  # a server's normal end: exit 0, whichever signal and however many
+        print(f"qnpipe serve: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -103,6 +111,8 @@ examples:
   curl http://127.0.0.1:8080/v1/chat/completions -H 'content-type: application/json' \\
        -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
 
+Ctrl-C (or SIGTERM) stops the server: new requests get 503, the one generating has a few seconds
+to finish, then the command exits 0 with one line saying so.
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus text). Every field supported, and what is not: docs/server.md.
 """
@@ -115,7 +125,8 @@ def register(sub: Any, fmt: Any) -> None:
                        "queue, and past it get 429. Binds loopback unless --host says otherwise, which\n"
                        "then needs an API key.",
                        epilog=EPILOG)
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (original HF, mlx-lm, or qnpipe convert layout)")
+    positional_or_flag(p, "model_dir", "MODEL_DIR", "--model",
+                       "model directory (original HF, mlx-lm, or qnpipe convert layout)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)")
     g.add_argument("--port", type=int_arg(_port), default=8080, help="port (default 8080; 0 picks a free one)")
@@ -125,13 +136,18 @@ def register(sub: Any, fmt: Any) -> None:
                    help="requests that may wait for the engine (default 8); past it 429 with Retry-After")
     g.add_argument("--max-tokens-cap", type=int_arg(_positive), default=4096, metavar="N",
                    help="the most max_tokens a request may ask for (default 4096)")
-    g.add_argument("--default-max-tokens", type=int_arg(_positive), default=512, metavar="N",
-                   help="max_tokens of a request that gives none (default 512)")
+    g.add_argument("--default-max-tokens", "--max-tokens", "-m", type=int_arg(_positive), default=512, metavar="N",
+                   help="max_tokens of a request that gives none (default 512; mlx_lm.server's --max-tokens)")
     g.add_argument("--max-body-bytes", type=int_arg(_positive), default=4 * 2**20, metavar="N",
                    help="the largest request body accepted (default 4 MiB); larger gets 413")
     g.add_argument("--body-timeout", type=checked(_seconds), default=30.0, metavar="S",
                    help="a request body must arrive whole within S seconds (default 30); slower gets 408")
     g.add_argument("--model-name", metavar="NAME", help="the model id /v1/models shows (default: MODEL_DIR's name)")
+    g.add_argument("--log-level", choices=LEVELS, default="info", type=str.lower,
+                   help="info (default): one line per request on stderr (client, method, path, status, "
+                   "prompt+completion tokens, seconds); warning: errors only")
+    s = p.add_argument_group("sampling defaults", "for a request that leaves the field out (or sends null)")
+    add_sampling_flags(s, temperature=1.0, what=" of a request that gives none")
     add_memory_flags(p)
     add_distributed_flag(p)
     add_config_flags(p)

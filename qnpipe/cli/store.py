@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from qnpipe.cli.common import add_config_flags, load_config
+from qnpipe.cli.flags import positional_or_flag
 from qnpipe.errors import QnpipeError
 
 
@@ -120,11 +121,11 @@ def register(sub: Any, fmt: Any) -> None:
                        "      --mtp-from ./Qwen3-Next-80B-A3B-Instruct\n"
                        "  qnpipe convert ./Qwen3-30B-A3B-4bit --out ./qwen3-30b-qn\n"
                        "  qnpipe convert ./tiny --out ./tiny-qn --json")
-    v.add_argument("src", metavar="SRC",
-                   help="checkpoint directory (original HF or mlx-lm layout), or a Hugging Face repository id "
-                   "OWNER/NAME[@REVISION]: only the files convert reads are fetched into the hub cache (resumed "
-                   "if cut short; HF_HUB_OFFLINE=1 uses the cache alone)")
-    v.add_argument("--out", required=True, metavar="DIR", help="model directory to create")
+    positional_or_flag(v, "src", "SRC", "--hf-path",
+                       "checkpoint directory (original HF or mlx-lm layout), or a Hugging Face repository id "
+                       "OWNER/NAME[@REVISION]: only the files convert reads are fetched into the hub cache (resumed "
+                       "if cut short; HF_HUB_OFFLINE=1 uses the cache alone)")
+    v.add_argument("--out", "--mlx-path", required=True, metavar="DIR", help="model directory to create")
     v.add_argument("--bits", type=int, choices=[2, 3, 4, 5, 6, 8],
                    help="quantize an unquantized source as `mlx_lm.convert -q` does (router and "
                    "shared-expert gate at 8 bits)")

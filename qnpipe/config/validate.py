@@ -14,8 +14,8 @@ from typing import Any
 from qnpipe.errors import ConfigError
 
 __all__ = [
-    "check_generate_args", "check_max_tokens", "check_prompt", "check_seed", "check_temperature",
-    "check_text", "check_top_p", "check_topk_override", "context_warning",
+    "check_generate_args", "check_max_tokens", "check_min_p", "check_prompt", "check_seed", "check_temperature",
+    "check_text", "check_top_k", "check_top_p", "check_topk_override", "context_warning",
 ]
 
 
@@ -47,6 +47,21 @@ def check_top_p(top_p: Any, name: str = "top_p") -> float:
     v = _real(top_p, name)
     if not 0.0 < v <= 1.0:
         raise ValueError(f"{name} must be in (0, 1], got {v}")
+    return v
+
+
+def check_top_k(top_k: Any, name: str = "top_k") -> int:
+    """0 (off) or the number of most likely tokens sampling keeps (mlx-lm's `top_k`)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+        raise ValueError(f"{name} must be an integer >= 0 (0 = off), got {top_k!r}")
+    return int(top_k)
+
+
+def check_min_p(min_p: Any, name: str = "min_p") -> float:
+    """0 (off) or the least probability, relative to the top token's, a token needs to be sampled (mlx-lm's)."""
+    v = _real(min_p, name)
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1] (0 = off), got {v}")
     return v
 
 
@@ -96,12 +111,14 @@ def check_prompt(prompt: Any, name: str = "prompt") -> str | list[int]:
 
 
 def check_generate_args(prompt: Any, *, max_tokens: Any, temperature: Any, top_p: Any,
-                        seed: Any) -> None:
+                        seed: Any, top_k: Any = 0, min_p: Any = 0.0) -> None:
     """Check every argument of `Engine.generate` before any work; ValueError names the first bad one."""
     check_prompt(prompt)
     check_max_tokens(max_tokens)
     check_temperature(temperature)
     check_top_p(top_p)
+    check_top_k(top_k)
+    check_min_p(min_p)
     check_seed(seed)
 
 

@@ -73,9 +73,9 @@ def _item(y: mx.array) -> int:
     return int(y.item())  # pyright: ignore[reportArgumentType]  # a token id: an integer scalar
 
 
-def _start(model: Model, temperature: float, top_p: float, seed: int | None) -> Sampling:
+def _start(model: Model, temperature: float, top_p: float, seed: int | None, top_k: int, min_p: float) -> Sampling:
     mx.reset_peak_memory()
-    return Sampling(model, model.make_cache(), temperature, top_p, seed)
+    return Sampling(model, model.make_cache(), temperature, top_p, seed, top_k, min_p)
 
 
 async def conclude(thread: MLXThread, session: DecodeSession, **extra: Any) -> GenerateResult:
@@ -90,7 +90,8 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
                    max_tokens: int, temperature: float, top_p: float, seed: int | None, eos: set[int],
                    chunk: int, on_text: TextCallback | None = None,
                    on_prefill: Callable[[int, int], None] | None = None,
-                   partial: list[int] | None = None, prefix: PrefixCache | None = None) -> GenerateResult:
+                   partial: list[int] | None = None, prefix: PrefixCache | None = None,
+                   top_k: int = 0, min_p: float = 0.0) -> GenerateResult:
     """Sample up to `max_tokens` tokens after `tokens`; stops at a token in `eos`.
 
     `partial`, when given, receives each token as it is produced (what a caller still
@@ -98,7 +99,7 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
     and keeps new ones (qnpipe.live.prefix).
     """
     t0 = trio.current_time()
-    s = await run_on(thread, _start, model, temperature, top_p, seed)
+    s = await run_on(thread, _start, model, temperature, top_p, seed, top_k, min_p)
     ids = await run_on(thread, _ids, tokens)
     pf = await prefill(thread, tokens, chunk, prefix, on_prefill)
     await resume_prefix(thread, pf.plan, s.cache, prefix)

@@ -130,6 +130,13 @@ class MLXThread:
         return self._thread
 
 
+def _wake(token: trio.lowlevel.TrioToken, done: trio.Event) -> None:
+    try:
+        token.run_sync_soon(done.set)
+    except trio.RunFinishedError:  # the waiting loop was ended (a KeyboardInterrupt): nobody is left to tell
+        pass
+
+
 async def run_on(thread: MLXThread, fn: Callable[..., T], *args: Any) -> T:
     """Run `fn(*args)` on `thread` and wait in trio without blocking the loop.
 
@@ -145,7 +152,7 @@ async def run_on(thread: MLXThread, fn: Callable[..., T], *args: Any) -> T:
     done = trio.Event()
     token = trio.lowlevel.current_trio_token()
     fut = thread.submit(fn, *args)
-    fut.add_done_callback(lambda _: token.run_sync_soon(done.set))
+    fut.add_done_callback(lambda _: _wake(token, done))
     with trio.CancelScope(shield=True):
         await done.wait()
     return fut.result()

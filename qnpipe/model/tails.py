@@ -59,22 +59,33 @@ class Logits:
 class Sampling:
     """The sampler of one generation (seeded here, as it starts) and its settle tail."""
 
-    def __init__(self, model: Model, cache: list[Any], temperature: float, top_p: float, seed: int | None):
+    def __init__(self, model: Model, cache: list[Any], temperature: float, top_p: float, seed: int | None,
+                 top_k: int = 0, min_p: float = 0.0):
         if seed is not None:
             mx.random.seed(seed)
         self.model = model
         self.cache = cache
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
-        self.sampler = make_sampler(temp=temperature, top_p=top_p if 0.0 < top_p < 1.0 else 0.0)
+        self.top_k, self.min_p = top_k, min_p
+        self.sampler: Any = None  # made at the first token, which tells the vocabulary size top_k is checked against
         self.sample = Sample(self)
         self.settle = Settle(cache)
 
     def next_token(self, h: mx.array) -> mx.array:
         """The next token from the last position of `h`, queued, not waited for."""
         logits = self.model.head(h[:, -1, :])[0]
+        if self.sampler is None:
+            self.sampler = sampler(self.temperature, self.top_p, self.top_k, self.min_p, logits.shape[-1])
         y = self.sampler(logits - mx.logsumexp(logits, keepdims=True))
         mx.async_eval(y)
         return y
+
+
+def sampler(temperature: float, top_p: float, top_k: int, min_p: float, vocab: int) -> Any:
+    """mlx-lm's `make_sampler` (top-p, then min-p, then top-k, then temperature); a top_k of the whole
+    vocabulary or more keeps every token, as no top_k does (mlx-lm's own refuses it)."""
+    return make_sampler(temp=temperature, top_p=top_p if 0.0 < top_p < 1.0 else 0.0, min_p=min_p,
+                        top_k=top_k if top_k < vocab else 0)
 
 
 class Sample:

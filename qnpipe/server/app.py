@@ -16,6 +16,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from qnpipe.server import schemas as s
+from qnpipe.server.access_log import AccessLog
 from qnpipe.server.generation import GenerationResponse, Served, error_body, send_json
 from qnpipe.server.jobs import BadRequest, Limits, chat_job, completion_job
 from qnpipe.server.metrics import render
@@ -189,7 +190,7 @@ def build_app(served: Served, limits: Limits, api_key: str | None = None) -> ASG
     ], exception_handlers={HTTPException: http_error, Exception: http_error})
     if api_key is not None:
         app = BearerAuth(app, api_key, served)
-    return app
+    return AccessLog(app)
 
 
 def _param(message: str) -> str | None:

@@ -28,6 +28,7 @@ import trio
 from qnpipe.chat.escape import encode_marked, has_marks
 from qnpipe.errors import ChatError, QnpipeError
 from qnpipe.server import schemas as s
+from qnpipe.server.access_log import ENTRY
 from qnpipe.server.jobs import BadRequest, Job
 from qnpipe.server.metrics import Metrics
 from qnpipe.server.scheduling import QueueFull, Scheduler
@@ -96,7 +97,7 @@ async def run_job(eng: Any, job: Job, ids: list[int], on_content: Callable[[str]
                 stop_scope.cancel()  # a stop string: the generation ends at its next layer
 
         res = await eng.generate(ids, max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p,
-                                 seed=job.seed, stop_at_eos=not job.ignore_eos, on_text=on_text, partial=partial)
+                                 top_k=job.top_k, min_p=job.min_p, seed=job.seed, stop_at_eos=not job.ignore_eos, on_text=on_text, partial=partial)
     if rest := gate.finish():
         on_content(rest)
     content = gate.content
@@ -127,6 +128,7 @@ class GenerationResponse:
         self.finished = False
         self.generating = False
         self.stop = trio.CancelScope()  # cancelled when the server stops (`_watch_closing`)
+        self.outcome: Outcome | None = None
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         sv = self.served
@@ -165,6 +167,8 @@ class GenerationResponse:
                 nursery.cancel_scope.cancel()
         if not started:
             sv.metrics.request(self.endpoint, 499)  # the client left before an answer started
+        if self.outcome is not None and (entry := scope.get(ENTRY)) is not None:
+            entry["tokens"] = (self.outcome.prompt_tokens, self.outcome.completion_tokens)
 
     async def _watch_closing(self) -> None:
         await self.served.closing.wait()
@@ -207,10 +211,14 @@ class GenerationResponse:
         try:
             out = await run_job(sv.engine, job, ids, pieces.append)
         except (QnpipeError, ValueError) as e:
+            if sv.closing.is_set():  # a second Ctrl-C stopped the engine under it: not a failure
+                await send_json(send, 503, error_body(503, SHUTTING_DOWN))
+                return
             self._log_failure(e)
             await send_json(send, 500, error_body(500, f"generation failed: {e}"))
             return
         sv.metrics.completion_tokens += out.completion_tokens
+        self.outcome = out
         await send_json(send, 200, _ENC.encode(self._whole(out)))
 
     def _log_failure(self, e: Exception) -> None:
@@ -298,12 +306,16 @@ class GenerationResponse:
                 try:
                     out = await run_job(sv.engine, job, ids, tx.send_nowait)
                 except (QnpipeError, ValueError) as e:
-                    self._log_failure(e)
-                    failed = f"generation failed: {e}"
+                    if sv.closing.is_set():  # a second Ctrl-C stopped the engine under it: not a failure
+                        failed = f"{SHUTTING_DOWN}: the answer was cut off"
+                    else:
+                        self._log_failure(e)
+                        failed = f"generation failed: {e}"
         if out is None:
-            await body(b"data: " + error_body(500, failed) + b"\n\n")
+            await body(b"data: " + error_body(503 if sv.closing.is_set() else 500, failed) + b"\n\n")
         else:
             sv.metrics.completion_tokens += out.completion_tokens
+            self.outcome = out
             tail = b""
             if out.tool_calls:
                 calls = [s.StreamToolCall(index=i, id=c.id, function=c.function) for i, c in enumerate(out.tool_calls)]

@@ -14,7 +14,7 @@ import msgspec
 
 from qnpipe.chat.escape import Escaper, mark_request
 from qnpipe.chat.template import filter_tools
-from qnpipe.config.validate import check_seed, check_temperature, check_top_p
+from qnpipe.config.validate import check_min_p, check_seed, check_temperature, check_top_k, check_top_p
 from qnpipe.errors import ChatError, QnpipeError
 from qnpipe.server.schemas import ChatRequest, CompletionRequest, Message, NamedToolChoice
 
@@ -31,12 +31,16 @@ class BadRequest(QnpipeError):
 
 @attrs.define
 class Limits:
-    """The server's caps on what one request may ask for."""
+    """The server's caps on what one request may ask for, and its defaults for what a request leaves out."""
 
     max_tokens_cap: int = 4096
     default_max_tokens: int = 512
     max_body_bytes: int = 4 * 2**20
     body_timeout_s: float = 30.0  # the whole request body must arrive within this (408 otherwise)
+    temperature: float = 1.0  # OpenAI's default
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
 
 
 @attrs.define
@@ -54,6 +58,8 @@ class Job:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
     echo: str = ""  # completions' echo=true: the prompt text, sent before the output
     escaper: Escaper | None = None  # chat: `prompt` was rendered from marked strings (qnpipe.chat.escape)
 
@@ -72,6 +78,16 @@ def _sampling(req: ChatRequest | CompletionRequest, limits: Limits, max_tokens: 
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise BadRequest(f"{name} is not supported (give 0 or leave it out)", name)
+    for name in ("logprobs", "top_logprobs"):
+        if getattr(req, name) not in (None, False, 0):
+            raise BadRequest(f"{name} is not supported by this server: it returns no log probabilities "
+                             f"(leave {name} out)", name)
+    fmt = req.response_format
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text" and len(fmt) == 1):
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        raise BadRequest(f"response_format {kind or fmt!r} is not supported by this server: it does not constrain "
+                         "the output to JSON (only {\"type\": \"text\"} is taken; ask for JSON in the prompt)",
+                         "response_format")
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, limits.max_tokens_cap)
     elif not 1 <= max_tokens <= limits.max_tokens_cap:
@@ -82,8 +98,13 @@ def _sampling(req: ChatRequest | CompletionRequest, limits: Limits, max_tokens: 
         raise BadRequest(f"stop: at most {MAX_STOPS} strings, got {len(stops)}", "stop")
     if any(not s for s in stops):
         raise BadRequest("stop: a stop string is empty", "stop")
-    return {"max_tokens": max_tokens, "temperature": _check(check_temperature, req.temperature, "temperature"),
-            "top_p": _check(check_top_p, req.top_p, "top_p"), "seed": _check(check_seed, req.seed, "seed"),
+    def given(name: str, check: Any) -> Any:
+        value = getattr(req, name)
+        return getattr(limits, name) if value is None else _check(check, value, name)
+
+    return {"max_tokens": max_tokens, "temperature": given("temperature", check_temperature),
+            "top_p": given("top_p", check_top_p), "top_k": given("top_k", check_top_k),
+            "min_p": given("min_p", check_min_p), "seed": _check(check_seed, req.seed, "seed"),
             "stops": stops, "stream": req.stream, "ignore_eos": req.ignore_eos,
             "include_usage": bool(req.stream_options and req.stream_options.include_usage)}
 

@@ -22,6 +22,7 @@ import trio
 from qnpipe import hang_guard
 from qnpipe.config import Config
 from qnpipe.errors import QnpipeError
+from qnpipe.server.access_log import configure
 from qnpipe.server.app import build_app
 from qnpipe.server.generation import Served
 from qnpipe.server.jobs import Limits
@@ -38,6 +39,7 @@ class ServerOptions:
     limits: Limits = attrs.field(factory=Limits)
     model_name: str | None = None  # the id /v1/models shows; default: the model directory's name
     graceful_s: float = 5.0  # on SIGINT/SIGTERM: how long the requests in flight have (see `cut_after`)
+    log_level: str = "info"  # access lines at info (qnpipe.server.access_log)
 
 
 def cut_after(graceful_s: float) -> float:
@@ -74,8 +76,9 @@ def _hypercorn_config(opts: ServerOptions) -> Any:
     host = f"[{opts.host}]" if ":" in opts.host and not opts.host.startswith("[") else opts.host
     hc.bind = [f"{host}:{opts.port}"]
     hc.graceful_timeout = opts.graceful_s
-    hc.accesslog = None
+    hc.accesslog = None  # qnpipe.server.access_log writes its own lines, with the tokens
     hc.errorlog = "-"
+    hc.loglevel = opts.log_level.upper()
     hc.h11_max_incomplete_size = 64 * 1024  # request line + headers
     # A request line and headers must come within keep_alive_timeout (hypercorn's idle timer runs until a
     # request is complete); the body has its own deadline (Limits.body_timeout_s, in the app).
@@ -118,6 +121,7 @@ async def serve_engine(eng: Any, model_dir: str | Path, opts: ServerOptions, *,
     from hypercorn.utils import wrap_app
 
     check_options(opts)
+    configure(opts.log_level)
     served = Served(engine=eng, sched=Scheduler(opts.max_queue), metrics=Metrics(),
                     model_id=opts.model_name or Path(model_dir).name, cut_after_s=cut_after(opts.graceful_s))
     app = build_app(served, opts.limits, opts.api_key)
@@ -150,10 +154,14 @@ async def serve_engine(eng: Any, model_dir: str | Path, opts: ServerOptions, *,
 
 
 def run_server(model_dir: str | Path, cfg: Config, opts: ServerOptions,
-               on_ready: Callable[[list[str]], None] | None = None) -> None:
-    """Open the engine on `model_dir` and serve it until SIGINT or SIGTERM (blocking).
+               on_ready: Callable[[list[str]], None] | None = None) -> int | None:
+    """Open the engine on `model_dir` and serve it until SIGINT, SIGTERM or SIGHUP (blocking); the signal.
 
-    The port is bound first: a port in use is a QnpipeError before the model loads.
+    The port is bound first: a port in use is a QnpipeError before the model loads. One signal
+    receiver covers the whole run, the load included, so a stop is the same whenever it comes:
+    the first signal stops the server gracefully (`ServerOptions.graceful_s`; during the load, the
+    load), a second one cancels what is left at once (the engine still closes). Nothing is then
+    raised in the middle of an MLX call, so no thread reports to a loop that has ended.
     With `distributed.enabled` only rank 0 binds and serves; the other ranks serve its steps
     until it stops (docs/distributed.md).
     """
@@ -164,21 +172,49 @@ def run_server(model_dir: str | Path, cfg: Config, opts: ServerOptions,
 
         follower = read_launch().rank > 0  # bad launch variables are refused before the port is bound
     sockets = None if follower else bind(opts)
+    got: list[int] = []
+
+    async def follow() -> None:
+        from qnpipe.engine import open_engine
+
+        async with open_engine(model_dir, cfg):  # a later rank: serves rank 0's steps until it stops
+            pass
 
     async def main() -> None:
         from qnpipe.engine import open_engine
 
-        async with open_engine(model_dir, cfg) as eng:
-            if eng.rank:
-                return
-            assert sockets is not None
-            async with trio.open_nursery() as nursery:
-                binds = await nursery.start(partial(serve_engine, eng, model_dir, opts, sockets=sockets))
-                if on_ready is not None:
-                    on_ready(binds)
+        stopping = trio.Event()
+        serving = False
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+            # This loop answers them; a plug-in's call that never returns would keep it from ever doing so.
+            hang_guard.chain(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+            async with trio.open_nursery() as outer:
+                async def watch() -> None:
+                    async for signum in signals:
+                        got.append(signum)
+                        stopping.set()
+                        if len(got) > 1 or not serving:  # a second signal, or still loading: no grace
+                            outer.cancel_scope.cancel()
+
+                outer.start_soon(watch)
+                try:
+                    async with open_engine(model_dir, cfg) as eng, trio.open_nursery() as nursery:
+                        assert sockets is not None
+                        binds = await nursery.start(partial(serve_engine, eng, model_dir, opts, sockets=sockets,
+                                                            shutdown=stopping.wait))
+                        serving = True
+                        if on_ready is not None and not stopping.is_set():
+                            on_ready(binds)
+                finally:
+                    outer.cancel_scope.cancel()
 
     try:
-        trio.run(main)
+        trio.run(follow if follower else main)
+    except KeyboardInterrupt:
+        if not got:  # before the receiver was in place: Ctrl-C as every command takes it
+            raise
+        # after it was gone, in the run's last instants: the same stop
     finally:
         for sock in sockets.insecure_sockets if sockets is not None else ():
             sock.close()
+    return got[0] if got else None

@@ -67,8 +67,11 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The generation fields both endpoints take."""
 
     model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # None (or left out): the server's default (`qnpipe serve --temperature/--top-p/--top-k/--min-p`)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # an extension, as vLLM's and mlx_lm.server's
+    min_p: float | None = None  # an extension, as vLLM's and mlx_lm.server's
     max_tokens: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -79,6 +82,10 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False  # an extension (as vLLM's): run to max_tokens past EOS (benchmarks)
+    # Taken so that the answer is the server's own "not supported" (qnpipe.server.jobs), not the decoder's.
+    logprobs: Any = None
+    top_logprobs: Any = None
+    response_format: Any = None
 
 
 class ChatRequest(_Sampling, kw_only=True):

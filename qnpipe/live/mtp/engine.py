@@ -15,11 +15,13 @@ from qnpipe.stats import GenerateResult
 
 
 def options(cfg: Config, emit: Callable[[Msg], None] | None = None, *, temperature: float = 0.0,
-            top_p: float = 1.0, seed: int | None = None, mtp_streamed: bool = False) -> loop.SpecOptions:
+            top_p: float = 1.0, seed: int | None = None, mtp_streamed: bool = False, top_k: int = 0,
+            min_p: float = 0.0) -> loop.SpecOptions:
     return loop.SpecOptions(k=cfg.mtp.num_draft_tokens, verify_mode=cfg.mtp.verify_mode, hidden=cfg.mtp.hidden,
                             adaptive_depth=cfg.mtp.adaptive_depth, conf_tau=cfg.mtp.conf_tau,
                             depth_max=cfg.mtp.depth_max, accept_topk=cfg.diag.accept_topk, emit=emit,
                             temperature=temperature, top_p=top_p, seed=seed, mtp_streamed=mtp_streamed,
+                            top_k=top_k, min_p=min_p,
                             branches=tree.branches(cfg.mtp.tree_verify, cfg.mtp.tree_branches, cfg.mtp.tree_top2,
                                                    cfg.mtp.tree_top2_p1, cfg.mtp.adaptive_rescue))
 
@@ -45,5 +47,6 @@ async def speculate(fwd: Forward, emit: Callable[[Msg], None] | None, thread: ML
                                max_tokens=kw["max_tokens"], eos=runner.eos_ids if kw["stop_at_eos"] else set(),
                                chunk=core.cfg.forward.prefill_chunk_tokens, opts=options(core.cfg, emit, temperature=kw["temperature"],
                                                                     top_p=kw["top_p"], seed=kw["seed"],
-                                                                    mtp_streamed=core.streaming is not None),
+                                                                    mtp_streamed=core.streaming is not None,
+                                                                    top_k=kw["top_k"], min_p=kw["min_p"]),
                                on_text=on_text, on_prefill=on_prefill, partial=partial, prefix=prefix)

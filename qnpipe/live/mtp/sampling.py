@@ -1,7 +1,7 @@
 """Speculative sampling: the acceptance rule that keeps the output distribution plain sampling's.
 
-`probs` turns logits into the distribution plain sampling draws from (mlx-lm's sampler: top-p
-on the temperature-1 probabilities, then temperature). A draft `d_i` drawn from the
+`probs` turns logits into the distribution plain sampling draws from (mlx-lm's sampler: top-p,
+min-p and top-k on the temperature-1 probabilities, in that order, then temperature). A draft `d_i` drawn from the
 drafter's `q_i` is kept with probability `min(1, p_i(d_i) / q_i(d_i))`; at the first
 rejection the token is drawn from `normalise(max(p_i - q_i, 0))`, and when every draft is
 kept the next one from `p_{K+1}`. Each emitted token is then distributed as `p` (Leviathan
@@ -15,8 +15,9 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
-    """The sampling distribution of `logits [..., V]` (float64), as mlx-lm's `make_sampler(temperature, top_p)`."""
+def probs(logits: np.ndarray, temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0) -> np.ndarray:
+    """The sampling distribution of `logits [..., V]` (float64), as mlx-lm's
+    `make_sampler(temperature, top_p, min_p, top_k=top_k)`; a top_k of V or more keeps every token."""
     x = logits.astype(np.float64)
     if 0.0 < top_p < 1.0:
         lp = x - _logsumexp(x)
@@ -27,6 +28,12 @@ def probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
         dropped = (above >= top_p * total).sum(axis=-1, keepdims=True)
         threshold = np.take_along_axis(srt, dropped, axis=-1)
         x = np.where(lp < threshold, -np.inf, x)
+    if min_p > 0.0:  # relative to the most likely token: the normalisation cancels
+        x = np.where(x < x.max(axis=-1, keepdims=True) + np.log(min_p), -np.inf, x)
+    if 0 < top_k < x.shape[-1]:
+        at = x.shape[-1] - top_k
+        kth = np.partition(x, at, axis=-1)[..., at:at + 1]
+        x = np.where(x < kth, -np.inf, x)  # ties at the k-th keep more than k, where mlx-lm's partition picks
     x = x / temperature
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)

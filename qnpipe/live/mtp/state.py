@@ -50,6 +50,8 @@ class SpecOptions:
     temperature: float = 0.0  # > 0: speculative sampling (qnpipe.live.mtp.sampling)
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
 
     @property
     def sampling(self) -> bool:
@@ -123,7 +125,8 @@ class SpecState:
 
     def dist(self, logits: mx.array) -> np.ndarray:
         """Sampling: the distribution plain sampling draws from (host, float64)."""
-        return probs(np.array(logits.astype(mx.float32)), self.opts.temperature, self.opts.top_p)
+        return probs(np.array(logits.astype(mx.float32)), self.opts.temperature, self.opts.top_p,
+                     self.opts.top_k, self.opts.min_p)
 
     def drafter_input(self, h: mx.array) -> mx.array:
         """The main model's hidden as the drafter reads it (`mtp.hidden`).
