@@ -120,6 +120,11 @@ class SlotTable:
         blocked = (self.pinned | self.held.keys() | self._loading).difference(experts)
         return self.capacity - len(blocked)
 
+    def all_ready(self, experts: Iterable[int]) -> bool:
+        """Every one of `experts` is resident and none is loading: an acquire of them is all hits."""
+        slot_of, loading = self.slot_of, self._loading
+        return all(e in slot_of and e not in loading for e in experts)
+
     def can_acquire_now(self, experts: Sequence[int]) -> bool:
         """Whether `acquire(experts)` finds a slot for each miss without waiting.
 
