@@ -136,7 +136,7 @@ class Forward:
             for c in out.predictor:
                 self.to_predictor.send_nowait(c)  # the core took only what fits (_room)
         if self.inline is not None and out.pool:
-            self._answered = self.inline.answer(out.pool, trio.current_time())
+            self._answered = self.inline.answer(out.pool)
             if self._answered is not None:
                 return
         for m in out.pool:
@@ -178,12 +178,14 @@ class Forward:
         """Wait for the part's grant; early grants' work is queued on the way."""
         assert self.grants is not None
         while True:
-            if self._answered is not None:
+            if self._answered is not None:  # granted in this turn, at its Acquire's time
                 g: ForwardInbox = self._answered
                 self._answered = None
+                now = g.t
             else:
                 g = await self.grants.receive()
-            run = self.core.handle(g, trio.current_time()).run
+                now = trio.current_time()
+            run = self.core.handle(g, now).run
             if run is None:  # a grant of a cancelled step
                 continue
             if not run.early:

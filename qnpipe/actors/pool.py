@@ -14,6 +14,7 @@ core, the same messages and records, no channel hop and no scheduler pass.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import trio
@@ -44,19 +45,28 @@ class InlinePool:
     grants: trio.MemoryReceiveChannel[ForwardInbox]  # the forward's
     emit: Callable[[Msg], None] | None = None
     turns: int = 0  # inline turns taken (tests, benchmarks)
+    # The channels' shared state, read directly: `statistics()` builds an object per call, twice per
+    # layer-step (trio is pinned; qnpipe.actors.turns reads its internals too).
+    _inbox_state: Any = attrs.field(init=False)
+    _grants_data: Any = attrs.field(init=False)
 
-    def answer(self, msgs: list[PoolInbox], now: float) -> Granted | None:
+    def __attrs_post_init__(self) -> None:
+        self._inbox_state = self.inbox._state  # pyright: ignore[reportPrivateUsage]
+        self._grants_data = self.grants._state.data  # pyright: ignore[reportPrivateUsage]
+
+    def answer(self, msgs: list[PoolInbox]) -> Granted | None:
         """The pool's answer to `msgs` (releases, then one `Acquire`) when it is an immediate grant
-        (the turn then is taken: logged and applied); None, untouched, when the actors must take it."""
+        (the turn then is taken at the acquire's time: logged and applied); None, untouched, when the
+        actors must take it."""
         acq = msgs[-1]
         if not isinstance(acq, Acquire):
             return None
-        inbox = self.inbox.statistics()
-        if inbox.current_buffer_used or inbox.tasks_waiting_receive != 1 or self.grants.statistics().current_buffer_used:
+        inbox = self._inbox_state
+        if inbox.data or len(inbox.receive_tasks) != 1 or self._grants_data:
             return None  # the pool has a turn to take (or is taking one): ours would jump the queue
         if not self.core.answers_at_once(acq):
             return None
-        out = self.core.turn(msgs, now)
+        out = self.core.turn(msgs, acq.t)
         assert not out.reads and len(out.forward) == 1 and isinstance(out.forward[0], Granted), out
         self.turns += 1
         if self.emit is not None:

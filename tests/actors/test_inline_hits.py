@@ -39,9 +39,9 @@ def _run(model: Path, path: Path, slots: int, inline: bool, monkeypatch: pytest.
     answered = 0
     real = InlinePool.answer
 
-    def counting(self: InlinePool, msgs: Any, now: float) -> Any:
+    def counting(self: InlinePool, msgs: Any) -> Any:
         nonlocal answered
-        g = real(self, msgs, now)
+        g = real(self, msgs)
         answered += g is not None
         return g
 
