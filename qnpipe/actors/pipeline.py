@@ -40,8 +40,8 @@ from qnpipe.messages import Candidates, ForwardInbox, PoolInbox, ReadInbox
 from qnpipe.policy import turn_order
 from qnpipe.policy.build import layer_capacities, make_policy, side_slots
 from qnpipe.policy.forward_core import forward_capacities
-from qnpipe.policy.pool_core import PoolCore
 from qnpipe.policy.pool import PoolPolicy
+from qnpipe.policy.pool_core import PoolCore
 from qnpipe.policy.predict import hint_top
 from qnpipe.policy.read_core import read_queue
 from qnpipe.policy.read_queue import ReadQueue
