@@ -69,6 +69,17 @@ What is measured (every figure is a median over `--rounds`):
   (this also contains what the streamed decode loses by not queueing the next step
   before reading the token, see qnpipe.live.decoding). `overhead_frac_allhit_direct` is
   (wall - mlx) / wall of the allhit run.
+* `pipeline_us_per_layer_step_allhit` = (1/tok_s_allhit - 1/tok_s_resident) / MoE layers, in µs, per
+  round then the median (`_raw`: each round's); `ratio_allhit_to_resident` the tok/s ratio;
+  `pipeline_cpu_us_per_layer_step_allhit` the same from the loop thread's CPU (`loop_work`), which
+  a loaded machine disturbs far less. The `_channel` keys are the same for the `allhit_channel`
+  engine, whose hits go through the pool actor's channels (`qnpipe.actors.pipeline._inline_hits`
+  off: the path before hits were answered in the forward's turn); `--no-channel` skips it.
+  `pipeline_us_per_layer_step_demand` = the demand run's `overhead` per MoE layer-step (µs).
+* `--allhit-only`: resident and the all-hit engines alone, the keys above; with `--shape ms1`
+  (the bench shape at a quarter of the hidden size and of the experts' width, 2 attention heads:
+  ~1 ms of compute per layer-step on this VM, about a GPU's pace on the 80B, instead of ~6) it
+  also prints `ratio_allhit_to_resident_1ms` and `resident_ms_per_layer_step` says the pace reached.
 * `read_batches_per_token`: `read_batch` calls per token (read scheduler `batches`); equal to
   `reads_per_token` means every miss went to the device on its own (one trio task and one
   `trio.to_thread` hand-off each), not as one batch per layer.
@@ -101,6 +112,8 @@ Prints progress on stderr and one JSON line on stdout.
     python tools/bench_stream.py --rounds 3 --tokens 32 # shorter
     python tools/bench_stream.py --model DIR            # an existing qnpipe model directory
     python tools/bench_stream.py --profile              # also a cProfile of the engine loop thread (demand)
+    python tools/bench_stream.py --allhit-only --rounds 8 --tokens 24             # the pipeline's cost per hit
+    python tools/bench_stream.py --shape ms1 --allhit-only --rounds 10 --tokens 32  # ... at ~1 ms a layer
 """
 
 from __future__ import annotations
