@@ -21,7 +21,9 @@ def test_bench_stream_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("tok_s_resident", "tok_s_demand", "tok_s_serial_bound", "ratio_demand_to_serial_bound",
-                "misses_per_token", "overhead_frac", "overhead_frac_allhit", "bandwidth_gbps"):
+                "misses_per_token", "overhead_frac", "overhead_frac_allhit", "bandwidth_gbps",
+                "pipeline_us_per_layer_step_allhit", "pipeline_us_per_layer_step_allhit_channel",
+                "pipeline_cpu_us_per_layer_step_allhit", "pipeline_us_per_layer_step_demand"):
         assert key in out, key
     assert out["store_to_pool"] >= 4
     assert out["allhit_misses_per_token"] == 0
