@@ -204,7 +204,7 @@ class Forward:
                 if any(isinstance(m, Acquire) for m in unsent.pool):
                     out.pool.clear()
                 out.pool[:0] = [m for m in unsent.pool if isinstance(m, Release)]
-            if out.pool and self.to_pool is not None:
+            if out.pool and self.to_pool is not None and not self.failure:  # a dead pipeline takes nothing more
                 try:
                     for m in out.pool:
                         await self.to_pool.send(m)

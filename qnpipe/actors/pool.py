@@ -44,6 +44,8 @@ class InlinePool:
     inbox: trio.MemoryReceiveChannel[PoolInbox]  # the pool actor's (only its statistics are read)
     grants: trio.MemoryReceiveChannel[ForwardInbox]  # the forward's
     emit: Callable[[Msg], None] | None = None
+    # The forward's: a turn that raises (RouteError) stops the pipeline as the pool actor's death would.
+    failure: list[BaseException] = attrs.field(factory=list)
     turns: int = 0  # inline turns taken (tests, benchmarks)
     # The channels' shared state, read directly: `statistics()` builds an object per call, twice per
     # layer-step (trio is pinned; qnpipe.actors.turns reads its internals too).
@@ -66,7 +68,11 @@ class InlinePool:
             return None  # the pool has a turn to take (or is taking one): ours would jump the queue
         if not self.core.answers_at_once(acq):
             return None
-        out = self.core.turn(msgs, acq.t)
+        try:
+            out = self.core.turn(msgs, acq.t)
+        except Exception as e:
+            self.failure.append(e)
+            raise
         assert not out.reads and len(out.forward) == 1 and isinstance(out.forward[0], Granted), out
         self.turns += 1
         if self.emit is not None:
