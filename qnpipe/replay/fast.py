@@ -23,7 +23,7 @@ import attrs
 from qnpipe.config import Config
 from qnpipe.errors import StallError
 from qnpipe.io.sim_model import DeviceModel, DeviceProfile
-from qnpipe.messages import Acquire, Candidates, ForwardInbox, Msg, PoolInbox, ReadInbox
+from qnpipe.messages import Candidates, ForwardInbox, Msg, PoolInbox, ReadInbox
 from qnpipe.policy import turn_order
 from qnpipe.policy.build import make_policy
 from qnpipe.policy.forward_core import ForwardCore, Predictions, forward_capacities
@@ -134,7 +134,6 @@ class FastReplay:
                         self.emit(r)
                 self.cand_inbox += out.predictor
                 pool_inbox += out.pool
-                self._inline_hit()
                 while True:
                     run = core.handle((yield _GRANT, None), self.now).run
                     if run is None or run.early:  # early work is queued, not timed (replay's backend)
@@ -143,21 +142,7 @@ class FastReplay:
                     pool_inbox += core.part_done(self.now).pool
                     if run.last:
                         break
-                    self._inline_hit()
             pool_inbox += core.end_step(self.now).pool
-
-    def _inline_hit(self) -> None:
-        """The pool's turn taken at once for an acquire it grants at once, as the live forward does
-        (qnpipe.actors.pool.InlinePool; docs/pool.md): only the forward's messages are waiting, and
-        in turn order they come first, so the same turn follows, one pass of the loop sooner."""
-        inbox = self.pool_inbox
-        if self.pool_from_reads or self.pool_from_predictor or self.to_forward or not inbox:
-            return
-        acq = inbox[-1]
-        if isinstance(acq, Acquire) and self.pool.answers_at_once(acq):
-            msgs = inbox[:]
-            inbox.clear()
-            self._deliver(self.pool.turn(msgs, self.now))
 
     # ------------------------------------------------------------------ the actors' turns
 
