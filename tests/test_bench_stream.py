@@ -21,11 +21,27 @@ def test_bench_stream_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("tok_s_resident", "tok_s_demand", "tok_s_serial_bound", "ratio_demand_to_serial_bound",
-                "misses_per_token", "overhead_frac", "overhead_frac_allhit", "bandwidth_gbps"):
+                "misses_per_token", "overhead_frac", "overhead_frac_allhit", "bandwidth_gbps",
+                "pipeline_us_per_layer_step_allhit", "pipeline_us_per_layer_step_allhit_channel",
+                "pipeline_cpu_us_per_layer_step_allhit", "pipeline_us_per_layer_step_demand"):
         assert key in out, key
     assert out["store_to_pool"] >= 4
     assert out["allhit_misses_per_token"] == 0
     assert out["misses_per_token"] > 0
+
+
+@pytest.mark.slow
+def test_bench_stream_allhit_only_smoke(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--shape", "smoke", "--work", str(tmp_path), "--allhit-only", "--rounds", "1",
+         "--tokens", "4", "--warmup-prompt", "64", "--workers", "4"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("pipeline_us_per_layer_step_allhit", "pipeline_us_per_layer_step_allhit_channel",
+                "pipeline_cpu_us_per_layer_step_allhit", "ratio_allhit_to_resident", "resident_ms_per_layer_step"):
+        assert key in out, key
+    assert out["allhit_misses_per_token"] == 0
 
 
 def test_round_prompts_stay_in_the_vocabulary() -> None:

@@ -69,6 +69,17 @@ What is measured (every figure is a median over `--rounds`):
   (this also contains what the streamed decode loses by not queueing the next step
   before reading the token, see qnpipe.live.decoding). `overhead_frac_allhit_direct` is
   (wall - mlx) / wall of the allhit run.
+* `pipeline_us_per_layer_step_allhit` = (1/tok_s_allhit - 1/tok_s_resident) / MoE layers, in µs, per
+  round then the median (`_raw`: each round's); `ratio_allhit_to_resident` the tok/s ratio;
+  `pipeline_cpu_us_per_layer_step_allhit` the same from the loop thread's CPU (`loop_work`), which
+  a loaded machine disturbs far less. The `_channel` keys are the same for the `allhit_channel`
+  engine, whose hits go through the pool actor's channels (`qnpipe.actors.pipeline._inline_hits`
+  off: the path before hits were answered in the forward's turn); `--no-channel` skips it.
+  `pipeline_us_per_layer_step_demand` = the demand run's `overhead` per MoE layer-step (µs).
+* `--allhit-only`: resident and the all-hit engines alone, the keys above; with `--shape ms1`
+  (the bench shape at a quarter of the hidden size and of the experts' width, 2 attention heads:
+  ~1 ms of compute per layer-step on this VM, about a GPU's pace on the 80B, instead of ~6) it
+  also prints `ratio_allhit_to_resident_1ms` and `resident_ms_per_layer_step` says the pace reached.
 * `read_batches_per_token`: `read_batch` calls per token (read scheduler `batches`); equal to
   `reads_per_token` means every miss went to the device on its own (one trio task and one
   `trio.to_thread` hand-off each), not as one batch per layer.
@@ -101,6 +112,8 @@ Prints progress on stderr and one JSON line on stdout.
     python tools/bench_stream.py --rounds 3 --tokens 32 # shorter
     python tools/bench_stream.py --model DIR            # an existing qnpipe model directory
     python tools/bench_stream.py --profile              # also a cProfile of the engine loop thread (demand)
+    python tools/bench_stream.py --allhit-only --rounds 8 --tokens 24             # the pipeline's cost per hit
+    python tools/bench_stream.py --shape ms1 --allhit-only --rounds 10 --tokens 32  # ... at ~1 ms a layer
 """
 
 from __future__ import annotations
@@ -129,6 +142,15 @@ SHAPES: dict[str, dict[str, Any]] = {
               "linear_key_head_dim": 64, "linear_value_head_dim": 64,
               "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 1024,
               "mtp_num_hidden_layers": 0},
+    # The all-hit variant at ~1 ms per layer-step (a GPU's pace on an 80B): the bench shape with a quarter of
+    # the hidden size and of the experts' width, so the model's compute per layer is ~1/6 of the bench's.
+    "ms1": {"hidden_size": 128, "moe_intermediate_size": 96, "shared_expert_intermediate_size": 96,
+            "num_hidden_layers": 16, "full_attention_interval": 4,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+            "linear_num_key_heads": 1, "linear_num_value_heads": 1,
+            "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+            "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 1024,
+            "mtp_num_hidden_layers": 0},
     # For a quick smoke run (tests): 2 layers x 32 experts, 128 x 64 -> 13.8 KB records.
     "smoke": {"hidden_size": 128, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
               "num_hidden_layers": 2, "full_attention_interval": 2, "num_experts": 32,
@@ -564,7 +586,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup-prompt", type=int, default=128,
                     help="prompt tokens of the warm-up prefill that fills the all-hit pool (default 128)")
     ap.add_argument("--bw-seconds", type=float, default=1.5)
-    ap.add_argument("--no-allhit", action="store_true", help="skip the all-hit engine")
+    ap.add_argument("--no-allhit", action="store_true", help="skip the all-hit engines")
+    ap.add_argument("--no-channel", action="store_true",
+                    help="skip the all-hit engine whose hits go by channel (the path before inline hits)")
+    ap.add_argument("--allhit-only", action="store_true",
+                    help="only resident and the all-hit engines: the pipeline's cost per layer-step (with --shape ms1: "
+                         "ratio_allhit_to_resident_1ms)")
     ap.add_argument("--no-prefetch", action="store_true", help="skip the prefetch engine")
     ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
                     help="another config field of the prefetch run, e.g. predict.stage_global_budget_experts=0")
@@ -573,7 +600,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--per-layer-budget", type=int, default=12,
                     help="predict.per_layer_budget_experts of the prefetch run (default 12)")
     ap.add_argument("--profile", type=Path, default=None,
-                    help="write cProfile stats of the demand run (engine loop thread and MLX thread) under this prefix")
+                    help="write cProfile stats of the demand run (with --allhit-only: the all-hit run) (engine loop thread "
+                         "and MLX thread) under this prefix")
     return ap.parse_args(argv)
 
 
@@ -603,9 +631,25 @@ def main(argv: list[str] | None = None) -> int:
 
     engines: dict[str, Any] = {}
     engines["resident"] = qnpipe.Engine(model_dir, eager_load=True, prefill_chunk_tokens=0)
-    engines["demand"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0, **read)
-    if not args.no_allhit:
+    if not args.allhit_only:
+        engines["demand"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0, **read)
+    if not args.no_allhit or args.allhit_only:
         engines["allhit"] = qnpipe.Engine(model_dir, expert_slots=num_experts, prefill_chunk_tokens=0, **read)
+        if not args.no_channel:
+            from qnpipe.actors import pipeline as _pipeline
+
+            _pipeline._inline_hits = False  # read when the engine's pipeline opens  # pyright: ignore[reportPrivateUsage]
+            try:
+                engines["allhit_channel"] = qnpipe.Engine(model_dir, expert_slots=num_experts,
+                                                          prefill_chunk_tokens=0, **read)
+            finally:
+                _pipeline._inline_hits = True  # pyright: ignore[reportPrivateUsage]
+    if args.allhit_only:
+        try:
+            return _allhit_only(args, engines, model_dir, len(layers), load0)
+        finally:
+            for e in engines.values():
+                e.close()
     if not args.no_prefetch:
         # The demand run's pool plus a side region that prefetches land in.
         engines["prefetch"] = qnpipe.Engine(
@@ -623,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             # The all-hit pool is filled by one long prefill (k x prompt picks per layer); the
             # others only need their code paths warm.
-            e.generate(warm if name == "allhit" else warm[:4], max_tokens=8, temperature=1.0, seed=1,
+            e.generate(warm if name.startswith("allhit") else warm[:4], max_tokens=8, temperature=1.0, seed=1,
                        stop_at_eos=False)
             log(f"warm-up {name}: {time.perf_counter() - t0:.1f} s")
         if "allhit" in engines:
@@ -771,6 +815,8 @@ def main(argv: list[str] | None = None) -> int:
         if "allhit" in runs else None,
         "overhead_frac_allhit_direct": rnd(med([a["overhead"] / a["wall"] for a in runs["allhit"]]))
         if "allhit" in runs else None,
+        **allhit_keys(runs, len(layers)),
+        "pipeline_us_per_layer_step_demand": rnd(med([d["overhead"] / len(layers) * 1e6 for d in runs["demand"]]), 1),
         "loadavg_start_end": [rnd(load0[0], 2), rnd(os.getloadavg()[0], 2)], "cpus": os.cpu_count(),
         "targets": {"ratio_demand_to_serial_bound": ">= 0.9", "overhead_frac": "< 0.05",
                     "ratio_prefetch_to_demand": "> 1", "ratio_prefetch_to_overlap_bound": ">= 0.85"},
@@ -795,6 +841,70 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def allhit_keys(runs: dict[str, list[dict[str, float]]], moe_layers: int) -> dict[str, Any]:
+    """The all-hit pipeline's cost per MoE layer-step over resident (µs, from decode tok/s, per round then the
+    median), the tok/s ratio, the loop thread's CPU per layer-step beyond resident's, and the same for the
+    engine whose hits go by channel (the path before inline hits)."""
+    out: dict[str, Any] = {}
+    for name, suffix in (("allhit", ""), ("allhit_channel", "_channel")):
+        if name not in runs:
+            continue
+        pairs = list(zip(runs[name], runs["resident"], strict=True))
+        out[f"pipeline_us_per_layer_step_allhit{suffix}"] = rnd(
+            med([(a["step_s"] - r["step_s"]) / moe_layers * 1e6 for a, r in pairs]), 1)
+        out[f"ratio_allhit{suffix}_to_resident"] = rnd(med([a["tok_s"] / r["tok_s"] for a, r in pairs]))
+        # The loop thread's own CPU beyond resident's (MLX calls taken out): robust to a loaded machine.
+        out[f"pipeline_cpu_us_per_layer_step_allhit{suffix}"] = rnd(
+            med([(a["loop_work"] - r["loop_work"]) / moe_layers * 1e6 for a, r in pairs]), 1)
+        out[f"pipeline_us_per_layer_step_allhit{suffix}_raw"] = [
+            rnd((a["step_s"] - r["step_s"]) / moe_layers * 1e6, 1) for a, r in pairs]
+    return out
+
+
+def _allhit_only(args: argparse.Namespace, engines: dict[str, Any], model_dir: Path, moe_layers: int,
+                 load0: tuple[float, float, float]) -> int:
+    """Resident against the all-hit engines only, in interleaved rounds; one JSON line."""
+    import os
+
+    inst = {name: Instruments(e) for name, e in engines.items()}
+    rng = np.random.default_rng(7)
+    warm = rng.integers(3, 1000, args.warmup_prompt).tolist()
+    for name, e in engines.items():
+        e.generate(warm if name.startswith("allhit") else warm[:4], max_tokens=8, temperature=1.0, seed=1,
+                   stop_at_eos=False)
+    vocab = engines["resident"].args.vocab_size
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+    prof = None
+    if args.profile:
+        import cProfile
+        prof = (cProfile.Profile(), cProfile.Profile())
+    for r in range(args.rounds):
+        order = list(engines) if r % 2 == 0 else list(reversed(engines))
+        for name in order:
+            if prof is not None and name == "allhit":
+                _profile(engines[name], prof, True)
+            res = run_call(engines[name], inst[name], round_prompt(r, vocab), args.tokens, 100 + r)
+            if prof is not None and name == "allhit":
+                _profile(engines[name], prof, False)
+            res.pop("tokens")
+            runs[name].append(res)
+        log(f"round {r + 1}/{args.rounds}: " + "  ".join(f"{n} {runs[n][-1]['tok_s']:.2f} tok/s" for n in runs))
+    if prof is not None:
+        _dump_profiles(prof, args.profile, "allhit")
+    keys = allhit_keys(runs, moe_layers)
+    ms = med([x["step_s"] for x in runs["resident"]]) / moe_layers * 1e3
+    if args.shape == "ms1" and not args.model:
+        keys["ratio_allhit_to_resident_1ms"] = keys["ratio_allhit_to_resident"]
+    out = {"bench": "stream_allhit", "model": str(model_dir), "shape": args.shape, "moe_layers": moe_layers,
+           "tokens_per_round": args.tokens, "rounds": args.rounds,
+           "resident_ms_per_layer_step": rnd(ms, 3),
+           **{f"tok_s_{n}": rnd(med([x["tok_s"] for x in runs[n]]), 3) for n in runs}, **keys,
+           "allhit_misses_per_token": rnd(med([x["misses"] for x in runs["allhit"]]), 3),
+           "loadavg_start_end": [rnd(load0[0], 2), rnd(os.getloadavg()[0], 2)], "cpus": os.cpu_count()}
+    print(json.dumps(out), flush=True)
+    return 0
+
+
 def _profile(eng: Any, prof: tuple[Any, Any], on: bool) -> None:
     """Enable / disable `prof[0]` on the engine's trio thread and `prof[1]` on the MLX thread."""
     from qnpipe.live.mlx_thread import MLXThread
@@ -807,16 +917,18 @@ def _profile(eng: Any, prof: tuple[Any, Any], on: bool) -> None:
         MLXThread.shared().call(prof[1].enable if on else prof[1].disable)
 
 
-def _dump_profiles(prof: tuple[Any, Any], prefix: Path) -> None:
+def _dump_profiles(prof: tuple[Any, Any], prefix: Path, run: str = "demand") -> None:
     import io
     import pstats
 
     for p, which in zip(prof, ("trio", "mlx"), strict=True):
+        if p.getstats() == []:  # the engine's loop runs on the MLX thread: one thread, one profiler
+            continue
         path = Path(f"{prefix}.{which}.prof")
         p.dump_stats(path)
         s = io.StringIO()
         pstats.Stats(p, stream=s).sort_stats("tottime").print_stats(25)
-        log(f"cProfile of the {which} thread (demand run) -> {path}\n{s.getvalue()}")
+        log(f"cProfile of the {which} thread ({run} run) -> {path}\n{s.getvalue()}")
 
 
 def main_make_only(argv: list[str]) -> int:

@@ -12,6 +12,11 @@ accounting, the stale-grant rule) are `ForwardCore`'s (qnpipe.policy.forward_cor
 replay's heap driver runs too; this module is its trio shell. The backend is the seam: the MLX model on its thread here, a recorded routing log with
 a cost model in replay. Cancellation stops the step at the next layer, releases what
 the step held, and leaves the pipeline ready for the next one.
+
+With `inline` (qnpipe.actors.pool.InlinePool) an acquire the pool can grant at once is
+answered in the forward's own turn, and a layer's last `Release` waits for the next
+`Acquire` (or the step's `ForwardDone`) to go with it, as it would reach the pool's turn
+anyway: the pool needs nothing earlier.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from qnpipe.actors.pool import InlinePool
 from qnpipe.actors.stamp import send_soon
 from qnpipe.errors import PipelineError
-from qnpipe.messages import Acquire, Candidates, ForwardInbox, Msg, PoolInbox, Release
+from qnpipe.messages import Acquire, Candidates, ForwardInbox, Granted, Msg, PoolInbox, Release
 from qnpipe.policy.forward_core import ForwardCore, ForwardStats
 from qnpipe.policy.outbox import Outbox
 from qnpipe.policy.pace import Pace
@@ -63,8 +69,11 @@ class Forward:
     union_prof: bool = False  # diag.union_prof: per-layer union sizes by step length
     busy: bool = False  # a step is running (the watchdog only looks then)
     progress: int = 0  # bumped at every layer and grant: what the watchdog watches
+    inline: InlinePool | None = None  # answers hits in this task's turn; None: every message goes by channel
     core: ForwardCore = attrs.field(init=False)
     _unsent: Outbox | None = None  # an answer of the core whose log was being written
+    _later: list[PoolInbox] = attrs.field(factory=list)  # releases that go with the next acquire (inline only)
+    _answered: Granted | None = None  # the inline turn's grant, not yet taken by `_grant`
 
     def __attrs_post_init__(self) -> None:
         self.core = ForwardCore(self.capacities, self.num_experts, self.moe_order, early_pairs=self.early_pairs,
@@ -113,6 +122,9 @@ class Forward:
 
     async def _send(self, out: Outbox) -> None:
         assert self.to_pool is not None
+        if self._later:
+            out.pool[:0] = self._later
+            self._later = []
         if self.emit is not None:
             # The recorder may raise (a full disk) before the pool has the part's Acquire: the
             # core then holds a part the pool never granted, and its cancel must not release it.
@@ -123,6 +135,10 @@ class Forward:
         if self.to_predictor is not None:
             for c in out.predictor:
                 self.to_predictor.send_nowait(c)  # the core took only what fits (_room)
+        if self.inline is not None and out.pool:
+            self._answered = self.inline.answer(out.pool)
+            if self._answered is not None:
+                return
         for m in out.pool:
             await send_soon(self.to_pool, m, shield=True)
 
@@ -151,15 +167,25 @@ class Forward:
             ev = await self.backend.resume(grant)
             out = core.part_done(trio.current_time())
             if grant.last:
-                await self._send(out)
+                if self.inline is not None:  # folded into the next Acquire / ForwardDone
+                    assert not out.log and not out.predictor
+                    self._later += out.pool
+                else:
+                    await self._send(out)
                 return ev
 
     async def _grant(self) -> tuple[PartGrant, ForwardInbox]:
         """Wait for the part's grant; early grants' work is queued on the way."""
         assert self.grants is not None
         while True:
-            g = await self.grants.receive()
-            run = self.core.handle(g, trio.current_time()).run
+            if self._answered is not None:  # granted in this turn, at its Acquire's time
+                g: ForwardInbox = self._answered
+                self._answered = None
+                now = g.t
+            else:
+                g = await self.grants.receive()
+                now = trio.current_time()
+            run = self.core.handle(g, now).run
             if run is None:  # a grant of a cancelled step
                 continue
             if not run.early:
@@ -171,12 +197,14 @@ class Forward:
         with trio.CancelScope(shield=True):
             await self.backend.abort()
             out = self.core.cancel(trio.current_time())
+            self._answered = None  # its Release is the core's (the part is acquired)
+            out.pool[:0], self._later = self._later, []  # released parts, due before the cancelled one
             unsent, self._unsent = self._unsent, None
             if unsent is not None:  # its Releases are due still; its Acquire never left, so nothing is held
                 if any(isinstance(m, Acquire) for m in unsent.pool):
                     out.pool.clear()
                 out.pool[:0] = [m for m in unsent.pool if isinstance(m, Release)]
-            if out.pool and self.to_pool is not None:
+            if out.pool and self.to_pool is not None and not self.failure:  # a dead pipeline takes nothing more
                 try:
                     for m in out.pool:
                         await self.to_pool.send(m)

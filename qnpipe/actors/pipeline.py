@@ -28,7 +28,7 @@ import trio.testing
 
 from qnpipe.actors.autopin import Autopin
 from qnpipe.actors.forward import Forward
-from qnpipe.actors.pool import pool
+from qnpipe.actors.pool import InlinePool, pool
 from qnpipe.actors.predictor import PredictorStats, predictor
 from qnpipe.actors.read_scheduler import ReadSchedulerStats, read_scheduler
 from qnpipe.actors.recorder import Emit, Emitter, open_recording
@@ -41,12 +41,17 @@ from qnpipe.policy import turn_order
 from qnpipe.policy.build import layer_capacities, make_policy, side_slots
 from qnpipe.policy.forward_core import forward_capacities
 from qnpipe.policy.pool import PoolPolicy
+from qnpipe.policy.pool_core import PoolCore
 from qnpipe.policy.predict import hint_top
 from qnpipe.policy.read_core import read_queue
 from qnpipe.policy.read_queue import ReadQueue
 from qnpipe.stats_snapshot import LayerTable, PipelineStatistics, PredictorStatistics, ReadStatistics
 from qnpipe.trace import ModelShape
 from qnpipe.trace.format import RunPart
+
+# Hits answered in the forward's turn (qnpipe.actors.pool.InlinePool). False sends every message by
+# channel, as before: the tests that compare the two ways and tools/bench_stream.py's before/after set it.
+_inline_hits = True
 
 
 @attrs.define
@@ -182,6 +187,9 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
                   check_bytes=check_bytes, emit=emit, union_prof=cfg.diag.union_prof,
                   # a backend that can start a layer's experts before all are read says for how many pairs
                   early_pairs=getattr(backend, "early_pairs", 0) if cfg.forward.early_grants else 0)
+    pool_core = PoolCore(policy, logging=emit is not None)
+    if _inline_hits:
+        fwd.inline = InlinePool(pool_core, pool_rx, grant_rx, emit, fwd.failure)
     scopes: list[trio.CancelScope] = []
     try:
         async with trio.open_nursery() as nursery:
@@ -217,7 +225,7 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
                 async with pool_rx, grant_tx:
                     await supervised(partial(pool, pool_rx.clone(), read_tx, grant_tx.clone(), policy=policy,
                                              preload=preloads, after_forward=after_forward, emit=emit,
-                                             turns=turns), task_status=task_status)
+                                             turns=turns, core=pool_core), task_status=task_status)
 
             await nursery.start(pool_actor)
             if predicting:

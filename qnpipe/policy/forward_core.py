@@ -113,6 +113,9 @@ class ForwardCore:
     seq: int = 0
     pace: Pace = attrs.field(init=False)
     _at: _LayerStep | None = None
+    # expert -> slot per layer, written by each grant: a part's tokens only route to experts its grant gave,
+    # so the entries of others may be stale (an early layer-step clears its own first: -1 = not there yet).
+    _luts: dict[int, np.ndarray] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self.pace = Pace(self.moe_order)
@@ -180,8 +183,15 @@ class ForwardCore:
         stats.layer_steps += 1
         if len(parts) > 1:
             stats.split_layer_steps += 1
-        lut = np.full(self.num_experts, -1, dtype=np.int64) if self.slots or self.route_verify else None
-        self._at = at = _LayerStep(layer, ids, parts, len(parts) == 1 and len(experts) < self.early_pairs, lut)
+        early = len(parts) == 1 and len(experts) < self.early_pairs
+        lut = None
+        if self.slots or self.route_verify:
+            lut = self._luts.get(layer)
+            if lut is None:
+                lut = self._luts[layer] = np.full(self.num_experts, -1, dtype=np.int64)
+            if early:  # a Present maps only the experts in memory: the others must read -1
+                lut[list(parts[0][2])] = -1
+        self._at = at = _LayerStep(layer, ids, parts, early, lut)
         self._acquire(at, now, out)
         return out
 

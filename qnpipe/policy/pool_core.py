@@ -70,6 +70,20 @@ class PoolCore:
             self._read(layer, lds, now, out)
         return out
 
+    def answers_at_once(self, acq: Acquire) -> bool:
+        """Whether `acq` is granted the moment it is handled, asking nothing of any other actor: every
+        expert resident in the main region and not loading, no acquire deferred, no early grant open.
+
+        The forward's inline turn (qnpipe.actors.pool.InlinePool) handles only such an acquire; its
+        answer is then one `Granted` (no read, no promotion, no `Present`)."""
+        policy = self.policy
+        if self.early or self.landed or policy.grants.deferred:
+            return False
+        side = policy.sides.get(acq.layer)
+        if side is not None and any(e in side.slot_of for e in acq.experts):
+            return False  # a side-region expert may be promoted: placement decides, with reads maybe
+        return policy.tables[acq.layer].all_ready(acq.experts)
+
     def handle(self, msg: PoolInbox, now: float) -> Outbox:
         """Apply one message at time `now`. Raises RouteError when route verification fails."""
         out = Outbox()

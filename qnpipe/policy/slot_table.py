@@ -120,6 +120,11 @@ class SlotTable:
         blocked = (self.pinned | self.held.keys() | self._loading).difference(experts)
         return self.capacity - len(blocked)
 
+    def all_ready(self, experts: Iterable[int]) -> bool:
+        """Every one of `experts` is resident and none is loading: an acquire of them is all hits."""
+        slot_of, loading = self.slot_of, self._loading
+        return all(e in slot_of and e not in loading for e in experts)
+
     def can_acquire_now(self, experts: Sequence[int]) -> bool:
         """Whether `acquire(experts)` finds a slot for each miss without waiting.
 
@@ -161,16 +166,18 @@ class SlotTable:
         hits: list[tuple[int, int]] = []
         waiting: list[tuple[int, int]] = []
         missing: list[int] = []
+        # One pass, locals bound: replay runs this per layer-step (holds are counted in the same order).
+        slot_of, state, held, accessed, tick = self.slot_of, self.state, self.held, self.eviction.accessed, self.tick
         for e in experts:
-            s = self.slot_of.get(e)
+            held[e] = held.get(e, 0) + 1
+            s = slot_of.get(e)
             if s is None:
                 missing.append(e)
                 continue
-            self.tick += 1
-            self.eviction.accessed(e, self.tick)
-            (hits if self.state[s] is SlotState.READY else waiting).append((e, s))
-        for e in experts:
-            self.held[e] = self.held.get(e, 0) + 1
+            tick += 1
+            accessed(e, tick)
+            (hits if state[s] is SlotState.READY else waiting).append((e, s))
+        self.tick = tick
         loads = tuple([self._load(e) for e in missing])
         return AcquirePlan(tuple(hits), loads, tuple(waiting))
 
