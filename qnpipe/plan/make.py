@@ -10,6 +10,8 @@ plan can keep (qnpipe.plan.fixed).
 
 from __future__ import annotations
 
+import os
+import secrets
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -107,8 +109,15 @@ def synthetic_log(facts: ModelFacts | FamilyFacts, path: str | Path) -> Path:
         raise ConfigError(f"{facts.source}: a synthetic log makes every layer a MoE layer; this model's MoE layers "
                           f"are {list(a.moe_layers)}: give a recorded log (--log)")
     p = Path(path)
-    if p.is_symlink() or not p.exists():  # written under a temporary name, renamed over a link, never through it
-        write_synth(p, synth_spec(facts.shape))
+    if p.is_symlink() or not p.exists():
+        # Under a name of its own, renamed over a link (never through it) and over another planner's copy
+        # (the same bytes): two planners at once never share a partial file, one killed leaves no torn log.
+        tmp = p.with_name(f".{p.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            write_synth(tmp, synth_spec(facts.shape))
+            os.replace(tmp, p)
+        finally:
+            tmp.unlink(missing_ok=True)
     return p
 
 
