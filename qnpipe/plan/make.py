@@ -21,6 +21,7 @@ import msgspec
 
 from qnpipe import config as config_mod
 from qnpipe.config import Config, with_overrides
+from qnpipe.config.user_dirs import device_profile_path
 from qnpipe.errors import ConfigError
 from qnpipe.io.device_file import device_names, load_profile, named_profile
 from qnpipe.io.simssd import DeviceProfile
@@ -57,6 +58,12 @@ def resolve_device(device: str | Path | DeviceProfile, cfg: Config) -> tuple[str
     if isinstance(device, DeviceProfile):
         return "given", device.check(where="device.")
     name = str(device)
+    if name == "measured":  # this machine's: measured once into the user cache when none is saved there
+        from qnpipe.io.measure import measured_once
+
+        path = device_profile_path(cfg)
+        return name, (measured_once(path)[0].profile if not cfg.read.device_profile_path
+                      else named_profile(name, str(path)))
     if name in device_names():
         return name, named_profile(name, cfg.read.device_profile_path)
     if Path(name).exists():
@@ -122,7 +129,7 @@ def synthetic_log(facts: ModelFacts | FamilyFacts, path: str | Path) -> Path:
 
 
 def make_plans(model: str | Path | ModelFacts | FamilyFacts, budgets: Sequence[int | str], *, log: str | Path | None = None,
-               device: str | Path | DeviceProfile = "apple-m5-internal", cost: CostModel | str | Path | None = None,
+               device: str | Path | DeviceProfile = "measured", cost: CostModel | str | Path | None = None,
                context: int = 8192, cfg: Config | None = None, headroom_bytes: int = 0, bits: int | None = None,
                window_layer_steps: int = WINDOW_LAYER_STEPS, synth_path: str | Path | None = None,
                say: Callable[[str], None] | None = None, share: Share | None = None) -> list[Plan]:

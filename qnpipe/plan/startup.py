@@ -44,6 +44,7 @@ from qnpipe.plan.make import SYNTH, check_budgets, make_plan, resolve_cost, reso
 from qnpipe.plan.plan_file import PLAN_VERSION, Plan, capacity_profile, load_plan, plan_settings, save_plan
 from qnpipe.plan.ranks import Share
 from qnpipe.plan.units import fmt_bytes, parse_memory
+from qnpipe.replay.cost import CostModel
 
 # Sections that neither the account nor the replay reads (or that the plan sets itself: plan, and the
 # model's paths, which the model's own fingerprint covers).
@@ -106,10 +107,11 @@ def describe_line(plan: Plan, where: str) -> str:
     """The one line that says what was chosen."""
     caps = sorted(plan.capacities.values())
     prefetch = f"prefetch on ({plan.prefetch_into})" if plan.prefetch else "prefetch off"
+    cost = "the default" if plan.cost == CostModel() else "a fitted"  # plan.cost_path, qnpipe trace fit-cost
     who, mine = (f"{plan.share.label} of {plan.share.ranks}: ", " for its layers") if plan.share else ("", "")
     return (f"{who}memory {fmt_bytes(plan.memory_bytes)}: {caps[0]}-{caps[-1]} slots per layer "
             f"({plan.evict_policy.upper()}), {prefetch}, predicted {plan.predicted_tok_s:.1f} tok/s{mine} on "
-            f"{plan.device_name}, hit rate {plan.predicted_hit_rate:.2f} [{where}]")
+            f"{plan.device_name} with {cost} cost, hit rate {plan.predicted_hit_rate:.2f} [{where}]")
 
 
 def precheck(cfg: Config) -> int:
