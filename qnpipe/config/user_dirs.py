@@ -27,7 +27,7 @@ def user_cache_dir(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     if env is os.environ:
         try:
-            import platformdirs
+            import platformdirs  # pyright: ignore[reportMissingImports]  # optional: the XDG rule below without it
         except ImportError:
             pass
         else:
