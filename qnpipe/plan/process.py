@@ -54,6 +54,18 @@ def resident_bytes() -> tuple[int, str]:
     return (peak if sys.platform == "darwin" else peak * 1024), "ru_maxrss"
 
 
+def high_water_bytes() -> int | None:
+    """This process's resident high-water mark so far (`VmHWM`), None where /proc cannot tell."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def measure_process() -> tuple[int, str]:
     """(bytes, source) of this process outside MLX, measured the first time and kept (module doc)."""
     global _measured
@@ -78,4 +90,4 @@ def process_nbytes(cfg: Config) -> tuple[int, str]:
     return measure_process()
 
 
-__all__ = ["ENGINE_IMPORTS", "RUN_GROWTH_BYTES", "measure_process", "process_nbytes", "resident_bytes"]
+__all__ = ["ENGINE_IMPORTS", "RUN_GROWTH_BYTES", "high_water_bytes", "measure_process", "process_nbytes", "resident_bytes"]

@@ -42,6 +42,7 @@ from qnpipe.plan.family_account import FamilyFacts, dir_facts
 from qnpipe.plan.fixed import Fixed, user_fixed
 from qnpipe.plan.make import SYNTH, check_budgets, make_plan, resolve_cost, resolve_device
 from qnpipe.plan.plan_file import PLAN_VERSION, Plan, capacity_profile, load_plan, plan_settings, save_plan
+from qnpipe.plan.process import high_water_bytes
 from qnpipe.plan.ranks import Share
 from qnpipe.plan.units import fmt_bytes, parse_memory
 from qnpipe.replay.cost import CostModel
@@ -185,6 +186,10 @@ def _plan(cfg: Config, facts: ModelFacts | FamilyFacts, budget: int, share: Shar
         plan = make_plan(facts, budget, log=log, device=cfg.plan.device, cost=cfg.plan.cost_path or None,
                          context=cfg.plan.context_tokens, cfg=cfg, synth_path=synth, share=share)
         where = f"planned in {plan.plan_s:.1f} s, "
+        # Planning ran in this process before the model loads: its own peak is in the process's high-water mark.
+        if (peak := high_water_bytes()) is not None and peak > budget:
+            say(f"planning itself peaked at {fmt_bytes(peak)} resident, above the budget {fmt_bytes(budget)}: "
+                f"plan once beforehand (the same command; the plan is cached) so a run does not plan")
         try:
             if unusable:
                 raise OSError(unusable)

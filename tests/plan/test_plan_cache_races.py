@@ -136,3 +136,15 @@ def test_a_read_only_model_directory_plans_uncached_and_says_so(read_only: Path)
     profile = Path(cfg.pool.capacity_profile_path)
     assert not profile.is_relative_to(read_only) and "removed at exit" in said[-1]
     assert json.loads(profile.read_text())["layer_caps"]
+
+
+def test_planning_above_the_budget_is_said(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning runs before the model loads, in the process: its own peak is in the high-water mark, checked."""
+    sets = _sets(model)
+    monkeypatch.setattr("qnpipe.plan.startup.high_water_bytes", lambda: int(str(sets["plan.memory"])) + 1)
+    said: list[str] = []
+    plan_at_startup(config.load(overrides=sets), say=said.append)
+    assert any(s.startswith("planning itself peaked at ") and "above the budget" in s for s in said), said
+    said.clear()  # a cached plan plans nothing
+    plan_at_startup(config.load(overrides=sets), say=said.append)
+    assert not any("planning itself" in s for s in said)
