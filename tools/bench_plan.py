@@ -58,7 +58,9 @@ made once under --work), `measure_live`:
   live_cost             the refitted cost's terms; live_fit_tok_s: each fit run's tok/s, in order, and
                         live_fit_predicted_tok_s: each one's replay (its own slots) under that cost
   live                  per budget: budget, slots, policy, peak RSS, MLX peak, live and predicted tok/s, the
-                        account's non-zero lines
+                        account's non-zero lines; with --live-baseline K=V (the budgets then start from that
+                        setting's smallest budget), baseline_live_tok_s, baseline_peak_rss and
+                        baseline_hit_rate_live: the plan made with K=V, run at the same budget in each round
 
     python tools/bench_plan.py
     python tools/bench_plan.py --tokens 2000 --budgets 8GB,16GB --table
