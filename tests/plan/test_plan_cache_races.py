@@ -148,3 +148,36 @@ def test_planning_above_the_budget_is_said(model: Path, monkeypatch: pytest.Monk
     said.clear()  # a cached plan plans nothing
     plan_at_startup(config.load(overrides=sets), say=said.append)
     assert not any("planning itself" in s for s in said)
+
+
+def test_synthetic_logs_written_at_once_do_not_collide(tmp_path: Path) -> None:
+    """Four writers of one synthetic log at once (as planners of one model share the cache's): each under a
+    name of its own, so none fails and the log reads whole. (Written at one shared partial name, 13 of 20
+    writers here failed: 'cannot write the routing log (No such file or directory)'.)"""
+    import threading
+
+    from qnpipe.plan.make import synthetic_log
+    from qnpipe.trace import ModelShape
+
+    class Facts:
+        source = "tiny"
+        shape = ModelShape(num_layers=8, moe_layers=tuple(range(8)), num_experts=64, top_k=4, hidden_size=0)
+
+    errors: list[BaseException] = []
+    for round_ in range(3):
+        path = tmp_path / f"synth-{round_}.qtrace"
+
+        def write(p: Path = path) -> None:
+            try:
+                synthetic_log(Facts(), p)  # type: ignore[arg-type]
+            except BaseException as e:  # noqa: BLE001 - gathered for the assert
+                errors.append(e)
+
+        threads = [threading.Thread(target=write) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)  # a hang guard
+        assert load_log(path).steps
+    assert not errors
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"synth-{r}.qtrace" for r in range(3)]
