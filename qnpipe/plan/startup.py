@@ -183,11 +183,13 @@ def _plan(cfg: Config, facts: ModelFacts | FamilyFacts, budget: int, share: Shar
         # A rank's own directory: ranks on one machine share the cache and must not write one file at once.
         synth = None if unusable else (root if share is None else cache) / \
             f"synth-{s.num_layers}x{s.num_experts}x{s.top_k}.qtrace"  # else make_plan's private temp dir
+        before = high_water_bytes()
         plan = make_plan(facts, budget, log=log, device=cfg.plan.device, cost=cfg.plan.cost_path or None,
                          context=cfg.plan.context_tokens, cfg=cfg, synth_path=synth, share=share)
         where = f"planned in {plan.plan_s:.1f} s, "
-        # Planning ran in this process before the model loads: its own peak is in the process's high-water mark.
-        if (peak := high_water_bytes()) is not None and peak > budget:
+        # Planning ran in this process before the model loads: a high-water mark it raised above the budget is its own
+        # (one that was already there, in a long-lived or test process, is not).
+        if (peak := high_water_bytes()) is not None and peak > max(budget, before or 0):
             say(f"planning itself peaked at {fmt_bytes(peak)} resident, above the budget {fmt_bytes(budget)}: "
                 f"plan once beforehand (the same command; the plan is cached) so a run does not plan")
         try:
