@@ -42,6 +42,7 @@ made once under --work), `measure_live`:
      and policy that ran (`same_choice`), else the replay of the plan that ran under the refitted cost
      (`replanned_tok_s`: the new plan's own figure).
 
+  peak_over_budget_min  min over the budgets of the same ratio: how much of the budget the run uses at most
   peak_over_budget      max over the budgets of the measured child's peak RSS (its /proc/self/status VmHWM at
                         exit: the process's resident high-water mark; its plan is read from the cache the
                         planning child wrote) / budget: what the budget bounds, since it is what the machine
@@ -57,12 +58,15 @@ made once under --work), `measure_live`:
   live_cost             the refitted cost's terms; live_fit_tok_s: each fit run's tok/s, in order, and
                         live_fit_predicted_tok_s: each one's replay (its own slots) under that cost
   live                  per budget: budget, slots, policy, peak RSS, MLX peak, live and predicted tok/s, the
-                        account's non-zero lines
+                        account's non-zero lines; with --live-baseline K=V (the budgets then start from that
+                        setting's smallest budget), baseline_live_tok_s, baseline_peak_rss and
+                        baseline_hit_rate_live: the plan made with K=V, run at the same budget in each round
 
     python tools/bench_plan.py
     python tools/bench_plan.py --tokens 2000 --budgets 8GB,16GB --table
     python tools/bench_plan.py --live
-    python tools/bench_plan.py --live --live-set memory.mlx_cache_limit_gb=0.0625   # a tight buffer-cache line
+    python tools/bench_plan.py --live --live-set memory.mlx_cache_limit_gb=0.0625   # a buffer-cache line given
+    python tools/bench_plan.py --live --live-baseline memory.mlx_cache_limit_gb=1.0  # beside the old 1 GiB reserve
 """
 
 from __future__ import annotations
@@ -111,6 +115,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--live-fit-slots", default="16,32,64",
                    help="pool.expert_slots of the cost-fit runs, cycled: one each before planning, one per round")
     p.add_argument("--profile", type=Path, default=None, help="a `qnpipe bench io` profile instead of measuring")
+    p.add_argument("--live-baseline", action="append", default=[], metavar="KEY=VALUE",
+                   help="also run, at each budget, the plan with this setting beside (budgets from its minimum), "
+                        "e.g. memory.mlx_cache_limit_gb=1.0: the buffer-cache reserve before the plan chose it")
     p.add_argument("--live-set", action="append", default=[], metavar="KEY=VALUE",
                    help="another config field of the live runs and their plans, e.g. memory.mlx_cache_limit_gb=0.0625")
     return p.parse_args(argv)
@@ -281,7 +288,8 @@ def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
         fit_run()
     log = fit_logs[0]  # the routes every run has (same prompt and seed; capacities never change them)
     first_cost = cost("cost-first.json")
-    least = _least(model, base, args.live_context)
+    baseline = dict(kv.split("=", 1) for kv in args.live_baseline)
+    least = _least(model, {**base, **baseline}, args.live_context)
     facts = model_facts(model, config.load(None, overrides={**base, "model.model_dir": str(model)}))
     all_records = sum(facts.record_nbytes.values()) * facts.args.num_experts
     plan_set = {**base, "plan.device": "measured", "plan.cache_dir": tmp / "plans",
@@ -297,6 +305,7 @@ def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
 
     planned = {b: plan_of(b, first_cost) for b in budgets}
     runs: dict[int, list[tuple[dict[str, Any], int]]] = {b: [] for b in budgets}
+    base_runs: dict[int, list[tuple[dict[str, Any], int]]] = {b: [] for b in budgets}
     # Rounds: every budget once (in a rotated order), then one more cost-fit run, so the cost is
     # fitted from runs taken side by side with the measured ones (the machine's load drifts).
     for r in range(args.live_rounds):
@@ -309,6 +318,10 @@ def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
             events.unlink(missing_ok=True)
             assert "plan reused from" in err, err
             runs[b].append((json.loads(out), rss))
+            if baseline:  # the baseline's plan at the same budget, beside (planned and cached on its first run)
+                out, err, rss = _child([*gen, "--memory", str(b), "--log", str(log), "-n", str(args.live_tokens),
+                                        "--json"], {**plan_set, **baseline, "plan.cost_path": first_cost})
+                base_runs[b].append((json.loads(out), rss))
         fit_run()
     final_cost = cost("cost.json")
     # The fit runs' own replays under the final cost: how well the model holds where it was fitted
@@ -344,6 +357,10 @@ def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
                      "hit_rate_live": round(runs[b][0][0]["engine"]["pool"]["hit_rate"], 4),
                      "hit_rate_predicted": round(plan.predicted_hit_rate, 4),
                      "account": {x.name: x.nbytes for x in first.account.lines if x.nbytes}})
+        if base_runs[b]:
+            rows[-1] |= {"baseline_live_tok_s": round(statistics.median(_steps_tok_s(r) for r, _ in base_runs[b]), 3),
+                         "baseline_peak_rss": max(rss for _, rss in base_runs[b]),
+                         "baseline_hit_rate_live": round(base_runs[b][0][0]["engine"]["pool"]["hit_rate"], 4)}
     fit = json.loads((tmp / "cost.json").read_text())
     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -351,6 +368,7 @@ def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
         return abs(r[live] - r[pred]) / r[pred]
 
     return {"peak_over_budget": round(max(r["peak_rss"] / r["budget"] for r in rows), 4),
+            "peak_over_budget_min": round(min(r["peak_rss"] / r["budget"] for r in rows), 4),
             "mlx_peak_over_budget": round(max(r["mlx_peak"] / r["budget"] for r in rows), 4),
             "tok_s_rel_err": round(max(rel(r, "live_tok_s", "predicted_tok_s") for r in rows), 4),
             "tok_s_rel_err_first_cost": round(max(rel(r, "live_tok_s", "predicted_tok_s_first_cost") for r in rows), 4),
@@ -358,7 +376,7 @@ def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
             "live_cost": {k: fit["cost"][k] for k in ("per_layer_s", "per_step_s", "per_miss_s", "read_hop_s")},
             "live_fit_tok_s": [round(t, 3) for t in fit_tok_s], "live_fit_slots": fit_slots,
             "live_fit_predicted_tok_s": [round(t, 3) for t in fit_pred],
-            "live_set": args.live_set, "live_loadavg": [round(x, 2) for x in os.getloadavg()],
+            "live_set": args.live_set, "live_baseline": args.live_baseline, "live_loadavg": [round(x, 2) for x in os.getloadavg()],
             "live_model": str(model), "live_record_nbytes": record, "live_min_budget": least, "live": rows}
 
 

@@ -35,7 +35,14 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
         raise QnpipeError("the fit needs qd 1 in --qd and at least 2 record sizes in --records")
     if not args.seconds > 0 or not args.size_mib > 0:
         raise QnpipeError("--seconds and --size-mib must be > 0")
-    out = Path(args.output or cfg.read.device_profile_path)
+    from qnpipe.config.user_dirs import device_profile_path
+
+    out = Path(args.output) if args.output else device_profile_path(cfg)
+    if not args.output and not cfg.read.device_profile_path:  # the user cache directory: made on first use
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise QnpipeError(f"{out}: cannot make the user cache directory ({e}); give -o FILE") from None
     from qnpipe.trace import check_output_path
 
     check_output_path(out, "device profile")  # before ~20 s of measuring, not after
@@ -77,13 +84,16 @@ def register(sub: Any, fmt: Any) -> None:
                         "records of each --records size with each --qd reads in flight through qnpipe's own\n"
                         "reader (direct I/O, read.backend), remove the files, fit a device profile (bandwidth,\n"
                         "per-read latency + per MB, reads in service at once; docs/replay.md) and save it as JSON\n"
-                        "to -o or read.device_profile_path, where `qnpipe replay --device measured` finds it.",
+                        "to -o, read.device_profile_path, or by default the user cache directory\n"
+                        "(<user cache dir>/device-profile.json: $XDG_CACHE_HOME/qnpipe, else ~/.cache/qnpipe), where\n"
+                        "`--device measured` (the planner's default) finds it from any directory.",
                         epilog="examples:\n"
-                        "  qnpipe bench io                                   ~20 s, saves ./qnpipe-device.json\n"
+                        "  qnpipe bench io                                   ~20 s, saves ~/.cache/qnpipe/device-profile.json\n"
                         "  qnpipe bench io --dir /mnt/nvme --size-mib 4096 --seconds 2 -o nvme.json\n"
                         "  qnpipe replay run.qtrace --device measured --set read.device_profile_path=nvme.json")
     r.add_argument("--dir", default=".", help="where to write the test files (default: the current directory)")
-    r.add_argument("-o", "--output", metavar="FILE", help="profile file (default: read.device_profile_path)")
+    r.add_argument("-o", "--output", metavar="FILE", help="profile file (default: read.device_profile_path, else "
+                   "the user cache directory's device-profile.json)")
     r.add_argument("--records", default=DEFAULT_RECORDS,
                    help=f"record sizes in bytes, comma-separated (default {DEFAULT_RECORDS})")
     r.add_argument("--qd", default="1,2,4,8,16", help="reads in flight, comma-separated, with 1 (default %(default)s)")

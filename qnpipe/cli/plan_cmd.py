@@ -30,6 +30,10 @@ def _plan(args: argparse.Namespace) -> int:
     memory = parse_memory(args.memory)
     headroom = parse_memory(args.headroom, key="--headroom") if args.headroom not in ("0", "") else 0
     cfg = config.load(args.config, overrides=config_overrides(args))
+    if args.device is None:
+        args.device = cfg.plan.device
+    if args.log is None:
+        args.log = recorded_log(args, cfg)
     check_plan_outputs(args, cfg)
     facts = resolve_model(Path(model), cfg, args.bits)
     if args.ranks is not None:
@@ -40,6 +44,8 @@ def _plan(args: argparse.Namespace) -> int:
         least = minimum_budget(facts, cfg, context=args.context, headroom_bytes=headroom)
         budgets = sorted({max(least, int(least + (memory - least) * f)) for f in PLOT_FRACTIONS} | {memory})
     say = (lambda s: print(s, file=sys.stderr)) if not args.quiet else None
+    if args.cost is None and cfg.plan.cost_path:
+        args.cost = cfg.plan.cost_path
     plans = make_plans(facts, budgets, log=args.log, device=args.device, cost=args.cost, context=args.context,
                        cfg=cfg, headroom_bytes=headroom, window_layer_steps=args.window_layer_steps,
                        synth_path=Path(f"{args.output}.synth.qtrace") if args.output and not args.log else None,
@@ -55,6 +61,19 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def recorded_log(args: argparse.Namespace, cfg: Any) -> str | None:
+    """`plan.log`, else the log a run of MODEL_DIR recorded (`<expert dir>/trace.qtrace`, what `generate
+    --memory` plans from: qnpipe.plan.startup.find_log), else None (a synthetic log)."""
+    from qnpipe.config import with_overrides
+    from qnpipe.plan.startup import find_log
+
+    if args.shape or not args.model_dir:
+        return cfg.plan.log or None
+    at = cfg if cfg.model.model_dir == args.model_dir else with_overrides(cfg, {"model.model_dir": args.model_dir})
+    found = find_log(at)
+    return str(found) if found is not None else None
+
+
 def rank_output(out: Path, rank: int) -> Path:
     """Rank `rank`'s plan file of `-o out` (named as a distributed run names a rank's files: qnpipe.live.parallel.join)."""
     return out.with_name(f"{out.stem}.rank{rank}{out.suffix}")
@@ -62,6 +81,7 @@ def rank_output(out: Path, rank: int) -> Path:
 
 def check_plan_outputs(args: argparse.Namespace, cfg: Any) -> None:
     """-o, its ranks' files, the synthetic log beside it and --plot are none of the files the plan reads."""
+    from qnpipe.config.user_dirs import device_profile_path
     from qnpipe.io.clobber import check_outputs
 
     out = Path(args.output) if args.output else None
@@ -71,7 +91,7 @@ def check_plan_outputs(args: argparse.Namespace, cfg: Any) -> None:
     device = args.device
     inputs = [("--log", args.log), ("--cost", args.cost), ("--shape", args.shape), ("--config", args.config),
               ("--device", device if Path(device).is_file() else None),
-              ("read.device_profile_path", cfg.read.device_profile_path if device == "measured" else None)]
+              ("read.device_profile_path", device_profile_path(cfg) if device == "measured" else None)]
     check_outputs([*plans, synth, ("--plot", args.plot)], inputs,
                   models=[("MODEL_DIR", args.model_dir if not args.shape else None)])
 
@@ -122,11 +142,23 @@ def describe(plan: Any, fmt_bytes: Any) -> str:
              f"{plan.predicted_bytes_per_token / 2**20:.2f} MiB read per token",
              f"  (the fast replay of {plan.log} steps {plan.replay_first_step}..{plan.log_steps - 1} on "
              f"{plan.device_name}; planned in {plan.plan_s:.1f} s)",
+             f"  device profile: {plan.device_name} ({profile_words(plan.device)}); cost model: {cost_words(plan.cost)}",
              "  candidates (equal memory):",
              *(f"    {c.name:<34} {c.tok_s:9.3f} tok/s  hit {c.hit_rate:.4f}  (whole log: LRU curve "
                f"{c.curve_hit_rate:.4f}, Belady {c.belady_hit_rate:.4f})" for c in plan.candidates),
              "  memory account:", *plan.account.describe()]
     return "\n".join(lines)
+
+
+def profile_words(dev: Any) -> str:
+    """A device profile in a few words: what a prediction was made for."""
+    return (f"{dev.bandwidth_bytes_per_s / 1e9:.2f} GB/s, {dev.latency_s * 1e6:.0f} us a read, "
+            f"{dev.queue_depth} in service")
+
+
+def cost_words(cost: Any) -> str:
+    """A cost model in a few words (its per-layer and per-step seconds)."""
+    return f"{cost.per_layer_s * 1e3:.3f} ms a layer + {cost.per_step_s * 1e3:.3f} ms a step"
 
 
 def register(sub: Any, fmt: Any) -> None:
@@ -150,10 +182,13 @@ def register(sub: Any, fmt: Any) -> None:
     p.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="a `qnpipe convert` output directory")
     p.add_argument("--memory", required=True, metavar="SIZE", help="the budget, e.g. 8GB, 8GiB, 8000MB, 8G")
     p.add_argument("--log", metavar="LOG", help="routing or event log of this model (generate --trace); "
-                   "default: a synthetic log of its shape")
-    p.add_argument("--device", default="apple-m5-internal", metavar="NAME|FILE",
-                   help="simulated device: a built-in profile, measured (qnpipe bench io), or a profile file")
-    p.add_argument("--cost", metavar="COST", help="compute cost model (qnpipe trace fit-cost)")
+                   "default: plan.log, else the log a run recorded in MODEL_DIR (<expert dir>/trace.qtrace, as "
+                   "--memory reads), else a synthetic log of its shape")
+    p.add_argument("--device", default=None, metavar="NAME|FILE",
+                   help="simulated device: measured (default, plan.device: this machine's, measured once and kept "
+                        "in the user cache; qnpipe bench io measures more), a built-in profile, or a profile file")
+    p.add_argument("--cost", metavar="COST", help="compute cost model (qnpipe trace fit-cost; default plan.cost_path, "
+                   "else the default model)")
     p.add_argument("--context", type=int, default=8192, metavar="TOKENS", help="context the KV cache must hold")
     p.add_argument("--headroom", default="0", metavar="SIZE", help="kept for the OS and page cache (default 0)")
     p.add_argument("--shape", metavar="CONFIG_JSON", help="plan a model given by its config.json alone (before converting)")

@@ -227,7 +227,7 @@ class ReadCfg(_Section, frozen=True):
     verify_crc32: Annotated[bool, _doc("diagnostic: check each record's crc32 as it is read")] = False
     backend: Annotated[ReadBackend, _doc("preads via the C extension, the Python fallback, or auto")] = ReadBackend.AUTO
     device_profile_path: Annotated[str, _doc("measured device profile: written by qnpipe bench io, read by "
-                                             "qnpipe replay --device measured")] = "qnpipe-device.json"
+                                             "--device measured (empty = <user cache dir>/device-profile.json)")] = ""
 
 
 class PredictCfg(_Section, frozen=True):
@@ -406,8 +406,8 @@ class PlanCfg(_Section, frozen=True):
                                 "empty = off)")] = ""
     log: Annotated[str, _doc("routing or event log to plan from (empty = <expert dir>/trace.qtrace when "
                              "present, else a synthetic log of the model's shape)")] = ""
-    device: Annotated[str, _doc("device profile the plan's prediction is for: a built-in name, measured, "
-                                "or a profile file")] = "apple-m5-internal"
+    device: Annotated[str, _doc("device profile the plan's prediction is for: measured (this machine's, "
+                                "measured once), a built-in name, or a profile file")] = "measured"
     cost_path: Annotated[str, _doc("compute cost model of the prediction (qnpipe trace fit-cost; empty = "
                                    "the default model)")] = ""
     context_tokens: Annotated[PosInt, _doc("context the planned KV cache must hold, in tokens")] = 8192

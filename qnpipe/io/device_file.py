@@ -1,7 +1,7 @@
 """The device profile file: what `qnpipe bench io` saves and `--device measured` loads, and profiles by name.
 
-    save_profile("qnpipe-device.json", measured)      # a MeasuredProfile (qnpipe.io.measure)
-    profile = named_profile("measured", cfg.read.device_profile_path)
+    save_profile(device_profile_path(cfg), measured)   # a MeasuredProfile (qnpipe.io.measure)
+    profile = named_profile("measured", cfg.read.device_profile_path)   # "": the user cache directory's
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgspec
 
+from qnpipe.config.user_dirs import DEVICE_PROFILE, user_cache_dir
 from qnpipe.errors import ConfigError, DeviceProfileError
 from qnpipe.io.sim_model import PROFILES, DeviceProfile
 from qnpipe.io.versioned import load_versioned, save_versioned
@@ -72,12 +73,13 @@ def device_names() -> list[str]:
 
 
 def named_profile(name: str, measured_path: str | os.PathLike[str]) -> DeviceProfile:
-    """A built-in profile by name, or (`measured`) the one `qnpipe bench io` saved at `measured_path`.
+    """A built-in profile by name, or (`measured`) the one `qnpipe bench io` saved at `measured_path`
+    (empty: the user cache directory's, qnpipe.config.user_dirs).
 
     ConfigError for an unknown name; DeviceProfileError when the measured file is absent or bad.
     """
     if name == "measured":
-        return load_profile(measured_path).profile
+        return load_profile(measured_path or user_cache_dir() / DEVICE_PROFILE).profile
     if name not in PROFILES:
         raise ConfigError(f"device profile {name!r}: unknown, known: {', '.join(device_names())}")
     return PROFILES[name]

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from qnpipe.config import ReadBackend
-from qnpipe.io.device_file import MeasuredProfile, ReadSample
+from qnpipe.io.device_file import MeasuredProfile, ReadSample, load_profile, save_profile
 from qnpipe.io.reader import ReadRequest, aligned_len, alloc_aligned
 from qnpipe.io.simssd import DeviceProfile
 from qnpipe.io.ssd import SsdReader, c_extension_available, choose_backend, nocache_mode
@@ -224,4 +224,29 @@ def measure_profile(d: Path, *, records: Sequence[int], qds: Sequence[int], seco
                            backend=used.value, mode=nocache_mode(True).value, samples=samples)
 
 
-__all__ = ["bench_reader", "fit_profile", "make_files", "measure_profile", "modelled_reads_per_s", "run_submitters"]
+# The first measurement, made when the planner needs this machine's profile and none is saved: small (~2 s:
+# 128 MiB of test files, 4 record sizes x 3 depths x 0.1 s); `qnpipe bench io` measures more, and replaces it.
+FIRST_MEASURE: dict[str, Any] = {"records": (13824, 98304, 368640, 1769472), "qds": (1, 4, 16), "seconds": 0.1,
+                                 "size_bytes": 128 << 20}
+
+
+def measured_once(path: Path, *, measure: Callable[..., MeasuredProfile] | None = None,
+                  log: Log = _noop) -> tuple[MeasuredProfile, str]:
+    """The measured profile saved at `path`, measured first (FIRST_MEASURE, in `path`'s directory) when there is
+    none; and a few words on where it came from. A directory that cannot be written: measured in a temporary
+    one and not kept (said). `measure`: what measures (tests give a fake; default measure_profile)."""
+    if path.exists():
+        return load_profile(path), f"measured, {path}"
+    measure = measure or measure_profile
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        measured = measure(path.parent, **FIRST_MEASURE, log=log)
+        save_profile(path, measured)
+        return measured, f"measured now and kept at {path}; `qnpipe bench io` measures more"
+    except OSError as e:
+        with tempfile.TemporaryDirectory(prefix="qnpipe-measure-") as d:
+            measured = measure(Path(d), **FIRST_MEASURE, log=log)
+        return measured, f"measured now, not kept ({e})"
+
+
+__all__ = ["FIRST_MEASURE", "bench_reader", "fit_profile", "make_files", "measure_profile", "measured_once", "modelled_reads_per_s", "run_submitters"]

@@ -19,8 +19,11 @@ Qwen3-Next is accounted from mlx-lm's own skeleton (qnpipe.plan.family_account.d
   conv channels, activation dtype) and its delta-rule state (value heads x value dim x key dim,
   float32): both independent of the context. Checked against the caches of a real prefill
   (tests/plan/test_account.py).
-- **MLX buffer cache**: `memory.mlx_cache_limit_gb`, the cap qnpipe sets on the freed buffers MLX keeps
-  for reuse (qnpipe.model.memory.apply_memory_limits).
+- **MLX buffer cache**: the cap qnpipe sets on the freed buffers MLX keeps for reuse
+  (`memory.mlx_cache_limit_gb`, qnpipe.model.memory.apply_memory_limits). Given by the user, that figure;
+  else derived: the activations line, one forward's transient buffers, which is what the cache must hold
+  for the next layer to reuse them; a plan then sets `memory.mlx_cache_limit_gb` to it (plan_settings).
+  Checked against a real run: tools/bench_plan.py --live, docs/measurements.md.
 - **activations**: the largest working set of one layer of a forward of T tokens against a KV cache
   of `context` tokens, T = `forward.prefill_chunk_tokens` (the whole context when 0: the longest
   prompt). Per token: the residual stream and its norm (4 x hidden), and the larger of the mixer
@@ -57,7 +60,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from qnpipe.config import Config
+from qnpipe.config import Config, explicit_settings
 from qnpipe.errors import CheckpointError, ConfigError
 from qnpipe.io.store_format import ALIGN, aligned_len
 from qnpipe.model.args import ModelArgs, args_from_dict, read_config
@@ -324,31 +327,51 @@ def fixed_lines(facts: ModelFacts | FamilyLines, cfg: Config, *, context: int, h
     activations from its skeleton (`FamilyLines.own_lines`, qnpipe.plan.family_account)."""
     if not isinstance(facts, ModelFacts):
         kv, state, acts = facts.own_lines(cfg, context=context)
-        common = _common_lines(facts, cfg, headroom_bytes)
+        common = _common_lines(facts, cfg, headroom_bytes, acts.nbytes)
         return [Line(name="non-expert weights", nbytes=facts.non_expert_nbytes, source=facts.non_expert_source),
                 kv, state, common[0], acts, *common[1:]]
     kv_src = (f"{context} tokens in mlx-lm's {KV_STEP}-token steps x "
               f"{'quantized ' if cfg.kv.quantize else ''}KV bytes per token")
     tokens = forward_tokens(cfg, context)
-    common = _common_lines(facts, cfg, headroom_bytes)
+    acts = activation_nbytes(facts, cfg, context)
+    common = _common_lines(facts, cfg, headroom_bytes, acts)
     return [Line(name="non-expert weights", nbytes=facts.non_expert_nbytes, source=facts.non_expert_source),
             Line(name="KV cache", nbytes=kv_nbytes(facts, cfg, context), source=kv_src),
             Line(name="recurrent state", nbytes=state_nbytes(facts),
                  source="conv window + float32 delta-rule state per linear-attention layer"),
             common[0],
-            Line(name="activations", nbytes=activation_nbytes(facts, cfg, context),
+            Line(name="activations", nbytes=acts,
                  source=f"the largest layer's working set for a forward of {tokens} tokens "
                         f"(forward.prefill_chunk_tokens={cfg.forward.prefill_chunk_tokens}) over {context} cached; "
                         f"delta rule {'as the Metal kernel' if delta_kernel(facts) else 'as ops: a state per token'}"),
             *common[1:]]
 
 
-def _common_lines(facts: ModelFacts | FamilyLines, cfg: Config, headroom_bytes: int = 0) -> list[Line]:
+CACHE_LINE = "MLX buffer cache"
+
+
+def cache_line(cfg: Config, activations: int) -> Line:
+    """MLX's buffer cache: `memory.mlx_cache_limit_gb` when the user gave it, else the activations line
+    (one forward's transient buffers, what the next layer reuses; module doc), which a plan then sets."""
+    given = explicit_settings(cfg).get("memory.mlx_cache_limit_gb")
+    if given is not None:
+        return Line(name=CACHE_LINE, nbytes=int(cfg.memory.mlx_cache_limit_gb * GB),
+                    source=f"memory.mlx_cache_limit_gb, given ({given}): the cap on MLX's reusable buffers")
+    return Line(name=CACHE_LINE, nbytes=activations,
+                source="derived: the activations line (one forward's transient buffers, reused by the next "
+                       "layer); the plan sets memory.mlx_cache_limit_gb to it")
+
+
+def cache_limit_gb(acct: Account) -> float:
+    """The `memory.mlx_cache_limit_gb` an account's buffer-cache line stands for (exact: a byte count / 2^30)."""
+    return next(x.nbytes for x in acct.lines if x.name == CACHE_LINE) / GB
+
+
+def _common_lines(facts: ModelFacts | FamilyLines, cfg: Config, headroom_bytes: int, activations: int) -> list[Line]:
     """The lines every family shares: MLX's buffer cache, then the reader, the process and the headroom."""
     reader, reader_src = reader_nbytes(facts, cfg)
     process, process_src = process_nbytes(cfg)
-    return [Line(name="MLX buffer cache", nbytes=int(cfg.memory.mlx_cache_limit_gb * GB),
-                 source="memory.mlx_cache_limit_gb, the cap qnpipe sets on MLX's reusable buffers"),
+    return [cache_line(cfg, activations),
             Line(name="reader buffers", nbytes=reader, source=reader_src),
             Line(name="process outside MLX", nbytes=process, source=process_src),
             Line(name="OS / page-cache headroom", nbytes=headroom_bytes,
@@ -376,7 +399,8 @@ def minimum_budget(facts: ModelFacts | FamilyLines, cfg: Config, *, context: int
             + k * sum(facts.record_nbytes.values()))
 
 
-__all__ = ["KV_STEP", "Account", "Line", "ModelFacts", "account", "activation_nbytes", "fixed_lines",
+__all__ = ["CACHE_LINE", "KV_STEP", "Account", "Line", "ModelFacts", "account", "activation_nbytes", "cache_limit_gb",
+           "cache_line", "fixed_lines",
            "forward_tokens",
            "delta_kernel", "kv_nbytes", "minimum_budget", "model_facts", "nonexpert_params", "pool_lines", "reader_nbytes",
            "shape_facts", "state_nbytes"]

@@ -12,7 +12,7 @@ qnpipe.plan.fixed), autopin off, and prefetch budgets equal to the config's own 
 from __future__ import annotations
 
 from qnpipe.config import Config, PrefetchInto
-from qnpipe.plan.account import ModelFacts, fixed_lines
+from qnpipe.plan.account import CACHE_LINE, ModelFacts, fixed_lines
 from qnpipe.plan.family_account import FamilyFacts
 from qnpipe.plan.fixed import SIDE_SLOTS, Fixed
 from qnpipe.plan.make import prefetch_budgets
@@ -43,6 +43,10 @@ def _capacity_problems(plan: Plan, facts: ModelFacts | FamilyFacts, cfg: Config,
         lines = fixed_lines(facts, cfg, context=plan.context)
     else:
         lines = share_lines(facts, cfg, layer_weights(facts, cfg), share, context=plan.context)
+    mine = next(x.nbytes for x in lines if x.name == CACHE_LINE)
+    theirs = [x.nbytes for x in plan.account.lines if x.name == CACHE_LINE]
+    if theirs != [mine]:
+        return [f"account: MLX buffer cache {theirs}; this run's is {mine} bytes (it becomes memory.mlx_cache_limit_gb)"]
     # Without plan.process_bytes the process line is measured in each process: not what the key covers.
     fixed = sum(x.nbytes for x in lines if cfg.plan.process_bytes or x.name != "process outside MLX")
     pool = sum(c * facts.record_nbytes[ly] for ly, c in caps.items())

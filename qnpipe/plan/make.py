@@ -10,6 +10,8 @@ plan can keep (qnpipe.plan.fixed).
 
 from __future__ import annotations
 
+import os
+import secrets
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +21,7 @@ import msgspec
 
 from qnpipe import config as config_mod
 from qnpipe.config import Config, with_overrides
+from qnpipe.config.user_dirs import device_profile_path
 from qnpipe.errors import ConfigError
 from qnpipe.io.device_file import device_names, load_profile, named_profile
 from qnpipe.io.simssd import DeviceProfile
@@ -56,6 +59,12 @@ def resolve_device(device: str | Path | DeviceProfile, cfg: Config) -> tuple[str
     if isinstance(device, DeviceProfile):
         return "given", device.check(where="device.")
     name = str(device)
+    if name == "measured":  # this machine's: measured once into the user cache when none is saved there
+        from qnpipe.io.measure import measured_once
+
+        path = device_profile_path(cfg)
+        return name, (measured_once(path)[0].profile if not cfg.read.device_profile_path
+                      else named_profile(name, str(path)))
     if name in device_names():
         return name, named_profile(name, cfg.read.device_profile_path)
     if name in published_names():  # shipped data whose every figure names its public source
@@ -108,13 +117,20 @@ def synthetic_log(facts: ModelFacts | FamilyFacts, path: str | Path) -> Path:
     """A synthetic routing log of the model's shape (SYNTH), written once at `path`."""
     a = facts.shape
     p = Path(path)
-    if p.is_symlink() or not p.exists():  # written under a temporary name, renamed over a link, never through it
-        write_synth(p, synth_spec(a), moe_layers=a.moe_layers, num_layers=a.num_layers)
+    if p.is_symlink() or not p.exists():
+        # Under a name of its own, renamed over a link (never through it) and over another planner's copy
+        # (the same bytes): two planners at once never share a partial file, one killed leaves no torn log.
+        tmp = p.with_name(f".{p.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            write_synth(tmp, synth_spec(a), moe_layers=a.moe_layers, num_layers=a.num_layers)
+            os.replace(tmp, p)
+        finally:
+            tmp.unlink(missing_ok=True)
     return p
 
 
 def make_plans(model: str | Path | ModelFacts | FamilyFacts, budgets: Sequence[int | str], *, log: str | Path | None = None,
-               device: str | Path | DeviceProfile = "apple-m5-internal", cost: CostModel | str | Path | None = None,
+               device: str | Path | DeviceProfile = "measured", cost: CostModel | str | Path | None = None,
                context: int = 8192, cfg: Config | None = None, headroom_bytes: int = 0, bits: int | None = None,
                window_layer_steps: int = WINDOW_LAYER_STEPS, synth_path: str | Path | None = None,
                say: Callable[[str], None] | None = None, share: Share | None = None) -> list[Plan]:

@@ -19,7 +19,7 @@ from qnpipe.errors import ConfigError
 from qnpipe.io.atomic import atomic_write
 from qnpipe.io.simssd import DeviceProfile
 from qnpipe.io.versioned import load_versioned, save_versioned
-from qnpipe.plan.account import Account
+from qnpipe.plan.account import Account, cache_limit_gb
 from qnpipe.plan.ranks import Share
 from qnpipe.replay.runner import CostModel
 from qnpipe.trace import ModelShape
@@ -108,8 +108,10 @@ def capacity_profile(plan: Plan) -> bytes:
 
 
 def plan_settings(plan: Plan, profile: str | os.PathLike[str]) -> dict[str, object]:
-    """The config overrides that run `plan`, its capacity profile (`capacity_profile`) written at `profile`."""
+    """The config overrides that run `plan`, its capacity profile (`capacity_profile`) written at `profile`;
+    MLX's buffer cache capped at the account's line (a figure the user gave, or the planned one)."""
     return {"pool.capacity_profile_path": os.fspath(profile), "pool.side_region_slots": plan.side_region_slots,
+            "memory.mlx_cache_limit_gb": cache_limit_gb(plan.account),
             "pool.evict_policy": plan.evict_policy, "predict.cross_layer_prefetch": plan.prefetch,
             "pool.prefetch_into": plan.prefetch_into, "pool.autopin": plan.autopin, **plan.budgets}
 

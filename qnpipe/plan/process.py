@@ -5,7 +5,8 @@
 The interpreter, the libraries the engine loads (MLX's own code, mlx-lm and the tokenizer's
 transformers, trio, numpy), and their heaps: the resident set of this process less MLX's active
 and cached memory (which the account's other lines hold), taken after importing what the engine
-imports (`ENGINE_IMPORTS`), so a plan made before the model loads sees them. The resident set is
+imports (`ENGINE_IMPORTS`), so a plan made before the model loads sees them; plus what a run adds
+after start-up (`RUN_GROWTH_BYTES`, measured: the engine's objects, the tokenizer, MLX's first evaluations). The resident set is
 `VmRSS` of /proc/self/status on Linux; elsewhere (macOS) `resource.getrusage`'s `ru_maxrss`, this
 process's high-water mark so far (bytes on macOS, KiB on Linux). Measured once per process (every
 plan of one process shares the figure, so a budget's lines add up the same each time they are made).
@@ -22,6 +23,14 @@ import sys
 
 from qnpipe.config import Config
 from qnpipe.plan.units import fmt_bytes
+
+# What a run adds to the process after start-up, beyond what MLX holds: the engine's objects (the model's
+# modules, the reader and its threads, the actors' heaps), the tokenizer instance, MLX's first evaluations.
+# Measured (tools/bench_plan.py --live's bench model, 2026-12-04, Linux CPU, mlx 0.x): VmRSS less MLX's active
+# and cached memory after a 16-token generate is 24.3 MiB above the start-up figure (86.8 -> 111.1 MiB);
+# the tokenizer is 3.4 MiB of it, MLX's first evaluations 2.8 MiB. Added to the measured line (a plan made
+# before the model loads cannot see it); plan.process_bytes replaces both.
+RUN_GROWTH_BYTES = 24 << 20
 
 # What a run imports before it generates: MLX, the model code (mlx-lm's too), the tokenizer
 # (mlx_lm.tokenizer_utils loads transformers), the actors' trio.
@@ -45,6 +54,18 @@ def resident_bytes() -> tuple[int, str]:
     return (peak if sys.platform == "darwin" else peak * 1024), "ru_maxrss"
 
 
+def high_water_bytes() -> int | None:
+    """This process's resident high-water mark so far (`VmHWM`), None where /proc cannot tell."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def measure_process() -> tuple[int, str]:
     """(bytes, source) of this process outside MLX, measured the first time and kept (module doc)."""
     global _measured
@@ -55,9 +76,10 @@ def measure_process() -> tuple[int, str]:
 
         rss, how = resident_bytes()
         held = mx.get_active_memory() + mx.get_cache_memory()
-        _measured = (max(rss - held, 0),
+        _measured = (max(rss - held, 0) + RUN_GROWTH_BYTES,
                      f"measured in this process: {how} {fmt_bytes(rss)} less MLX's {fmt_bytes(held)}, after "
-                     f"importing {', '.join(ENGINE_IMPORTS)}; plan.process_bytes sets it")
+                     f"importing {', '.join(ENGINE_IMPORTS)}; plus {fmt_bytes(RUN_GROWTH_BYTES)} a run adds after "
+                     f"start-up (qnpipe.plan.process.RUN_GROWTH_BYTES); plan.process_bytes sets it")
     return _measured
 
 
@@ -68,4 +90,4 @@ def process_nbytes(cfg: Config) -> tuple[int, str]:
     return measure_process()
 
 
-__all__ = ["ENGINE_IMPORTS", "measure_process", "process_nbytes", "resident_bytes"]
+__all__ = ["ENGINE_IMPORTS", "RUN_GROWTH_BYTES", "high_water_bytes", "measure_process", "process_nbytes", "resident_bytes"]

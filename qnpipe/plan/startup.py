@@ -42,8 +42,10 @@ from qnpipe.plan.family_account import FamilyFacts, dir_facts
 from qnpipe.plan.fixed import Fixed, user_fixed
 from qnpipe.plan.make import SYNTH, check_budgets, make_plan, resolve_cost, resolve_device
 from qnpipe.plan.plan_file import PLAN_VERSION, Plan, capacity_profile, load_plan, plan_settings, save_plan
+from qnpipe.plan.process import high_water_bytes
 from qnpipe.plan.ranks import Share
 from qnpipe.plan.units import fmt_bytes, parse_memory
+from qnpipe.replay.cost import CostModel
 
 # Sections that neither the account nor the replay reads (or that the plan sets itself: plan, and the
 # model's paths, which the model's own fingerprint covers).
@@ -106,10 +108,11 @@ def describe_line(plan: Plan, where: str) -> str:
     """The one line that says what was chosen."""
     caps = sorted(plan.capacities.values())
     prefetch = f"prefetch on ({plan.prefetch_into})" if plan.prefetch else "prefetch off"
+    cost = "the default" if plan.cost == CostModel() else "a fitted"  # plan.cost_path, qnpipe trace fit-cost
     who, mine = (f"{plan.share.label} of {plan.share.ranks}: ", " for its layers") if plan.share else ("", "")
     return (f"{who}memory {fmt_bytes(plan.memory_bytes)}: {caps[0]}-{caps[-1]} slots per layer "
             f"({plan.evict_policy.upper()}), {prefetch}, predicted {plan.predicted_tok_s:.1f} tok/s{mine} on "
-            f"{plan.device_name}, hit rate {plan.predicted_hit_rate:.2f} [{where}]")
+            f"{plan.device_name} with {cost} cost, hit rate {plan.predicted_hit_rate:.2f} [{where}]")
 
 
 def precheck(cfg: Config) -> int:
@@ -180,9 +183,15 @@ def _plan(cfg: Config, facts: ModelFacts | FamilyFacts, budget: int, share: Shar
         # A rank's own directory: ranks on one machine share the cache and must not write one file at once.
         synth = None if unusable else (root if share is None else cache) / \
             f"synth-{s.num_layers}x{s.num_experts}x{s.top_k}.qtrace"  # else make_plan's private temp dir
+        before = high_water_bytes()
         plan = make_plan(facts, budget, log=log, device=cfg.plan.device, cost=cfg.plan.cost_path or None,
                          context=cfg.plan.context_tokens, cfg=cfg, synth_path=synth, share=share)
         where = f"planned in {plan.plan_s:.1f} s, "
+        # Planning ran in this process before the model loads: a high-water mark it raised above the budget is its own
+        # (one that was already there, in a long-lived or test process, is not).
+        if (peak := high_water_bytes()) is not None and peak > max(budget, before or 0):
+            say(f"planning itself peaked at {fmt_bytes(peak)} resident, above the budget {fmt_bytes(budget)}: "
+                f"plan once beforehand (the same command; the plan is cached) so a run does not plan")
         try:
             if unusable:
                 raise OSError(unusable)

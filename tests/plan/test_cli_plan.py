@@ -53,7 +53,7 @@ def test_ranks_plans_each_ranks_layers_and_the_pipeline(tiny_qn4: Path, tmp_path
         assert f"{p.share.label} of 2 in 1.20 GiB" in text and p.account.total <= p.memory_bytes
     pipeline = 1 / sum(1 / p.predicted_tok_s for p in plans)
     assert f"pipeline of 2 ranks in 1.20 GiB each: predicted {pipeline:.3f} tok/s" in text
-    assert main(["plan", str(tiny_qn4), "--memory", "1.0GB", "--context", "512", "--ranks", "2", "-q", *pinned]) == 2
+    assert main(["plan", str(tiny_qn4), "--memory", "100MB", "--context", "512", "--ranks", "2", "-q", *pinned]) == 2
     err = capsys.readouterr().err
     assert "on rank 1 (layers 4-7) of 2: below the smallest budget that fits its share" in err
     assert len(err.strip().splitlines()) == 1
