@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -11,6 +14,13 @@ from hypothesis import settings
 
 from qnpipe import config
 from qnpipe.compute import blas
+
+# The user cache directory (qnpipe.config.user_dirs: the measured device profile a plan uses by default)
+# is the session's own, for this process and every subprocess: tests never read or write the user's, and
+# the one small first measurement is taken once per session, not per test.
+_USER_CACHE = tempfile.mkdtemp(prefix="qnpipe-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _USER_CACHE
+atexit.register(shutil.rmtree, _USER_CACHE, True)
 
 # Before any test imports MLX: the suite runs on the BLAS of compute.cpu_blas (auto by default, so
 # CI runs the exactness tests under OpenBLAS; QNPIPE_COMPUTE__CPU_BLAS=bundled runs them on MLX's own).

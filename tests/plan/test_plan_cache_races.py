@@ -97,7 +97,7 @@ def test_an_interrupted_synthetic_log_leaves_nothing(model: Path, monkeypatch: p
 
     real = make.write_synth
 
-    def torn(path: Path, spec: object) -> Path:
+    def torn(path: Path, spec: object, **_: object) -> Path:
         Path(path).write_bytes(b"half a log")
         raise KeyboardInterrupt
 
