@@ -37,7 +37,7 @@ def _sets(model: Path) -> dict[str, object]:
     facts = model_facts(model, cfg)
     memory = minimum_budget(facts, cfg, context=CONTEXT) + 2 * sum(facts.record_nbytes.values())
     return {"model.model_dir": str(model), "plan.memory": str(memory), "plan.context_tokens": CONTEXT,
-            "plan.process_bytes": PROCESS}
+            "plan.process_bytes": PROCESS, "plan.device": "apple-m5-internal"}  # one device for all: the cache key
 
 
 _PLANNER = ("import json, sys\nfrom qnpipe import config\nfrom qnpipe.plan.startup import plan_at_startup\n"
