@@ -14,7 +14,7 @@ A prompt of at most N tokens is prefilled from the start and leaves no snapshot.
 
 A later prompt resumes from the longest kept state whose tokens it starts with; what it
 computes is then bit-identical to a prefill from the start (tests/live/test_prefix.py).
-With N a multiple of the chunk (the defaults: 2048 and 2) that is also the prefill of an
+With N a multiple of the chunk (the defaults: both 2048) that is also the prefill of an
 engine without snapshots. The LRU holds `prefix.max_entries` states, heads and turns alike.
 
 With MTP speculation (`lookahead`) a state at n also holds the MTP layer's rows 0..n-1, and

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from qnpipe import config
-from qnpipe.policy.prefill import (DEFAULT_CHUNK, bytes_per_prompt_token, expected_union,
-                                   longest_fitting_chunk)
+from qnpipe.policy.prefill import DEFAULT_CHUNK, bytes_per_prompt_token, expected_union, longest_fitting_chunk
 
 
 def test_the_default_chunk_is_mlx_lms_step_and_the_configs() -> None:
@@ -20,7 +19,7 @@ def test_the_default_chunk_is_mlx_lms_step_and_the_configs() -> None:
 def test_bytes_per_prompt_token_never_rise_with_the_chunk(experts: int, top_k: int, capacity: int) -> None:
     shape = {"experts": experts, "top_k": top_k, "capacity": capacity, "record_bytes": 1000, "layers": 2}
     costs = [bytes_per_prompt_token(t, **shape) for t in (1, 2, 4, 16, 64, 256, 1024, 2048, 8192)]
-    assert all(b <= a * (1 + 1e-9) for a, b in zip(costs, costs[1:])), costs
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(costs, costs[1:], strict=False)), costs
     if capacity == experts:  # every expert fits: read once a chunk, so 1/T once the union saturates
         assert costs[-1] == pytest.approx(2 * 1000 * experts / 8192, rel=1e-3)
 
@@ -43,4 +42,4 @@ def test_a_made_up_rising_cost_would_be_caught() -> None:
     """The monotonicity check above fails on a cost that rises with the chunk (shown on a made-up one)."""
     costs = [bytes_per_prompt_token(t, experts=128, top_k=8, capacity=128, record_bytes=1, layers=1) * t
              for t in (1, 64, 2048)]  # bytes per chunk, not per token: rises
-    assert not all(b <= a for a, b in zip(costs, costs[1:]))
+    assert not all(b <= a for a, b in zip(costs, costs[1:], strict=False))
