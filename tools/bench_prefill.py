@@ -68,7 +68,7 @@ def resident(model: Path, n: int, rounds: int) -> dict[str, Any]:
     ours: list[float] = []
     theirs: list[float] = []
     with qnpipe.Engine(model) as eng:
-        chunk = eng._eng.core.cfg.forward.prefill_chunk_tokens
+        chunk = eng._eng._rt.core.cfg.forward.prefill_chunk_tokens  # internals, read-only
         prompt = prompt_of(n, eng.args.vocab_size, 0)
 
         def mlx_lm() -> float:
@@ -79,7 +79,8 @@ def resident(model: Path, n: int, rounds: int) -> dict[str, Any]:
         def qn() -> float:
             return eng.generate(prompt, max_tokens=1, stop_at_eos=False).stats.prefill_tok_s
 
-        mlx_lm(), qn()  # warm up both
+        mlx_lm()  # warm up both
+        qn()
         for r in range(rounds):
             for name in (("qnpipe", "mlx_lm") if r % 2 == 0 else ("mlx_lm", "qnpipe")):
                 (ours if name == "qnpipe" else theirs).append(qn() if name == "qnpipe" else mlx_lm())

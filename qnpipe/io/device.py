@@ -81,11 +81,6 @@ class StoreDevice:
     async def read(self, jobs: Sequence[Job]) -> list[int]:
         return await self.submit(jobs)
 
-    def read_now(self, jobs: Sequence[Job]) -> list[int]:
-        """Read the batch on the calling thread, blocking it (the read scheduler's demand batches:
-        qnpipe.actors.read_scheduler); the bytes read per job."""
-        return [r.nbytes for r in self._reader.read_batch([self.request(j) for j in jobs])]
-
     def submit(self, jobs: Sequence[Job]) -> Awaitable[list[int]]:
         """Hand the batch to a submitter thread now; the awaitable waits for it (qnpipe.io.device.submit)."""
         return _nbytes(self._submitter.start(self._reader.read_batch, [self.request(j) for j in jobs]))
