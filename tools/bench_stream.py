@@ -103,6 +103,8 @@ What is measured (every figure is a median over `--rounds`):
 * On a shared machine the step times drift between runs: every round runs the engines back
   to back in alternating order (ABC, CBA, ...), ratios are formed per round, then the median;
   `loadavg_start_end` records the load.
+* `pipeline_us_per_layer_step_demand` = the demand run's `overhead` per token / its layer-steps per
+  token, in µs (the median over rounds).
 * `ratio_demand_to_serial_bound` = tok_s_demand / tok_s_serial_bound (target >= 0.9);
   `overhead_frac` target < 0.05.
 
@@ -365,6 +367,7 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
         out |= {"misses": d["misses"] / steps, "bytes": d["bytes_read"] / steps, "reads": d["reads"] / steps,
                 "stall": d["stall_s"] / steps, "hit_rate": d["hits"] / acc if acc else 0.0,
                 "misses_per_layer_step": d["misses"] / d["layer_steps"] if d["layer_steps"] else 0.0,
+                "layer_steps": d["layer_steps"] / steps,
                 "capacity_misses": d["capacity"] / steps, "cold_misses": d["cold"] / steps,
                 "split_layer_steps": d["split_layer_steps"],
                 "read_batches": (rs.batches - b0) / steps if rs is not None else 0.0}
@@ -806,6 +809,9 @@ def main(argv: list[str] | None = None) -> int:
         "tok_s_serial_bound_at_effective_qd": rnd(
             1.0 / (step_res + m("demand", "bytes") / (med([b["gbps"] for b in bw_eff]) * 1e9)), 3),
         "overhead_frac": rnd(med(ovh)),
+        # The demand run's overhead (as overhead_frac's) per layer-step, in µs.
+        "pipeline_us_per_layer_step_demand": rnd(med([d["overhead"] / d["layer_steps"] * 1e6
+                                                      for d in runs["demand"]]), 1),
         "overhead_frac_sum": rnd(med([d["overhead_sum"] / d["wall"] for d in runs["demand"]])),
         "overhead_frac_loop": rnd(med([d["loop_work"] / d["wall"] for d in runs["demand"]])),
         "overhead_frac_loop_allhit": rnd(med([a["loop_work"] / a["wall"] for a in runs["allhit"]]))

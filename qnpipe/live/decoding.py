@@ -26,7 +26,7 @@ from qnpipe.live.prefix import resume as resume_prefix
 from qnpipe.live.session import DecodeSession, Output, TextCallback, generate_stats
 from qnpipe.model.decode import chunks
 from qnpipe.model.qwen3_next import Model
-from qnpipe.model.tails import Logits, Sampling, Settle
+from qnpipe.model.tails import Logits, Sampling, Settle, TailKind
 from qnpipe.stats import GenerateResult
 
 __all__ = ["Output", "TextCallback", "conclude", "generate", "generate_stats", "logits", "next_logits"]
@@ -48,12 +48,30 @@ async def next_logits(fwd: Forward, thread: MLXThread, model: Model, tokens: Seq
     ids = await run_on(thread, _ids, tokens)
     pf = await prefill(thread, tokens, chunk, prefix)
     await resume_prefix(thread, pf.plan, cache, prefix)
-    tail, settle = Logits(model, last_only=True), Settle(cache)
+    tail, settle = Logits(model, last_only=True), _settle(fwd, cache, Settle(cache))
     out: Any = None
-    for lo, hi, last in pf.spans():
+    for lo, hi, last in pf.spans(split_last=True):
         out = await fwd.run(_span(ids, lo, hi), cache, tail if last else settle)
         await pf.reached(hi, cache)
     return out
+
+
+class _SettleCache:
+    """A resident prefill step before the last (mlx-lm's): only the cache is evaluated, so the last
+    layer's MoE of the step's rows, which nothing reads, is never computed. Streamed, the step's
+    output is evaluated too (`Settle`): its expert work reads slots the forward releases after it."""
+
+    kind = TailKind.SETTLE
+
+    def __init__(self, cache: list[Any]) -> None:
+        self.cache = cache
+
+    def __call__(self, h: mx.array) -> None:
+        mx.eval([c.state for c in self.cache if c is not None])
+
+
+def _settle(fwd: Forward, cache: list[Any], streamed: Settle) -> Settle | _SettleCache:
+    return _SettleCache(cache) if fwd.to_pool is None else streamed
 
 
 def _ids(tokens: Sequence[int]) -> mx.array:
@@ -104,8 +122,9 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
     pf = await prefill(thread, tokens, chunk, prefix, on_prefill)
     await resume_prefix(thread, pf.plan, s.cache, prefix)
     y: mx.array | None = None
-    for lo, hi, last in pf.spans():
-        y = await fwd.run(_span(ids, lo, hi), s.cache, s.sample if last else s.settle)
+    settle = _settle(fwd, s.cache, s.settle)
+    for lo, hi, last in pf.spans(split_last=True):
+        y = await fwd.run(_span(ids, lo, hi), s.cache, s.sample if last else settle)
         await pf.reached(hi, s.cache)
     assert y is not None
     token: mx.array = y

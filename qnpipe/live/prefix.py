@@ -14,7 +14,7 @@ A prompt of at most N tokens is prefilled from the start and leaves no snapshot.
 
 A later prompt resumes from the longest kept state whose tokens it starts with; what it
 computes is then bit-identical to a prefill from the start (tests/live/test_prefix.py).
-With N a multiple of the chunk (the defaults: 2048 and 2) that is also the prefill of an
+With N a multiple of the chunk (the defaults: both 2048) that is also the prefill of an
 engine without snapshots. The LRU holds `prefix.max_entries` states, heads and turns alike.
 
 With MTP speculation (`lookahead`) a state at n also holds the MTP layer's rows 0..n-1, and
@@ -302,10 +302,20 @@ class Prefill:
         """Tokens resumed from a saved state (0: prefilled from the start)."""
         return self.plan.start
 
-    def spans(self) -> list[tuple[int, int, bool]]:
-        """`(lo, hi, last)` of each span: `last` is the one whose step makes the first new token."""
-        n = len(self.plan.spans)
-        return [(lo, hi, i == n - 1) for i, (lo, hi) in enumerate(self.plan.spans)]
+    def spans(self, split_last: bool = False) -> list[tuple[int, int, bool]]:
+        """`(lo, hi, last)` of each span: `last` is the one whose step makes the first new token.
+
+        `split_last`: the prompt's last token is a step of its own, as mlx-lm's `generate_step`
+        prefills (every token but the last in chunks, then the last): the steps before it only
+        settle the cache, so the last layer's MoE of their rows, which no later row reads, is
+        never computed (on the trained tiny model's few layers a quarter of a chunk's work).
+        The spans' ends stay those of the plan: no snapshot moves."""
+        spans = list(self.plan.spans)
+        if split_last and spans and spans[-1][1] - spans[-1][0] > 1:
+            lo, hi = spans.pop()
+            spans += [(lo, hi - 1), (hi - 1, hi)]
+        n = len(spans)
+        return [(lo, hi, i == n - 1) for i, (lo, hi) in enumerate(spans)]
 
     async def restore(self, restore: Callable[[snapshots.Snapshot], Any], cache: list[Any]) -> None:
         """The plan's saved state (if any) put in place by `restore` on the MLX thread; on rank 0 of a ring,
@@ -321,7 +331,7 @@ class Prefill:
         for a snapshot), then the progress callback."""
         if self.prefix is not None and end in self.plan.capture:
             await self.prefix.reached(self.thread, self.plan, end, cache() if callable(cache) else cache)
-        if self.on_prefill is not None:
+        if self.on_prefill is not None and any(end == hi for _, hi in self.plan.spans):  # not a split's end
             self.on_prefill(end, self.n_tokens)
 
 

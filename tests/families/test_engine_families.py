@@ -183,9 +183,10 @@ def test_prefix_snapshots_resume_every_cache_kind(tmp_path: Path, family: str) -
     save_mlx_lm_dir(src, family, None)
     toks = prompt(40)
     turn2 = [*toks, 5, 6]
-    with qnpipe.Engine(src, snapshot_head_tokens=0) as eng:
+    # Chunks of 2 (scaled down with the 16-token head): the turn state lands within 2 tokens of the end.
+    with qnpipe.Engine(src, snapshot_head_tokens=0, prefill_chunk_tokens=2) as eng:
         want = list(eng.generate(turn2, max_tokens=N_NEW, stop_at_eos=False).tokens)
-    with qnpipe.Engine(src, snapshot_head_tokens=16) as eng:
+    with qnpipe.Engine(src, snapshot_head_tokens=16, prefill_chunk_tokens=2) as eng:
         eng.generate(toks, max_tokens=N_NEW, stop_at_eos=False)
         got = eng.generate(turn2, max_tokens=N_NEW, stop_at_eos=False)
     assert got.stats.prefix_tokens_reused >= len(toks) - 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,19 @@ from qnpipe.live.prefix import SUFFIX, SnapshotFileWarning, boundaries
 from qnpipe.model.snapshots import token_key
 
 HEAD = 16
+# The chunk these scaled-down prompts prefill at (the default, 2048, is longer than any of them): with
+# 2 the turn state lands within 2 tokens of a prompt's end, as at a chunk of 2048 it lands within
+# 2048 of a long conversation's (docs/chat.md).
+CHUNK = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _chunk() -> Iterator[None]:
+    """Every engine of this module, the writer's child process too, prefills in chunks of `CHUNK`
+    unless a test says otherwise."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QNPIPE_FORWARD__PREFILL_CHUNK_TOKENS", str(CHUNK))
+        yield
 SYSTEM = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Entry point.\"\"\"\n"
 TAILS = ["    return len(argv)\n\n\nif __name__ == '__main__':", "    for a in argv:\n        print(a)\n"]
 

@@ -4,6 +4,7 @@ prefill from the start, and generates plain greedy's tokens (issues 12 and 13)."
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,15 @@ from qnpipe.model.snapshots import capture
 from qnpipe.model.stepper import MlxBackend
 
 HEAD = 16
+CHUNK = 2  # scaled down with HEAD: the turn state lands within 2 tokens of a prompt's end (tests/live/test_prefix.py)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _chunk() -> Iterator[None]:
+    """Every engine of this module prefills in chunks of `CHUNK` unless a test says otherwise."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QNPIPE_FORWARD__PREFILL_CHUNK_TOKENS", str(CHUNK))
+        yield
 SYSTEM = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Entry point.\"\"\"\n"
 TAILS = ["    return len(argv)\n\n\nif __name__ == '__main__':", "    for a in argv:\n        print(a)\n"]
 MTP = {"mtp": True, "mtp.num_draft_tokens": 3, "mtp.hidden": "post_norm"}
