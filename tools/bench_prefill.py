@@ -8,7 +8,7 @@ round by round (order alternating). `prefill_resident_tok_s` is `GenerateStats.p
 `max_tokens=1` call; `prefill_mlx_lm_tok_s` the prompt over the time to mlx-lm's first token.
 
 Streamed: the bench model of tools/bench_stream.py (`--stream-model`, default made / reused under
-/tmp/qnpipe-bench-stream), a `--stream-tokens` (2048) prompt, i.e. one chunk at the default. Each
+/tmp/qnpipe-bench-stream), a `--stream-tokens` (2048) prompt, in chunks of the default. Each
 round opens a fresh engine with a pool of `--pool-frac` of each layer's experts (cold, direct I/O,
 16 reads in flight) and prefills the prompt; beside it the all-resident engine prefills the same
 prompt (its compute time), and the device's bandwidth is measured with the store's own records

@@ -317,7 +317,7 @@ class ForwardCfg(_Section, frozen=True):
     # mlx-lm's prefill step, for both tiers: a chunk that does not depend on the pool keeps the
     # logits bit-identical across memory budgets, and a long chunk reads each expert a layer-step
     # needs once for all its tokens (qnpipe.policy.prefill; docs/model.md "Prefill chunk").
-    prefill_chunk_tokens: Annotated[NonNegInt, _doc("prefill in chunks of N tokens (0 = whole prompt)")] = 2048
+    prefill_chunk_tokens: Annotated[NonNegInt, _doc("prefill in chunks of N tokens (0 = whole prompt)")] = 512
     moe_topk_override: Annotated[Annotated[PosInt, _cap(1 << 16)] | None, _doc(
         "diagnostic: change the router's top-k (breaks exactness)")] = None
     # Not a switch of the system qnpipe replaces: off is the A/B reference (tools/bench_stream.py).

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 __all__ = ["DEFAULT_CHUNK", "bytes_per_prompt_token", "expected_union", "longest_fitting_chunk"]
 
-DEFAULT_CHUNK = 2048  # mlx-lm's prefill_step_size
+DEFAULT_CHUNK = 512  # as fast as 2048 resident (docs/measurements.md "Prefill"), and a chat turn resumes closer
 
 
 def expected_union(tokens: int, experts: int, top_k: int) -> float:

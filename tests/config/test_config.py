@@ -90,7 +90,7 @@ def test_defaults_are_the_legacy_measured_defaults() -> None:
     cfg = load(env={})
     assert cfg == Config()
     assert cfg.pool.expert_slots == 64
-    assert cfg.forward.prefill_chunk_tokens == 2048  # mlx-lm's step, not the legacy 2 (issue 39, qnpipe.policy.prefill)
+    assert cfg.forward.prefill_chunk_tokens == 512  # not the legacy 2 (issue 39, qnpipe.policy.prefill)
     assert cfg.read.nocache is True and cfg.read.workers == 8 and cfg.read.bg_budget_experts == 12
     assert cfg.predict.width_experts == 24 and cfg.predict.aggregate is config.PredictAgg.MAX
     assert cfg.mtp.enabled is False and cfg.mtp.conf_tau == 0.3 and cfg.mtp.depth_max == 3

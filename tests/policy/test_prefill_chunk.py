@@ -11,7 +11,7 @@ from qnpipe.policy.prefill import DEFAULT_CHUNK, bytes_per_prompt_token, expecte
 
 
 def test_the_default_chunk_is_mlx_lms_step_and_the_configs() -> None:
-    assert DEFAULT_CHUNK == 2048
+    assert DEFAULT_CHUNK == 512
     assert config.load().forward.prefill_chunk_tokens == DEFAULT_CHUNK
 
 

@@ -27,4 +27,4 @@ def test_a_prompt_of_several_default_chunks_is_exact_across_pool_sizes(streamed_
             st = eng.stats()
         assert st.pool is not None
         if cap < E:
-            assert st.pool.split_layer_steps > 0  # a 2048-token chunk's union exceeds the slots: parts ran
+            assert st.pool.split_layer_steps > 0  # a default chunk's union exceeds the slots: parts ran
