@@ -24,9 +24,13 @@ def test_layers_the_log_never_routes_through_are_left_out_and_counted(tmp_path: 
     r = replay(write_log(tmp_path / "one.qtrace", layers=(1,)), _cfg(), record_nbytes=NBYTES)
     assert [x.layer for x in r.layers] == [1] and r.absent_layers == [0, 2, 3]
     assert r.warnings == ["3 of 4 MoE layers have no route in the log (layers 0, 2-3): they are left out of the "
-                          "per-layer table and of every total, not counted as 0 hits"]
+                          "per-layer table and of every total, not counted as 0 hits; memory_bytes and steps/s "
+                          "(tok_s) are those of the log's 1 layer alone (their slots, their compute and reads), "
+                          "not the whole model's"]
     # the totals are layer 1's alone, not diluted by three empty layers
     assert r.hit_rate == r.layers[0].hit_rate > 0
+    # ... the memory too: layer 1's slots, not four layers'
+    assert r.slots == {1: 4} and r.memory_bytes == 4 * NBYTES == full.memory_bytes // 4
     text = describe(r)
     table = text.split("belady\n")[1].splitlines()
     assert len(table) == 2 and table[0].split()[0] == "1" and "not shown: layers 0, 2-3" in table[1]
