@@ -128,7 +128,9 @@ def describe(r: ReplayReport) -> str:
                 f"{r.prefetch.useful} useful ({r.prefetch.useful_bytes / 2**20:.1f} MiB), {r.prefetch.wasted} wasted "
                 f"({r.prefetch.wasted_bytes / 2**20:.1f} MiB); {r.prefetch.expired} expired, "
                 f"{r.prefetch.dropped} dropped"] if r.prefetch is not None else []),
-             *([f"  (settings from the log's header: {', '.join(r.settings_from_log)})"] if r.settings_from_log else []),
+             *([f"  slots as the log was recorded with ({', '.join(r.settings_from_log)} not given; "
+                f"--set pool.expert_slots=N to override); {r.evict_policy or 'the'} eviction is the config's "
+                "(a log does not record its policy)"] if r.settings_from_log else []),
              f"  {'layer':>5} {'slots':>5} {'requests':>8} {'hits':>6}"
              + (f" {'resident':>8} {'in time':>7}" if prefetched else "") + (f" {'victim':>6}" if victims else "")
              + f" {'hit rate':>8} {'belady':>7}"]

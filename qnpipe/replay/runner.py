@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from qnpipe.config import Config, with_overrides
+from qnpipe.config import Config, explicit_settings, with_overrides
 from qnpipe.errors import ConfigError
 from qnpipe.io.device_file import named_profile
 from qnpipe.io.files import CONFIG_CAP, read_text_capped
@@ -148,7 +148,10 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
             if not opts.train_log:  # another log's contents are not in the key
                 guessed[key] = preds
     log = msgspec.structs.replace(log, steps=log.steps[first:], candidates={})
+    cfg, recorded = _recorded_slots(cfg, log)
     caps, profile_caps = _capacities(cfg, log.shape)
+    if recorded:
+        caps = {layer: recorded.get(layer, cap) for layer, cap in caps.items()}
     if record_nbytes is not None:
         nbytes = dict.fromkeys(caps, record_nbytes)
     elif set(caps) <= set(log.record_nbytes):
@@ -212,7 +215,21 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
         prefetch_hit_rate=ratio(side - pstats.victim_hits, hits + misses),
         victim_hit_rate=ratio(pstats.victim_hits, hits + misses),
         belady_same_memory_hit_rate=ratio(sum(x.belady_same_memory_hit_rate * x.requests for x in layers), requests),
-        evict_policy=str(cfg.pool.evict_policy), step_order=step_order)
+        evict_policy=str(cfg.pool.evict_policy), step_order=step_order,
+        settings_from_log=["pool.expert_slots"] if recorded else [])
+
+
+# The settings that choose a replay's slots: when neither is given, the log's recorded slots are used.
+_SLOT_SETTINGS = frozenset({"pool.expert_slots", "pool.capacity_profile_path"})
+
+
+def _recorded_slots(cfg: Config, log: ReplayLog) -> tuple[Config, dict[int, int]]:
+    """The config with the slots the log was recorded with (its header's `capacities`) when `cfg` was given
+    neither pool.expert_slots nor pool.capacity_profile_path, and those slots per layer ({}: the config's)."""
+    if not log.capacities or _SLOT_SETTINGS & explicit_settings(cfg).keys():
+        return cfg, {}
+    # pool.expert_slots as the largest recorded (what the warnings and a sweep's columns read); the layers keep theirs
+    return with_overrides(cfg, {"pool.expert_slots": max(log.capacities.values())}), dict(log.capacities)
 
 
 def _run_fast(log: ReplayLog, cfg: Config, caps: dict[int, int], nbytes: dict[int, int], cost: CostModel,
