@@ -83,6 +83,9 @@ def warnings(cfg: Config, shape: ModelShape, absent: list[int], predictor: str, 
         if side < k and cfg.pool.prefetch_into == "side":  # `main` lands prefetches in the resident slots
             out.append(f"pool.side_region_slots={side} is below the model's top-k ({k}): at most {side} prefetched "
                        "experts per layer can wait for their step, the rest of each hint is dropped")
+        if predictor == "transition" and cfg.predict.width_experts > num:  # the one replay predictor it shapes
+            out.append(f"predict.width_experts={cfg.predict.width_experts} is above the model's {num} experts: "
+                       f"clamped to {num} (a hint names every expert, so most prefetch reads cannot be used)")
         if predictor == "transition" and cfg.predict.width_experts < k:
             out.append(f"predict.width_experts={cfg.predict.width_experts} is below the model's top-k ({k}): "
                        "a hint names fewer experts than a token routes to")

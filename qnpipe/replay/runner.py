@@ -141,10 +141,11 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
         raise ConfigError(f"train_frac={opts.train_frac}: leaves none of the log's {len(log.steps)} steps to replay")
     preds: list[list[Predictions]] | None = None
     if predictor != "none":
-        key = (predictor, opts, cfg.predict.width_experts, first)
+        width = min(cfg.predict.width_experts, log.shape.num_experts)  # above: clamped, and the report warns
+        key = (predictor, opts, width, first)
         preds = guessed.get(key) if not opts.train_log else None
         if preds is None:
-            preds = predictions(log, predictor, opts, width=cfg.predict.width_experts, first=first)
+            preds = predictions(log, predictor, opts, width=width, first=first)
             if not opts.train_log:  # another log's contents are not in the key
                 guessed[key] = preds
     log = msgspec.structs.replace(log, steps=log.steps[first:], candidates={})

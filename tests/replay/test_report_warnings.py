@@ -10,7 +10,7 @@ from route_logs import NBYTES, write_log
 
 from qnpipe import config
 from qnpipe.cli import main
-from qnpipe.replay import describe, replay, to_json
+from qnpipe.replay import PredictorOpts, describe, replay, to_json
 from qnpipe.replay.caveats import spans
 
 
@@ -91,3 +91,16 @@ def test_the_cli_prints_warnings_in_text_and_json(tmp_path: Path, capsys: pytest
 def test_spans_write_runs_of_layers() -> None:
     assert spans([8, 0, 1, 2, 5, 7]) == "0-2, 5, 7-8"
     assert spans([]) == "" and spans([3]) == "3"
+
+
+def test_a_prediction_width_above_the_expert_count_is_clamped_and_said(tmp_path: Path) -> None:
+    log = write_log(tmp_path / "r.qtrace", steps=40)
+    over = {"predict.width_experts": 40, "pool.side_region_slots": 4}
+    r = replay(log, _cfg(**over), record_nbytes=NBYTES, predictor="transition",
+               opts=PredictorOpts(train_frac=0.5))
+    at = replay(log, _cfg(**{**over, "predict.width_experts": 16}), record_nbytes=NBYTES, predictor="transition",
+                opts=PredictorOpts(train_frac=0.5))
+    assert any(w.startswith("predict.width_experts=40 is above the model's 16 experts: clamped to 16")
+               for w in r.warnings)
+    assert not any("width_experts" in w for w in at.warnings)
+    assert (r.hit_rate, r.prefetch) == (at.hit_rate, at.prefetch)  # the clamped run is the run at 16
