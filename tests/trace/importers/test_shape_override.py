@@ -30,7 +30,8 @@ def _vllm(tmp_path: Path, model_id: str, *, top_k: int = 4, name: str = "moe.jso
                                       "TheBloke/Qwen1.5-MoE-A2.7B-Chat-AWQ", "mlx-community/Qwen1.5-MoE-A2.7B-4bit",
                                       "qwen/qwen1.5-moe-a2.7b-chat"])
 def test_a_quantized_or_renamed_variant_of_a_known_model_is_known(tmp_path: Path, model_id: str) -> None:
-    assert known_shape(model_id) is not None and known_shape(model_id)[1] == QWEN15_MOE_A27B  # type: ignore[index]
+    hit = known_shape(model_id)
+    assert hit is not None and hit[1] == QWEN15_MOE_A27B
     s = import_log("vllm-jsonl", _vllm(tmp_path, model_id), tmp_path / "q.qtrace")
     assert s.model == QWEN15_MOE_A27B and s.token_routes > 0
 
