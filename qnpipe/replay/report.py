@@ -128,9 +128,8 @@ def describe(r: ReplayReport) -> str:
                 f"{r.prefetch.useful} useful ({r.prefetch.useful_bytes / 2**20:.1f} MiB), {r.prefetch.wasted} wasted "
                 f"({r.prefetch.wasted_bytes / 2**20:.1f} MiB); {r.prefetch.expired} expired, "
                 f"{r.prefetch.dropped} dropped"] if r.prefetch is not None else []),
-             *([f"  slots as the log was recorded with ({', '.join(r.settings_from_log)} not given; "
-                f"--set pool.expert_slots=N to override); {r.evict_policy or 'the'} eviction is the config's "
-                "(a log does not record its policy)"] if r.settings_from_log else []),
+             *([f"  as the log was recorded: {', '.join(_from_log(r))} (not given; --set overrides)"]
+               if r.settings_from_log else []),
              f"  {'layer':>5} {'slots':>5} {'requests':>8} {'hits':>6}"
              + (f" {'resident':>8} {'in time':>7}" if prefetched else "") + (f" {'victim':>6}" if victims else "")
              + f" {'hit rate':>8} {'belady':>7}"]
@@ -141,6 +140,19 @@ def describe(r: ReplayReport) -> str:
     if r.absent_layers:
         lines.append(f"  (not shown: layers {caveats.spans(r.absent_layers)}, no route in the log)")
     return "\n".join(lines)
+
+
+def _from_log(r: ReplayReport) -> list[str]:
+    """The settings a replay took from its log's header, with their values."""
+    out = []
+    for key in r.settings_from_log:
+        if key == "pool.expert_slots":
+            out.append(f"slots {_span(r.capacities.values())} per layer ({key})")
+        elif key == "pool.evict_policy":
+            out.append(f"{r.evict_policy} eviction ({key})")
+        else:
+            out.append(key)
+    return out
 
 
 def _causes(causes: Mapping[str, int]) -> str:

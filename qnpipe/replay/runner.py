@@ -149,7 +149,7 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
             if not opts.train_log:  # another log's contents are not in the key
                 guessed[key] = preds
     log = msgspec.structs.replace(log, steps=log.steps[first:], candidates={})
-    cfg, recorded = _recorded_slots(cfg, log)
+    cfg, recorded, from_log = _recorded(cfg, log)
     caps, profile_caps = _capacities(cfg, log.shape)
     if recorded:
         caps = {layer: recorded.get(layer, cap) for layer, cap in caps.items()}
@@ -217,20 +217,27 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
         victim_hit_rate=ratio(pstats.victim_hits, hits + misses),
         belady_same_memory_hit_rate=ratio(sum(x.belady_same_memory_hit_rate * x.requests for x in layers), requests),
         evict_policy=str(cfg.pool.evict_policy), step_order=step_order,
-        settings_from_log=["pool.expert_slots"] if recorded else [])
+        settings_from_log=from_log)
 
 
 # The settings that choose a replay's slots: when neither is given, the log's recorded slots are used.
 _SLOT_SETTINGS = frozenset({"pool.expert_slots", "pool.capacity_profile_path"})
 
 
-def _recorded_slots(cfg: Config, log: ReplayLog) -> tuple[Config, dict[int, int]]:
-    """The config with the slots the log was recorded with (its header's `capacities`) when `cfg` was given
-    neither pool.expert_slots nor pool.capacity_profile_path, and those slots per layer ({}: the config's)."""
-    if not log.capacities or _SLOT_SETTINGS & explicit_settings(cfg).keys():
-        return cfg, {}
-    # pool.expert_slots as the largest recorded (what the warnings and a sweep's columns read); the layers keep theirs
-    return with_overrides(cfg, {"pool.expert_slots": max(log.capacities.values())}), dict(log.capacities)
+def _recorded(cfg: Config, log: ReplayLog) -> tuple[Config, dict[int, int], list[str]]:
+    """The config with what the log recorded of its run (its header) where `cfg` was not given it: the slots per
+    layer (`capacities`; neither pool.expert_slots nor pool.capacity_profile_path given) and pool.evict_policy.
+    Also those slots ({}: the config's) and the settings taken from the log."""
+    given = explicit_settings(cfg).keys()
+    over: dict[str, object] = {}
+    caps: dict[int, int] = {}
+    if log.capacities and not _SLOT_SETTINGS & given:
+        caps = dict(log.capacities)
+        # pool.expert_slots as the largest recorded (what the warnings and a sweep's columns read); layers keep theirs
+        over["pool.expert_slots"] = max(caps.values())
+    if log.evict_policy and "pool.evict_policy" not in given and log.evict_policy != str(cfg.pool.evict_policy):
+        over["pool.evict_policy"] = log.evict_policy
+    return (with_overrides(cfg, over) if over else cfg), caps, list(over)
 
 
 def _run_fast(log: ReplayLog, cfg: Config, caps: dict[int, int], nbytes: dict[int, int], cost: CostModel,
