@@ -64,8 +64,8 @@ PUBLIC: dict[str, tuple[str, ...]] = {
         "Stall", "Stalled", "TRACE_CAP", "Timeline", "TraceStats", "TraceWriter", "UnionSize", "canonical",
         "check_header", "check_log_paths", "check_output_path", "draw", "import_log", "iter_records", "read",
         "read_all", "route_record", "trace_stats"),
-    "qnpipe.trace.importers": ("FORMATS", "ImportSummary", "MAX_BYTES", "SUFFIXES", "describe", "import_log",
-                               "sources"),
+    "qnpipe.trace.importers": ("FORMATS", "ImportSummary", "KNOWN_SHAPES", "MAX_BYTES", "SUFFIXES", "ShapeOverride",
+                               "describe", "import_log", "known_shape", "sources"),
 }
 
 

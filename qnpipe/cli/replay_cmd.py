@@ -18,7 +18,7 @@ PREDICTORS = ("none", "previous", "recorded", "transition", "oracle")
 DRIVERS = ("fast", "actors")  # qnpipe.replay.DRIVERS
 _REPLAY_KEYS = {"cost.per_layer_s", "cost.per_token_s", "cost.per_step_s", "cost.read_hop_s", "cost.per_miss_s",
                 "device.bandwidth_bytes_per_s", "device.latency_s", "device.per_mb_latency_s", "device.queue_depth",
-                "replay.record_nbytes"}
+                "replay.record_nbytes", "replay.step_order"}
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -53,11 +53,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     base = msgspec.to_builtins(named_profile(args.device, cfg.read.device_profile_path))
     device = msgspec.convert({**base, **own["device"]}, DeviceProfile, strict=False)
     nbytes = own["replay"].get("record_nbytes")
+    order = own["replay"].get("step_order", "id")
     opts = PredictorOpts(train_frac=args.train_frac, train_log=args.train_log or "", recall=args.recall, seed=args.seed)
     # SIGTERM unwinds (a plug-in's sleep included) and says so; Ctrl-C is trio's where the actors driver runs.
     with stop_on_signals(args, ctrl_c=False):
         report = replay(args.log, cfg, device_profile=device, cost=cost, record_nbytes=nbytes,
-                        predictor=args.predict, opts=opts, driver=args.driver)
+                        predictor=args.predict, opts=opts, driver=args.driver, step_order=order)
     if args.csv or args.parquet:
         from qnpipe.config import override_path
         from qnpipe.replay.export import config_columns
@@ -171,8 +172,13 @@ def register(sub: Any, fmt: Any) -> None:
                        "Replay settings: cost.per_layer_s, cost.per_token_s, cost.per_step_s, cost.read_hop_s,\n"
                        "cost.per_miss_s\n"
                        "(over --cost), device.bandwidth_bytes_per_s, device.latency_s, device.per_mb_latency_s,\n"
-                       "device.queue_depth (over --device), replay.record_nbytes;\n"
+                       "device.queue_depth (over --device), replay.record_nbytes, replay.step_order (id: a step's\n"
+                       "experts served in ascending id, the default, as the live forward does; router: as the router\n"
+                       "names them);\n"
                        "any other --set is a config setting (pool.expert_slots, pool.evict_policy, read.workers).\n"
+                       "Without pool.expert_slots (or a capacity profile) a log that recorded its slots is replayed at\n"
+                       "them, and the report says so. The eviction policy is pool.evict_policy (lfu by default; --mrc\n"
+                       "is LRU); the report names it.\n"
                        "\n"
                        "--mrc instead gives miss-ratio curves: per layer and over all layers, the demand hit\n"
                        "rate of LRU and of Belady's optimum at EVERY capacity from top-k (the fewest slots the\n"

@@ -23,7 +23,7 @@ def _base(args: argparse.Namespace) -> tuple[Any, Any, dict[str, str]]:
     """(config, base replay settings, the replay's own --set values) from --config, --set, --device, --predict."""
     from qnpipe import config
     from qnpipe.io.simssd import PROFILES
-    from qnpipe.replay import CostModel
+    from qnpipe.replay import CostModel, PredictorOpts
     from qnpipe.replay.sweep import Settings, resolve_key, split_settings
 
     if args.device not in PROFILES:
@@ -39,7 +39,8 @@ def _base(args: argparse.Namespace) -> tuple[Any, Any, dict[str, str]]:
             raise QnpipeError(f"--set {item!r}: {e}") from None
     conf, own = split_settings(sets)
     cfg = config.load(args.config, overrides=conf)
-    base = Settings(device=PROFILES[args.device], cost=CostModel(), predictor=args.predict)
+    opts = PredictorOpts(train_frac=args.train_frac, recall=args.recall, seed=args.seed)
+    base = Settings(device=PROFILES[args.device], cost=CostModel(), predictor=args.predict, opts=opts)
     # The replay's own --set values are checked with the grid (plan), as part of every point.
     return cfg, base, {f"{s}.{k}": v for s, d in own.items() for k, v in d.items()}
 
@@ -220,7 +221,8 @@ def register(sub: Any, fmt: Any) -> None:
                        "Dask cluster (--executor dask --scheduler ADDRESS), and print a table of the points\n"
                        "with their headline metrics. A grid field is any config field (pool.expert_slots, or\n"
                        "a short name such as expert_slots when it names one field) or a replay setting\n"
-                       "(cost.*, device.*, replay.record_nbytes, replay.predictor). Every point is checked\n"
+                       "(cost.*, device.*, replay.record_nbytes, replay.predictor, replay.step_order and the\n"
+                       "predictor's replay.train_frac, replay.recall, replay.seed). Every point is checked\n"
                        "before any replay runs: an unknown field or a bad value fails at once, naming it.\n"
                        "Values are comma-separated, or ';'-separated when a value holds commas.\n"
                        "Results are in grid order and the same whatever the executor (docs/replay.md).\n"
@@ -233,6 +235,8 @@ def register(sub: Any, fmt: Any) -> None:
                        "      --metric hit_rate --plot-dir plots/ --plot-format pdf -o sweep.json --csv sweep.csv\n"
                        "  qnpipe sweep run.qtrace --equal-memory --set expert_slots=4 --set side_region_slots=3 \\\n"
                        "      --grid replay.predictor=none,previous,oracle pool.prefetch_into=side,main --metric hit_rate\n"
+                       "  qnpipe sweep synth.qtrace --equal-memory --set replay.record_nbytes=1048576 --set expert_slots=4 \\\n"
+                       "      --set side_region_slots=2 --grid replay.predictor=none,transition replay.train_frac=0.2,0.5\n"
                        "  qnpipe sweep routes.qtrace --set replay.record_nbytes=1048576 \\\n"
                        "      --grid device.queue_depth=1,2,4,8 --executor dask --scheduler tcp://10.0.0.5:8786")
     s.add_argument("log", metavar="LOG", nargs="?",
@@ -262,6 +266,12 @@ def register(sub: Any, fmt: Any) -> None:
     s.add_argument("--predict", default="none", metavar="NAME",
                    help="the replay's predictor at every point unless swept as replay.predictor "
                    "(none = demand only, default; previous: see qnpipe replay --help)")
+    s.add_argument("--train-frac", type=float, default=0.0, metavar="F",
+                   help="the log's first F of steps train the predictor and are not replayed, at every point unless "
+                   "swept as replay.train_frac (default 0)")
+    s.add_argument("--recall", type=float, default=1.0, metavar="R",
+                   help="oracle: each true expert is hinted with probability R, unless swept as replay.recall (default 1)")
+    s.add_argument("--seed", type=int, default=0, help="oracle: seed of its draws, unless swept as replay.seed (default 0)")
     s.add_argument("--equal-memory", action="store_true",
                    help="give each demand-only point (predictor none) the side region's slots as resident slots "
                    "(pool.expert_slots + pool.side_region_slots), the memory its prefetch points have; the "

@@ -19,8 +19,13 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     from qnpipe.io.clobber import check_outputs
     from qnpipe.io.outdir import ByteProgress
-    from qnpipe.trace.importers import describe, import_log, sources
+    from qnpipe.trace.importers import ShapeOverride, describe, import_log, sources
 
+    given = (args.shape, args.num_experts, args.top_k, args.num_layers)
+    shape = None
+    if any(v is not None for v in given):
+        shape = ShapeOverride(name=args.shape, num_experts=args.num_experts, top_k=args.top_k,
+                              num_layers=args.num_layers)
     paths = sources(args.format, args.src)
     check_outputs([("-o", args.out)], [("SRC", p) for p in [*map(Path, args.src), *paths]])
     total = sum(_size(p) for p in paths)
@@ -29,7 +34,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     try:
         summary = import_log(args.format, args.src if len(args.src) > 1 else args.src[0], args.out,
                              progress=bar.advance, max_steps=args.max_steps, max_bytes=args.max_bytes,
-                             experts=args.experts, batched=args.batched)
+                             experts=args.experts, batched=args.batched, shape=shape)
     finally:
         bar.stop()
     print(msgspec.json.encode(summary).decode() if args.json else describe(summary))
@@ -60,6 +65,10 @@ def register(tsub: Any, fmt: Any) -> None:
                         "--batched keeps a batch together instead: each forward pass of the source is one step of\n"
                         "all the tokens it routed (vllm-jsonl: every pass but profiling; flame-pt: the sequences\n"
                         "in lockstep), as the engine ran them, and replay serves it as multi-token steps.\n"
+                        "The routing shape is the source's model's (Mixtral-8x7B, Qwen1.5-MoE-A2.7B and its quantized\n"
+                        "or renamed variants such as Qwen1.5-MoE-A2.7B-Chat-GPTQ-Int4, FLAME-MoE-290M); --shape NAME\n"
+                        "names another known model, --num-experts N --top-k K [--num-layers L] give it outright\n"
+                        "(any format; a model no importer knows needs them).\n"
                         "Sources ending in .gz are read gunzipped. A progress bar shows on big files.\n"
                         "At most --max-bytes of source are read (decompressed, all files together; the import\n"
                         "holds a few times that in memory); a JSON line is at most 1 MiB.",
@@ -71,6 +80,7 @@ def register(tsub: Any, fmt: Any) -> None:
                         "  qnpipe trace import vllm-jsonl moe_layer0.jsonl -o qwen-batch.qtrace --batched\n"
                         "  qnpipe trace import flame-pt Sample_routing_traces/Encoder_Batch_0-32 -o flame.qtrace\n"
                         "  qnpipe trace import csv routes.csv -o mine.qtrace --experts 64\n"
+                        "  qnpipe trace import vllm-jsonl moe_layer0.jsonl -o ds.qtrace --num-experts 64 --top-k 6 --num-layers 28\n"
                         "      routes.csv:  step,layer,expert,score\n"
                         "                   1,0,5,0.61\n"
                         "                   1,0,2,0.39     (step 1, layer 0: a top-2 of experts 5 and 2)\n"
@@ -85,6 +95,14 @@ def register(tsub: Any, fmt: Any) -> None:
                    help="read at most N bytes of source, decompressed (default %(default)s: 1 GiB)")
     p.add_argument("--experts", type=int, metavar="N",
                    help="csv: the model's experts per layer (default: the largest expert id + 1)")
+    p.add_argument("--shape", metavar="NAME",
+                   help="the routing shape of this known model instead of the source's "
+                   "(e.g. Qwen/Qwen1.5-MoE-A2.7B-Chat, mistralai/Mixtral-8x7B-v0.1, flame-moe-290m)")
+    p.add_argument("--num-experts", type=int, metavar="N", help="the model's experts per MoE layer (over --shape)")
+    p.add_argument("--top-k", type=int, metavar="K", help="experts per token (over --shape)")
+    p.add_argument("--num-layers", type=int, metavar="L",
+                   help="layers 0..L-1, every one a MoE layer (over --shape; a source of an unknown model that "
+                   "does not list its layers needs it)")
     p.add_argument("--batched", action="store_true",
                    help="one step per forward pass of all its tokens, the batch not split into requests "
                    "(vllm-jsonl, flame-pt)")

@@ -20,11 +20,13 @@ def register(tsub: Any, fmt: Any) -> None:
                         description="Statistics of the routes in a log (qnpipe generate --trace, or qnpipe trace import),\n"
                         "per MoE layer: popularity skew (share of the top 10% of experts, normalised entropy,\n"
                         "Gini), distinct experts per step (union), reuse distance (distinct other experts of the\n"
-                        "layer used since an expert's previous use: an LRU cache of more slots still holds it),\n"
+                        "layer used in the steps between an expert's previous use and this one),\n"
                         "the share of a token's experts its previous token also chose; a summary row `all`\n"
                         "(counts summed over the layers, shares pooled, popularity averaged); the reuse-distance\n"
                         "histogram of all layers, binned 0, 1, 2-3, 4-7, ... with the cumulative share (reuses at\n"
-                        "distance < c: an LRU cache of c slots per layer has not evicted the expert); and per pair of\n"
+                        "distance < c: an upper bound on the reuses an LRU of c slots per layer hits; the pool holds\n"
+                        "a step's experts together, serves them in ascending id, and so may hit fewer:\n"
+                        "`qnpipe replay LOG --mrc` gives the exact LRU hit rates); and per pair of\n"
                         "consecutive layers, how well a transition table from the first half of the tokens\n"
                         "predicts the next layer's top-k on the second half, beside the most popular experts.\n"
                         "--json gives everything, with the exact histogram per layer and in `total`:\n"
@@ -39,7 +41,8 @@ def register(tsub: Any, fmt: Any) -> None:
                         "     distance    reuses  share <= cum\n"
                         "            0      8565  0.402  0.402    40% of reuses: the expert was used the step before\n"
                         "            1         0  0.000  0.402\n"
-                        "          2-3      5219  0.245  0.647    65% of reuses at distance <= 3: within an LRU of 4 slots")
+                        "          2-3      5219  0.245  0.647    at most 65% of reuses hit in an LRU of 4 slots\n"
+                        "  (the pool's LRU at 4 slots: 0.624 of all requests, `qnpipe replay LOG --mrc`)")
     p.add_argument("log", metavar="LOG", help="event or routing log (docs/trace-format.md)")
     p.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
     p.set_defaults(func=cmd_stats)

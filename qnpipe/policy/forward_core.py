@@ -108,6 +108,7 @@ class ForwardCore:
     slots: bool = True
     logging: bool = False
     union_prof: bool = False  # diag.union_prof: per-layer union sizes by step length
+    router_order: bool = False  # replay.step_order=router: a part's experts served as the router names them
     stats: ForwardStats = attrs.field(factory=ForwardStats)
     step: int = 0
     seq: int = 0
@@ -170,7 +171,7 @@ class ForwardCore:
         if self.logging:
             assert ids is not None
             out.log.append(route_record({"t": now, "seq": self._seq()}, self.step, layer, ids, weights))
-        parts = plan_parts_flat(experts, k, self.capacities[layer], layer=layer)
+        parts = plan_parts_flat(experts, k, self.capacities[layer], layer=layer, router_order=self.router_order)
         if self.union_prof:
             n, union = len(experts) // k, len({e for _, _, ex in parts for e in ex})
             acc = self.stats.union_sizes.setdefault((n, layer), [0, 0, 0])

@@ -14,7 +14,7 @@ import numpy as np
 
 from qnpipe.errors import CapacityError
 
-Part = tuple[int, int, tuple[int, ...]]  # tokens lo:hi and their distinct experts, ascending
+Part = tuple[int, int, tuple[int, ...]]  # tokens lo:hi and their distinct experts, ascending (or in router order)
 
 
 def plan_parts(ids: np.ndarray, capacity: int, *, layer: int = -1) -> list[Part]:
@@ -25,8 +25,14 @@ def plan_parts(ids: np.ndarray, capacity: int, *, layer: int = -1) -> list[Part]
     return plan_parts_flat(ids.reshape(-1).tolist(), ids.shape[1], capacity, layer=layer)
 
 
-def plan_parts_flat(experts: Sequence[int], k: int, capacity: int, *, layer: int = -1) -> list[Part]:
-    """`plan_parts` of the ids given flat, token-major (`k` per token): what replay's logs hold."""
+def plan_parts_flat(experts: Sequence[int], k: int, capacity: int, *, layer: int = -1,
+                    router_order: bool = False) -> list[Part]:
+    """`plan_parts` of the ids given flat, token-major (`k` per token): what replay's logs hold.
+
+    A part's experts are served (looked up, then loaded) in ascending id; `router_order`: in the order
+    the router first names them, token after token (replay.step_order=router)."""
+    if router_order:
+        return _parts_in_router_order(experts, k, capacity, layer)
     n = len(experts) // k
     if k > capacity:
         raise CapacityError(f"layer {layer}: a token routes to {k} experts, the layer has {capacity} usable slots")
@@ -43,4 +49,21 @@ def plan_parts_flat(experts: Sequence[int], k: int, capacity: int, *, layer: int
             lo, cur = t, set()
         cur |= row
     parts.append((lo, n, tuple(sorted(cur))))
+    return parts
+
+
+def _parts_in_router_order(experts: Sequence[int], k: int, capacity: int, layer: int) -> list[Part]:
+    """`plan_parts_flat`'s parts, each part's experts in first-named order."""
+    if k > capacity:
+        raise CapacityError(f"layer {layer}: a token routes to {k} experts, the layer has {capacity} usable slots")
+    parts: list[Part] = []
+    lo = 0
+    cur: dict[int, None] = {}
+    for t in range(len(experts) // k):
+        row = experts[t * k:(t + 1) * k]
+        if len(cur.keys() | row) > capacity:
+            parts.append((lo, t, tuple(cur)))
+            lo, cur = t, {}
+        cur.update(dict.fromkeys(row))
+    parts.append((lo, len(experts) // k, tuple(cur)))
     return parts

@@ -47,12 +47,14 @@ class SlotMap:
 
 class DemandPlan(msgspec.Struct, frozen=True):
     """An acquire's demand loads (physical slots), the prefetches it now waits for (`late`, read as demand)
-    and the hits prefetches made in the resident region (counted as side hits). A frozen msgspec Struct: one
-    is made per acquire, on the replay's hot path."""
+    and the hits prefetches made in the resident region (counted as side hits), of them `victim_hits` served
+    by the side region keeping what the resident region gave up (no prefetch read). A frozen msgspec Struct:
+    one is made per acquire, on the replay's hot path."""
 
     loads: Sequence[Load]
     late: frozenset[int] | set[int] = frozenset()
     side_hits: int = 0
+    victim_hits: int = 0
 
 
 @attrs.define
@@ -124,6 +126,10 @@ class SidePlacement(_Regions):
 
     def prefetch_cancelled(self, layer: int, expert: int) -> None:
         pass
+
+    def victims(self, layer: int, experts: Sequence[int]) -> int:
+        """Of side-region hits on `experts`, those on what the resident region gave up: none, only prefetches land here."""
+        return 0
 
 
 @attrs.define
@@ -215,7 +221,7 @@ class MainPlacement(_Regions):
                 slot_of[e] = m.main[s]
         prefetched = {e for e, _ in plan.hits if (layer, e) in self.attribution.unused}
         late = {e for e, _ in plan.waiting if (layer, e) in self.prefetching}
-        return DemandPlan(loads, late, len(prefetched.union(promoted)))
+        return DemandPlan(loads, late, len(prefetched.union(promoted)), self.victims(layer, promoted))
 
     def can_prefetch(self, layer: int) -> bool:
         return True
@@ -253,6 +259,12 @@ class MainPlacement(_Regions):
 
     def prefetch_cancelled(self, layer: int, expert: int) -> None:
         self.prefetching.discard((layer, expert))
+
+    def victims(self, layer: int, experts: Sequence[int]) -> int:
+        """Of side-region hits on `experts`, those no prefetch read brought in (not an unused prefetch): the side
+        region kept them when the resident region gave them up, a victim cache's hits, not prefetching's."""
+        unused = self.attribution.unused
+        return sum((layer, e) not in unused for e in experts)
 
     def verify(self, key: GrantKey, g: Grant, token_experts: Sequence[int], token_slots: Sequence[int]) -> None:
         """As with fixed regions, each physical slot checked in the table it is in now."""

@@ -239,6 +239,7 @@ class PoolPolicy:
         demand = self.placement.demand(layer, plan, slot_of, gen_of, promoted)
         c = self.tally.layers[layer]
         c.side_hits += demand.side_hits
+        c.victim_hits += demand.victim_hits
         promotions = [(layer, e, slot_of[e]) for e in sorted(demand.late)] if demand.late else []
         if splan is not None:
             assert side is not None and not splan.loads  # all present: hits or loading, never a load
@@ -247,6 +248,7 @@ class PoolPolicy:
                 gen_of[e] = side.generation[s]
             hits += len(splan.hits)
             c.side_hits += len(splan.hits)
+            c.victim_hits += self.placement.victims(layer, [e for e, _ in splan.hits])
             for e, _ in splan.waiting:  # a prefetch still on its way: the step now waits for it
                 missing.add(e)
                 promotions.append((layer, e, slot_of[e]))

@@ -34,7 +34,8 @@ class MissKind(enum.StrEnum):
 @attrs.define(slots=True)
 class LayerCounters:
     hits: int = 0
-    side_hits: int = 0
+    side_hits: int = 0  # of hits, served beyond the resident region (prefetched, or kept as a victim)
+    victim_hits: int = 0  # ... of them by the side region keeping what the resident region gave up (no prefetch read)
     misses: int = 0
     cold: int = 0
     capacity: int = 0
@@ -69,6 +70,12 @@ class PoolStatistics:
     prefetches_expired: int
     hints_dropped_budget: int
     wasted_bytes: int
+    victim_hits: int = 0  # of side_hits, a victim cache's (pool.prefetch_into=main), not a prefetch's
+
+    @property
+    def prefetch_hits(self) -> int:
+        """Hits a prefetch read made: the side hits less the victim region's."""
+        return self.side_hits - self.victim_hits
 
     @property
     def requests(self) -> int:
@@ -128,7 +135,7 @@ class PoolCounters:
             prefetch_used=sum(c.prefetch_used for c in cs), causes=causes, prefetches_issued=self.prefetches_issued,
             prefetches_done=prefetch_reads, prefetches_used=self.prefetches_used,
             prefetches_expired=self.prefetches_expired, hints_dropped_budget=self.hints_dropped_budget,
-            wasted_bytes=self.wasted_bytes)
+            wasted_bytes=self.wasted_bytes, victim_hits=sum(c.victim_hits for c in cs))
 
 
 __all__ = ["LayerCounters", "MissKind", "PoolCounters", "PoolStatistics"]

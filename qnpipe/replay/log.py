@@ -22,6 +22,8 @@ class ReplayLog(msgspec.Struct, frozen=True, kw_only=True):
     record_nbytes: dict[int, int]  # from the log's read.done records (empty for a routing log)
     # the recorded predict.candidates: by steps' index, MoE layer -> ((target, width, experts, scores), ...)
     candidates: dict[tuple[int, int], list[tuple[int, int, tuple[int, ...], tuple[float, ...]]]] = {}
+    capacities: dict[int, int] = {}  # the header's: the slots per MoE layer the log was recorded with ({}: not known)
+    evict_policy: str = ""  # the header's: pool.evict_policy of the recorded run ("": not known)
 
 
 def load_log(path: str | Path) -> ReplayLog:
@@ -60,7 +62,9 @@ def load_log(path: str | Path) -> ReplayLog:
     order = sorted(by_step)
     index = {s: i for i, s in enumerate(order)}
     return ReplayLog(shape=shape, steps=[by_step[s] for s in order], record_nbytes=nbytes,
-                     candidates={(index[s], layer): c for (s, layer), c in cands.items() if s in index})
+                     candidates={(index[s], layer): c for (s, layer), c in cands.items() if s in index},
+                     capacities={layer: c for layer, c in header.capacities.items() if layer in moe},
+                     evict_policy=header.evict_policy if isinstance(header.evict_policy, str) else "")
 
 
 def _shape(path: str | Path, header: Header) -> ModelShape:

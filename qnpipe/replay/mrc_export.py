@@ -55,7 +55,8 @@ def summary(result: MrcResult) -> str:
     n_layers = len({c.layer for c in result.curves} - {ALL})
     lines = [f"miss-ratio curves of {result.log}: {n_layers} of {len(result.shape.moe_layers)} MoE layers routed, "
              f"{result.shape.num_experts} experts, top-{result.shape.top_k}; hit rate over all layers "
-             f"(demand only, a step's experts held together)",
+             f"(demand only, a step's experts held together; LRU, where a replay without --mrc uses "
+             f"pool.evict_policy, lfu by default)",
              "  " + f"{'slots':>6}" + "".join(f" {LABEL[p].split()[0]:>8}" for p in policies)]
     for cap in summary_capacities(result):
         i = cap - result.min_capacity

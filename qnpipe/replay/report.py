@@ -22,8 +22,11 @@ class LayerReport(msgspec.Struct, frozen=True, kw_only=True):
     hits: int
     hit_rate: float
     belady_hit_rate: float
-    side_hits: int = 0  # of `hits`, served from the side region (prefetched)
+    side_hits: int = 0  # of `hits`, served beyond the resident slots (prefetched in time, or victim-region hits)
     prefetch_recall: float = 0.0  # fraction of the acquired experts that were hinted before
+    prefetch_hits: int = 0  # of `side_hits`, on experts a prefetch read brought in
+    victim_hits: int = 0  # of `side_hits`, kept by the side region when the resident slots gave them up (no read)
+    belady_same_memory_hit_rate: float = 0.0  # Belady at resident + side slots: the optimum at the run's memory
 
 
 class PrefetchReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,7 +64,7 @@ class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
     reads: int
     layers: list[LayerReport]
     resident_hit_rate: float = 0.0  # hits from the resident slots / requests
-    side_hit_rate: float = 0.0  # hits from the side region / requests (hit_rate = the two summed)
+    side_hit_rate: float = 0.0  # hits beyond the resident slots / requests (hit_rate = the two summed)
     prefetch: PrefetchReport | None = None  # None without a predictor
     predictor_opts: PredictorOpts = PredictorOpts()
     train_steps: int = 0  # the log's first steps used for training only, not replayed
@@ -73,7 +76,15 @@ class ReplayReport(msgspec.Struct, frozen=True, kw_only=True):
     side_slots: int = 0  # side-region slots per layer
     slots: dict[int, int] = {}  # resident + side slots per layer
     record_nbytes: dict[int, int] = {}  # bytes of one expert record per layer
-    memory_bytes: int = 0  # sum over layers of slots x record bytes
+    memory_bytes: int = 0  # sum over the reported layers of slots x record bytes
+    # side_hit_rate split by cause: prefetch reads in time, and the side region keeping what the resident slots
+    # gave up (pool.prefetch_into=main: a victim cache, no read); prefetch + victim = side.
+    prefetch_hit_rate: float = 0.0
+    victim_hit_rate: float = 0.0
+    belady_same_memory_hit_rate: float = 0.0  # Belady at resident + side slots over all layers (= Belady without side)
+    evict_policy: str = ""  # pool.evict_policy of the run
+    settings_from_log: list[str] = []  # settings taken from the log's header (not given): e.g. "pool.expert_slots"
+    step_order: str = "id"  # replay.step_order: a step's experts served in ascending id or the router's order
 
     def rows(self, settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """The report as tidy rows, one per layer x metric (`layer` "all": the whole run), for a
@@ -96,15 +107,20 @@ def belady_total(r: ReplayReport) -> float:
 
 
 def describe(r: ReplayReport) -> str:
-    """The report as a table for a terminal: warnings first, the hit rate split into resident and
-    prefetched-in-time hits (a prefetch hit is memory a demand-only run did not have)."""
+    """The report as a table for a terminal: warnings first, the hit rate split into resident hits,
+    prefetched-in-time hits (memory a demand-only run did not have) and, with pool.prefetch_into=main,
+    the victim region's hits (the side region keeping what the resident slots gave up: no read)."""
     prefetched = r.prefetch is not None
-    split = (f" = resident {r.resident_hit_rate:.3f} + prefetched in time {r.side_hit_rate:.3f}"
-             if prefetched else "")
+    victims = prefetched and r.prefetch_into == "main"
+    split = (f" = resident {r.resident_hit_rate:.3f} + prefetched in time {r.prefetch_hit_rate:.3f}"
+             + (f" + victim region {r.victim_hit_rate:.3f}" if victims else "") if prefetched else "")
+    belady = f"Belady {belady_total(r):.3f} at the resident slots"
+    if r.side_slots:
+        belady += f", {r.belady_same_memory_hit_rate:.3f} at resident + side (the same memory)"
     lines = [f"replay of {r.log}: {r.steps} steps ({r.tokens} tokens) in {r.virtual_s:.4f} virtual s",
              *(f"  WARNING: {w}" for w in r.warnings),
-             f"  hit rate {r.hit_rate:.3f}{split} (Belady {belady_total(r):.3f} at the resident slots)",
-             f"  {r.tok_s:.2f} steps/s, misses {r.misses_by_cause or '{}'}",
+             f"  hit rate {r.hit_rate:.3f}{split} ({belady})",
+             f"  {r.tok_s:.2f} steps/s, misses {_causes(r.misses_by_cause)}",
              _memory_line(r),
              f"  {r.bytes_per_token / 2**20:.3f} MiB read and {r.stall_s_per_token * 1e3:.3f} ms stalled per step, "
              f"device busy {r.device_utilisation:.1%} ({r.reads} reads)",
@@ -112,14 +128,36 @@ def describe(r: ReplayReport) -> str:
                 f"{r.prefetch.useful} useful ({r.prefetch.useful_bytes / 2**20:.1f} MiB), {r.prefetch.wasted} wasted "
                 f"({r.prefetch.wasted_bytes / 2**20:.1f} MiB); {r.prefetch.expired} expired, "
                 f"{r.prefetch.dropped} dropped"] if r.prefetch is not None else []),
+             *([f"  as the log was recorded: {', '.join(_from_log(r))} (not given; --set overrides)"]
+               if r.settings_from_log else []),
              f"  {'layer':>5} {'slots':>5} {'requests':>8} {'hits':>6}"
-             + (f" {'resident':>8} {'in time':>7}" if prefetched else "") + f" {'hit rate':>8} {'belady':>7}"]
+             + (f" {'resident':>8} {'in time':>7}" if prefetched else "") + (f" {'victim':>6}" if victims else "")
+             + f" {'hit rate':>8} {'belady':>7}"]
     lines += [f"  {x.layer:>5} {_slots(r, x.layer):>5} {x.requests:>8} {x.hits:>6}"
-              + (f" {x.hits - x.side_hits:>8} {x.side_hits:>7}" if prefetched else "")
+              + (f" {x.hits - x.side_hits:>8} {x.side_hits - x.victim_hits:>7}" if prefetched else "")
+              + (f" {x.victim_hits:>6}" if victims else "")
               + f" {x.hit_rate:>8.3f} {x.belady_hit_rate:>7.3f}" for x in r.layers]
     if r.absent_layers:
         lines.append(f"  (not shown: layers {caveats.spans(r.absent_layers)}, no route in the log)")
     return "\n".join(lines)
+
+
+def _from_log(r: ReplayReport) -> list[str]:
+    """The settings a replay took from its log's header, with their values."""
+    out = []
+    for key in r.settings_from_log:
+        if key == "pool.expert_slots":
+            out.append(f"slots {_span(r.capacities.values())} per layer ({key})")
+        elif key == "pool.evict_policy":
+            out.append(f"{r.evict_policy} eviction ({key})")
+        else:
+            out.append(key)
+    return out
+
+
+def _causes(causes: Mapping[str, int]) -> str:
+    """Misses by cause as words: "cold 12, capacity 30" ("none" without a miss)."""
+    return ", ".join(f"{k} {n}" for k, n in causes.items()) or "none"
 
 
 def _slots(r: ReplayReport, layer: int) -> str:
@@ -134,8 +172,11 @@ def _span(values: Any) -> str:
 def _memory_line(r: ReplayReport) -> str:
     """Slots per layer (resident + side) and the memory they take: what a comparison must hold equal."""
     per_expert = _span(r.record_nbytes.values()) if r.record_nbytes else "?"
+    where = f"prefetch into {r.prefetch_into}" if r.prefetch is not None else "prefetch off"
+    policy = f"{r.evict_policy} eviction, " if r.evict_policy else ""
+    order = "" if r.step_order == "id" else f", experts in {r.step_order} order"
     return (f"  slots per layer: {_span(r.capacities.values())} resident + {r.side_slots} side = "
-            f"{_span(r.slots.values())} (prefetch into {r.prefetch_into}); {per_expert} B per expert, "
+            f"{_span(r.slots.values())} ({policy}{where}{order}); {per_expert} B per expert, "
             f"{r.memory_bytes / 2**20:.1f} MiB in all")
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from qnpipe.config import Config, with_overrides
+from qnpipe.config import Config, explicit_settings, with_overrides
 from qnpipe.errors import ConfigError
 from qnpipe.io.device_file import named_profile
 from qnpipe.io.files import CONFIG_CAP, read_text_capped
@@ -44,7 +44,7 @@ from qnpipe.replay.report import (
     ratio,
     to_json,
 )
-from qnpipe.replay.settings import MAX_RECORD_NBYTES, check_record_nbytes, setting_value
+from qnpipe.replay.settings import MAX_RECORD_NBYTES, STEP_ORDERS, check_opts, check_record_nbytes, setting_value
 from qnpipe.trace import ModelShape, check_log_paths
 from qnpipe.trace.logs import SyncLogs, wanted_logs
 
@@ -82,18 +82,24 @@ class _ShapeArgs:
         self.num_experts_per_tok = shape.top_k
 
 
-def _belady(log: ReplayLog, caps: dict[int, int]) -> dict[int, tuple[int, int]]:
-    """Per layer (requests, Belady hits), the requests split into parts as the forward splits them."""
+def _belady(log: ReplayLog, caps: dict[int, int], side: int = 0) -> dict[int, tuple[int, int, int]]:
+    """Per layer (requests, Belady hits at the resident slots, Belady hits at resident + `side` slots: the
+    run's whole memory), the requests split into parts as the forward splits them."""
     seqs: dict[int, list[tuple[int, ...]]] = {layer: [] for layer in caps}
     for step in log.steps:
         for layer, experts in step:
             seqs[layer] += [ex for _, _, ex in plan_parts_flat(experts, log.shape.top_k, caps[layer], layer=layer)]
-    return {layer: (sum(map(len, s)), belady_hits(s, caps[layer])) for layer, s in seqs.items()}
+    out = {}
+    for layer, s in seqs.items():
+        at_caps = belady_hits(s, caps[layer])
+        out[layer] = (sum(map(len, s)), at_caps, belady_hits(s, caps[layer] + side) if side else at_caps)
+    return out
 
 
 def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile | str = "apple-m5-internal",
            cost: CostModel | None = None, record_nbytes: int | None = None,
-           predictor: str = "none", opts: PredictorOpts | None = None, driver: str = "fast") -> ReplayReport:
+           predictor: str = "none", opts: PredictorOpts | None = None, driver: str = "fast",
+           step_order: str = "id") -> ReplayReport:
     """Replay `log_path` under `cfg`'s pool and read settings on a simulated device (see the module doc).
 
     `predictor`: "none" (demand only) or one of `predictions`' (recorded, previous, transition,
@@ -103,6 +109,10 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
 
     `record_nbytes` is the bytes of one expert record; by default the largest `read.done`
     of each layer in the log (a routing log has none: then it must be given).
+
+    `step_order`: "id" serves a step's experts at a layer in ascending id (as the live forward does),
+    "router" in the order the router names them (token after token), e.g. to compare with a simulator
+    fed the log's requests one at a time (docs/pool.md, "Step order").
     """
     cost = cost if cost is not None else CostModel()
     opts = opts if opts is not None else PredictorOpts()
@@ -110,12 +120,11 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
         raise ConfigError(f"driver {driver!r}: unknown, known: {', '.join(DRIVERS)}")
     if predictor not in PREDICTORS:
         raise ConfigError(f"predictor {predictor!r}: unknown, known: {', '.join(PREDICTORS)}")
-    if not 0.0 <= opts.train_frac < 1.0:
-        raise ConfigError(f"train_frac={opts.train_frac}: must be in [0, 1)")
-    if not 0.0 <= opts.recall <= 1.0:
-        raise ConfigError(f"recall={opts.recall}: must be in [0, 1]")
-    if opts.seed < 0:
-        raise ConfigError(f"seed={opts.seed}: must be >= 0")
+    check_opts(opts)
+    if step_order not in STEP_ORDERS:
+        raise ConfigError(f"replay.step_order={step_order!r}: unknown, known: {', '.join(STEP_ORDERS)}")
+    if step_order != "id" and driver != "fast":
+        raise ConfigError(f"replay.step_order={step_order}: the fast driver's (the actors serve in id order)")
     if predictor != "none":
         cfg = with_overrides(cfg, {"predict.cross_layer_prefetch": True})
     check_placement(cfg)
@@ -132,14 +141,18 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
         raise ConfigError(f"train_frac={opts.train_frac}: leaves none of the log's {len(log.steps)} steps to replay")
     preds: list[list[Predictions]] | None = None
     if predictor != "none":
-        key = (predictor, opts, cfg.predict.width_experts, first)
+        width = min(cfg.predict.width_experts, log.shape.num_experts)  # above: clamped, and the report warns
+        key = (predictor, opts, width, first)
         preds = guessed.get(key) if not opts.train_log else None
         if preds is None:
-            preds = predictions(log, predictor, opts, width=cfg.predict.width_experts, first=first)
+            preds = predictions(log, predictor, opts, width=width, first=first)
             if not opts.train_log:  # another log's contents are not in the key
                 guessed[key] = preds
     log = msgspec.structs.replace(log, steps=log.steps[first:], candidates={})
+    cfg, recorded, from_log = _recorded(cfg, log)
     caps, profile_caps = _capacities(cfg, log.shape)
+    if recorded:
+        caps = {layer: recorded.get(layer, cap) for layer, cap in caps.items()}
     if record_nbytes is not None:
         nbytes = dict.fromkeys(caps, record_nbytes)
     elif set(caps) <= set(log.record_nbytes):
@@ -148,10 +161,11 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
         raise ConfigError(f"{log_path}: the log has no read.done record of layers "
                           f"{caveats.spans(set(caps) - set(log.record_nbytes))}: give the record size "
                           f"(record_nbytes, --set replay.record_nbytes=N)")
-    belady = _belady(log, caps)
+    side_n = side_slots(cfg)
+    belady = _belady(log, caps, side_n)
     profile = device_profile
     if driver == "fast":
-        res = _run_fast(log, cfg, caps, nbytes, cost, profile, preds)
+        res = _run_fast(log, cfg, caps, nbytes, cost, profile, preds, router_order=step_order == "router")
     else:
         from qnpipe.replay.actor_driver import run_actors  # only here: it loads trio and the actors
 
@@ -163,10 +177,12 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
     layers = []
     for layer in sorted(caps.keys() & routed):
         c = counters[layer]
-        req, bh = belady[layer]
+        req, bh, bh_all = belady[layer]
         layers.append(LayerReport(layer=layer, requests=c.hits + c.misses, hits=c.hits,
                                   hit_rate=ratio(c.hits, c.hits + c.misses), belady_hit_rate=ratio(bh, req),
-                                  side_hits=c.side_hits, prefetch_recall=ratio(c.predicted_used, c.used)))
+                                  side_hits=c.side_hits, prefetch_recall=ratio(c.predicted_used, c.used),
+                                  prefetch_hits=c.side_hits - c.victim_hits, victim_hits=c.victim_hits,
+                                  belady_same_memory_hit_rate=ratio(bh_all, req)))
     side = pstats.side_hits
     prefetch = None
     if predictor != "none":
@@ -180,8 +196,13 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
             precision=ratio(useful, reads))
     elapsed = res.elapsed_s
     absent = caveats.absent_layers(log.shape, routed)
-    side_n = side_slots(cfg)
-    slots = {layer: cap + side_n for layer, cap in caps.items()}
+    # The memory the replayed layers had: a log of some layers only says nothing of the others'.
+    slots = {layer: cap + side_n for layer, cap in caps.items() if layer in routed}
+    warned = caveats.warnings(cfg, log.shape, absent, predictor, profile=profile_caps)
+    if predictor != "none":
+        warned += caveats.no_prefetch(predictor, routed, pstats.prefetches_issued, log.steps, log.shape.top_k,
+                                      into_main=cfg.pool.prefetch_into == "main")
+    requests = sum(x.requests for x in layers)
     return ReplayReport(
         log=str(log_path), predictor=predictor, device=profile, cost=cost, capacities=caps, steps=steps,
         tokens=res.tokens, virtual_s=elapsed, tok_s=ratio(steps, elapsed), hit_rate=ratio(hits, hits + misses),
@@ -189,17 +210,43 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
         stall_s_per_token=res.stall_s / steps, device_utilisation=ratio(res.busy_s, elapsed),
         reads=res.device_reads, layers=layers, resident_hit_rate=ratio(hits - side, hits + misses),
         side_hit_rate=ratio(side, hits + misses), prefetch=prefetch, predictor_opts=opts, train_steps=first,
-        absent_layers=absent, warnings=caveats.warnings(cfg, log.shape, absent, predictor, profile=profile_caps),
+        absent_layers=absent, warnings=warned,
         prefetch_into=str(cfg.pool.prefetch_into), side_slots=side_n, slots=slots, record_nbytes=dict(sorted(nbytes.items())),
-        memory_bytes=sum(n * nbytes[layer] for layer, n in slots.items()))
+        memory_bytes=sum(n * nbytes[layer] for layer, n in slots.items()),
+        prefetch_hit_rate=ratio(side - pstats.victim_hits, hits + misses),
+        victim_hit_rate=ratio(pstats.victim_hits, hits + misses),
+        belady_same_memory_hit_rate=ratio(sum(x.belady_same_memory_hit_rate * x.requests for x in layers), requests),
+        evict_policy=str(cfg.pool.evict_policy), step_order=step_order,
+        settings_from_log=from_log)
+
+
+# The settings that choose a replay's slots: when neither is given, the log's recorded slots are used.
+_SLOT_SETTINGS = frozenset({"pool.expert_slots", "pool.capacity_profile_path"})
+
+
+def _recorded(cfg: Config, log: ReplayLog) -> tuple[Config, dict[int, int], list[str]]:
+    """The config with what the log recorded of its run (its header) where `cfg` was not given it: the slots per
+    layer (`capacities`; neither pool.expert_slots nor pool.capacity_profile_path given) and pool.evict_policy.
+    Also those slots ({}: the config's) and the settings taken from the log."""
+    given = explicit_settings(cfg).keys()
+    over: dict[str, object] = {}
+    caps: dict[int, int] = {}
+    if log.capacities and not _SLOT_SETTINGS & given:
+        caps = dict(log.capacities)
+        # pool.expert_slots as the largest recorded (what the warnings and a sweep's columns read); layers keep theirs
+        over["pool.expert_slots"] = max(caps.values())
+    if log.evict_policy and "pool.evict_policy" not in given and log.evict_policy != str(cfg.pool.evict_policy):
+        over["pool.evict_policy"] = log.evict_policy
+    return (with_overrides(cfg, over) if over else cfg), caps, list(over)
 
 
 def _run_fast(log: ReplayLog, cfg: Config, caps: dict[int, int], nbytes: dict[int, int], cost: CostModel,
-              profile: DeviceProfile, preds: list[list[Predictions]] | None) -> RunResult:
+              profile: DeviceProfile, preds: list[list[Predictions]] | None, *, router_order: bool = False) -> RunResult:
     logs = SyncLogs(cfg, shape=log.shape, capacities=caps) if wanted_logs(cfg) else None
     try:
         run = FastReplay(log.steps, log.shape.top_k, log.shape.num_experts, cfg, capacities=caps, record_nbytes=nbytes,
                          cost=cost, profile=profile, predictions=preds, emit=logs.emit if logs is not None else None)
+        run.core.router_order = router_order
         res = run.run()
     except BaseException:
         if logs is not None:

@@ -12,11 +12,17 @@ from qnpipe.config import override_path
 from qnpipe.errors import ConfigError
 from qnpipe.io.sim_model import DeviceProfile
 from qnpipe.replay.cost import CostModel
-from qnpipe.replay.predictors import PREDICTORS
+from qnpipe.replay.predictors import PREDICTORS, PredictorOpts
 
 MAX_RECORD_NBYTES = 1 << 40
-# The replay's own settings besides the cost and device fields (those follow their structs).
-REPLAY_KEYS = ("replay.record_nbytes", "replay.predictor")
+# A step's experts at a layer are served in ascending id (the default) or in the order the router names them.
+STEP_ORDERS = ("id", "router")
+# The replay's own settings besides the cost and device fields (those follow their structs); the predictor's
+# options (train_frac, recall, seed) are settings too, so a sweep can vary them.
+REPLAY_KEYS = ("replay.record_nbytes", "replay.predictor", "replay.step_order", "replay.train_frac",
+               "replay.recall", "replay.seed")
+_REPLAY_TYPES: dict[str, Any] = {"replay.record_nbytes": int, "replay.predictor": str, "replay.step_order": str,
+                                 "replay.train_frac": float, "replay.recall": float, "replay.seed": int}
 
 
 def check_record_nbytes(n: int, key: str = "replay.record_nbytes") -> int:
@@ -31,7 +37,7 @@ def setting_value(key: str, text: Any) -> Any:
 
     ConfigError names the key and the value; the range is checked with the struct (`CostModel.check`, ...)."""
     section, _, name = key.partition(".")
-    types: dict[str, Any] = {"replay.record_nbytes": int, "replay.predictor": str}
+    types: dict[str, Any] = dict(_REPLAY_TYPES)
     for struct, prefix in ((CostModel, "cost"), (DeviceProfile, "device")):
         types |= {f"{prefix}.{f.name}": f.type for f in msgspec.structs.fields(struct)}
     if key not in types:
@@ -73,6 +79,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     cost: CostModel
     record_nbytes: int | None = None
     predictor: str = "none"
+    step_order: str = "id"
+    opts: PredictorOpts = PredictorOpts()
 
 
 def split_settings(settings: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -108,8 +116,28 @@ def settings_of(own: Mapping[str, Mapping[str, Any]], base: Settings, where: str
     predictor = str(rep.get("predictor", base.predictor))
     if predictor not in PREDICTORS:
         raise ConfigError(f"{where}: replay.predictor={predictor!r}: unknown, known: {', '.join(PREDICTORS)}")
-    return Settings(device=device, cost=cost, record_nbytes=nbytes, predictor=predictor)
+    order = str(rep.get("step_order", base.step_order))
+    if order not in STEP_ORDERS:
+        raise ConfigError(f"{where}: replay.step_order={order!r}: unknown, known: {', '.join(STEP_ORDERS)}")
+    opts = msgspec.structs.replace(base.opts, **{k: typed["replay"][k] for k in ("train_frac", "recall", "seed")
+                                                 if k in typed["replay"]})
+    try:
+        check_opts(opts)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: replay.{e}") from None
+    return Settings(device=device, cost=cost, record_nbytes=nbytes, predictor=predictor, step_order=order, opts=opts)
 
 
-__all__ = ["MAX_RECORD_NBYTES", "REPLAY_KEYS", "Settings", "check_record_nbytes", "replay_keys", "resolve_key",
+def check_opts(opts: PredictorOpts) -> PredictorOpts:
+    """`opts`, or ConfigError naming the option out of its range."""
+    if not 0.0 <= opts.train_frac < 1.0:
+        raise ConfigError(f"train_frac={opts.train_frac}: must be in [0, 1)")
+    if not 0.0 <= opts.recall <= 1.0:
+        raise ConfigError(f"recall={opts.recall}: must be in [0, 1]")
+    if opts.seed < 0:
+        raise ConfigError(f"seed={opts.seed}: must be >= 0")
+    return opts
+
+
+__all__ = ["MAX_RECORD_NBYTES", "REPLAY_KEYS", "STEP_ORDERS", "Settings", "check_opts", "check_record_nbytes", "replay_keys", "resolve_key",
            "setting_value", "settings_of", "split_settings"]

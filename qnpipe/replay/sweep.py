@@ -43,6 +43,7 @@ from qnpipe.policy.build import check_placement
 from qnpipe.replay.caveats import spans
 from qnpipe.replay.cost import CostModel
 from qnpipe.replay.log import load_log
+from qnpipe.replay.predictors import PredictorOpts
 from qnpipe.replay.report import ReplayReport, fmt_value, metric_names, metrics
 from qnpipe.replay.runner import replay, replay_capacities
 from qnpipe.replay.settings import REPLAY_KEYS, Settings, replay_keys, resolve_key, settings_of, split_settings
@@ -107,6 +108,8 @@ class Point(msgspec.Struct, frozen=True, kw_only=True):
     cost: CostModel
     record_nbytes: int | None
     predictor: str
+    step_order: str = "id"
+    opts: PredictorOpts = PredictorOpts()
 
 
 def _typed(field: str, cfg: Config, s: Settings) -> Any:
@@ -114,7 +117,9 @@ def _typed(field: str, cfg: Config, s: Settings) -> Any:
     if section in ("cost", "device"):
         return getattr(s.cost if section == "cost" else s.device, name)
     if section == "replay":
-        return s.record_nbytes if name == "record_nbytes" else s.predictor
+        if name in ("train_frac", "recall", "seed"):
+            return getattr(s.opts, name)
+        return {"record_nbytes": s.record_nbytes, "step_order": s.step_order}.get(name, s.predictor)
     return msgspec.to_builtins(getattr(getattr(cfg, section), name))
 
 
@@ -166,7 +171,8 @@ def plan(log: str | Path, axes: Sequence[Axis], cfg: Config, *, base: Settings |
             if path:
                 logs[path] = index
         points.append(Point(index=index, values={a.field: _typed(a.field, pcfg, s) for a in axes}, cfg=pcfg,
-                            device=s.device, cost=s.cost, record_nbytes=s.record_nbytes, predictor=s.predictor))
+                            device=s.device, cost=s.cost, record_nbytes=s.record_nbytes, predictor=s.predictor,
+                            step_order=s.step_order, opts=s.opts))
     return points
 
 
@@ -183,7 +189,7 @@ def _equal_memory(cfg: Config, predictor: str) -> Config:
 def run_point(log: str, point: Point) -> ReplayReport:
     """The replay of one point (a top-level function: worker processes and Dask workers import it)."""
     return replay(log, point.cfg, device_profile=point.device, cost=point.cost, record_nbytes=point.record_nbytes,
-                  predictor=point.predictor)
+                  predictor=point.predictor, opts=point.opts, step_order=point.step_order)
 
 
 class Outcome(msgspec.Struct, frozen=True, kw_only=True):

@@ -103,6 +103,8 @@ class Header(msgspec.Struct, frozen=True, kw_only=True):
     capacities: dict[int, int] = {}  # slots per MoE layer
     # A rank of a distributed run; UNSET (not written: a one-process log's bytes are those of before) otherwise.
     run: RunPart | msgspec.UnsetType = msgspec.UNSET
+    # pool.evict_policy of the run, so a replay can use it (UNSET: not recorded, e.g. an imported log).
+    evict_policy: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class Route(Msg, frozen=True, kw_only=True, tag="trace.route"):

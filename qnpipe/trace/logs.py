@@ -60,7 +60,7 @@ def open_writers(cfg: Config, specs: list[LogSpec], *, shape: ModelShape | None,
         for s in specs:
             header = Header(schema_version=SCHEMA_VERSION, fingerprint=fingerprint, model=shape,
                             clock_start_t=clock_start_t, wall_start_unix_s=wall_start_unix_s, contents=s.contents,
-                            layers=s.layers, capacities=dict(capacities or {}),
+                            layers=s.layers, capacities=dict(capacities or {}), evict_policy=str(cfg.pool.evict_policy),
                             run=msgspec.UNSET if run is None else run)
             writers.append(TraceWriter(s.path, header))
     except BaseException:

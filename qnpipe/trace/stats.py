@@ -10,9 +10,11 @@ request). The definitions are in docs/trace-tools.md; in short, per MoE layer:
 - popularity over the (token, expert) assignments: the share of the top 10% of experts
   (`top10_share`), the entropy (bits, and over log2 of the expert count), the Gini coefficient;
 - `union_*`: distinct experts per layer-step;
-- `reuse_*`: for each expert of a layer-step, the distinct other experts the layer used since
-  that expert's previous use (LRU stack distance: an LRU cache of more than d slots still holds
-  it), over the log in order; `cold` when it is the first use; `reuse_counts` is the exact
+- `reuse_*`: for each expert of a layer-step, the distinct other experts the layer used in the
+  steps strictly between that expert's previous use and this one (a step-level stack distance: an
+  LRU cache of d slots or fewer has evicted it; one of more slots that holds a step's experts
+  together, as the pool does, may still have, by up to the step's union - 1 step-mates served
+  after it: the exact hit rates are `qnpipe replay LOG --mrc`'s), over the log in order; `cold` when it is the first use; `reuse_counts` is the exact
   histogram (index d: the reuses at distance d), `reuse_hist` the same binned;
 - `prev_token_hit`: of a token's top-k, the share its previous token (same request) also chose;
 
@@ -319,6 +321,8 @@ def _reuse_table(t: TotalStats) -> list[str]:
         return [f"  reuse distance: no expert used twice ({t.reuse_cold} first uses)"]
     lines = [f"  reuse distance, all layers ({warm} reuses, {t.reuse_cold} first uses; exact counts per distance "
              "and layer: --json reuse_counts):",
+             "    (cum at distance < c: at most this share of reuses hit in an LRU of c slots per layer; a step's "
+             "experts held together hit fewer: `qnpipe replay LOG --mrc` gives the exact LRU hit rate)",
              f"    {'distance':>9} {'reuses':>9} {'share':>6} {'<= cum':>6}"]
     done = 0
     top = len(t.reuse_counts) - 1

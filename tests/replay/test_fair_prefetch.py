@@ -36,7 +36,9 @@ def test_the_report_gives_each_layers_slots_and_the_memory_they_take(log: Path, 
     assert r.slots == {layer: 4 + side for layer in r.capacities} and r.capacities == dict.fromkeys(r.capacities, 4)
     assert r.record_nbytes == dict.fromkeys(r.capacities, NBYTES)
     assert r.memory_bytes == len(r.capacities) * (4 + side) * NBYTES
-    assert f"slots per layer: 4 resident + {side} side = {4 + side} (prefetch into {into}); {NBYTES} B per expert" \
+    # a run without prefetch says so (not "prefetch into side"), every run names its eviction policy
+    where = f"prefetch into {into}" if predictor != "none" else "prefetch off"
+    assert f"slots per layer: 4 resident + {side} side = {4 + side} (lfu eviction, {where}); {NBYTES} B per expert" \
         in describe(r)
 
 

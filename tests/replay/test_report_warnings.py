@@ -10,7 +10,7 @@ from route_logs import NBYTES, write_log
 
 from qnpipe import config
 from qnpipe.cli import main
-from qnpipe.replay import describe, replay, to_json
+from qnpipe.replay import PredictorOpts, describe, replay, to_json
 from qnpipe.replay.caveats import spans
 
 
@@ -24,9 +24,13 @@ def test_layers_the_log_never_routes_through_are_left_out_and_counted(tmp_path: 
     r = replay(write_log(tmp_path / "one.qtrace", layers=(1,)), _cfg(), record_nbytes=NBYTES)
     assert [x.layer for x in r.layers] == [1] and r.absent_layers == [0, 2, 3]
     assert r.warnings == ["3 of 4 MoE layers have no route in the log (layers 0, 2-3): they are left out of the "
-                          "per-layer table and of every total, not counted as 0 hits"]
+                          "per-layer table and of every total, not counted as 0 hits; memory_bytes and steps/s "
+                          "(tok_s) are those of the log's 1 layer alone (their slots, their compute and reads), "
+                          "not the whole model's"]
     # the totals are layer 1's alone, not diluted by three empty layers
     assert r.hit_rate == r.layers[0].hit_rate > 0
+    # ... the memory too: layer 1's slots, not four layers'
+    assert r.slots == {1: 4} and r.memory_bytes == 4 * NBYTES == full.memory_bytes // 4
     text = describe(r)
     table = text.split("belady\n")[1].splitlines()
     assert len(table) == 2 and table[0].split()[0] == "1" and "not shown: layers 0, 2-3" in table[1]
@@ -87,3 +91,16 @@ def test_the_cli_prints_warnings_in_text_and_json(tmp_path: Path, capsys: pytest
 def test_spans_write_runs_of_layers() -> None:
     assert spans([8, 0, 1, 2, 5, 7]) == "0-2, 5, 7-8"
     assert spans([]) == "" and spans([3]) == "3"
+
+
+def test_a_prediction_width_above_the_expert_count_is_clamped_and_said(tmp_path: Path) -> None:
+    log = write_log(tmp_path / "r.qtrace", steps=40)
+    over = {"predict.width_experts": 40, "pool.side_region_slots": 4}
+    r = replay(log, _cfg(**over), record_nbytes=NBYTES, predictor="transition",
+               opts=PredictorOpts(train_frac=0.5))
+    at = replay(log, _cfg(**{**over, "predict.width_experts": 16}), record_nbytes=NBYTES, predictor="transition",
+                opts=PredictorOpts(train_frac=0.5))
+    assert any(w.startswith("predict.width_experts=40 is above the model's 16 experts: clamped to 16")
+               for w in r.warnings)
+    assert not any("width_experts" in w for w in at.warnings)
+    assert (r.hit_rate, r.prefetch) == (at.hit_rate, at.prefetch)  # the clamped run is the run at 16

@@ -20,14 +20,17 @@ from pathlib import Path
 from qnpipe.errors import TraceImportError
 from qnpipe.trace.format import MAX_EXPERTS
 from qnpipe.trace.importers.common import (
+    KNOWN_SHAPES,
     MAX_BYTES,
     Budget,
     Imported,
     ImportSummary,
     Options,
     Progress,
+    ShapeOverride,
     cut,
     describe,
+    known_shape,
     merge,
     write_log,
 )
@@ -80,7 +83,7 @@ def sources(fmt: str, src: str | Path | Sequence[str | Path]) -> list[Path]:
 
 def import_log(fmt: str, src: str | Path | Sequence[str | Path], out: str | Path, *,
                progress: Progress | None = None, max_steps: int | None = None, max_bytes: int = MAX_BYTES,
-               experts: int | None = None, batched: bool = False) -> ImportSummary:
+               experts: int | None = None, batched: bool = False, shape: ShapeOverride | None = None) -> ImportSummary:
     """Import `src` (format `fmt`) as the routing log `out`; TraceImportError names the file and the record.
 
     `src` is one source, or several (files, folders, globs): the per-layer files of one run,
@@ -90,6 +93,9 @@ def import_log(fmt: str, src: str | Path | Sequence[str | Path], out: str | Path
     import holds, a few times that): a larger source is an error naming the file and the limit.
     `experts` (csv only): the model's expert count, else the largest id + 1. `batched`: each forward
     pass of the source is one step of all its tokens (vllm-jsonl, flame-pt), not its requests one after another.
+    `shape`: the routing shape over what the source's model id says (every format): a known model by name, or
+    experts, top-k and layers, for a model no importer knows or a variant with another shape. A quantized or
+    renamed variant of a known id (`Qwen1.5-MoE-A2.7B-Chat-GPTQ-Int4`) is known without it.
     """
     if fmt not in FORMATS:
         raise TraceImportError(f"format {fmt!r}: unknown, known: {', '.join(FORMATS)}")
@@ -102,7 +108,7 @@ def import_log(fmt: str, src: str | Path | Sequence[str | Path], out: str | Path
     if experts is not None and not 1 <= experts <= MAX_EXPERTS:
         raise TraceImportError(f"experts={experts}: want 1..{MAX_EXPERTS}")
     paths = sources(fmt, src)
-    budget, opts = Budget(max_bytes), Options(experts=experts, batched=batched)
+    budget, opts = Budget(max_bytes), Options(experts=experts, batched=batched, shape=shape)
     if fmt == "csv":  # one table split in files: rows matched by their step values, not merged step by step
         imp = import_csv_files(paths, progress, budget, opts)
     else:
@@ -113,4 +119,5 @@ def import_log(fmt: str, src: str | Path | Sequence[str | Path], out: str | Path
     return write_log(Path(out), imp, fmt=fmt, source=Path(label), batched=batched)
 
 
-__all__ = ["FORMATS", "MAX_BYTES", "SUFFIXES", "ImportSummary", "describe", "import_log", "sources"]
+__all__ = ["FORMATS", "KNOWN_SHAPES", "MAX_BYTES", "SUFFIXES", "ImportSummary", "ShapeOverride", "describe",
+           "import_log", "known_shape", "sources"]

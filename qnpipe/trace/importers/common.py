@@ -13,7 +13,7 @@ import hashlib
 import os
 import stat
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TypeVar
 
@@ -21,7 +21,16 @@ import msgspec
 
 from qnpipe.errors import TraceImportError
 from qnpipe.io.files import check_regular
-from qnpipe.trace.format import SCHEMA_VERSION, Header, ModelShape, RequestStart, Route, TraceWriter
+from qnpipe.trace.format import (
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    SCHEMA_VERSION,
+    Header,
+    ModelShape,
+    RequestStart,
+    Route,
+    TraceWriter,
+)
 
 T = TypeVar("T")
 Progress = Callable[[int], None]  # called with the bytes of the source consumed since the last call
@@ -70,12 +79,24 @@ def open_regular(path: Path, cap: int | None) -> IO[bytes]:
     return os.fdopen(fd, "rb")
 
 
+class ShapeOverride(msgspec.Struct, frozen=True, kw_only=True):
+    """The routing shape given for a source (`--shape NAME`, `--num-experts N --top-k K [--num-layers L]`), over
+    what the source's model id says: a model no importer knows, or a variant with another shape."""
+
+    name: str | None = None  # a known model's id (`KNOWN_SHAPES`, or a quantized or renamed variant of one)
+    num_experts: int | None = None
+    top_k: int | None = None
+    num_layers: int | None = None  # every layer 0..L-1 a MoE layer
+
+
 class Options(msgspec.Struct, frozen=True, kw_only=True):
-    """What an import may be asked beyond its source: `experts` (csv: the expert count, else inferred), `batched`."""
+    """What an import may be asked beyond its source: `experts` (csv: the expert count, else inferred), `batched`,
+    `shape` (the routing shape over the source's model id)."""
 
     experts: int | None = None
     # each forward pass of the source one step of all the tokens it routed, the batch's requests not split apart
     batched: bool = False
+    shape: ShapeOverride | None = None
 
 
 class LayerRoute(msgspec.Struct, frozen=True):
@@ -123,6 +144,61 @@ class ImportSummary(msgspec.Struct, frozen=True, kw_only=True):
 MIXTRAL_8X7B = ModelShape(num_layers=32, moe_layers=tuple(range(32)), num_experts=8, top_k=2, hidden_size=4096)
 QWEN15_MOE_A27B = ModelShape(num_layers=24, moe_layers=tuple(range(24)), num_experts=60, top_k=4, hidden_size=2048)
 VLLM_MODELS = {"Qwen/Qwen1.5-MoE-A2.7B-Chat": QWEN15_MOE_A27B, "Qwen/Qwen1.5-MoE-A2.7B": QWEN15_MOE_A27B}
+# FLAME-MoE's (docs in qnpipe.trace.importers.flame_pt): size 1024, layer 1 dense and 2..9 MoE, 64 experts top-6.
+FLAME_MOE_290M = ModelShape(num_layers=10, moe_layers=tuple(range(2, 10)), num_experts=64, top_k=6, hidden_size=1024)
+# Every model an importer knows by name, for `--shape NAME` too.
+KNOWN_SHAPES = {"mistralai/Mixtral-8x7B-v0.1": MIXTRAL_8X7B, "mistralai/Mixtral-8x7B-Instruct-v0.1": MIXTRAL_8X7B,
+                **VLLM_MODELS, "flame-moe-290m": FLAME_MOE_290M}
+
+
+def _base_name(model_id: str) -> str:
+    """A model id without its owner, lowercased: "Qwen/Qwen1.5-MoE-A2.7B-Chat" -> "qwen1.5-moe-a2.7b-chat"."""
+    return model_id.rsplit("/", 1)[-1].strip().lower()
+
+
+def known_shape(model_id: str, table: Mapping[str, ModelShape] = KNOWN_SHAPES) -> tuple[str, ModelShape] | None:
+    """(the known id, its shape) of `model_id`: the id itself, or a quantized or renamed variant of one (another
+    owner, a suffix such as -Chat-GPTQ-Int4, -AWQ, -MLX-4bit: quantizing or renaming keeps the router), matched as
+    the longest known name, owner left out, that the id starts with before a "-". None: not known."""
+    if model_id in table:
+        return model_id, table[model_id]
+    base = _base_name(model_id)
+    found = [(len(_base_name(k)), k) for k in table
+             if base == _base_name(k) or base.startswith(_base_name(k) + "-")]
+    if not found:
+        return None
+    name = max(found)[1]
+    return name, table[name]
+
+
+def resolve_shape(where: str, source: ModelShape | None, opts: Options | None, *,
+                  model: str = "", layers: Sequence[int] = (), field: str = "model") -> ModelShape:
+    """The shape an import uses: `source`'s (its model's, None when not known) under `opts.shape`: a known model
+    named (`name`), then `num_experts`, `top_k`, `num_layers` over it. A source of no known model needs them all but
+    the layers, which `layers` (the layers it logs) may give. TraceImportError names `where` and what is missing."""
+    ov = opts.shape if opts is not None else None
+    shape = source
+    if ov is not None and ov.name is not None:
+        hit = known_shape(ov.name)
+        if hit is None:
+            raise TraceImportError(f"--shape {ov.name}: unknown, known: {', '.join(sorted(KNOWN_SHAPES))}")
+        shape = hit[1]
+    given = {} if ov is None else {k: v for k, v in (("num_experts", ov.num_experts), ("top_k", ov.top_k)) if v}
+    if ov is not None and ov.num_layers:
+        given |= {"num_layers": ov.num_layers, "moe_layers": tuple(range(ov.num_layers))}
+    if shape is None:
+        if not {"num_experts", "top_k"} <= given.keys() or not ({"num_layers"} & given.keys() or layers):
+            raise TraceImportError(f"{where}: {field} {model!r}: unknown routing shape, known: "
+                                   f"{', '.join(sorted(KNOWN_SHAPES))}; name one with --shape NAME, or give "
+                                   "--num-experts N --top-k K (and --num-layers L when the source does not list "
+                                   "its layers)")
+        moe = tuple(sorted(set(layers)))
+        shape = ModelShape(num_layers=moe[-1] + 1 if moe else 0, moe_layers=moe, num_experts=0, top_k=0, hidden_size=0)
+    out = msgspec.structs.replace(shape, **given)
+    if not 1 <= out.top_k <= out.num_experts <= MAX_EXPERTS or not 1 <= out.num_layers <= MAX_LAYERS:
+        raise TraceImportError(f"{where}: shape {out.num_experts} experts top-{out.top_k} over {out.num_layers} "
+                               f"layers: want 1 <= top_k <= experts <= {MAX_EXPERTS}, 1..{MAX_LAYERS} layers")
+    return out
 
 
 class _Metered:

@@ -43,6 +43,7 @@ from qnpipe.trace.importers.common import (
     Progress,
     Request,
     jsonl_lines,
+    resolve_shape,
 )
 
 COLUMNS = ("step", "layer", "expert", "score")
@@ -89,7 +90,7 @@ def import_csv_files(srcs: list[Path], progress: Progress | None = None, budget:
     whole = _Rows(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("step", "layer", "expert", "line")),
                   score=np.concatenate(scores) if scores else None)
     fileno = np.repeat(np.arange(len(parts)), [len(p.step) for p in parts])
-    return _group(srcs, fileno, whole, opts.experts, budget)
+    return _group(srcs, fileno, whole, opts.experts, budget, opts)
 
 
 class _Rows(NamedTuple):
@@ -167,7 +168,8 @@ def _is_int(s: str) -> bool:
     return True
 
 
-def _group(srcs: list[Path], fileno: np.ndarray, rows: _Rows, experts: int | None, budget: Budget) -> Imported:
+def _group(srcs: list[Path], fileno: np.ndarray, rows: _Rows, experts: int | None, budget: Budget,
+           opts: Options | None = None) -> Imported:
     step, layer, expert, row, score = rows
     order = np.lexsort((row, layer, step))  # by (step, layer), each group's rows in file order (one file per layer)
     step, layer, expert, row, fileno = step[order], layer[order], expert[order], row[order], fileno[order]
@@ -196,6 +198,13 @@ def _group(srcs: list[Path], fileno: np.ndarray, rows: _Rows, experts: int | Non
     moe = tuple(int(x) for x in np.unique(layer))
     shape = ModelShape(num_layers=moe[-1] + 1, moe_layers=moe, num_experts=experts or int(expert.max()) + 1, top_k=k,
                        hidden_size=0)
+    if opts is not None and opts.shape is not None:  # --shape or --num-experts/--top-k: the rows must fit it
+        shape = resolve_shape(str(srcs[0]), shape, opts)
+        if k != shape.top_k or (bad := sorted(set(moe) - set(shape.moe_layers))) or expert.max() >= shape.num_experts:
+            why = (f"{k} experts per (step, layer), the shape routes to top_k={shape.top_k}" if k != shape.top_k
+                   else f"layers {bad} are not MoE layers of the shape" if bad
+                   else f"expert id {int(expert.max())} outside 0..{shape.num_experts - 1}")
+            raise TraceImportError(f"{srcs[0]}: {why} (--shape, --num-experts, --top-k, --num-layers)")
     weights = score[order].reshape(-1, k) if score is not None else None
     out: list[list[LayerRoute]] = []
     group_step = step[starts]

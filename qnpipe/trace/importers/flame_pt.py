@@ -27,13 +27,24 @@ import numpy as np
 from qnpipe.errors import TraceImportError
 from qnpipe.trace.format import ModelShape
 from qnpipe.trace.importers import torch_zip
-from qnpipe.trace.importers.common import MAX_BYTES, Budget, Imported, LayerRoute, Options, Progress, Request, lockstep
+from qnpipe.trace.importers.common import (
+    FLAME_MOE_290M,
+    MAX_BYTES,
+    Budget,
+    Imported,
+    LayerRoute,
+    Options,
+    Progress,
+    Request,
+    known_shape,
+    lockstep,
+    resolve_shape,
+)
 
 # FLAME-MoE-290M-1.3B (cmu-flame; CMU-FLAME/FLAME-MoE-Traces README, its release launcher): 9 layers of hidden
 # size 1024, layer 1 dense and 2..9 MoE (Megatron numbers them from 1, as the captures do), 64 routed experts
 # top-6 plus 2 shared (not logged). num_layers = 10 so that the source's numbers are valid indices.
-FLAME_MODELS = {"flame-moe-290m": ModelShape(num_layers=10, moe_layers=tuple(range(2, 10)), num_experts=64, top_k=6,
-                                             hidden_size=1024)}
+FLAME_MODELS = {"flame-moe-290m": FLAME_MOE_290M}
 
 
 class FlameMeta(msgspec.Struct, frozen=True):
@@ -112,10 +123,9 @@ def import_flame_pt(src: Path, progress: Progress | None = None, budget: Budget 
     if len(models) > 1:
         raise TraceImportError(f"{src}: captures of several models {sorted(models)}")
     model = models.pop()
-    shape = FLAME_MODELS.get(model)
-    if shape is None:
-        raise TraceImportError(f"{caps[0].path}: model {model!r}: unknown routing shape, known: "
-                               f"{', '.join(sorted(FLAME_MODELS))}")
+    known = known_shape(model, FLAME_MODELS)
+    shape = resolve_shape(str(caps[0].path), known[1] if known else None, opts, model=model,
+                          layers=sorted({c.meta.layer for c in caps}))
     for c in caps:
         _check(c, shape)
     encoder = [c for c in caps if c.meta.sequence_length is not None]

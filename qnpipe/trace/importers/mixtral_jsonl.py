@@ -35,6 +35,7 @@ from qnpipe.trace.importers.common import (
     check_route,
     decode_line,
     jsonl_lines,
+    resolve_shape,
 )
 
 MISSING = "(token, layer) routes missing from the source (its logger drops [0.5, 0.5] gates)"
@@ -61,7 +62,7 @@ def import_mixtral_jsonl(src: Path, progress: Progress | None = None, budget: Bu
     if opts is not None and opts.batched:
         raise TraceImportError(f"{src}: --batched does not apply to mixtral-jsonl: the source does not record which "
                                f"requests ran together (routing_raw.jsonl is one request, its prefill one step)")
-    shape = MIXTRAL_8X7B
+    shape = resolve_shape(str(src), MIXTRAL_8X7B, opts)  # Mixtral-8x7B's unless --shape or --num-experts/--top-k
     layout: str | None = None
     per_layer: dict[tuple[str, int | str], dict[int, list[LayerRoute]]] = {}  # token_idx layout
     timed: list[tuple[str, list[dict[int, list[tuple[int, LayerRoute]]]]]] = []  # token_pos layout

@@ -39,6 +39,8 @@ from qnpipe.trace.importers.common import (
     check_route,
     decode_line,
     jsonl_lines,
+    known_shape,
+    resolve_shape,
 )
 
 DUMMY = "rows of vLLM profiling (dummy) passes"
@@ -74,12 +76,13 @@ def import_vllm_jsonl(src: Path, progress: Progress | None = None, budget: Budge
     meta = decode_line(src, n, line, _DECODER)
     if not isinstance(meta, VllmMeta):
         raise TraceImportError(f"{src}: line {n}: the first record must be the meta line (\"type\": \"meta\")")
-    shape = VLLM_MODELS.get(meta.model_id)
-    if shape is None:
-        raise TraceImportError(f"{src}: line {n}: model_id {meta.model_id!r}: unknown routing shape, "
-                               f"known: {', '.join(sorted(VLLM_MODELS))}")
+    known = known_shape(meta.model_id, VLLM_MODELS)  # a quantized or renamed variant of a known id too
+    # no layers from layers_logged: the per-layer files of one run each list their own, and merge wants one shape
+    shape = resolve_shape(f"{src}: line {n}", known[1] if known else None, opts, model=meta.model_id,
+                          field="model_id")
     if meta.top_k != shape.top_k:
-        raise TraceImportError(f"{src}: line {n}: top_k={meta.top_k}, {meta.model_id} routes to {shape.top_k}")
+        raise TraceImportError(f"{src}: line {n}: top_k={meta.top_k}, {meta.model_id} routes to {shape.top_k}"
+                               + (" (--top-k)" if opts is not None and opts.shape is not None else ""))
     logged = set(meta.layers_logged)  # a set: the meta line may list many layers, each row looks one up
     passes: list[Pass] = []
     for n, line in lines:
