@@ -25,6 +25,9 @@ class Fixed(msgspec.Struct, frozen=True, kw_only=True):
 
     policy: str | None = None  # the user's built-in eviction policy; None: the planner's choice
     prefetch: bool | None = None  # the user's cross-layer prefetch, or off where their placement has no room
+    # The user's MLX buffer cache (GB), which the account then holds instead of what the plan derives: given
+    # at its default value it still plans otherwise than not given, so the key must tell the two apart.
+    cache_limit_gb: float | None = None
 
 
 def user_fixed(cfg: Config) -> Fixed:
@@ -55,7 +58,8 @@ def user_fixed(cfg: Config) -> Fixed:
                                    f"{given['predict.cross_layer_prefetch']}) puts prefetches into the main region "
                                    f"with {SIDE_SLOTS} side slots; drop {path}")
             prefetch = False
-    return Fixed(policy=policy, prefetch=prefetch)
+    cache = cfg.memory.mlx_cache_limit_gb if "memory.mlx_cache_limit_gb" in given else None
+    return Fixed(policy=policy, prefetch=prefetch, cache_limit_gb=cache)
 
 
 __all__ = ["SIDE_SLOTS", "Fixed", "user_fixed"]

@@ -183,3 +183,20 @@ def test_synthetic_logs_written_at_once_do_not_collide(tmp_path: Path) -> None:
         assert load_log(path).steps
     assert not errors
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"synth-{r}.qtrace" for r in range(3)]
+
+
+def test_a_given_buffer_cache_has_its_own_cache_entry(model: Path) -> None:
+    """memory.mlx_cache_limit_gb given (even at its default) plans otherwise than derived: one key each, so two
+    such runs at one budget reuse their own plans instead of re-planning over each other."""
+    sets = _sets(model)
+    cfg = config.load(overrides={**sets, "memory.mlx_cache_limit_gb": 1.0})
+    facts = model_facts(model, cfg)
+    sets["plan.memory"] = str(minimum_budget(facts, cfg, context=CONTEXT) + 2 * sum(facts.record_nbytes.values()))
+    for given in ({}, {"memory.mlx_cache_limit_gb": 1.0}, {}, {"memory.mlx_cache_limit_gb": 1.0}):
+        plan_at_startup(config.load(overrides={**sets, **given}), say=lambda _: None)
+    plans = sorted(p.parent.name for p in (model / "experts" / "plans").glob("*/plan.json"))
+    assert len(plans) == 2, plans
+    for given in ({}, {"memory.mlx_cache_limit_gb": 1.0}):
+        said: list[str] = []
+        plan_at_startup(config.load(overrides={**sets, **given}), say=said.append)
+        assert "plan reused from" in said[-1], said
