@@ -13,10 +13,11 @@ replay's heap driver runs too; this module is its trio shell. The backend is the
 a cost model in replay. Cancellation stops the step at the next layer, releases what
 the step held, and leaves the pipeline ready for the next one.
 
-With `inline` (qnpipe.actors.pool.InlinePool) an acquire the pool can grant at once is
-answered in the forward's own turn, and a layer's last `Release` waits for the next
-`Acquire` (or the step's `ForwardDone`) to go with it, as it would reach the pool's turn
-anyway: the pool needs nothing earlier.
+With `inline` (qnpipe.actors.pool.InlinePool, `use_inline`) an acquire the pool can grant
+at once is answered in the forward's own turn, and a layer's last `Release` waits for the
+next `Acquire` (or the step's `ForwardDone`) to go with it (the core's `hold_last_release`),
+as it would reach the pool's turn anyway: the pool needs nothing earlier. Replay's heap
+driver does the same (qnpipe.replay.fast).
 """
 
 from __future__ import annotations
@@ -69,16 +70,20 @@ class Forward:
     union_prof: bool = False  # diag.union_prof: per-layer union sizes by step length
     busy: bool = False  # a step is running (the watchdog only looks then)
     progress: int = 0  # bumped at every layer and grant: what the watchdog watches
-    inline: InlinePool | None = None  # answers hits in this task's turn; None: every message goes by channel
+    inline: InlinePool | None = None  # answers hits in this task's turn (`use_inline`); None: all by channel
     core: ForwardCore = attrs.field(init=False)
     _unsent: Outbox | None = None  # an answer of the core whose log was being written
-    _later: list[PoolInbox] = attrs.field(factory=list)  # releases that go with the next acquire (inline only)
     _answered: Granted | None = None  # the inline turn's grant, not yet taken by `_grant`
 
     def __attrs_post_init__(self) -> None:
         self.core = ForwardCore(self.capacities, self.num_experts, self.moe_order, early_pairs=self.early_pairs,
                                 route_verify=self.route_verify, logging=self.emit is not None,
-                                union_prof=self.union_prof)
+                                union_prof=self.union_prof, hold_last_release=self.inline is not None)
+
+    def use_inline(self, inline: InlinePool) -> None:
+        """Answer hits in this task's turn from now on (before the first step)."""
+        self.inline = inline
+        self.core.hold_last_release = True
 
     @property
     def stats(self) -> ForwardStats:
@@ -122,9 +127,6 @@ class Forward:
 
     async def _send(self, out: Outbox) -> None:
         assert self.to_pool is not None
-        if self._later:
-            out.pool[:0] = self._later
-            self._later = []
         if self.emit is not None:
             # The recorder may raise (a full disk) before the pool has the part's Acquire: the
             # core then holds a part the pool never granted, and its cancel must not release it.
@@ -167,10 +169,7 @@ class Forward:
             ev = await self.backend.resume(grant)
             out = core.part_done(trio.current_time())
             if grant.last:
-                if self.inline is not None:  # folded into the next Acquire / ForwardDone
-                    assert not out.log and not out.predictor
-                    self._later += out.pool
-                else:
+                if out.pool:  # its Release, unless held for the next Acquire / ForwardDone (use_inline)
                     await self._send(out)
                 return ev
 
@@ -196,9 +195,8 @@ class Forward:
     async def _cleanup(self) -> None:
         with trio.CancelScope(shield=True):
             await self.backend.abort()
-            out = self.core.cancel(trio.current_time())
+            out = self.core.cancel(trio.current_time())  # with the Release held, if any
             self._answered = None  # its Release is the core's (the part is acquired)
-            out.pool[:0], self._later = self._later, []  # released parts, due before the cancelled one
             unsent, self._unsent = self._unsent, None
             if unsent is not None:  # its Releases are due still; its Acquire never left, so nothing is held
                 if any(isinstance(m, Acquire) for m in unsent.pool):

@@ -189,7 +189,7 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
                   early_pairs=getattr(backend, "early_pairs", 0) if cfg.forward.early_grants else 0)
     pool_core = PoolCore(policy, logging=emit is not None)
     if _inline_hits:
-        fwd.inline = InlinePool(pool_core, pool_rx, grant_rx, emit, fwd.failure)
+        fwd.use_inline(InlinePool(pool_core, pool_rx, grant_rx, emit, fwd.failure))
     scopes: list[trio.CancelScope] = []
     try:
         async with trio.open_nursery() as nursery:

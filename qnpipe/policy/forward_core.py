@@ -12,6 +12,12 @@ slots through the layer's lookup table) and a `Present` with the early work to q
 the next, or ends the layer-step. A grant of a step that was cancelled is dropped: the
 pool has had its `Release` (`cancel`).
 
+With `hold_last_release` a layer-step's last `Release` is held and sent with the next
+`route`'s `Acquire` (or `end_step`'s `ForwardDone`, or `cancel`'s): the backend returns
+from a layer's last part with the next layer's route, so both drivers send the two in the
+same action anyway, and the acquire's sender then finds the pool's inbox empty
+(qnpipe.actors.pool.InlinePool, replay's heap driver's inline hits).
+
 The forward's capacity of a layer is the pool's minus its pinned experts
 (`forward_capacities`): a step can always get that many slots.
 """
@@ -24,7 +30,7 @@ from typing import TYPE_CHECKING, assert_never
 import attrs
 import numpy as np
 
-from qnpipe.messages import Acquire, Candidates, ForwardDone, ForwardInbox, Granted, Present, Release
+from qnpipe.messages import Acquire, Candidates, ForwardDone, ForwardInbox, Granted, PoolInbox, Present, Release
 from qnpipe.policy.outbox import Outbox
 from qnpipe.policy.pace import Pace
 from qnpipe.policy.parts import Part, plan_parts_flat
@@ -109,6 +115,7 @@ class ForwardCore:
     logging: bool = False
     union_prof: bool = False  # diag.union_prof: per-layer union sizes by step length
     router_order: bool = False  # replay.step_order=router: a part's experts served as the router names them
+    hold_last_release: bool = False  # a layer-step's last Release goes with the next message (module doc)
     stats: ForwardStats = attrs.field(factory=ForwardStats)
     step: int = 0
     seq: int = 0
@@ -117,6 +124,7 @@ class ForwardCore:
     # expert -> slot per layer, written by each grant: a part's tokens only route to experts its grant gave,
     # so the entries of others may be stale (an early layer-step clears its own first: -1 = not there yet).
     _luts: dict[int, np.ndarray] = attrs.field(factory=dict)
+    _held: list[PoolInbox] = attrs.field(factory=list)  # the last Release of a layer-step (hold_last_release)
 
     def __attrs_post_init__(self) -> None:
         self.pace = Pace(self.moe_order)
@@ -143,7 +151,7 @@ class ForwardCore:
     def end_step(self, now: float) -> Outbox:
         """The step's last layer is done: the pool's `ForwardDone`."""
         self.stats.steps += 1
-        out = Outbox()
+        out = self._outbox()
         out.pool.append(ForwardDone(t=now, seq=self._seq(), step=self.step))
         return out
 
@@ -153,7 +161,7 @@ class ForwardCore:
         the driver has them): the predictor's candidates (`room` of them fit its inbox, the rest are
         dropped), the route record, the parts, and the first part's `Acquire`."""
         self.pace.observe(now)
-        out = Outbox()
+        out = self._outbox()
         for target, cand, probs in predictions:  # (none when the driver predicts nothing)
             c = Candidates(t=now, seq=self._seq(), step=self.step, layer=layer, target=target, width=cand.shape[-1],
                            token_experts=tuple(cand.reshape(-1).tolist()),
@@ -250,14 +258,24 @@ class ForwardCore:
             self._acquire(at, now, out)
         else:
             self._at = None
+            if self.hold_last_release:
+                self._held += out.pool
+                out.pool = []
         return out
 
     def cancel(self, now: float) -> Outbox:
         """The step stops: the `Release` of a part acquired and not released (its grant may still come)."""
         at, self._at = self._at, None
-        out = Outbox()
+        out = self._outbox()  # released parts, due before the cancelled one
         if at is not None and at.acquired:
             out.pool.append(Release(t=now, seq=self._seq(), step=self.step, layer=at.layer, part=at.part))
+        return out
+
+    def _outbox(self) -> Outbox:
+        """A new answer, starting with the Release held back (if any)."""
+        out = Outbox()
+        if self._held:
+            out.pool, self._held = self._held, []
         return out
 
     def _acquire(self, at: _LayerStep, now: float, out: Outbox) -> None:

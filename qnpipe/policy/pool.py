@@ -28,7 +28,7 @@ from qnpipe.policy.pool_attribution import Attribution, HintFate, RecallRecord
 from qnpipe.policy.pool_budget import PrefetchBudgets, PrefetchGate
 from qnpipe.policy.pool_counters import LayerCounters, MissKind, PoolCounters, PoolStatistics
 from qnpipe.policy.pool_grants import Deferred, Grant, GrantKey, Grants, Landed
-from qnpipe.policy.slot_table import Load, SlotTable
+from qnpipe.policy.slot_table import AcquirePlan, Load, SlotTable
 
 Promotion = tuple[int, int, int]  # (layer, expert, slot): a prefetch a step now waits for, to be read as demand
 
@@ -214,24 +214,29 @@ class PoolPolicy:
         layer = key[1]
         side = self.sides.get(layer)
         table = self.tables[layer]
-        in_side, main_part = self._split(layer, experts)
-        # Acquires deferred before this one keep their room: one made later must not take it, or they could
-        # wait forever once the reads are done. One deferred itself counts only those before it, as when it
-        # was accepted (after it, each was checked against its room).
-        reserved = self.grants.reserved(layer, before=key) if self.grants.deferred else set()
-        if len(main_part) > (room := table.room_ever(main_part, reserved)):
-            raise CapacityError(
-                f"layer {layer}: a step needs {len(main_part)} distinct experts, {room} of "
-                f"{table.capacity} slots are usable (the rest are pinned, held or kept for waiting acquires)"
-            )
-        if not table.can_acquire_now(main_part):
-            return None
-        promoted = self.placement.promote(layer, experts, main_part, reserved) if in_side else []
-        if promoted:
+        if side is None and not self.grants.deferred and table.all_ready(experts):
+            # All hits: no room check, split or promotion (they, and every pin, hold and read, have slots).
+            in_side, promoted, splan = [], [], None
+            plan = AcquirePlan(table.acquire_ready(experts), (), ())
+        else:
             in_side, main_part = self._split(layer, experts)
-        plan = table.acquire(main_part)
-        # the side region's part is held before a demand load's victim moves there and takes a side slot
-        splan = side.acquire(in_side) if in_side and side is not None else None
+            # Acquires deferred before this one keep their room: one made later must not take it, or they could
+            # wait forever once the reads are done. One deferred itself counts only those before it, as when it
+            # was accepted (after it, each was checked against its room).
+            reserved = self.grants.reserved(layer, before=key) if self.grants.deferred else set()
+            if len(main_part) > (room := table.room_ever(main_part, reserved)):
+                raise CapacityError(
+                    f"layer {layer}: a step needs {len(main_part)} distinct experts, {room} of "
+                    f"{table.capacity} slots are usable (the rest are pinned, held or kept for waiting acquires)"
+                )
+            if not table.can_acquire_now(main_part):
+                return None
+            promoted = self.placement.promote(layer, experts, main_part, reserved) if in_side else []
+            if promoted:
+                in_side, main_part = self._split(layer, experts)
+            plan = table.acquire(main_part)
+            # the side region's part is held before a demand load's victim moves there and takes a side slot
+            splan = side.acquire(in_side) if in_side and side is not None else None
         slot_of = dict(plan.hits) | dict(plan.waiting) | {ld.expert: ld.slot for ld in plan.loads}
         gen_of = {e: table.generation[s] for e, s in slot_of.items()}
         hits = len(plan.hits)

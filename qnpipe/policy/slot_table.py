@@ -181,6 +181,19 @@ class SlotTable:
         loads = tuple([self._load(e) for e in missing])
         return AcquirePlan(tuple(hits), loads, tuple(waiting))
 
+    def acquire_ready(self, experts: Sequence[int]) -> tuple[tuple[int, int], ...]:
+        """`acquire(experts)` when `all_ready(experts)`: its hits (the plan has no load and no wait). No room
+        check: the experts and whatever else is pinned, held or loading all have slots already."""
+        hits: list[tuple[int, int]] = []
+        slot_of, held, accessed, tick = self.slot_of, self.held, self.eviction.accessed, self.tick
+        for e in experts:
+            held[e] = held.get(e, 0) + 1
+            tick += 1
+            accessed(e, tick)
+            hits.append((e, slot_of[e]))
+        self.tick = tick
+        return tuple(hits)
+
     def _evictable(self) -> list[int]:
         """Ready experts no step holds and nothing pins, in `slot_of` order (the victim search's ties)."""
         blocked = self._loading.union(self.held.keys(), self.pinned)

@@ -8,6 +8,12 @@ then the actors take turns, lowest `(rank, key)` first, each with its whole inbo
 time moves to the next event. The forward is a generator that yields what it waits for (a
 grant, or its compute's end), so its step loop reads as the actor's does. Only the loop is
 here: every decision is a core's.
+
+As the live forward does (qnpipe.actors.pool.InlinePool), an acquire the pool grants at once
+is answered in the forward's own action when nothing else waits for the pool and nothing
+for the forward: the turn the pool would take next, taken before the other actors' turns
+of the instant (the actor driver under replay's turnstile does exactly that), and a layer's
+last `Release` goes with the next message (`ForwardCore.hold_last_release`), as there.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import attrs
 from qnpipe.config import Config
 from qnpipe.errors import StallError
 from qnpipe.io.sim_model import DeviceModel, DeviceProfile
-from qnpipe.messages import Candidates, ForwardInbox, Msg, PoolInbox, ReadInbox
+from qnpipe.messages import Acquire, Candidates, ForwardInbox, Msg, PoolInbox, ReadInbox
 from qnpipe.policy import turn_order
 from qnpipe.policy.build import make_policy
 from qnpipe.policy.forward_core import ForwardCore, Predictions, forward_capacities
@@ -92,7 +98,7 @@ class FastReplay:
         self.core = ForwardCore(forward_capacities(capacities, self.policy), num_experts, dict(self.policy.moe_order),
                                 early_pairs=early_pairs if cfg.forward.early_grants else 0,
                                 route_verify=cfg.diag.route_verify, slots=False, logging=logging,
-                                union_prof=cfg.diag.union_prof and logging)
+                                union_prof=cfg.diag.union_prof and logging, hold_last_release=True)
         self.cost = cost
         # Where the actor driver's full channels drop an advisory message.
         self.pool_cap = turn_order.holds(turn_order.pool_inbox_size(capacities))
@@ -119,7 +125,7 @@ class FastReplay:
 
     def forward(self) -> Generator[tuple[int, Any], Any, None]:
         """The forward's step loop over the log (qnpipe.actors.forward.Forward with replay's LogBackend)."""
-        k, core, cost, pool_inbox = self.k, self.core, self.cost, self.pool_inbox
+        k, core, cost, to_pool = self.k, self.core, self.cost, self._to_pool
         for i_step, step in enumerate(self.steps):
             core.begin_step()
             self.tokens += len(step[0][1]) // k
@@ -133,16 +139,29 @@ class FastReplay:
                     for r in out.log:
                         self.emit(r)
                 self.cand_inbox += out.predictor
-                pool_inbox += out.pool
+                to_pool(out.pool)
                 while True:
                     run = core.handle((yield _GRANT, None), self.now).run
                     if run is None or run.early:  # early work is queued, not timed (replay's backend)
                         continue
                     yield _SLEEP, cost.layer_s(run.hi - run.lo, layer, run.misses)
-                    pool_inbox += core.part_done(self.now).pool
+                    to_pool(core.part_done(self.now).pool)
                     if run.last:
                         break
-            pool_inbox += core.end_step(self.now).pool
+            to_pool(core.end_step(self.now).pool)
+
+    def _to_pool(self, msgs: list[PoolInbox]) -> None:
+        """The forward's messages to the pool: answered at once (`PoolCore.answers_at_once`) when the pool
+        and the forward have nothing waiting, as the live forward's `InlinePool.answer`; else queued."""
+        if not msgs:
+            return
+        inbox = self.pool_inbox
+        acq = msgs[-1]
+        if (not inbox and not self.pool_from_reads and not self.pool_from_predictor and not self.to_forward
+                and isinstance(acq, Acquire) and self.pool.answers_at_once(acq)):
+            self._deliver(self.pool.turn(msgs, self.now))
+        else:
+            inbox += msgs
 
     # ------------------------------------------------------------------ the actors' turns
 

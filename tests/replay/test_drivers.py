@@ -131,6 +131,27 @@ def test_the_fast_driver_gives_the_actor_drivers_report_and_event_log_byte_for_b
     assert fast == actors
 
 
+def test_an_inline_hit_before_a_read_done_of_the_same_instant_agrees(tmp_path: Path) -> None:
+    """Found by the search above: a layer's all-hit acquire at the instant a read of the layer before lands.
+    The actor driver's forward answers it in its own action (qnpipe.actors.pool.InlinePool), with the
+    layer's last Release held for it, before the read scheduler's turn logs the ReadDone; the heap
+    driver must take that turn at the same point, not in the pool's turn after the reads' one."""
+    case = {"log": {"seed": 0, "layers": 4, "experts": 9, "k": 1, "steps": 3, "max_tokens": 2},
+            "set": {"pool.expert_slots": 3, "pool.evict_policy": "lfu", "pool.lrfu_lambda": 0.05,
+                    "pool.lfu_decay_interval_forwards": 0, "read.workers": 2, "read.batch_miss_read": False,
+                    "read.bg_budget_experts": 0, "pool.side_region_slots": 0, "pool.side_region_lfu": False,
+                    "pool.prefetch_into": "main", "predict.per_layer_budget_experts": 0,
+                    "predict.file_global_budget_experts": 0, "read.window_layers": 0, "diag.route_verify": False},
+            "device": {"bandwidth_bytes_per_s": 2e8, "latency_s": 0.0, "per_mb_latency_s": 0.0, "queue_depth": 2},
+            "cost": {"per_layer_s": 0.0, "per_token_s": 3e-5, "per_step_s": 0.0, "read_hop_s": 0.0,
+                     "per_miss_s": 0.0},
+            "predictor": "oracle", "opts": {"train_frac": 0.0, "recall": 0.7}}
+    write_log(tmp_path / "log.qtrace", **case["log"])  # type: ignore[arg-type]
+    fast = run_case(case, tmp_path / "log.qtrace", "fast", tmp_path / "events.qtrace")
+    assert isinstance(fast, bytes), fast
+    assert fast == run_case(case, tmp_path / "log.qtrace", "actors", tmp_path / "events.qtrace")
+
+
 @pytest.mark.parametrize("into", ["side", "main"])
 def test_a_multi_part_prefetching_case_agrees_and_is_not_trivial(tmp_path: Path, into: str) -> None:
     """One case the random search must not miss: steps split into parts, prefetch, a side region, a slow device,
