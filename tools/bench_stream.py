@@ -75,7 +75,6 @@ What is measured (every figure is a median over `--rounds`):
   a loaded machine disturbs far less. The `_channel` keys are the same for the `allhit_channel`
   engine, whose hits go through the pool actor's channels (`qnpipe.actors.pipeline._inline_hits`
   off: the path before hits were answered in the forward's turn); `--no-channel` skips it.
-  `pipeline_us_per_layer_step_demand` = the demand run's `overhead` per MoE layer-step (µs).
 * `--allhit-only`: resident and the all-hit engines alone, the keys above; with `--shape ms1`
   (the bench shape at a quarter of the hidden size and of the experts' width, 2 attention heads:
   ~1 ms of compute per layer-step on this VM, about a GPU's pace on the 80B, instead of ~6) it
@@ -822,7 +821,6 @@ def main(argv: list[str] | None = None) -> int:
         "overhead_frac_allhit_direct": rnd(med([a["overhead"] / a["wall"] for a in runs["allhit"]]))
         if "allhit" in runs else None,
         **allhit_keys(runs, len(layers)),
-        "pipeline_us_per_layer_step_demand": rnd(med([d["overhead"] / len(layers) * 1e6 for d in runs["demand"]]), 1),
         "loadavg_start_end": [rnd(load0[0], 2), rnd(os.getloadavg()[0], 2)], "cpus": os.cpu_count(),
         "targets": {"ratio_demand_to_serial_bound": ">= 0.9", "overhead_frac": "< 0.05",
                     "ratio_prefetch_to_demand": "> 1", "ratio_prefetch_to_overlap_bound": ">= 0.85"},

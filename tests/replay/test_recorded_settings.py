@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 from route_logs import NBYTES, SHAPE
 
@@ -15,10 +16,10 @@ from qnpipe.replay import describe, replay
 
 
 def _log(path: Path, capacities: dict[int, int], policy: str | None = None) -> Path:
-    extra = {"evict_policy": policy} if policy is not None else {}
     w = trace.TraceWriter(path, trace.Header(schema_version=trace.SCHEMA_VERSION, fingerprint="test", model=SHAPE,
                                              clock_start_t=0.0, wall_start_unix_s=0.0, contents="routes",
-                                             capacities=capacities, **extra))
+                                             capacities=capacities,
+                                             evict_policy=policy if policy is not None else msgspec.UNSET))
     rng = random.Random(5)
     seq = 0
     for step in range(1, 30):
