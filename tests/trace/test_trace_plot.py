@@ -304,7 +304,7 @@ def _trace_processor() -> str | None:
     import shutil
 
     try:
-        from perfetto.prebuilts.manifests.trace_processor_shell import TRACE_PROCESSOR_SHELL_MANIFEST
+        from perfetto.prebuilts.manifests.trace_processor_shell import TRACE_PROCESSOR_SHELL_MANIFEST  # pyright: ignore[reportMissingImports]  # optional: not in the test extra
     except ImportError:
         return None
     found = shutil.which("trace_processor_shell")
@@ -380,7 +380,7 @@ def test_a_live_runs_export_loads_in_perfettos_trace_processor(live_log: Path, l
     if binary is None:
         pytest.skip("perfetto's trace processor is not on this machine (the package downloads it on first use, "
                     "offline it cannot): test_a_live_runs_export_holds_every_slice_of_its_log checks the format")
-    from perfetto.trace_processor import TraceProcessor, TraceProcessorConfig
+    from perfetto.trace_processor import TraceProcessor, TraceProcessorConfig  # pyright: ignore[reportMissingImports]
 
     tp = TraceProcessor(trace=str(live_export), config=TraceProcessorConfig(bin_path=binary))
     try:
