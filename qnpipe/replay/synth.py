@@ -213,6 +213,7 @@ def write_synth(path: str | Path, spec: SynthSpec, *, moe_layers: Sequence[int] 
 
     `moe_layers`: the layer ids the spec's layers are written at, in order (a model whose dense layers
     route nothing: its log names its own MoE layers), of `num_layers` in all; default 0..spec.layers-1."""
+    spec.check()  # before anything sized by it is built
     layers = tuple(range(spec.layers)) if moe_layers is None else tuple(int(x) for x in moe_layers)
     total = spec.layers if num_layers is None else num_layers
     if len(layers) != spec.layers or list(layers) != sorted(set(layers)) or (layers and not 0 <= layers[0]) \

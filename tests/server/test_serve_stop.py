@@ -16,8 +16,6 @@ import sys
 import threading
 import time
 
-import pytest
-
 from tests.deadline import deadline
 from tests.server.conftest import MODEL
 
@@ -92,8 +90,4 @@ def test_ctrl_c_with_requests_in_flight_stops_cleanly_a_few_times() -> None:
     for signals in (2, 1, 2):
         _cycle(signals)
 
-
-@pytest.mark.slow
-def test_twenty_start_stop_cycles_all_clean() -> None:
-    for i in range(20):
-        _cycle(1 + i % 2)
+# Twenty cycles (issue 39's figure): `python tools/serve_cycles.py --cycles 20` (~80 s; kept out of the suite's time).
