@@ -95,24 +95,30 @@ class Search:
         routed = {c.layer for c in self.curves.curves if c.layer != "all"}
         self.routed = [ly for ly in shape.moe_layers if ly in routed]
         self.absent = [ly for ly in shape.moe_layers if ly not in routed]  # never routed: top-k slots
-        chunk = cfg.forward.prefill_chunk_tokens
-        self.parts, self.parts_source = layer_extra_parts(self.log.steps, shape, chunk) if prefill else ({}, "none")
-        self.miss_ns, self.part_ns = miss_ns(device, cost, record_nbytes), part_ns(cost, self.routed)
-        # The curve of each policy a candidate plans for: LFU's own when LFU is one (qnpipe.replay.mrc_lfu).
-        self.policy_curves: dict[str, list[Curve]] = {"lru": [self.curves.curve("lru", ly) for ly in self.routed]}
-        if self.fixed.policy in (None, "lfu") and self.routed:
-            lfu = {c.layer: c for c in lfu_curves(self.log.steps, shape,
-                                                  decay_interval=cfg.pool.lfu_decay_interval_forwards)}
-            self.policy_curves["lfu"] = [lfu[ly] for ly in self.routed]
-        self.values = {p: [self.layer_value(c) for c in cs] for p, cs in self.policy_curves.items()}
-        self.value = self.values["lru"]
-        self.allocs = {p: Allocator(v, self.k, self.e * len(self.routed)) for p, v in self.values.items()}
-        self.alloc = self.allocs["lru"]
         n = len(self.log.steps)
         per_step = max(1, sum(len(s) for s in self.log.steps) // n)
         keep = min(n, max(1, window_layer_steps // per_step))
         self.first = n - keep
         self.frac = window_frac(n, self.first)
+        chunk = cfg.forward.prefill_chunk_tokens
+        self.parts, self.parts_source = layer_extra_parts(self.log.steps, shape, chunk) if prefill else ({}, "none")
+        self.miss_ns, self.part_ns = miss_ns(device, cost, record_nbytes), part_ns(cost, self.routed)
+        # The curve of each policy a candidate plans for: LFU's own when LFU is one (qnpipe.replay.mrc_lfu),
+        # replayed at its grid over the timing window (what the candidates' replays count: a replay of the
+        # whole log at each grid point per layer would cost minutes on a long log).
+        self.policy_curves: dict[str, list[Curve]] = {"lru": [self.curves.curve("lru", ly) for ly in self.routed]}
+        if self.fixed.policy in (None, "lfu") and self.routed:
+            lfu = {c.layer: c for c in lfu_curves(self.log.steps[self.first:], shape,
+                                                  decay_interval=cfg.pool.lfu_decay_interval_forwards)}
+            self.policy_curves["lfu"] = [lfu.get(ly) or _flat(c) for ly, c in zip(
+                self.routed, self.policy_curves["lru"], strict=True)]
+        # Each curve's misses beside the parts of the same steps (the LFU curve's: the window's).
+        window = layer_extra_parts(self.log.steps[self.first:], shape, chunk)[0] if prefill else {}
+        parts_of = {"lru": self.parts, "lfu": window}
+        self.values = {p: [self.layer_value(c, parts_of[p]) for c in cs] for p, cs in self.policy_curves.items()}
+        self.value = self.values["lru"]
+        self.allocs = {p: Allocator(v, self.k, self.e * len(self.routed)) for p, v in self.values.items()}
+        self.alloc = self.allocs["lru"]
         self.has_candidates = bool(self.log.candidates)
         if work_dir is None:  # the candidates' capacity profiles: removed with the search (or at exit)
             work_dir = tempfile.mkdtemp(prefix="qnpipe-plan-")
@@ -120,11 +126,11 @@ class Search:
         self._dir = Path(work_dir)
         self._n = 0
 
-    def layer_value(self, c: Curve) -> list[int]:
+    def layer_value(self, c: Curve, parts: dict[int, list[int]]) -> list[int]:
         """What a layer's capacities save, in ns (higher = better): minus its misses' reads and its prefill
         chunks' extra passes (qnpipe.plan.prefill_parts). Misses alone when no chunk splits: the same
         allocation as the misses' curve, every value scaled by one constant."""
-        extra = self.parts.get(int(c.layer), [0] * len(c.hits))
+        extra = parts.get(int(c.layer), [0] * len(c.hits))
         per_part = self.part_ns.get(int(c.layer), 0)
         return [-(r - h) * self.miss_ns - x * per_part for h, r, x in zip(c.hits, c.requests, extra, strict=True)]
 
@@ -219,6 +225,12 @@ class Search:
             if pre.candidate.tok_s > best.candidate.tok_s or fixed.prefetch:
                 best = pre
         return best, tried
+
+
+def _flat(c: Curve) -> Curve:
+    """No requests at any capacity: a layer the timing window does not route."""
+    zero = [0] * len(c.capacities)
+    return Curve(policy="lfu", layer=c.layer, capacities=c.capacities, hits=zero, requests=zero)
 
 
 def miss_ns(device: DeviceProfile, cost: CostModel, record_nbytes: int) -> int:

@@ -76,3 +76,31 @@ def test_a_decode_log_derives_its_chunks_from_the_configured_size(tmp_path: Path
 
 def test_extra_parts_are_the_greedy_split() -> None:
     assert extra_parts([(0, 1, 2, 3, 4, 5)], 2, 6) == [2, 2, 1, 1, 0]  # whole tokens: 3 slots hold one
+
+
+def test_lfu_is_planned_on_its_own_curve_which_is_the_candidates_replay(tmp_path: Path) -> None:
+    """The LFU candidate's slots come from LFU's curve over the timing window, and its replayed hits are that
+    curve's at those slots (64 capacities of a layer: a grid of 17 replayed, the rest interpolated)."""
+    from qnpipe.replay.mrc_lfu import grid
+    from qnpipe.replay.synth import SynthSpec, write_synth
+
+    log = write_synth(tmp_path / "s.qtrace", SynthSpec(layers=4, experts=64, top_k=4, tokens=200, seed=5,
+                                                        locality=0.2, popularity="zipf:1.2"))
+    s = Search(log, config.load(None), device=PROFILES["apple-m5-internal"], cost=CostModel(), record_nbytes=1 << 20,
+               window_layer_steps=4 * 120, work_dir=tmp_path)
+    assert s.first == 80 and set(s.allocs) == {"lru", "lfu"}
+    curves = s.policy_curves["lfu"]
+
+    def curve_rate(caps: dict[int, int]) -> float:
+        at = [caps[ly] - 4 for ly in s.routed]
+        return (sum(c.hits[i] for c, i in zip(curves, at, strict=True))
+                / sum(c.requests[i] for c, i in zip(curves, at, strict=True)))
+
+    for g in grid(4, 64)[::5]:  # at grid points: the replay's own count
+        caps = dict.fromkeys(s.routed, g)
+        assert s.run("lfu", "uniform", caps, "lfu", False).report.hit_rate == curve_rate(caps), g
+    caps = s.planned(40, "lfu")
+    assert abs(s.run("planned lfu", "planned", caps, "lfu", False).report.hit_rate - curve_rate(caps)) < 0.05
+    _, tried = s.choose(40)
+    by = {c.candidate.name: c for c in tried}
+    assert by["planned lfu"].capacities == s.planned(40, "lfu") and by["planned lru"].capacities == s.planned(40)
