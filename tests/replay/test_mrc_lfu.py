@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
 from qnpipe import config
 from qnpipe.replay import replay
 from qnpipe.replay.log import load_log
 from qnpipe.replay.mrc import ALL
-from qnpipe.replay.mrc_lfu import grid, lfu_curves
+from qnpipe.replay.mrc_lfu import grid, lfu_curves, lfu_hits, lfu_hits_fast
 from tests.profiles import examples
 from tests.replay.test_mrc import logs, write_log
 
@@ -68,3 +69,37 @@ def test_interpolated_values_lie_between_their_neighbours(points: int, tmp_path)
     for a, b in zip(at, at[1:], strict=False):
         lo, hi = sorted((c.hits[a - 4], c.hits[b - 4]))
         assert all(lo <= h <= hi for h in c.hits[a - 4:b - 4 + 1])
+
+
+@st.composite
+def layer_seqs(draw: st.DrawFn) -> tuple[list[tuple[int, ...] | None], int, int, int, int]:
+    experts = draw(st.integers(4, 12))
+    k = draw(st.integers(1, min(3, experts)))
+    token = st.lists(st.integers(0, experts - 1), min_size=k, max_size=k, unique=True)
+    steps = draw(st.lists(st.one_of(st.none(), st.lists(token, min_size=1, max_size=3).map(
+        lambda ts: tuple(e for t in ts for e in t))), min_size=1, max_size=40))
+    return steps, k, draw(st.integers(k, experts)), draw(st.sampled_from([0, 1, 2, 5])), experts
+
+
+@examples(200)
+@given(case=layer_seqs())
+def test_the_fast_lfu_is_the_slot_tables(case: tuple[list[tuple[int, ...] | None], int, int, int, int]) -> None:
+    steps, k, cap, decay, _ = case
+    assert lfu_hits_fast(steps, k, cap, decay_interval=decay) == lfu_hits(steps, k, cap, decay_interval=decay)
+
+
+def test_the_fast_lfu_is_the_slot_tables_over_a_long_skewed_log() -> None:
+    """Long enough that the heap's stale entries are dropped many times over, counts halved or not."""
+    import random
+
+    rng = random.Random(7)
+    steps: list[tuple[int, ...] | None] = []
+    for _ in range(600):
+        tokens = rng.choice([1, 1, 1, 4])
+        flat: list[int] = []
+        for _ in range(tokens):
+            flat += rng.sample(range(48), 4) if rng.random() < 0.3 else rng.sample(range(12), 4)
+        steps.append(tuple(flat) if rng.random() < 0.95 else None)
+    for cap in (4, 7, 13, 30, 48):
+        for decay in (0, 3):
+            assert lfu_hits_fast(steps, 4, cap, decay_interval=decay) == lfu_hits(steps, 4, cap, decay_interval=decay)
