@@ -14,6 +14,7 @@ Where the chunks come from:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from qnpipe.policy.parts import plan_parts_flat
@@ -46,12 +47,39 @@ def chunks(steps: Steps, shape: ModelShape, chunk_tokens: int) -> tuple[dict[int
 
 def extra_parts(chunk_experts: Sequence[tuple[int, ...]], k: int, num_experts: int) -> list[int]:
     """Passes beyond one per chunk at each capacity k..num_experts (index = capacity - k)."""
-    out = [0] * (num_experts - k + 1)
+    diff = [0] * (num_experts - k + 2)  # ranges of capacities added at once, summed at the end
+
+    def add(lo: int, hi: int, n: int) -> None:
+        diff[lo - k] += n
+        diff[hi - k + 1] -= n
+
     for flat in chunk_experts:
         union = len(set(flat))
-        for c in range(k, min(union, num_experts + 1)):  # at the union and above: one part
-            out[c - k] += len(plan_parts_flat(flat, k, c)) - 1
-    return out
+        if union <= k:
+            continue
+        top = min(union, num_experts + 1) - 1  # at the union and above: one part
+        if len(flat) == 2 * k:  # two tokens: split in two wherever both do not fit
+            add(k, top, 1)
+            continue
+        # The greedy split is the fewest parts (any sub-range of a part fits too), so its count only falls
+        # as the capacity grows: where both ends of a range agree, so does every capacity between.
+        known: dict[int, int] = {}
+
+        def parts(c: int, flat: tuple[int, ...] = flat, known: dict[int, int] = known) -> int:
+            if c not in known:
+                known[c] = len(plan_parts_flat(flat, k, c)) - 1
+            return known[c]
+
+        todo = [(k, top)]
+        while todo:
+            lo, hi = todo.pop()
+            a, b = parts(lo), parts(hi)
+            if a == b:
+                add(lo, hi, a)
+            else:
+                mid = (lo + hi) // 2
+                todo += [(lo, mid), (mid + 1, hi)]
+    return list(itertools.accumulate(diff[:-1]))
 
 
 def layer_extra_parts(steps: Steps, shape: ModelShape, chunk_tokens: int) -> tuple[dict[int, list[int]], str]:

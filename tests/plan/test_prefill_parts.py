@@ -104,3 +104,21 @@ def test_lfu_is_planned_on_its_own_curve_which_is_the_candidates_replay(tmp_path
     _, tried = s.choose(40)
     by = {c.candidate.name: c for c in tried}
     assert by["planned lfu"].capacities == s.planned(40, "lfu") and by["planned lru"].capacities == s.planned(40)
+
+
+def test_extra_parts_take_every_capacity_from_a_few_splits() -> None:
+    """The count at each capacity is the greedy split's (the ranges between equal ends are filled, not split)."""
+    import random
+
+    from qnpipe.policy.parts import plan_parts_flat
+
+    rng = random.Random(3)
+    for _ in range(30):
+        k, e = rng.randint(1, 4), rng.randint(6, 40)
+        flat = tuple(x for _ in range(rng.randint(1, 12)) for x in rng.sample(range(e), k))
+        want = [len(plan_parts_flat(flat, k, c)) - 1 for c in range(k, e + 1)]
+        assert extra_parts([flat], k, e) == want
+    for _ in range(30):  # chunks of two tokens: the shortcut
+        k, e = rng.randint(1, 4), rng.randint(6, 40)
+        flat = tuple(x for _ in range(2) for x in rng.sample(range(e), k))
+        assert extra_parts([flat], k, e) == [len(plan_parts_flat(flat, k, c)) - 1 for c in range(k, e + 1)]
