@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from qnpipe.policy.eviction import _TICK_BITS, LFU
+from qnpipe.policy.eviction import LFU
 from qnpipe.policy.parts import plan_parts_flat
 from qnpipe.policy.slot_table import SlotTable
 from qnpipe.replay.mrc import ALL, Curve, layer_requests
@@ -55,13 +55,13 @@ def lfu_hits(steps: Sequence[tuple[int, ...] | None], k: int, capacity: int, *, 
 
 def lfu_hits_fast(steps: Sequence[tuple[int, ...] | None], k: int, capacity: int, *, decay_interval: int = 0
                   ) -> tuple[int, int]:
-    """`lfu_hits` without the slot table: the same keys (count, then tick, packed as LFU packs them), the
+    """`lfu_hits` without the slot table: the same keys (count, then tick: LFU's packed int, as a pair), the
     same victim (the least key outside the part being acquired), a heap with stale entries skipped for the
     minimum. A few times faster; tests/replay/test_mrc_lfu.py holds the two equal."""
     count: dict[int, int] = {}
-    key: dict[int, int] = {}  # cached expert -> its key
+    key: dict[int, tuple[int, int]] = {}  # cached expert -> its key
     last: dict[int, int] = {}  # cached expert -> its tick
-    heap: list[tuple[int, int]] = []
+    heap: list[tuple[tuple[int, int], int]] = []
     tick = hits = requests = forwards = 0
     push, pop = heapq.heappush, heapq.heappop
     for experts in steps:
@@ -76,7 +76,7 @@ def lfu_hits_fast(steps: Sequence[tuple[int, ...] | None], k: int, capacity: int
                         tick += 1
                         c = count[e] = count[e] + 1
                         last[e] = tick
-                        kk = key[e] = (c << _TICK_BITS) | tick
+                        kk = key[e] = (c, tick)
                         push(heap, (kk, e))
                         hits += 1
                     else:
@@ -101,7 +101,7 @@ def lfu_hits_fast(steps: Sequence[tuple[int, ...] | None], k: int, capacity: int
                     tick += 1
                     c = count[e] = count.get(e, 0) + 1
                     last[e] = tick
-                    kk = key[e] = (c << _TICK_BITS) | tick
+                    kk = key[e] = (c, tick)
                     push(heap, (kk, e))
                 if len(heap) > 4 * capacity + 64:  # drop the stale entries
                     heap = [(kk, e) for e, kk in key.items()]
@@ -109,7 +109,7 @@ def lfu_hits_fast(steps: Sequence[tuple[int, ...] | None], k: int, capacity: int
         forwards += 1
         if decay_interval and forwards % decay_interval == 0:
             count = {e: c >> 1 for e, c in count.items() if c > 1 or e in last}
-            key = {e: (count.get(e, 0) << _TICK_BITS) | t for e, t in last.items()}
+            key = {e: (count.get(e, 0), t) for e, t in last.items()}
             heap = [(kk, e) for e, kk in key.items()]
             heapq.heapify(heap)
     return hits, requests
