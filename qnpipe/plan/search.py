@@ -103,6 +103,10 @@ class Search:
         chunk = cfg.forward.prefill_chunk_tokens
         self.parts, self.parts_source = layer_extra_parts(self.log.steps, shape, chunk) if prefill else ({}, "none")
         self.miss_ns, self.part_ns = miss_ns(device, cost, record_nbytes), part_ns(cost, self.routed)
+        if prefill:
+            self.say("prefill parts priced beside misses: " + (
+                "the log's multi-token steps" if self.parts_source == "log" else
+                f"chunks of {chunk or 'all'} of the log's tokens (forward.prefill_chunk_tokens; the log has no prefill)"))
         # The curve of each policy a candidate plans for: LFU's own when LFU is one (qnpipe.replay.mrc_lfu),
         # replayed at its grid over the timing window (what the candidates' replays count: a replay of the
         # whole log at each grid point per layer would cost minutes on a long log).
