@@ -35,7 +35,9 @@ from qnpipe.io.simssd import DeviceProfile
 from qnpipe.plan.allocate import Allocator, curve_hits, uniform_caps
 from qnpipe.plan.fixed import SIDE_SLOTS, Fixed
 from qnpipe.plan.plan_file import Candidate
-from qnpipe.replay.mrc import MrcResult, mrc
+from qnpipe.plan.prefill_parts import layer_extra_parts
+from qnpipe.replay.mrc import Curve, MrcResult, mrc
+from qnpipe.replay.mrc_lfu import lfu_curves
 from qnpipe.replay.runner import CostModel, PredictorOpts, ReplayLog, ReplayReport, load_log, replay
 from qnpipe.trace import ModelShape
 
@@ -77,7 +79,7 @@ class Search:
     def __init__(self, log_path: str | Path, cfg: Config, *, device: DeviceProfile, cost: CostModel,
                  record_nbytes: int, window_layer_steps: int = WINDOW_LAYER_STEPS,
                  work_dir: str | Path | None = None, say: Callable[[str], None] | None = None,
-                 expect: ModelShape | None = None, fixed: Fixed | None = None) -> None:
+                 expect: ModelShape | None = None, fixed: Fixed | None = None, prefill: bool = True) -> None:
         self.path = str(log_path)
         self.cfg = cfg
         self.fixed = fixed or Fixed()
@@ -93,22 +95,57 @@ class Search:
         routed = {c.layer for c in self.curves.curves if c.layer != "all"}
         self.routed = [ly for ly in shape.moe_layers if ly in routed]
         self.absent = [ly for ly in shape.moe_layers if ly not in routed]  # never routed: top-k slots
-        # Misses, not hits, are what the allocation saves: a multi-token step's requests grow below its union.
-        value = [[h - r for h, r in zip(c.hits, c.requests, strict=True)]
-                 for c in (self.curves.curve("lru", ly) for ly in self.routed)]
-        self.value = value
-        self.alloc = Allocator(value, self.k, self.e * len(self.routed))
         n = len(self.log.steps)
         per_step = max(1, sum(len(s) for s in self.log.steps) // n)
         keep = min(n, max(1, window_layer_steps // per_step))
         self.first = n - keep
         self.frac = window_frac(n, self.first)
+        chunk = cfg.forward.prefill_chunk_tokens
+        self.parts, self.parts_source = layer_extra_parts(self.log.steps, shape, chunk) if prefill else ({}, "none")
+        self.miss_ns, self.part_ns = miss_ns(device, cost, record_nbytes), part_ns(cost, self.routed)
+        if prefill:
+            self.say("prefill parts priced beside misses: " + (
+                "the log's multi-token steps" if self.parts_source == "log" else
+                f"chunks of {chunk or 'all'} of the log's tokens (forward.prefill_chunk_tokens; the log has no prefill)"))
+        # The curve of each policy a candidate plans for: LFU's own when LFU is one (qnpipe.replay.mrc_lfu),
+        # replayed at its grid over the timing window (what the candidates' replays count: a replay of the
+        # whole log at each grid point per layer would cost minutes on a long log).
+        self.policy_curves: dict[str, list[Curve]] = {"lru": [self.curves.curve("lru", ly) for ly in self.routed]}
+        if self.fixed.policy in (None, "lfu") and self.routed:
+            lfu = {c.layer: c for c in lfu_curves(self.log.steps[self.first:], shape,
+                                                  decay_interval=cfg.pool.lfu_decay_interval_forwards)}
+            self.policy_curves["lfu"] = [lfu.get(ly) or _flat(c) for ly, c in zip(
+                self.routed, self.policy_curves["lru"], strict=True)]
+        # Each curve's misses beside the parts of the same steps (the LFU curve's: the window's).
+        window = layer_extra_parts(self.log.steps[self.first:], shape, chunk)[0] if prefill else {}
+        parts_of = {"lru": self.parts, "lfu": window}
+        self.values = {p: [self.layer_value(c, parts_of[p]) for c in cs] for p, cs in self.policy_curves.items()}
+        self.value = self.values["lru"]
+        self.allocs = {p: Allocator(v, self.k, self.e * len(self.routed)) for p, v in self.values.items()}
+        self.alloc = self.allocs["lru"]
         self.has_candidates = bool(self.log.candidates)
         if work_dir is None:  # the candidates' capacity profiles: removed with the search (or at exit)
             work_dir = tempfile.mkdtemp(prefix="qnpipe-plan-")
             weakref.finalize(self, shutil.rmtree, work_dir, ignore_errors=True)
         self._dir = Path(work_dir)
         self._n = 0
+
+    def layer_value(self, c: Curve, parts: dict[int, list[int]]) -> list[int]:
+        """What a layer's capacities save, in ns (higher = better): minus its misses' reads and its prefill
+        chunks' extra passes (qnpipe.plan.prefill_parts). Misses alone when no chunk splits: the same
+        allocation as the misses' curve, every value scaled by one constant."""
+        extra = parts.get(int(c.layer), [0] * len(c.hits))
+        per_part = self.part_ns.get(int(c.layer), 0)
+        return [-(r - h) * self.miss_ns - x * per_part for h, r, x in zip(c.hits, c.requests, extra, strict=True)]
+
+    def curve_value(self, caps: dict[int, int], policy: str = "lru") -> int:
+        """The allocation's objective at `caps` on `policy`'s curve (LRU's for a policy without its own)."""
+        values = self.values.get(policy, self.value)
+        return sum(v[caps[ly] - self.k] for v, ly in zip(values, self.routed, strict=True))
+
+    def prefill_parts(self, caps: dict[int, int]) -> int:
+        """The extra prefill passes at `caps`, over the chunks `parts_source` names."""
+        return sum(self.parts[ly][caps[ly] - self.k] for ly in self.routed if ly in self.parts)
 
     @property
     def min_slots(self) -> int:
@@ -118,10 +155,12 @@ class Search:
     def max_slots(self) -> int:
         return self.e * len(self.log.shape.moe_layers)
 
-    def planned(self, total: int) -> dict[int, int]:
-        """The curve-optimal resident slots per MoE layer with at most `total` slots in all."""
+    def planned(self, total: int, policy: str = "lru") -> dict[int, int]:
+        """The curve-optimal resident slots per MoE layer with at most `total` slots in all, on `policy`'s
+        curve (LRU's for a policy without its own)."""
         spare = total - self.k * len(self.absent)
-        caps = dict(zip(self.routed, self.alloc.caps(spare), strict=True)) if self.routed else {}
+        alloc = self.allocs.get(policy, self.alloc)
+        caps = dict(zip(self.routed, alloc.caps(spare), strict=True)) if self.routed else {}
         return {ly: caps.get(ly, self.k) for ly in self.log.shape.moe_layers}
 
     def uniform(self, total: int) -> dict[int, int]:
@@ -171,11 +210,12 @@ class Search:
                               f"prefetch from the live gates' candidates a log records (`qnpipe generate MODEL_DIR "
                               f"--trace run.qtrace --set predict.cross_layer_prefetch=true`, then --log run.qtrace); "
                               f"{self.path} has none")
-        planned, uniform = self.planned(total), self.uniform(total)
+        uniform = self.uniform(total)
         policies = (fixed.policy,) if fixed.policy is not None else POLICIES
-        tried = [self.run(f"planned {p}", "planned", planned, p, False) for p in policies]
+        tried = [self.run(f"planned {p}", "planned", self.planned(total, p), p, False) for p in policies]
         best = max(tried, key=_rank)
         pol = best.candidate.evict_policy
+        planned = best.capacities
         if uniform == planned:  # the same replay: not run twice
             tried.append(msgspec.structs.replace(best, candidate=msgspec.structs.replace(
                 best.candidate, name=f"uniform {pol}", allocation="uniform")))
@@ -191,6 +231,25 @@ class Search:
         return best, tried
 
 
+def _flat(c: Curve) -> Curve:
+    """No requests at any capacity: a layer the timing window does not route."""
+    zero = [0] * len(c.capacities)
+    return Curve(policy="lfu", layer=c.layer, capacities=c.capacities, hits=zero, requests=zero)
+
+
+def miss_ns(device: DeviceProfile, cost: CostModel, record_nbytes: int) -> int:
+    """A miss's price in ns: its share of the device (a read in service, `queue_depth` at once, never
+    above the bandwidth) and the compute after it (`cost.per_miss_s`)."""
+    read = max(record_nbytes / device.bandwidth_bytes_per_s, device.service_s(record_nbytes) / device.queue_depth)
+    return max(1, round((read + cost.per_miss_s) * 1e9))
+
+
+def part_ns(cost: CostModel, layers: Sequence[int]) -> dict[int, int]:
+    """An extra part's price in ns at each layer: one more pass of the layer (its per-token compute is
+    the same split or not)."""
+    return {ly: round(cost.layer_table.get(ly, cost.per_layer_s) * 1e9) for ly in layers}
+
+
 def _rank(c: Choice) -> tuple[float, float, int]:
     return (c.candidate.tok_s, c.candidate.hit_rate, -c.candidate.total_slots)
 
@@ -200,4 +259,5 @@ def slot_totals(budgets: Sequence[int], fixed: int, record_nbytes: int) -> list[
     return [max(0, math.floor((b - fixed) / record_nbytes)) for b in budgets]
 
 
-__all__ = ["POLICIES", "WINDOW_LAYER_STEPS", "Choice", "Search", "same_shape", "slot_totals", "window_frac"]
+__all__ = ["POLICIES", "WINDOW_LAYER_STEPS", "Choice", "Search", "miss_ns", "part_ns", "same_shape", "slot_totals",
+           "window_frac"]

@@ -9,6 +9,7 @@ import pytest
 from qnpipe import config
 from qnpipe.errors import CheckpointError, ConfigError, DeviceProfileError
 from qnpipe.plan import load_plan, make_plan, make_plans, minimum_budget, model_facts, plan_overrides, save_plan
+from qnpipe.plan.fixed import Fixed
 from qnpipe.plan.make import replay_plan
 from qnpipe.plan.search import Search
 from qnpipe.replay.runner import load_log
@@ -61,7 +62,10 @@ def test_predictions_are_the_replays(tiny_qn4: Path, tiny_log: Path, tmp_path: P
 def test_planned_slots_never_below_uniform_on_real_traces(fmt: str, src: Path, steps: int, tmp_path: Path) -> None:
     log = tmp_path / "real.qtrace"
     import_log(fmt, src, log, max_steps=steps)
-    s = Search(log, config.load(None), device=_device(), cost=_cost(), record_nbytes=1 << 20, work_dir=tmp_path)
+    # On the misses alone (prefill parts not counted) the allocation's hits; with them, its objective.
+    s = Search(log, config.load(None), device=_device(), cost=_cost(), record_nbytes=1 << 20, work_dir=tmp_path,
+               prefill=False, fixed=Fixed(policy="lru"))
+    p = Search(log, config.load(None), device=_device(), cost=_cost(), record_nbytes=1 << 20, work_dir=tmp_path)
     shape = load_log(log).shape
     layers = len(shape.moe_layers)
     better = 0
@@ -72,6 +76,10 @@ def test_planned_slots_never_below_uniform_on_real_traces(fmt: str, src: Path, s
             assert sum(s.planned(total).values()) <= total
             assert planned[0] >= uniform[0], (per_layer, extra)
             better += planned[0] > uniform[0]
+            for policy in ("lru", "lfu"):
+                mine = p.planned(total, policy)
+                assert sum(mine.values()) <= total
+                assert p.curve_value(mine, policy) >= p.curve_value(p.uniform(total), policy), (policy, total)
     assert better  # and strictly better somewhere: these traces are skewed across layers
 
 
