@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from qnpipe.builtin_models import resolve_model_dir
 from qnpipe.config import Config
 from qnpipe.config.validate import check_generate_args
 from qnpipe.errors import ConfigError
@@ -47,7 +48,7 @@ def resolve(model_dir: str | Path | None, cfg: Config | None, overrides: dict[st
     from qnpipe import config as config_mod
 
     if model_dir is not None:
-        overrides = {**overrides, "model.model_dir": str(model_dir)}
+        overrides = {**overrides, "model.model_dir": resolve_model_dir(str(model_dir))}
     try:
         if cfg is None:
             return config_mod.load(overrides=overrides)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import qnpipe
+from qnpipe.errors import QnpipeError
 from qnpipe.model.runner import Runner
 from qnpipe.stats import FinishReason
 
@@ -184,3 +185,14 @@ def test_prefill_progress_reports_each_chunk(tiny_hf: Path) -> None:
     with qnpipe.Engine(tiny_hf, prefill_chunk_tokens=4) as e:
         e.generate(list(range(3, 13)), max_tokens=2, on_prefill=lambda d, t: seen.append((d, t)))
     assert seen == [(4, 10), (8, 10), (10, 10)]
+
+
+def test_the_built_in_models_name_opens_it_as_the_cli_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from qnpipe.builtin_models import DEMO_MODEL_DIR
+
+    monkeypatch.chdir(tmp_path)  # no ./tiny here: the name means the built-in model
+    with qnpipe.Engine("tiny") as e:
+        assert e.model_dir == DEMO_MODEL_DIR
+    (tmp_path / "tiny").mkdir()  # a path that exists wins, as on the command line
+    with pytest.raises(QnpipeError, match="tiny"):
+        qnpipe.Engine("tiny")

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from qnpipe.builtin_models import DEMO_MODEL_DIR
 from qnpipe.config.validate import (
     check_max_tokens,
     check_min_p,
@@ -24,9 +25,6 @@ from qnpipe.config.validate import (
 )
 from qnpipe.errors import QnpipeError
 
-# The embedded default model: a tiny Qwen3-Next trained on the Python standard library
-# (tools/train_tiny.py; its MODEL_CARD.md has the figures). Ships inside the package.
-DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "tiny_trained"
 
 
 def add_config_flags(p: argparse.ArgumentParser, *, prefill: bool = True,

@@ -1,25 +1,13 @@
-"""Names of the built-in model, usable wherever a command takes MODEL_DIR (`qnpipe generate tiny -p ...`).
-
-A path that exists always wins: `qnpipe make-tiny ./tiny` followed by `qnpipe generate tiny` runs
-the directory just written, not the built-in model.
-"""
+"""The built-in model's names on the command line: MODEL_DIR (or demo's --model) `tiny` runs the model
+shipped in the package (qnpipe.builtin_models)."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from qnpipe.cli.common import DEMO_MODEL_DIR
+from qnpipe.builtin_models import BUILTIN_MODELS, resolve_model_dir
 
-# The trained tiny model shipped in the package (docs/tiny-model.md), under the names users type.
-BUILTIN_MODELS: dict[str, Path] = {"tiny": DEMO_MODEL_DIR, "demo": DEMO_MODEL_DIR}
-
-
-def resolve_model_dir(given: str) -> str:
-    """`given`, or the built-in model's directory when `given` is one of its names and no such path exists."""
-    if given in BUILTIN_MODELS and not Path(given).exists():
-        return str(BUILTIN_MODELS[given])
-    return given
+__all__ = ["BUILTIN_MODELS", "resolve_builtin_model", "resolve_model_dir"]
 
 
 def resolve_builtin_model(args: argparse.Namespace) -> argparse.Namespace:
