@@ -198,7 +198,7 @@ def register(sub: Any, fmt: Any) -> None:
                        "  qnpipe replay synth.qtrace --predict oracle --recall 0.8 --seed 1 --set replay.record_nbytes=1700000\n"
                        "  qnpipe replay run.qtrace --set pool.expert_slots=16 --csv run.csv\n"
                        "  qnpipe replay run.qtrace --mrc                       run.mrc.csv here\n"
-                       "  qnpipe replay run.qtrace --mrc --csv out/run.csv --plot out/run.png --mrc-layers 0,23")
+                       "  qnpipe replay run.qtrace --mrc --csv run-mrc.csv --plot run-mrc.pdf --mrc-layers 0,23")
     r.add_argument("log", metavar="LOG", help="event log (qnpipe generate --trace), docs/trace-format.md")
     r.add_argument("--device", default="apple-m5-internal", metavar="NAME",
                    help="device profile the device.* settings start from: apple-m5-internal (default) or measured "
