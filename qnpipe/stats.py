@@ -86,7 +86,9 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     layers: tuple[LayerPoolStats, ...] = ()
     # -- prediction and prefetch (zero when predict.cross_layer_prefetch is off)
     pinned: int = 0  # experts pinned by autopin (read once at start-up, not misses)
-    side_hits: int = 0
+    side_hits: int = 0  # hits the side region or a prefetch served (prefetch_hits + victim_hits)
+    prefetch_hits: int = 0  # hits on experts a prefetch read brought in
+    victim_hits: int = 0  # hits the side region kept after the resident slots gave them up (no read)
     prefetch_issued: int = 0
     prefetch_done: int = 0
     prefetch_used: int = 0

@@ -66,6 +66,7 @@ def pool_stats(snap: PipelineStatistics, *, slot_bytes: int = 0) -> PoolStats | 
                      device_s=rs.device_s, stall_s=fs.stall_s, steps=fs.steps, layer_steps=fs.layer_steps,
                      split_layer_steps=fs.split_layer_steps, early_grants=fs.early_grants, slot_bytes=slot_bytes,
                      layers=layers, pinned=sum(t.pinned for t in snap.tables), side_hits=pst.side_hits,
+                     prefetch_hits=pst.prefetch_hits, victim_hits=pst.victim_hits,
                      prefetch_issued=pst.prefetches_issued, prefetch_done=pst.prefetches_done,
                      prefetch_used=pst.prefetches_used, prefetch_expired=pst.prefetches_expired,
                      useful_prefetch_ratio=pst.prefetches_used / pst.prefetches_issued

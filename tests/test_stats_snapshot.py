@@ -66,7 +66,7 @@ def old_mapping(rt: Any) -> EngineStats:
                      split_layer_steps=fs.split_layer_steps, early_grants=fs.early_grants,
                      slot_bytes=sum(s.nbytes for s in st.slots.values()) if st is not None else 0,
                      layers=layers, pinned=sum(len(t.pinned) for t in pol.tables.values()),
-                     side_hits=pst.side_hits,
+                     side_hits=pst.side_hits, prefetch_hits=pst.prefetch_hits, victim_hits=pst.victim_hits,
                      prefetch_issued=pst.prefetches_issued, prefetch_done=pst.prefetches_done,
                      prefetch_used=pst.prefetches_used, prefetch_expired=pst.prefetches_expired,
                      useful_prefetch_ratio=pst.prefetches_used / pst.prefetches_issued
@@ -156,10 +156,10 @@ def _snapshot() -> PipelineStatistics:
     """Every figure a different number, so a field mapped from the wrong source shows."""
     c0 = LayerCounters(hits=3, side_hits=1, misses=2, evictions=1, used=5, predicted_used=2)
     c1 = LayerCounters(hits=4, misses=6, evictions=3, used=10, predicted_used=5)
-    pool = PoolStatistics(layers={0: c0, 2: c1}, hits=7, misses=8, side_hits=1, used=15, predicted_used=7,
+    pool = PoolStatistics(layers={0: c0, 2: c1}, hits=7, misses=8, side_hits=31, used=15, predicted_used=7,
                           prefetch_reads=9, prefetch_used=4, causes={"cold": 5, "late": 3}, prefetches_issued=12,
                           prefetches_done=9, prefetches_used=4, prefetches_expired=2, hints_dropped_budget=13,
-                          wasted_bytes=1400)
+                          wasted_bytes=1400, victim_hits=11)
     return PipelineStatistics(
         forward=ForwardStatistics(steps=21, layer_steps=42, split_layer_steps=1, early_grants=17,
                                   stall_s=0.25, stall_by_layer={0: 0.125, 2: 0.125}, candidates_dropped=19,
@@ -181,7 +181,7 @@ def test_pool_stats_maps_each_figure_from_its_one_source() -> None:
         split_layer_steps=1, early_grants=17, slot_bytes=4096,
         layers=(LayerPoolStats(layer=0, capacity=6, occupancy=5, hits=3, misses=2, evictions=1, prefetch_recall=0.4),
                 LayerPoolStats(layer=2, capacity=8, occupancy=8, hits=4, misses=6, evictions=3, prefetch_recall=0.5)),
-        pinned=3, side_hits=1, prefetch_issued=12, prefetch_done=9, prefetch_used=4, prefetch_expired=2,
+        pinned=3, side_hits=31, prefetch_hits=20, victim_hits=11, prefetch_issued=12, prefetch_done=9, prefetch_used=4, prefetch_expired=2,
         useful_prefetch_ratio=4 / 12, prefetch_recall=7 / 15, wasted_bytes=1400, hints=28, hints_dropped_full=29,
         hints_dropped_budget=13, candidates_dropped=19, stall_s_by_layer={0: 0.125, 2: 0.125},
         union_prof=(UnionProf(tokens=1, layer=0, layer_steps=2, mean_union=3.0, max_union=4),

@@ -73,8 +73,21 @@ def test_prefetch_turns_misses_into_side_hits(streamed_models: dict[str, Path]) 
         on = eng.stats().pool
     assert off is not None and on is not None
     assert on.side_hits > 0 and on.prefetch_used > 0
+    assert on.prefetch_hits > 0 and on.prefetch_hits + on.victim_hits == on.side_hits
     assert on.misses < off.misses  # the trained model's routing is predictable from the layer before
     assert 0 < on.useful_prefetch_ratio <= 1
+
+
+def test_the_victim_regions_hits_are_not_credited_to_prefetch(streamed_models: dict[str, Path]) -> None:
+    # pool.prefetch_into=main: prefetches land in the resident slots and the side region keeps what those
+    # slots gave up (a victim cache): its hits are the victim region's, not a prefetch's.
+    over = {"pool.prefetch_into": "main", "pool.side_region_slots": 4, "predict.cross_layer_prefetch": True}
+    with qnpipe.Engine(streamed_models["trained-4bit"], expert_slots=6, **over) as eng:
+        eng.generate(PROMPT, max_tokens=24, stop_at_eos=False)
+        st = eng.stats().pool
+    assert st is not None
+    assert st.prefetch_hits + st.victim_hits == st.side_hits
+    assert st.victim_hits > 0 and st.prefetch_hits <= st.prefetch_used
 
 
 def test_event_log_orders_hint_read_grant_and_profiles_unions_and_recall(streamed_models: dict[str, Path],
