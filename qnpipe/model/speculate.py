@@ -60,6 +60,9 @@ class Speculation:
     writes: SlotWrites
     num_experts: int
     maps: dict[int, LayerMap] = attrs.field(factory=dict)
+    # Layers whose last speculation was discarded and no full grant has taught the map since: a miss
+    # makes early grants, which teach nothing, and each discarded guess costs the device the work.
+    doubtful: set[int] = attrs.field(factory=set)
     confirmed: int = 0  # layer-steps that used the speculated output (tests, benchmarks)
     discarded: int = 0
 
@@ -67,7 +70,7 @@ class Speculation:
         """The slots `[..., k]` (uint32, device) the map gives the router's `inds`, the map, the write
         epoch; None when there is no map yet or a write is in flight."""
         m = self.maps.get(layer)
-        if m is None:
+        if m is None or layer in self.doubtful:
             return None
         epoch = self.writes.quiet()
         if epoch is None:
@@ -75,18 +78,21 @@ class Speculation:
         # An absent expert (-1) reads slot 0: the output is discarded (`confirm` sees the -1).
         return mx.maximum(m.dev[inds], 0).astype(mx.uint32), m.host, epoch
 
-    def confirm(self, spec: Speculated, ids: np.ndarray, slots: np.ndarray) -> bool:
-        """Whether the grant's `slots` (one full part, shaped like `ids`) are those `spec` ran on, with
-        no slot written since it was queued."""
-        ok = self.writes.epoch == spec.epoch and np.array_equal(spec.host[ids], slots.reshape(ids.shape))
+    def confirm(self, layer: int, spec: Speculated, ids: np.ndarray, slots: np.ndarray | None) -> bool:
+        """Whether the grant's `slots` (one full part, shaped like `ids`; None for any other grant) are
+        those `spec` ran on, with no slot written since it was queued."""
+        ok = (slots is not None and self.writes.epoch == spec.epoch
+              and np.array_equal(spec.host[ids], slots.reshape(ids.shape)))
         if ok:
             self.confirmed += 1
         else:
             self.discarded += 1
+            self.doubtful.add(layer)
         return ok
 
     def learn(self, layer: int, ids: np.ndarray, slots: np.ndarray) -> None:
         """Take a full grant's (expert, slot) pairs into the map."""
+        self.doubtful.discard(layer)
         m = self.maps.get(layer)
         flat_ids, flat_slots = ids.reshape(-1), slots.reshape(-1).astype(np.int32)
         if m is not None and np.array_equal(m.host[flat_ids], flat_slots):

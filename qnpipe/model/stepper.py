@@ -68,8 +68,9 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
         inds, scores = moe.route(x)
         preds = _predict(m, plan, i, x, h) if plan is not None else []
         shared = moe.shared(x)
-        ahead = _speculate(spec, i, slots[i], moe, x, h, inds, scores, shared) if spec is not None else None
-        mx.eval(inds, scores, *[a for _, ids, p in preds for a in (ids, p)])  # one host sync for all
+        synced = (inds, scores, *[a for _, ids, p in preds for a in (ids, p)])
+        ahead = _speculate(spec, i, slots[i], moe, x, h, synced, shared) if spec is not None else None
+        mx.eval(*synced)  # one host sync for all
         # The shared expert needs no slot: it computes while the pool answers and reads.
         mx.async_eval(shared)
         k = inds.shape[-1]
@@ -79,7 +80,7 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
         ids = np.array(inds)
         grant = yield LayerRoute(i, ids.reshape(-1, k), predictions, w)
         full = grant.last and grant.lo == 0 and not grant.early
-        if ahead is not None and full and spec is not None and spec.confirm(ahead, ids, grant.slots):
+        if ahead is not None and spec is not None and spec.confirm(i, ahead, ids, grant.slots if full else None):
             h = ahead.h  # already queued
             continue
         if full and spec is not None and ids.size <= SPECULATE_PAIRS:
@@ -97,14 +98,19 @@ SPECULATE_PAIRS = 64
 
 
 def _speculate(spec: Speculation, layer: int, w: LayerExperts, moe: SparseMoeBlock, x: mx.array, h: mx.array,
-               inds: mx.array, scores: mx.array, shared: mx.array) -> Speculated | None:
-    """Queue the layer's output from the slots the map gives (qnpipe.model.speculate), or None."""
+               synced: tuple[mx.array, ...], shared: mx.array) -> Speculated | None:
+    """Queue the layer's output from the slots the map gives (qnpipe.model.speculate), or None.
+    `synced` (the router's ids and scores first) is what the host syncs on next."""
+    inds, scores = synced[0], synced[1]
     if inds.size > SPECULATE_PAIRS:
         return None
     got = spec.slots(layer, inds)
     if got is None:
         return None
     dev, host, epoch = got
+    # Queued apart first: an array evaluated with others waits for all of them (one event per
+    # eval), so the host's sync would wait for the speculated experts too, and nothing would overlap.
+    mx.async_eval(*synced)
     out = h + moe.combine(x, switch_glu(w, x, dev), scores, shared)
     mx.async_eval(out)
     return Speculated(out, host, epoch)
