@@ -34,7 +34,7 @@ PROMPT = [5, 17, 3, 99, 42, 7]
 
 
 def _run(d: Path, **kw: Any) -> tuple[np.ndarray, tuple[int, ...], Any]:
-    with qnpipe.Engine(d, prefill_chunk_tokens=0, **kw) as eng:
+    with qnpipe.Engine(d, prefill_chunk_tokens=0, **{"forward.speculate_hits": True, **kw}) as eng:
         eng.generate(PROMPT, max_tokens=6, stop_at_eos=False)  # the map learns, the pool warms
         toks = eng.generate(PROMPT, max_tokens=12, stop_at_eos=False).tokens
         logits = eng.logits([*PROMPT, *toks[:3]])
@@ -48,10 +48,13 @@ def reference(model: Path) -> tuple[np.ndarray, tuple[int, ...]]:
         return ref.logits([*PROMPT, *toks[:3]]), toks
 
 
-@pytest.mark.parametrize("slots", [64, 12])  # every expert (all hits), and demand misses
+PREFETCH = {"predict.cross_layer_prefetch": True, "pool.side_region_slots": 4}
+
+
+@pytest.mark.parametrize(("slots", "more"), [(64, {}), (12, {}), (12, PREFETCH)])  # all hits, demand misses, prefetch
 def test_confirmed_speculation_is_exact(model: Path, reference: tuple[np.ndarray, tuple[int, ...]],
-                                        slots: int) -> None:
-    logits, toks, spec = _run(model, expert_slots=slots)
+                                        slots: int, more: dict[str, Any]) -> None:
+    logits, toks, spec = _run(model, expert_slots=slots, **more)
     assert isinstance(spec, Speculation)
     if slots < 64:  # misses: reads write slots, speculation mostly discarded (early grants teach the map nothing)
         assert spec.writes.epoch > 0 and spec.writes.in_flight == 0 and spec.discarded > 0
@@ -97,9 +100,9 @@ def test_a_stale_map_discards(model: Path, monkeypatch: pytest.MonkeyPatch,
     assert toks == reference[1]
 
 
-def test_speculation_off_is_the_reference_path(model: Path) -> None:
-    _, _, spec = _run(model, expert_slots=64, **{"forward.speculate_hits": False})
-    assert spec is None
+def test_speculation_is_off_by_default(model: Path) -> None:
+    with qnpipe.Engine(model, expert_slots=64) as eng:
+        assert eng._aeng._rt.core.backend.spec is None  # pyright: ignore[reportPrivateUsage, reportOptionalMemberAccess]
 
 
 def test_no_epoch_while_a_write_is_in_flight() -> None:
