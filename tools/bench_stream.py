@@ -651,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
                 _pipeline._inline_hits = True  # pyright: ignore[reportPrivateUsage]
         if args.spec_ab:  # the same all-hit pool with speculated hits (forward.speculate_hits), same rounds
             engines["allhit_spec"] = qnpipe.Engine(model_dir, expert_slots=num_experts, prefill_chunk_tokens=0,
-                                                   **read, **{"forward.speculate_hits": True})
+                                                   **{**read, "forward.speculate_hits": True})
     if args.allhit_only:
         try:
             return _allhit_only(args, engines, model_dir, len(layers), load0)
