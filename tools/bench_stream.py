@@ -594,6 +594,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--allhit-only", action="store_true",
                     help="only resident and the all-hit engines: the pipeline's cost per layer-step (with --shape ms1: "
                          "ratio_allhit_to_resident_1ms)")
+    ap.add_argument("--spec-ab", action="store_true",
+                    help="also the all-hit pool with forward.speculate_hits on, in the same rounds "
+                         "(ratio_allhit_spec_to_allhit)")
     ap.add_argument("--no-prefetch", action="store_true", help="skip the prefetch engine")
     ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
                     help="another config field of the prefetch run, e.g. predict.stage_global_budget_experts=0")
@@ -646,6 +649,9 @@ def main(argv: list[str] | None = None) -> int:
                                                           prefill_chunk_tokens=0, **read)
             finally:
                 _pipeline._inline_hits = True  # pyright: ignore[reportPrivateUsage]
+        if args.spec_ab:  # the same all-hit pool with speculated hits (forward.speculate_hits), same rounds
+            engines["allhit_spec"] = qnpipe.Engine(model_dir, expert_slots=num_experts, prefill_chunk_tokens=0,
+                                                   **{**read, "forward.speculate_hits": True})
     if args.allhit_only:
         try:
             return _allhit_only(args, engines, model_dir, len(layers), load0)
@@ -904,6 +910,9 @@ def _allhit_only(args: argparse.Namespace, engines: dict[str, Any], model_dir: P
            "resident_ms_per_layer_step": rnd(ms, 3),
            **{f"tok_s_{n}": rnd(med([x["tok_s"] for x in runs[n]]), 3) for n in runs}, **keys,
            "allhit_misses_per_token": rnd(med([x["misses"] for x in runs["allhit"]]), 3),
+           **({"ratio_allhit_spec_to_allhit": rnd(
+               med([a["tok_s"] / b["tok_s"] for a, b in zip(runs["allhit_spec"], runs["allhit"], strict=True)]), 4)}
+              if "allhit_spec" in runs else {}),
            "loadavg_start_end": [rnd(load0[0], 2), rnd(os.getloadavg()[0], 2)], "cpus": os.cpu_count()}
     print(json.dumps(out), flush=True)
     return 0

@@ -322,6 +322,10 @@ class ForwardCfg(_Section, frozen=True):
         "diagnostic: change the router's top-k (breaks exactness)")] = None
     # Not a switch of the system qnpipe replaces: off is the A/B reference (tools/bench_stream.py).
     early_grants: Annotated[bool, _doc("start a layer's experts already in memory while its misses are read")] = True
+    # Off: on the CPU backend it costs more host time than the overlap gives back (docs/measurements.md,
+    # "Speculated hits"); qnpipe.model.speculate says why it is exact. A/B: tools/bench_stream.py --spec-ab.
+    speculate_hits: Annotated[bool, _doc(
+        "queue a decode step's experts before the router's sync, from the slots they had last time")] = False
 
 
 class KvCfg(_Section, frozen=True):

@@ -17,6 +17,7 @@ import trio
 
 from qnpipe.io.reader import ExpertReader, ReaderStats, ReadRequest, WritableBuffer, scatter_buffers
 from qnpipe.io.sim_model import SimStatistics
+from qnpipe.io.slot_writes import SlotWrites
 from qnpipe.io.store import ExpertStore
 from qnpipe.messages import Job
 
@@ -52,8 +53,11 @@ def submit(device: ExpertDevice, jobs: Sequence[Job]) -> Awaitable[list[int]]:
 class StoreDevice:
     """`ExpertDevice` over an `ExpertStore` and an `ExpertReader` (the real SSD)."""
 
-    def __init__(self, store: ExpertStore, reader: ExpertReader, dest: SlotDest, *, verify_crc32: bool) -> None:
+    def __init__(self, store: ExpertStore, reader: ExpertReader, dest: SlotDest, *, verify_crc32: bool,
+                 writes: SlotWrites | None = None) -> None:
         self._store = store
+        # Told when each batch starts and ends writing into slots (qnpipe.model.speculate).
+        self._writes = writes
         self._reader = reader
         self._dest = dest
         self._verify = verify_crc32
@@ -83,7 +87,23 @@ class StoreDevice:
 
     def submit(self, jobs: Sequence[Job]) -> Awaitable[list[int]]:
         """Hand the batch to a submitter thread now; the awaitable waits for it (qnpipe.io.device.submit)."""
-        return _nbytes(self._submitter.start(self._reader.read_batch, [self.request(j) for j in jobs]))
+        reqs = [self.request(j) for j in jobs]
+        writes = self._writes
+        if writes is None:
+            return _nbytes(self._submitter.start(self._reader.read_batch, reqs))
+
+        def read_batch(reqs: list[ReadRequest]) -> Any:
+            try:
+                return self._reader.read_batch(reqs)
+            finally:
+                writes.end()
+
+        writes.begin()
+        try:
+            return _nbytes(self._submitter.start(read_batch, reqs))
+        except BaseException:
+            writes.end()
+            raise
 
     def close(self) -> None:
         """Stop the submitter threads (idempotent)."""

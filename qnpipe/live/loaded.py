@@ -150,6 +150,8 @@ def load_model(model_dir: Path, cfg: Config, reader: ExpertReader | None = None,
                            cfg.predict.use_moe_input)
     traced = bool(cfg.trace.event_log_path or cfg.trace.route_trace)
     backend = MlxBackend(runner.loaded.model, {layer: s.experts for layer, s in slots.items()}, plan, traced)
+    if cfg.forward.speculate_hits:
+        backend.speculate(streaming.writes)
     return LoadedModel(cfg, runner, streaming, backend, mtp, stage, mtp_ring)
 
 
@@ -256,7 +258,7 @@ async def open_model_pipeline(core: LoadedModel, thread: MLXThread) -> AsyncIter
             yield p
         return
     store_device = StoreDevice(st.store, st.reader, lambda layer, slot: st.slots[layer].dest(slot),
-                               verify_crc32=core.cfg.read.verify_crc32)
+                               verify_crc32=core.cfg.read.verify_crc32, writes=st.writes)
     device: Any = store_device
     nbytes = {layer: st.store.layer_file(layer).record_nbytes for layer in st.capacities if layer != core.args.num_hidden_layers}
     if st.mtp is not None:

@@ -7,6 +7,7 @@ from typing import Any
 import attrs
 
 from qnpipe.io.reader import ExpertReader
+from qnpipe.io.slot_writes import SlotWrites
 from qnpipe.io.store import ExpertStore
 from qnpipe.model.slots import LayerSlots
 
@@ -20,6 +21,8 @@ class Streaming:
     slots: dict[int, LayerSlots]
     capacities: dict[int, int]
     mtp: Any = None  # the MTP layer's record layout and its reader (qnpipe.live.mtp.mtp_store.MtpLayer) when it streams
+    # Every write into `slots` (the live device's reads) is counted here: the forward's speculation reads it.
+    writes: SlotWrites = attrs.field(factory=SlotWrites)
 
     def close(self) -> None:
         self.reader.close()

@@ -32,16 +32,20 @@ import numpy as np
 
 from qnpipe.model.experts import LayerExperts, switch_glu
 from qnpipe.model.qwen3_next import Model, SparseMoeBlock
+from qnpipe.model.speculate import SlotWrites, Speculated, Speculation
 from qnpipe.model.stage import Remote
 from qnpipe.steps import Event, LayerRoute, PartDone, PartGrant, PredictPlan, Queued, StepDone, Tail
 
 
 def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: mx.array,
                   cache: list[Any], plan: PredictPlan | None = None, weights: bool = False,
-                  ) -> Generator[LayerRoute | PartDone | Queued, PartGrant, mx.array]:
+                  spec: Speculation | None = None) -> Generator[LayerRoute | PartDone | Queued, PartGrant, mx.array]:
     """Post-final-norm hidden states `[B, L, H]` of `inputs [B, L]`, yielding at each MoE router.
 
     `weights`: also hand the router's gate weights to the host (the event log records them).
+
+    `spec`: queue each small step's experts before the router's sync, from the slots they had
+    last time, and use them when the grant confirms (qnpipe.model.speculate).
 
     `slots` None: the experts attached to the model run in place (all resident, no yields).
 
@@ -64,7 +68,9 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
         inds, scores = moe.route(x)
         preds = _predict(m, plan, i, x, h) if plan is not None else []
         shared = moe.shared(x)
-        mx.eval(inds, scores, *[a for _, ids, p in preds for a in (ids, p)])  # one host sync for all
+        synced = (inds, scores, *[a for _, ids, p in preds for a in (ids, p)])
+        ahead = _speculate(spec, i, slots[i], moe, x, h, synced, shared) if spec is not None else None
+        mx.eval(*synced)  # one host sync for all
         # The shared expert needs no slot: it computes while the pool answers and reads.
         mx.async_eval(shared)
         k = inds.shape[-1]
@@ -73,11 +79,41 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
         w = np.array(scores.astype(mx.float32)).reshape(-1, k) if weights else None
         ids = np.array(inds)
         grant = yield LayerRoute(i, ids.reshape(-1, k), predictions, w)
+        full = grant.last and grant.lo == 0 and not grant.early
+        if ahead is not None and spec is not None and spec.confirm(i, ahead, ids, grant.slots if full else None):
+            h = ahead.h  # already queued
+            continue
+        if full and spec is not None and ids.size <= SPECULATE_PAIRS:
+            spec.learn(i, ids, grant.slots)
         y = yield from run_parts(native_run(slots[i]), x, ids, grant)
         h = h + moe.combine(x, y, scores, shared)
         # Start computing this layer while Python builds the next one up to its router.
         mx.async_eval(h)
     return m.norm(h)
+
+
+# Steps of at most this many (token, expert) pairs speculate (decode, MTP's verify steps): a
+# discarded prefill chunk's experts would cost the device a whole layer's expert work.
+SPECULATE_PAIRS = 64
+
+
+def _speculate(spec: Speculation, layer: int, w: LayerExperts, moe: SparseMoeBlock, x: mx.array, h: mx.array,
+               synced: tuple[mx.array, ...], shared: mx.array) -> Speculated | None:
+    """Queue the layer's output from the slots the map gives (qnpipe.model.speculate), or None.
+    `synced` (the router's ids and scores first) is what the host syncs on next."""
+    inds, scores = synced[0], synced[1]
+    if inds.size > SPECULATE_PAIRS:
+        return None
+    got = spec.slots(layer, inds)
+    if got is None:
+        return None
+    dev, host, epoch = got
+    # Queued apart first: an array evaluated with others waits for all of them (one event per
+    # eval), so the host's sync would wait for the speculated experts too, and nothing would overlap.
+    mx.async_eval(*synced)
+    out = h + moe.combine(x, switch_glu(w, x, dev), scores, shared)
+    mx.async_eval(out)
+    return Speculated(out, host, epoch)
 
 
 @attrs.frozen
@@ -230,6 +266,15 @@ class MlxBackend:
         # Pipeline parallel on rank 0 (qnpipe.live.parallel.lead): turns a step's tail into a pass
         # around the ring, (tail, cache) -> the tail rank 0 runs.
         self.ring_tail: Callable[[Tail, list[Any]], Tail] | None = None
+        # Hits queued before the pool answers (`speculate`); None: never.
+        self.spec: Speculation | None = None
+
+    def speculate(self, writes: SlotWrites) -> Speculation:
+        """Queue small steps' experts before the router's sync from here on (qnpipe.model.speculate);
+        `writes` must see every write into the slot arrays."""
+        assert self.slots is not None, "speculation needs slots"
+        self.spec = Speculation(writes, self.model.args.num_experts)
+        return self.spec
 
     def begin(self, inputs: Callable[[], mx.array], cache: list[Any], tail: Tail) -> Event:
         """Start a step on `inputs() [B, L]` (uint32, built here) and run it to its first yield."""
@@ -239,7 +284,7 @@ class MlxBackend:
             assert self.slots is not None, "an MTP step through the pool needs slots"
             self._gen = mtp_steps(self.model, self.slots, x, self.weights)
         else:
-            self._gen = forward_steps(self.model, self.slots, x, cache, self.plan, self.weights)
+            self._gen = forward_steps(self.model, self.slots, x, cache, self.plan, self.weights, self.spec)
         self._tail = tail if self.ring_tail is None else self.ring_tail(tail, cache)
         return self._advance(None)
 
