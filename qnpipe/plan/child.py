@@ -14,12 +14,15 @@ given (`config.rebuilt`: the account names them), and the parent's process line 
 in the parent, which the account sizes, not the child's interpreter). A qnpipe error or an OSError in
 the child (a budget too small, a log that is not one or cannot be read) is raised again in the parent as
 its own class with its own message; anything else names the child's exit status and the end of its stderr. Ctrl-C reaches the child
-too (one process group), and `subprocess.run` ends it if the parent alone is interrupted.
+too (one process group), `subprocess.run` ends it if the parent alone is interrupted, and on Linux it is
+killed when the parent is (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -70,8 +73,9 @@ def plan_in_child(cfg: Config, budget: int, *, log: Path | None, synth_path: Pat
                share=share, process=None if cfg.plan.process_bytes else measure_process())
     with tempfile.TemporaryDirectory(prefix="qnpipe-plan-child-") as d:
         out = Path(d)
-        code = f"import sys\nsys.path.insert(0, {_ROOT!r})\nfrom qnpipe.plan.child import main\nmain(sys.argv[1])\n"
-        proc = subprocess.run([sys.executable, "-c", code, str(out)], input=msgspec.json.encode(job),
+        code = (f"import sys\nsys.path.insert(0, {_ROOT!r})\nfrom qnpipe.plan.child import main\n"
+                "main(sys.argv[1], int(sys.argv[2]))\n")
+        proc = subprocess.run([sys.executable, "-c", code, str(out), str(os.getpid())], input=msgspec.json.encode(job),
                               capture_output=True, check=False)
         if (out / "failed.json").is_file():
             raise _again(msgspec.json.decode((out / "failed.json").read_bytes(), type=_Failed))
@@ -97,6 +101,20 @@ def _again(failed: _Failed) -> Exception:
     return QnpipeError(failed.message)
 
 
+def _die_with(parent: int) -> None:
+    """End when `parent` ends, even killed (Linux: PR_SET_PDEATHSIG): a planner nobody waits for any more
+    would go on using the memory and the cores the run was given."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # ended before the signal was asked for
+        raise SystemExit(1)
+
+
 def plan_here(cfg: Config, budget: int, *, log: Path | str | None, synth_path: Path | str | None,
               share: Share | None) -> Plan:
     """What the child runs, in this process: `make_plan` for `cfg`'s model at `budget`."""
@@ -108,11 +126,12 @@ def plan_here(cfg: Config, budget: int, *, log: Path | str | None, synth_path: P
                      context=cfg.plan.context_tokens, cfg=cfg, synth_path=synth_path, share=share)
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, parent: int) -> None:
     """The child: read the `_Job` on stdin, plan, write `plan.json` and `done.json` (or `failed.json`)."""
     from qnpipe.config import rebuilt
     from qnpipe.plan.process import adopt_measured
 
+    _die_with(parent)
     out = Path(out_dir)
     job = msgspec.json.decode(sys.stdin.buffer.read(), type=_Job)
     try:

@@ -121,12 +121,14 @@ def test_this_process_peak_does_not_hold_the_planning(model: Path, tmp_path: Pat
     assert startup < here / 4, (startup, here)
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a process")
-def test_ctrl_c_stops_the_planning_child(model: Path, tmp_path: Path) -> None:
+def _planning(model: Path, tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
+    """A process planning at start-up (a 50,000-step log: seconds of planning), once its planning child runs."""
     sets = _sets(model, **{"plan.log": str(_synth(model, tmp_path, 50_000)), "plan.cache_dir": str(tmp_path / "c")})
     code = ("import json, sys\nfrom qnpipe import config\nfrom qnpipe.plan.startup import plan_at_startup\n"
             "plan_at_startup(config.load(overrides=json.loads(sys.argv[1])))\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    (tmp_path / "t").mkdir()  # the run's temporary directories, the child's plan.json and done.json in one
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TMPDIR": str(tmp_path / "t")}
     parent = subprocess.Popen([sys.executable, "-c", code, json.dumps(sets)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
     children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children")
@@ -137,14 +139,36 @@ def test_ctrl_c_stops_the_planning_child(model: Path, tmp_path: Path) -> None:
         time.sleep(0.02)
     assert kids, "no planning child seen"
     time.sleep(0.5)  # into the planning
+    return parent, kids
+
+
+def _gone(kids: list[str]) -> bool:
+    deadline = time.monotonic() + 30  # a hang guard
+    while time.monotonic() < deadline:
+        if not [k for k in kids if Path(f"/proc/{k}").exists() and "Z" not in _state(k)]:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a process's children from /proc")
+def test_ctrl_c_stops_the_planning_child(model: Path, tmp_path: Path) -> None:
+    parent, kids = _planning(model, tmp_path)
     parent.send_signal(signal.SIGINT)  # to the parent alone: it ends the child
     _, err = parent.communicate(timeout=120)
     assert parent.returncode != 0 and b"KeyboardInterrupt" in err, err.decode()
-    deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{k}").exists() and "Z" not in _state(k) for k in kids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [k for k in kids if Path(f"/proc/{k}").exists() and "Z" not in _state(k)]
+    assert _gone(kids)
     assert not list((tmp_path / "c").glob("*/plan.json"))  # nothing cached from an interrupted plan
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+def test_a_killed_run_takes_its_planning_child_with_it(model: Path, tmp_path: Path) -> None:
+    parent, kids = _planning(model, tmp_path)
+    parent.send_signal(signal.SIGKILL)
+    parent.communicate(timeout=60)
+    assert _gone(kids)
+    # Killed with it, not left to plan to the end for nobody (its plan would be in the run's temporary dir).
+    assert not list((tmp_path / "t").rglob("done.json")) and not list((tmp_path / "t").rglob("plan.json"))
 
 
 def _state(pid: str) -> str:
