@@ -30,14 +30,13 @@ from pathlib import Path
 
 import msgspec
 
-import qnpipe
 from qnpipe.config import Config, explicit_settings
 from qnpipe.errors import QnpipeError
 from qnpipe.plan.plan_file import Plan, load_plan, save_plan
 from qnpipe.plan.process import high_water_bytes, measure_process
 from qnpipe.plan.ranks import Share
 
-_ROOT = str(Path(qnpipe.__file__).resolve().parent.parent)
+_ROOT = str(Path(__file__).resolve().parents[2])  # the directory that holds the qnpipe package
 _STDERR_TAIL = 2000
 
 
@@ -53,7 +52,7 @@ class _Job(msgspec.Struct, frozen=True, kw_only=True):
     process: tuple[int, str] | None  # None: plan.process_bytes is set, the child measures nothing
 
 
-class _Failed(msgspec.Struct, frozen=True, kw_only=True):
+class ChildFailure(msgspec.Struct, frozen=True, kw_only=True):
     """A qnpipe error in the child: its class (module, name) and those it derives from, and its message."""
 
     classes: list[tuple[str, str]]
@@ -78,7 +77,7 @@ def plan_in_child(cfg: Config, budget: int, *, log: Path | None, synth_path: Pat
         proc = subprocess.run([sys.executable, "-c", code, str(out), str(os.getpid())], input=msgspec.json.encode(job),
                               capture_output=True, check=False)
         if (out / "failed.json").is_file():
-            raise _again(msgspec.json.decode((out / "failed.json").read_bytes(), type=_Failed))
+            raise remade(msgspec.json.decode((out / "failed.json").read_bytes(), type=ChildFailure))
         if proc.returncode != 0 or not (out / "done.json").is_file():
             tail = proc.stderr.decode(errors="replace")[-_STDERR_TAIL:]
             raise QnpipeError(f"planning in a child process ({sys.executable}) failed: exit status "
@@ -87,7 +86,7 @@ def plan_in_child(cfg: Config, budget: int, *, log: Path | None, synth_path: Pat
         return load_plan(out / "plan.json"), done.peak_bytes
 
 
-def _again(failed: _Failed) -> Exception:
+def remade(failed: ChildFailure) -> Exception:
     """The child's error as the parent's: its own class when it can be made from the message, else the
     nearest qnpipe class it derives from (QnpipeError at the last); an OSError (a log that cannot be read)
     as the OSError class it was."""
@@ -141,7 +140,7 @@ def main(out_dir: str, parent: int) -> None:
         plan = plan_here(cfg, job.budget, log=job.log, synth_path=job.synth_path, share=job.share)
     except (QnpipeError, OSError) as e:
         classes = [(c.__module__, c.__qualname__) for c in type(e).__mro__ if issubclass(c, (QnpipeError, OSError))]
-        (out / "failed.json").write_bytes(msgspec.json.encode(_Failed(classes=classes, message=str(e))))
+        (out / "failed.json").write_bytes(msgspec.json.encode(ChildFailure(classes=classes, message=str(e))))
         return
     except KeyboardInterrupt:
         raise SystemExit(130) from None
@@ -149,4 +148,4 @@ def main(out_dir: str, parent: int) -> None:
     (out / "done.json").write_bytes(msgspec.json.encode(_Done(peak_bytes=high_water_bytes())))
 
 
-__all__ = ["plan_here", "plan_in_child"]
+__all__ = ["ChildFailure", "plan_here", "plan_in_child", "remade"]

@@ -18,7 +18,7 @@ import pytest
 from qnpipe import config
 from qnpipe.errors import QnpipeError, TraceSchemaError
 from qnpipe.plan import minimum_budget, model_facts
-from qnpipe.plan.child import _again, _Failed, plan_here, plan_in_child
+from qnpipe.plan.child import ChildFailure, plan_here, plan_in_child, remade
 from qnpipe.plan.startup import plan_at_startup
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,11 +82,11 @@ def test_an_error_in_the_child_is_raised_here_with_its_class_and_message(model: 
 
 
 def test_a_class_that_cannot_be_remade_falls_back_to_the_nearest_qnpipe_class() -> None:
-    failed = _Failed(classes=[("qnpipe.nowhere", "Gone"), ("qnpipe.errors", "TraceSchemaError"),
+    failed = ChildFailure(classes=[("qnpipe.nowhere", "Gone"), ("qnpipe.errors", "TraceSchemaError"),
                               ("qnpipe.errors", "QnpipeError")], message="m")
-    assert type(_again(failed)) is TraceSchemaError and str(_again(failed)) == "m"
-    assert type(_again(_Failed(classes=[("builtins", "FileNotFoundError")], message="gone"))) is FileNotFoundError
-    assert type(_again(_Failed(classes=[("builtins", "ValueError")], message="x"))) is QnpipeError  # not ours
+    assert type(remade(failed)) is TraceSchemaError and str(remade(failed)) == "m"
+    assert type(remade(ChildFailure(classes=[("builtins", "FileNotFoundError")], message="gone"))) is FileNotFoundError
+    assert type(remade(ChildFailure(classes=[("builtins", "ValueError")], message="x"))) is QnpipeError  # not ours
 
 
 _PEAKS = ("import json, sys\nfrom qnpipe import config\nfrom qnpipe.plan.process import high_water_bytes, measure_process\n"
