@@ -23,10 +23,14 @@ made once under --work), `measure_live`:
      the model (same disk), the store's record size among the sizes, saved as the profile file that
      `--device measured` reads (`read.device_profile_path`);
   2. cost-fit runs: `qnpipe generate MODEL --tokens 10 -n LIVE_TOKENS --temperature 1 --seed 100 --trace LOG`
-     at each of `--live-fit-slots` uniform slots per layer (16, 32, 64: hit rates spanning the budgets';
-     bench_stream's demand settings: direct I/O, 16 reads in flight, no chunking; and as a plan sets the
-     pool: no side region, no autopin, LRU), each in a
-     child process; the first log is the one the plans plan from (every run has its routes);
+     at uniform slots per layer (bench_stream's demand settings: direct I/O, 16 reads in flight, no
+     chunking; and as a plan sets the pool: no side region, no autopin, LRU; and MLX's buffer cache
+     capped where the plans cap it, `memory.mlx_cache_limit_gb` = the account's buffer-cache line, which
+     needs no cost), each in a child process; the first log is the one the plans plan from (every run has
+     its routes). The slots (`--live-fit-slots auto`): first what each budget affords uniformly (top-k
+     plus its `--live-fracs` of the experts), then, once planned (step 4), the plans' own capacities,
+     the largest and the smallest first: the fit sees the hit rates and the buffer cache the measured
+     runs have, never extrapolated to them (a list of slots instead cycles that list);
   3. the cost: `qnpipe.replay.cost_fit.fit_cost(LOGS, device, per_miss=True)` (what `qnpipe trace fit-cost
      LOGS --device measured --per-miss` writes): one least squares over every fit run's gaps;
   4. for each of 3 budgets (the fixed lines at `--live-context`, as a fresh process measures them, plus
@@ -35,7 +39,7 @@ made once under --work), `measure_live`:
   5. `--live-rounds` rounds, each: every budget's `-n LIVE_TOKENS --json --trace EVENTS` child (the cached
      plan; the same prompt and seed, so the same tokens and routes under the plan's slots and policy; an event
      log written and dropped, as the fit runs write theirs: the cost is fitted from gaps that hold the
-     log's writing), in an order rotated by round, then one more cost-fit run (the next of `--live-fit-slots`);
+     log's writing), in an order rotated by round, then one more cost-fit run (the next fit slots);
   6. the cost refitted from every fit run (before and between the measured ones: the machine's load
      drifts over minutes, so the cost is fitted side by side with the runs it predicts, never from them),
      and each budget planned again with it: the prediction compared is that plan's when it chose the slots
@@ -56,7 +60,8 @@ made once under --work), `measure_live`:
                         forward left out); tok_s_rel_err_first_cost: against the plans of step 4 (the cost of
                         the first fit runs alone)
   live_cost             the refitted cost's terms; live_fit_tok_s: each fit run's tok/s, in order, and
-                        live_fit_predicted_tok_s: each one's replay (its own slots) under that cost
+                        live_fit_predicted_tok_s: each one's replay (its own slots) under that cost;
+                        live_fit_slots: each one's slots; live_fit_cache_limit_gb: their buffer cache
   live                  per budget: budget, slots, policy, peak RSS, MLX peak, live and predicted tok/s, the
                         account's non-zero lines; with --live-baseline K=V (the budgets then start from that
                         setting's smallest budget), baseline_live_tok_s, baseline_peak_rss and
@@ -112,8 +117,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--live-rounds", type=int, default=5,
                    help="measured runs per budget: the median tok/s, the largest peaks (default 5)")
     p.add_argument("--live-context", type=int, default=256, help="plan.context_tokens of the live runs")
-    p.add_argument("--live-fit-slots", default="16,32,64",
-                   help="pool.expert_slots of the cost-fit runs, cycled: one each before planning, one per round")
+    p.add_argument("--live-fit-slots", default="auto",
+                   help="pool.expert_slots of the cost-fit runs, cycled: one each before planning, one per round "
+                        "(auto: what each budget affords uniformly, then the plans' own capacities)")
     p.add_argument("--profile", type=Path, default=None, help="a `qnpipe bench io` profile instead of measuring")
     p.add_argument("--live-baseline", action="append", default=[], metavar="KEY=VALUE",
                    help="also run, at each budget, the plan with this setting beside (budgets from its minimum), "
@@ -218,21 +224,27 @@ def _child(argv: list[str], sets: dict[str, object]) -> tuple[str, str, int]:
         return proc.stdout, proc.stderr, int(hwm.read_text())
 
 
-def _least(model: Path, sets: dict[str, object], context: int) -> int:
+def _least(model: Path, sets: dict[str, object], context: int) -> tuple[int, float]:
     """The bench model's smallest budget as a fresh process sees it (its own "process outside MLX" line:
-    this process has planned the 80B, and its resident set is not a generate child's)."""
+    this process has planned the 80B, and its resident set is not a generate child's), and the
+    `memory.mlx_cache_limit_gb` its plans set (the account's buffer-cache line: cost-free, so known
+    before any fit run)."""
     import subprocess
     import sys
 
     code = ("import sys, json\nfrom qnpipe import config\nfrom qnpipe.plan import minimum_budget, model_facts\n"
+            "from qnpipe.plan.account import CACHE_LINE, GB, fixed_lines\n"
             "sets = json.loads(sys.argv[1])\ncfg = config.load(None, overrides=sets)\n"
-            "print(minimum_budget(model_facts(sets['model.model_dir'], cfg), cfg, context=int(sys.argv[2])))\n")
+            "facts, context = model_facts(sets['model.model_dir'], cfg), int(sys.argv[2])\n"
+            "cache = next(x.nbytes for x in fixed_lines(facts, cfg, context=context) if x.name == CACHE_LINE)\n"
+            "print(minimum_budget(facts, cfg, context=context), cache / GB)\n")
     text_of = {True: "true", False: "false"}
     over = {k: (text_of[v] if isinstance(v, bool) else str(v)) for k, v in {**sets, "model.model_dir": model}.items()}
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(over), str(context)], capture_output=True, text=True,
                           env=env, check=True)
-    return int(proc.stdout.split()[-1])
+    least, cache_gb = proc.stdout.split()[-2:]
+    return int(least), float(cache_gb)
 
 
 def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
@@ -267,16 +279,36 @@ def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
     device = load_profile(device_file).profile
     base = {**LIVE_SET, "read.device_profile_path": device_file, **dict(kv.split("=", 1) for kv in args.live_set)}
     gen = ["generate", str(model), "--tokens", LIVE_PROMPT, "--temperature", "1", "--seed", "100"]
-    fit_slots = [int(x) for x in args.live_fit_slots.split(",")]
+    baseline = dict(kv.split("=", 1) for kv in args.live_baseline)
+    least, plan_cache_gb = _least(model, {**base, **baseline}, args.live_context)
+    if baseline:  # the budgets start at the baseline's minimum; the plans measured keep their own cache line
+        plan_cache_gb = _least(model, base, args.live_context)[1]
+    facts = model_facts(model, config.load(None, overrides={**base, "model.model_dir": str(model)}))
+    n_experts, top_k = facts.args.num_experts, facts.shape.top_k
+    all_records = sum(facts.record_nbytes.values()) * n_experts
+    fracs = [float(f) for f in args.live_fracs.split(",")]
+    budgets = [least + int(f * all_records) for f in fracs]
+    # The fit runs run as the plans will: their buffer cache (the plan's line), and slots spanning theirs:
+    # first what each budget affords uniformly (top-k + its fraction of the experts), then, once planned,
+    # each plan's largest and smallest capacity (module doc).
+    fit_set = {**base, **FIT_SET, "memory.mlx_cache_limit_gb": plan_cache_gb}
+    auto = args.live_fit_slots == "auto"
+    fit_slots = ([min(n_experts, top_k + round(f * n_experts)) for f in fracs] if auto
+                 else [int(x) for x in args.live_fit_slots.split(",")])
     fit_logs: list[Path] = []
     fit_tok_s: list[float] = []
+    fit_ran: list[int] = []  # each fit run's slots per layer, in order
+    cycle = [0]  # the next of fit_slots
 
     def fit_run() -> None:
-        """One cost-fit run: a traced run at the next of --live-fit-slots (uniform slots, LRU)."""
+        """One cost-fit run: a traced run at the next of the fit slots (uniform slots, LRU)."""
         log = tmp / f"fit-{len(fit_logs)}.qtrace"
+        slots = fit_slots[cycle[0] % len(fit_slots)]
+        cycle[0] += 1
         out, _, _ = _child([*gen, "-n", str(args.live_tokens), "--trace", str(log), "--json"],
-                           {**base, **FIT_SET, "pool.expert_slots": fit_slots[len(fit_logs) % len(fit_slots)]})
+                           {**fit_set, "pool.expert_slots": slots})
         fit_logs.append(log)
+        fit_ran.append(slots)
         fit_tok_s.append(_steps_tok_s(json.loads(out)))
 
     def cost(name: str) -> Path:
@@ -284,17 +316,12 @@ def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
         save_cost(path, fit_cost(fit_logs, device, per_miss=True))
         return path
 
-    for _ in fit_slots:
+    for _ in list(fit_slots):
         fit_run()
     log = fit_logs[0]  # the routes every run has (same prompt and seed; capacities never change them)
     first_cost = cost("cost-first.json")
-    baseline = dict(kv.split("=", 1) for kv in args.live_baseline)
-    least = _least(model, {**base, **baseline}, args.live_context)
-    facts = model_facts(model, config.load(None, overrides={**base, "model.model_dir": str(model)}))
-    all_records = sum(facts.record_nbytes.values()) * facts.args.num_experts
     plan_set = {**base, "plan.device": "measured", "plan.cache_dir": tmp / "plans",
                 "plan.context_tokens": args.live_context}
-    budgets = [least + int(float(f) * all_records) for f in args.live_fracs.split(",")]
 
     def plan_of(budget: int, cost_file: Path) -> Plan:
         """Plan (a child: `generate --memory ... -n 1`, cached) and read the plan it made."""
@@ -304,6 +331,10 @@ def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
         return load_plan(where.split("]")[0].strip())
 
     planned = {b: plan_of(b, first_cost) for b in budgets}
+    if auto:  # the rounds' fit runs: the plans' own capacities, the largest and the smallest first
+        caps = sorted({c for p in planned.values() for c in p.capacities.values()})
+        fit_slots[:] = [caps[-1], caps[0], *caps[1:-1]] if len(caps) > 1 else caps
+        cycle[0] = 0
     runs: dict[int, list[tuple[dict[str, Any], int]]] = {b: [] for b in budgets}
     base_runs: dict[int, list[tuple[dict[str, Any], int]]] = {b: [] for b in budgets}
     # Rounds: every budget once (in a rotated order), then one more cost-fit run, so the cost is
@@ -330,9 +361,8 @@ def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
     from qnpipe.replay.runner import replay
 
     fitted = load_cost(final_cost).cost
-    fit_pred = [replay(f, config.load(None, overrides={**base, **FIT_SET,
-                                                       "pool.expert_slots": fit_slots[i % len(fit_slots)]}),
-                       device_profile=device, cost=fitted).tok_s for i, f in enumerate(fit_logs)]
+    fit_pred = [replay(f, config.load(None, overrides={**fit_set, "pool.expert_slots": slots}),
+                       device_profile=device, cost=fitted).tok_s for f, slots in zip(fit_logs, fit_ran, strict=True)]
     rows = []
     for b in budgets:
         plan, first = plan_of(b, final_cost), planned[b]
@@ -374,7 +404,8 @@ def measure_live(args: argparse.Namespace, plans: list[Plan]) -> dict[str, Any]:
             "tok_s_rel_err_first_cost": round(max(rel(r, "live_tok_s", "predicted_tok_s_first_cost") for r in rows), 4),
             "tok_s_rel_err_decode": round(max(rel(r, "live_decode_tok_s", "predicted_tok_s") for r in rows), 4),
             "live_cost": {k: fit["cost"][k] for k in ("per_layer_s", "per_step_s", "per_miss_s", "read_hop_s")},
-            "live_fit_tok_s": [round(t, 3) for t in fit_tok_s], "live_fit_slots": fit_slots,
+            "live_fit_tok_s": [round(t, 3) for t in fit_tok_s], "live_fit_slots": fit_ran,
+            "live_fit_cache_limit_gb": plan_cache_gb,
             "live_fit_predicted_tok_s": [round(t, 3) for t in fit_pred],
             "live_set": args.live_set, "live_baseline": args.live_baseline, "live_loadavg": [round(x, 2) for x in os.getloadavg()],
             "live_model": str(model), "live_record_nbytes": record, "live_min_budget": least, "live": rows}

@@ -50,6 +50,7 @@ from qnpipe.config.loader import (
     load,
     override_path,
     parse_layer_set,
+    rebuilt,
     with_overrides,
 )
 
@@ -63,5 +64,5 @@ __all__ = [
     "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning",
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",
     "parse_layer_set", "PoolCfg", "PredictAgg", "PredictCfg", "PrefetchInto", "PrefixCfg", "ReadCfg",
-    "ReadBackend", "ReplacedSwitchWarning", "LEGACY_NAMES", "TraceCfg", "with_overrides", "override_path",
+    "ReadBackend", "ReplacedSwitchWarning", "LEGACY_NAMES", "TraceCfg", "with_overrides", "override_path", "rebuilt",
 ]

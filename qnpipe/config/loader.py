@@ -78,7 +78,7 @@ __all__ = [
     "load", "MemoryCfg", "ModelCfg", "MtpCfg", "MtpHidden", "MtpVerifyMode", "OVERRIDE_ALIASES",
     "parse_layer_set", "PoolCfg", "PredictAgg", "PredictCfg", "PrefetchInto", "PrefixCfg", "ReadCfg",
     "ReadBackend", "ReplacedSwitchWarning", "LEGACY_NAMES", "TraceCfg", "with_overrides",
-    "override_path",
+    "override_path", "rebuilt",
 ]
 
 class NotImplementedConfigWarning(UserWarning):
@@ -187,6 +187,12 @@ def explicit_settings(cfg: Config) -> dict[str, str]:
         if path not in given and value != spec.default:
             given[path] = f"{path}={_shown(value)}"
     return given
+
+
+def rebuilt(tree: Mapping[str, Any], given: Mapping[str, str]) -> Config:
+    """The Config another process had: `tree` its ``msgspec.to_builtins``, `given` its ``explicit_settings``
+    (which settings were given, and where: a plan's account names them), e.g. for a child that plans."""
+    return _finish(dict(tree), given)
 
 
 def load(

@@ -6,7 +6,8 @@
 `units` reads sizes ("8GB"), `account` adds up what a run takes besides the pool, `allocate` spreads
 slots over layers by the miss-ratio curves, `search` replays the candidates, `make` puts it together,
 `plan_file` is the versioned plan file and its config overrides, `fixed` what the user's own settings
-fix of a plan, `check` whether a cached plan is one the planner could have made, `plot` draws it;
+fix of a plan, `check` whether a cached plan is one the planner could have made, `child` plans at start-up in a
+child process (`startup`), `plot` draws it;
 `layer_split` and `ranks` split the layers over the ranks of a ring (by bytes; by the memory account). Loading it loads
 no MLX (the model's tensors are read from the safetensors headers; the KV bytes per token are
 qnpipe.model.kvquant's, imported when an account is made).

@@ -83,6 +83,13 @@ def measure_process() -> tuple[int, str]:
     return _measured
 
 
+def adopt_measured(measured: tuple[int, str]) -> None:
+    """Take `measured` (another process's `measure_process()`) as this process's figure: a child that plans
+    for its parent accounts the parent's process, not its own (qnpipe.plan.child)."""
+    global _measured
+    _measured = (int(measured[0]), str(measured[1]))
+
+
 def process_nbytes(cfg: Config) -> tuple[int, str]:
     """`plan.process_bytes` when set (non-zero), else this process measured (`measure_process`)."""
     if cfg.plan.process_bytes:
@@ -90,4 +97,4 @@ def process_nbytes(cfg: Config) -> tuple[int, str]:
     return measure_process()
 
 
-__all__ = ["ENGINE_IMPORTS", "RUN_GROWTH_BYTES", "high_water_bytes", "measure_process", "process_nbytes", "resident_bytes"]
+__all__ = ["ENGINE_IMPORTS", "RUN_GROWTH_BYTES", "adopt_measured", "high_water_bytes", "measure_process", "process_nbytes", "resident_bytes"]

@@ -38,11 +38,11 @@ from qnpipe.errors import ConfigError
 from qnpipe.io.atomic import atomic_write
 from qnpipe.plan.account import ModelFacts
 from qnpipe.plan.check import plan_problems
+from qnpipe.plan.child import plan_in_child
 from qnpipe.plan.family_account import FamilyFacts, dir_facts
 from qnpipe.plan.fixed import Fixed, user_fixed
-from qnpipe.plan.make import SYNTH, check_budgets, make_plan, resolve_cost, resolve_device
+from qnpipe.plan.make import SYNTH, check_budgets, resolve_cost, resolve_device
 from qnpipe.plan.plan_file import PLAN_VERSION, Plan, capacity_profile, load_plan, plan_settings, save_plan
-from qnpipe.plan.process import high_water_bytes
 from qnpipe.plan.ranks import Share
 from qnpipe.plan.units import fmt_bytes, parse_memory
 from qnpipe.replay.cost import CostModel
@@ -183,15 +183,14 @@ def _plan(cfg: Config, facts: ModelFacts | FamilyFacts, budget: int, share: Shar
         # A rank's own directory: ranks on one machine share the cache and must not write one file at once.
         synth = None if unusable else (root if share is None else cache) / \
             f"synth-{s.num_layers}x{s.num_experts}x{s.top_k}.qtrace"  # else make_plan's private temp dir
-        before = high_water_bytes()
-        plan = make_plan(facts, budget, log=log, device=cfg.plan.device, cost=cfg.plan.cost_path or None,
-                         context=cfg.plan.context_tokens, cfg=cfg, synth_path=synth, share=share)
+        # In a child process (qnpipe.plan.child): the log, its curves and the candidates' replays are held
+        # there and freed with it, not in this process, whose peak is what the budget bounds.
+        plan, peak = plan_in_child(cfg, budget, log=log, synth_path=synth, share=share)
         where = f"planned in {plan.plan_s:.1f} s, "
-        # Planning ran in this process before the model loads: a high-water mark it raised above the budget is its own
-        # (one that was already there, in a long-lived or test process, is not).
-        if (peak := high_water_bytes()) is not None and peak > max(budget, before or 0):
-            say(f"planning itself peaked at {fmt_bytes(peak)} resident, above the budget {fmt_bytes(budget)}: "
-                f"plan once beforehand (the same command; the plan is cached) so a run does not plan")
+        if peak is not None and peak > budget:
+            say(f"planning itself (a child process, before the model loads) peaked at {fmt_bytes(peak)} resident, "
+                f"above the budget {fmt_bytes(budget)}: plan once beforehand (the same command; the plan is "
+                f"cached) so a run does not plan")
         try:
             if unusable:
                 raise OSError(unusable)

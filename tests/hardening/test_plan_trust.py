@@ -165,7 +165,7 @@ def test_a_crafted_cached_plan_is_said_and_planned_again(model: Path, genuine: d
 
     # Planning again gives the genuine plan (real replans: the model-directory probe and the rows below).
     again = msgspec.json.decode(json.dumps(genuine), type=Plan)
-    monkeypatch.setattr("qnpipe.plan.startup.make_plan", lambda *a, **k: again)
+    monkeypatch.setattr("qnpipe.plan.startup.plan_in_child", lambda *a, **k: (again, None))
     cfg = _cfg(model, tmp_path, _budget(model), **user)
     path = _cached(cfg)
     crafted = json.loads(json.dumps(genuine))

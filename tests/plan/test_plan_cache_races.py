@@ -92,9 +92,18 @@ def test_a_planner_killed_mid_write_leaves_no_torn_cache(model: Path) -> None:
     _whole(plans)
 
 
+def _in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan in this process (what the planning child runs: qnpipe.plan.child.plan_here), so a patch reaches it."""
+    from qnpipe.plan.child import plan_here
+
+    monkeypatch.setattr("qnpipe.plan.startup.plan_in_child", lambda cfg, budget, **kw: (plan_here(cfg, budget, **kw),
+                                                                                         None))
+
+
 def test_an_interrupted_synthetic_log_leaves_nothing(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from qnpipe.plan import make
 
+    _in_process(monkeypatch)
     real = make.write_synth
 
     def torn(path: Path, spec: object, **_: object) -> Path:
@@ -139,14 +148,18 @@ def test_a_read_only_model_directory_plans_uncached_and_says_so(read_only: Path)
 
 
 def test_planning_above_the_budget_is_said(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Planning runs before the model loads, in the process: a high-water mark it raised above the budget is said
-    (one already above before planning is not planning's own: a long-lived process, a test process)."""
+    """Planning runs before the model loads, in a child process: its peak above the budget is said (the
+    child's real plan, its peak made one byte above the budget)."""
+    from qnpipe.plan import child
+
     sets = _sets(model)
-    marks = iter([0, int(str(sets["plan.memory"])) + 1])  # before planning, then after: planning set the peak
-    monkeypatch.setattr("qnpipe.plan.startup.high_water_bytes", lambda: next(marks))
+    real = child.plan_in_child
+    monkeypatch.setattr("qnpipe.plan.startup.plan_in_child",
+                        lambda cfg, budget, **kw: (real(cfg, budget, **kw)[0], int(str(sets["plan.memory"])) + 1))
     said: list[str] = []
     plan_at_startup(config.load(overrides=sets), say=said.append)
-    assert any(s.startswith("planning itself peaked at ") and "above the budget" in s for s in said), said
+    assert any(s.startswith("planning itself (a child process, before the model loads) peaked at ")
+               and "above the budget" in s for s in said), said
     said.clear()  # a cached plan plans nothing
     plan_at_startup(config.load(overrides=sets), say=said.append)
     assert not any("planning itself" in s for s in said)
