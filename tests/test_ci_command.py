@@ -17,7 +17,13 @@ def ci_command(script: str) -> str:
 def test_ci_runs_the_readme_command_verbatim() -> None:
     command = ci_command((ROOT / ".ci" / "run").read_text())
     assert f"```sh\n{command}\n```" in (ROOT / "README.md").read_text()
-    assert command.endswith("-m pytest --durations=25")
+    assert command.endswith("-m pytest -n 2 --dist loadfile --durations=25")
+
+
+def test_the_ci_commands_workers_come_with_the_test_extra() -> None:
+    """`-n 2` is pytest-xdist's option: a fresh `pip install -e ".[test]"` must bring it."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert any(req.startswith("pytest-xdist>=") for req in extra), extra
 
 
 def test_the_fast_loop_selects_by_a_registered_marker() -> None:
