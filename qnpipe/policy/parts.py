@@ -1,9 +1,11 @@
-"""Splitting one step's tokens at a layer into parts whose experts fit the layer's pool.
+"""Splitting one step at a layer into parts whose experts fit the layer's pool.
 
 A long prefill chunk (and later an MTP verify batch) can route to more distinct experts
-than a layer has slots. The step then runs the layer in parts: consecutive token ranges,
-each with a union of experts that fits, every token still getting exactly its own
-experts. Never an alias, never a dropped expert.
+than a layer has slots. The step then runs the layer in parts, either token-major
+(`plan_parts`: consecutive token ranges, each with a union of experts that fits) or
+expert-major (`plan_parts_by_expert`, forward.parts=experts: sets of experts, each run on
+all the pairs routed to it, so an expert is read once per layer-step). Every token still
+gets exactly its own experts. Never an alias, never a dropped expert.
 """
 
 from __future__ import annotations
@@ -67,3 +69,33 @@ def _parts_in_router_order(experts: Sequence[int], k: int, capacity: int, layer:
         cur.update(dict.fromkeys(row))
     parts.append((lo, len(experts) // k, tuple(cur)))
     return parts
+
+
+def plan_parts_by_expert(experts: Sequence[int], k: int, capacity: int, *, layer: int = -1,
+                         router_order: bool = False, first: Sequence[int] = ()) -> tuple[list[Part], list[int]]:
+    """Expert-major parts of one step at a layer: each part a set of at most `capacity` of the step's
+    experts, run on every (token, expert) pair routed to them, so each expert is read once per
+    layer-step however many tokens name it. Every part spans all the tokens (`0, n`). Returns the parts
+    and each part's count of pairs. One part, the same as `plan_parts_flat`'s, when the union fits.
+
+    The union is served in ascending id (`router_order`: as the router first names them) except that
+    the experts of `first` (the last part of the layer's previous split step, still in the pool unless
+    evicted since) come first, and the first part takes the remainder so the last is full: the next
+    split step of the layer then starts with what this one leaves in memory."""
+    if k > capacity:
+        raise CapacityError(f"layer {layer}: a token routes to {k} experts, the layer has {capacity} usable slots")
+    n = len(experts) // k
+    union = list(dict.fromkeys(experts)) if router_order else sorted(set(experts))
+    if len(union) <= capacity:
+        return [(0, n, tuple(union))], [len(experts)]
+    if first:
+        keep = set(first)
+        union = [e for e in union if e in keep] + [e for e in union if e not in keep]
+    cuts = list(range(len(union) % capacity or capacity, len(union), capacity))
+    groups = [union[a:b] for a, b in zip([0, *cuts], [*cuts, len(union)], strict=True)]
+    parts: list[Part] = [(0, n, tuple(g if router_order else sorted(g))) for g in groups]
+    owner = {e: i for i, g in enumerate(groups) for e in g}
+    pairs = [0] * len(groups)
+    for e in experts:
+        pairs[owner[e]] += 1
+    return parts, pairs
