@@ -93,7 +93,8 @@ def plan_parts_by_expert(experts: Sequence[int], k: int, capacity: int, *, layer
         union = [e for e in union if e in keep] + [e for e in union if e not in keep]
     cuts = list(range(len(union) % capacity or capacity, len(union), capacity))
     groups = [union[a:b] for a, b in zip([0, *cuts], [*cuts, len(union)], strict=True)]
-    parts: list[Part] = [(0, n, tuple(g if router_order else sorted(g))) for g in groups]
+    named = {e: i for i, e in enumerate(dict.fromkeys(experts))} if router_order else None
+    parts: list[Part] = [(0, n, tuple(sorted(g, key=named.__getitem__) if named else sorted(g))) for g in groups]
     owner = {e: i for i, g in enumerate(groups) for e in g}
     pairs = [0] * len(groups)
     for e in experts:
