@@ -34,7 +34,7 @@ import numpy as np
 from qnpipe.messages import Acquire, Candidates, ForwardDone, ForwardInbox, Granted, PoolInbox, Present, Release
 from qnpipe.policy.outbox import Outbox
 from qnpipe.policy.pace import Pace
-from qnpipe.policy.parts import Part, plan_parts_by_expert, plan_parts_flat
+from qnpipe.policy.parts import Part, Splitter
 from qnpipe.steps import PartGrant
 from qnpipe.trace.format import UnionSize, route_record
 
@@ -129,8 +129,7 @@ class ForwardCore:
     # so the entries of others may be stale (an early layer-step clears its own first: -1 = not there yet).
     _luts: dict[int, np.ndarray] = attrs.field(factory=dict)
     _held: list[PoolInbox] = attrs.field(factory=list)  # the last Release of a layer-step (hold_last_release)
-    # layer -> the experts of its last split layer-step's last part, which the next split one serves first
-    _tails: dict[int, tuple[int, ...]] = attrs.field(factory=dict)
+    _splitter: Splitter | None = None  # made at the first route: `by_expert` and `router_order` are set by then
 
     def __attrs_post_init__(self) -> None:
         self.pace = Pace(self.moe_order)
@@ -185,17 +184,11 @@ class ForwardCore:
         if self.logging:
             assert ids is not None
             out.log.append(route_record({"t": now, "seq": self._seq()}, self.step, layer, ids, weights))
-        pair_tokens = None
-        if self.by_expert:
-            parts, counts = plan_parts_by_expert(experts, k, self.capacities[layer], layer=layer,
-                                                router_order=self.router_order, first=self._tails.get(layer, ()))
-            if len(parts) > 1:
-                self._tails[layer] = parts[-1][2]
-                pair_tokens = [p / k for p in counts]
-            else:
-                pair_tokens = None
-        else:
-            parts = plan_parts_flat(experts, k, self.capacities[layer], layer=layer, router_order=self.router_order)
+        split = self._splitter
+        if split is None:
+            split = self._splitter = Splitter(self.by_expert, router_order=self.router_order)
+        parts, counts = split.split(experts, k, self.capacities[layer], layer)
+        pair_tokens = None if counts is None else [p / k for p in counts]
         if self.union_prof:
             n, union = len(experts) // k, len({e for _, _, ex in parts for e in ex})
             acc = self.stats.union_sizes.setdefault((n, layer), [0, 0, 0])

@@ -100,3 +100,33 @@ def plan_parts_by_expert(experts: Sequence[int], k: int, capacity: int, *, layer
     for e in experts:
         pairs[owner[e]] += 1
     return parts, pairs
+
+
+class Splitter:
+    """A run's layer-steps split into parts as the forward splits them, in step order: expert-major
+    (`by_expert`, forward.parts=experts) or token ranges. Expert-major parts depend on the layer's
+    previous split step (`plan_parts_by_expert`'s `first`), so one splitter follows one run (one
+    capacity) from its first step. What replay's curves, optimum and cost fit split with."""
+
+    __slots__ = ("by_expert", "router_order", "_tails")
+
+    def __init__(self, by_expert: bool, *, router_order: bool = False) -> None:
+        self.by_expert = by_expert
+        self.router_order = router_order
+        self._tails: dict[int, tuple[int, ...]] = {}
+
+    def split(self, experts: Sequence[int], k: int, capacity: int, layer: int = -1) -> tuple[list[Part], list[int] | None]:
+        """The parts of `layer`'s step routed to `experts` (flat, `k` per token) at `capacity`, and each part's
+        (token, expert) pairs when they are more than one expert-major part (else None)."""
+        if not self.by_expert:
+            return plan_parts_flat(experts, k, capacity, layer=layer, router_order=self.router_order), None
+        parts, pairs = plan_parts_by_expert(experts, k, capacity, layer=layer, router_order=self.router_order,
+                                            first=self._tails.get(layer, ()))
+        if len(parts) == 1:
+            return parts, None
+        self._tails[layer] = parts[-1][2]
+        return parts, pairs
+
+    def parts(self, experts: Sequence[int], k: int, capacity: int, layer: int = -1) -> list[Part]:
+        """`split`'s parts alone."""
+        return self.split(experts, k, capacity, layer)[0]

@@ -48,7 +48,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from qnpipe.policy.parts import plan_parts_flat
+from qnpipe.policy.parts import Splitter
 from qnpipe.replay.belady import belady_hits
 from qnpipe.replay.log import load_log
 from qnpipe.trace import ModelShape
@@ -398,12 +398,14 @@ def belady_layers(reqs: np.ndarray, num_experts: int, *, native: bool | None = N
 
 
 def mrc(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShape, *,
-        policies: Sequence[str] = POLICIES, log: str = "", native: bool | None = None) -> MrcResult:
+        policies: Sequence[str] = POLICIES, log: str = "", native: bool | None = None,
+        by_expert: bool = True) -> MrcResult:
     """The curves of a log's routes (`ReplayLog.steps`): every layer that routes, and their total over them.
 
     Capacities run from `shape.top_k` to `shape.num_experts`; a layer whose largest step needs more
     slots than a capacity replays that capacity on its own (module doc). `native`: the C loops or the
-    numpy ones (None: C when built)."""
+    numpy ones (None: C when built). `by_expert`: a split step's parts are the forward's with
+    forward.parts=experts (the default), else token ranges."""
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"policy {p!r}: unknown, known: {', '.join(POLICIES)}")
@@ -458,7 +460,8 @@ def mrc(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShap
                     continue
                 if raw is None:
                     raw = [experts for step in steps for ly, experts in step if ly == layer]
-                parts = [ex for experts in raw for _, _, ex in plan_parts_flat(experts, k, c, layer=layer)]
+                split = Splitter(by_expert)
+                parts = [ex for experts in raw for _, _, ex in split.parts(experts, k, c, layer)]
                 hl.append(belady_hits(parts, c) if policy == "belady" else lru_hits(parts, c))
                 nl.append(sum(map(len, parts)))
             own.append(Curve(policy=policy, layer=layer, capacities=caps, hits=hl, requests=nl))
@@ -487,10 +490,11 @@ def _dense(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelS
     return None if (ordered[..., 1:] == ordered[..., :-1]).any() else arr
 
 
-def miss_ratio_curves(path: str | Path, *, policies: Sequence[str] = POLICIES, native: bool | None = None) -> MrcResult:
+def miss_ratio_curves(path: str | Path, *, policies: Sequence[str] = POLICIES, native: bool | None = None,
+                      by_expert: bool = True) -> MrcResult:
     """`mrc` of the log at `path` (qnpipe.replay.load_log checks it)."""
     log = load_log(path)
-    return mrc(log.steps, log.shape, policies=policies, log=str(path), native=native)
+    return mrc(log.steps, log.shape, policies=policies, log=str(path), native=native, by_expert=by_expert)
 
 
 __all__ = ["ALL", "POLICIES", "Curve", "MrcResult", "belady_layers", "belady_one_pass", "layer_requests", "lru_hits",
