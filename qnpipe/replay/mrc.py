@@ -28,7 +28,8 @@ Both passes run as C loops (cextensions/mrc_opt.c: `qnpipe.replay._mrc_opt`, opt
 loaded with ctypes) when it was built, else in numpy, a step of all layers at a time: the same
 numbers (tests/replay/test_mrc.py runs both), the numpy ones tens of times slower.
 
-A multi-token step whose experts do not fit C slots runs in parts (qnpipe.policy.parts), so the
+A multi-token step whose experts do not fit C slots runs in parts (qnpipe.policy.parts.Splitter, as the
+forward with forward.parts splits it: `by_expert`), so the
 requests themselves depend on C below a layer's largest step union: those capacities are replayed
 one by one (the slot table for LRU, qnpipe.replay.belady for Belady). Logs of one-token steps never
 need that.
