@@ -28,11 +28,10 @@ Both passes run as C loops (cextensions/mrc_opt.c: `qnpipe.replay._mrc_opt`, opt
 loaded with ctypes) when it was built, else in numpy, a step of all layers at a time: the same
 numbers (tests/replay/test_mrc.py runs both), the numpy ones tens of times slower.
 
-A multi-token step whose experts do not fit C slots runs in parts (qnpipe.policy.parts.Splitter, as the
-forward with forward.parts splits it: `by_expert`), so the
-requests themselves depend on C below a layer's largest step union: those capacities are replayed
-one by one (the slot table for LRU, qnpipe.replay.belady for Belady). Logs of one-token steps never
-need that.
+A multi-token step whose experts do not fit C slots runs in parts (qnpipe.policy.parts.Splitter, as
+forward.parts splits it: `by_expert`), so the requests themselves depend on C below a layer's largest
+step union: those capacities are replayed one by one (the slot table for LRU, qnpipe.replay.belady for
+Belady). Logs of one-token steps never need that.
 """
 
 from __future__ import annotations
@@ -405,8 +404,7 @@ def mrc(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShap
 
     Capacities run from `shape.top_k` to `shape.num_experts`; a layer whose largest step needs more
     slots than a capacity replays that capacity on its own (module doc). `native`: the C loops or the
-    numpy ones (None: C when built). `by_expert`: a split step's parts are the forward's with
-    forward.parts=experts (the default), else token ranges."""
+    numpy ones (None: C when built). `by_expert`: split steps as forward.parts=experts does, else tokens."""
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"policy {p!r}: unknown, known: {', '.join(POLICIES)}")
@@ -461,8 +459,8 @@ def mrc(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShap
                     continue
                 if raw is None:
                     raw = [experts for step in steps for ly, experts in step if ly == layer]
-                split = Splitter(by_expert)
-                parts = [ex for experts in raw for _, _, ex in split.parts(experts, k, c, layer)]
+                split = Splitter(by_expert).parts  # one per capacity: a layer's parts depend on its previous split
+                parts = [ex for experts in raw for _, _, ex in split(experts, k, c, layer)]
                 hl.append(belady_hits(parts, c) if policy == "belady" else lru_hits(parts, c))
                 nl.append(sum(map(len, parts)))
             own.append(Curve(policy=policy, layer=layer, capacities=caps, hits=hl, requests=nl))
