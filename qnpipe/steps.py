@@ -47,6 +47,11 @@ class PartGrant(msgspec.Struct, frozen=True):
     `early`: only the experts in memory so far have a slot (the others are -1, being read).
     The backend queues the work of those it has not queued yet and answers `Queued`; more
     early grants may follow as reads land, then the same part's full grant.
+
+    `by_expert`: an expert-major part (qnpipe.policy.parts.plan_parts_by_expert): `lo:hi` is
+    every token, and only the pairs of this part's experts have a slot (the others are -1, the
+    layer's other parts). The backend runs those pairs; the last part puts all the layer's
+    pairs back in the router's order.
     """
 
     lo: int
@@ -55,6 +60,13 @@ class PartGrant(msgspec.Struct, frozen=True):
     last: bool
     early: bool = False
     misses: int = 0  # experts the grant read (the replay's cost charges compute per miss: CostModel.per_miss_s)
+    by_expert: bool = False
+    pair_tokens: float = 0.0  # by_expert: the part's pairs / top-k, the tokens' worth of its compute
+
+    @property
+    def tokens(self) -> float:
+        """The tokens' worth of compute the part runs (replay's cost model)."""
+        return self.pair_tokens if self.by_expert else self.hi - self.lo
 
 
 @attrs.frozen

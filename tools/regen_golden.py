@@ -29,17 +29,24 @@ LOGS: dict[str, tuple[int, int, int, int, int, int]] = {
 }
 NBYTES = 98304
 
+# The skewed log's first step does not fit 8 or 12 slots: the cases made before expert-major parts
+# (forward.parts) keep token-range parts, "skewed-lru-8-by-expert" has the default.
+_TOKENS = {"forward.parts": "tokens"}
+
 # name -> the log and the replay's settings
 CASES: dict[str, dict[str, Any]] = {
-    "skewed-lru-8": {"log": "skewed-4x32-top4", "set": {"pool.expert_slots": 8, "pool.evict_policy": "lru"}},
+    "skewed-lru-8": {"log": "skewed-4x32-top4", "set": {"pool.expert_slots": 8, "pool.evict_policy": "lru", **_TOKENS}},
+    "skewed-lru-8-by-expert": {"log": "skewed-4x32-top4", "set": {"pool.expert_slots": 8, "pool.evict_policy": "lru"}},
     "skewed-lfu-12-slow-device": {
-        "log": "skewed-4x32-top4", "set": {"pool.expert_slots": 12, "pool.evict_policy": "lfu", "read.workers": 4},
+        "log": "skewed-4x32-top4",
+        "set": {"pool.expert_slots": 12, "pool.evict_policy": "lfu", "read.workers": 4, **_TOKENS},
         "device": {"bandwidth_bytes_per_s": 1e9, "latency_s": 6e-5, "per_mb_latency_s": 7e-4, "queue_depth": 2},
         "cost": {"per_layer_s": 2e-3, "per_token_s": 1e-4, "per_step_s": 7e-4, "read_hop_s": 9e-4}},
-    "skewed-layer-table-8": {"log": "skewed-4x32-top4", "set": {"pool.expert_slots": 8},
+    "skewed-layer-table-8": {"log": "skewed-4x32-top4", "set": {"pool.expert_slots": 8, **_TOKENS},
                              "cost": {"per_layer_s": 2e-3, "per_step_s": 5e-4,
                                       "layer_table": {0: 1e-3, 1: 1e-3, 2: 1e-3, 3: 4e-3}}},
-    "skewed-previous-8": {"log": "skewed-4x32-top4", "set": {"pool.expert_slots": 8}, "predictor": "previous"},
+    "skewed-previous-8": {"log": "skewed-4x32-top4", "set": {"pool.expert_slots": 8, **_TOKENS},
+                          "predictor": "previous"},
     "uniform-fifo-4": {"log": "uniform-3x16-top2", "set": {"pool.expert_slots": 4, "pool.evict_policy": "fifo"}},
 }
 

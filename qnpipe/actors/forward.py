@@ -60,6 +60,7 @@ class Forward:
     # A one-part layer-step of fewer (token, expert) pairs asks for early grants: the backend
     # starts the experts in memory while the rest are read (0 = never).
     early_pairs: int = 0
+    by_expert: bool = False  # forward.parts=experts: split layer-steps run in parts of experts
     route_verify: bool = False
     emit: Callable[[Msg], None] | None = None  # the recorder's (qnpipe.actors.recorder); None = no trace
     # read.verify_hit_bytes: (layer, experts, slots) -> raises when a slot's bytes differ from disk
@@ -77,7 +78,7 @@ class Forward:
 
     def __attrs_post_init__(self) -> None:
         self.core = ForwardCore(self.capacities, self.num_experts, self.moe_order, early_pairs=self.early_pairs,
-                                route_verify=self.route_verify, logging=self.emit is not None,
+                                route_verify=self.route_verify, logging=self.emit is not None, by_expert=self.by_expert,
                                 union_prof=self.union_prof, hold_last_release=self.inline is not None)
 
     def use_inline(self, inline: InlinePool) -> None:

@@ -185,6 +185,7 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
     fwd = Forward(backend, pool_tx, grant_rx, pass_caps, num_experts, route_verify=cfg.diag.route_verify,
                   to_predictor=cand_tx if predicting else None, moe_order=dict(policy.moe_order),
                   check_bytes=check_bytes, emit=emit, union_prof=cfg.diag.union_prof,
+                  by_expert=cfg.forward.parts == "experts",
                   # a backend that can start a layer's experts before all are read says for how many pairs
                   early_pairs=getattr(backend, "early_pairs", 0) if cfg.forward.early_grants else 0)
     pool_core = PoolCore(policy, logging=emit is not None)

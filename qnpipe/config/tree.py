@@ -318,6 +318,10 @@ class ForwardCfg(_Section, frozen=True):
     # logits bit-identical across memory budgets, and a long chunk reads each expert a layer-step
     # needs once for all its tokens (qnpipe.policy.prefill; docs/model.md "Prefill chunk").
     prefill_chunk_tokens: Annotated[NonNegInt, _doc("prefill in chunks of N tokens (0 = whole prompt)")] = 512
+    # Expert-major parts read each expert a split layer-step needs once; token-major ranges re-read an
+    # expert for every range that names it (qnpipe.policy.parts).
+    parts: Annotated[Literal["experts", "tokens"], _doc(
+        "a layer-step whose experts do not fit the layer's slots runs in parts of experts or of tokens")] = "experts"
     moe_topk_override: Annotated[Annotated[PosInt, _cap(1 << 16)] | None, _doc(
         "diagnostic: change the router's top-k (breaks exactness)")] = None
     # Not a switch of the system qnpipe replaces: off is the A/B reference (tools/bench_stream.py).

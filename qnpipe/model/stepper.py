@@ -4,7 +4,8 @@
 router's ids, yields them (`LayerRoute`) and waits for the slots that hold those
 experts (`PartGrant`), then runs them from the layer's slot arrays with the same kernels
 as the all-resident model (qnpipe.model.experts.switch_glu). When one step's experts do
-not fit a layer at once, the forward sends several parts, each a range of tokens whose
+not fit a layer at once, the forward sends several parts, each a set of experts that fit
+(`PartGrant.by_expert`: it runs every pair routed to them) or a range of tokens whose
 experts fit; a part that is not the last is evaluated before the next is granted
 (`PartDone`), so its slots can be rewritten.
 
@@ -191,6 +192,8 @@ def run_parts(run: RunExperts, x: mx.array, ids: np.ndarray,
             return _complete(run, x, ids, slots, early)
         # One part: the very shapes the all-resident block uses, so results match it bit for bit.
         return run(x, ids, slots)
+    if grant.by_expert:
+        return (yield from _expert_parts(run, x, ids, grant))
     flat = x.reshape(-1, x.shape[-1])
     flat_ids = ids.reshape(-1, shape[-1])
     outs = []
@@ -214,6 +217,31 @@ def _pairs(run: RunExperts, x: mx.array, ids: np.ndarray, pairs: np.ndarray, slo
     k = slots.shape[-1]
     rows = x.reshape(-1, x.shape[-1])[mx.array(pairs // k)]
     return run(rows, ids.reshape(-1)[pairs][:, None], slots.reshape(-1)[pairs][:, None])[:, 0]
+
+
+def _expert_parts(run: RunExperts, x: mx.array, ids: np.ndarray,
+                  grant: PartGrant) -> Generator[PartDone, PartGrant, mx.array]:
+    """`[*ids.shape, H]` over expert-major parts: each runs the pairs its experts have slots for (the
+    others' are -1) in one call, in ascending pair order; the last puts every pair back in its place.
+    A pair's output row does not depend on the other rows of its call (tests/model/test_pair_rows.py),
+    so this equals the one-pass call bit for bit."""
+    done: list[np.ndarray] = []
+    ys: list[mx.array] = []
+    while True:
+        assert grant.by_expert and not grant.early, grant
+        pairs = np.flatnonzero(grant.slots.reshape(-1) >= 0)
+        if pairs.size:
+            done.append(pairs)
+            ys.append(_pairs(run, x, ids, pairs, grant.slots))
+        if grant.last:
+            break
+        if ys:
+            mx.eval(ys[-1])  # before the next part's grant may rewrite these slots
+        grant = yield PartDone()
+    order = np.concatenate(done)
+    assert order.size == ids.size, "every pair runs in exactly one part"
+    y = mx.concatenate(ys, axis=0)[mx.array(np.argsort(order))]
+    return y.reshape(*ids.shape, x.shape[-1])
 
 
 def _queue_present(run: RunExperts, x: mx.array, ids: np.ndarray, slots: np.ndarray,

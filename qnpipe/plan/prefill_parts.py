@@ -45,8 +45,10 @@ def chunks(steps: Steps, shape: ModelShape, chunk_tokens: int) -> tuple[dict[int
     return out, "derived"
 
 
-def extra_parts(chunk_experts: Sequence[tuple[int, ...]], k: int, num_experts: int) -> list[int]:
-    """Passes beyond one per chunk at each capacity k..num_experts (index = capacity - k)."""
+def extra_parts(chunk_experts: Sequence[tuple[int, ...]], k: int, num_experts: int, *,
+                by_expert: bool = True) -> list[int]:
+    """Passes beyond one per chunk at each capacity k..num_experts (index = capacity - k). `by_expert`: the
+    forward's expert-major parts (forward.parts=experts), as few as the slots allow; else token ranges."""
     diff = [0] * (num_experts - k + 2)  # ranges of capacities added at once, summed at the end
 
     def add(lo: int, hi: int, n: int) -> None:
@@ -58,6 +60,14 @@ def extra_parts(chunk_experts: Sequence[tuple[int, ...]], k: int, num_experts: i
         if union <= k:
             continue
         top = min(union, num_experts + 1) - 1  # at the union and above: one part
+        if by_expert:  # ceil(union / c) - 1, constant over each range of capacities
+            c = k
+            while c <= top:
+                n = -(-union // c) - 1
+                last = min(top, -(-union // n) - 1)  # the largest c with the same ceil(union / c)
+                add(c, last, n)
+                c = last + 1
+            continue
         if len(flat) == 2 * k:  # two tokens: split in two wherever both do not fit
             add(k, top, 1)
             continue
@@ -82,10 +92,11 @@ def extra_parts(chunk_experts: Sequence[tuple[int, ...]], k: int, num_experts: i
     return list(itertools.accumulate(diff[:-1]))
 
 
-def layer_extra_parts(steps: Steps, shape: ModelShape, chunk_tokens: int) -> tuple[dict[int, list[int]], str]:
+def layer_extra_parts(steps: Steps, shape: ModelShape, chunk_tokens: int, *,
+                      by_expert: bool = True) -> tuple[dict[int, list[int]], str]:
     """`extra_parts` of every MoE layer's chunks, and their source ("log" or "derived")."""
     per, source = chunks(steps, shape, chunk_tokens)
-    return {ly: extra_parts(ch, shape.top_k, shape.num_experts) for ly, ch in per.items()}, source
+    return {ly: extra_parts(ch, shape.top_k, shape.num_experts, by_expert=by_expert) for ly, ch in per.items()}, source
 
 
 __all__ = ["chunks", "extra_parts", "layer_extra_parts"]

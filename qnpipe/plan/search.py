@@ -91,7 +91,7 @@ class Search:
             raise ConfigError(f"--log {log_path}: a log of another model shape ({_brief(shape)}); the model is "
                               f"{_brief(expect)}")
         self.k, self.e = shape.top_k, shape.num_experts
-        self.curves: MrcResult = mrc(self.log.steps, shape, log=self.path)
+        self.curves: MrcResult = mrc(self.log.steps, shape, log=self.path, by_expert=cfg.forward.parts == "experts")
         routed = {c.layer for c in self.curves.curves if c.layer != "all"}
         self.routed = [ly for ly in shape.moe_layers if ly in routed]
         self.absent = [ly for ly in shape.moe_layers if ly not in routed]  # never routed: top-k slots
@@ -101,7 +101,9 @@ class Search:
         self.first = n - keep
         self.frac = window_frac(n, self.first)
         chunk = cfg.forward.prefill_chunk_tokens
-        self.parts, self.parts_source = layer_extra_parts(self.log.steps, shape, chunk) if prefill else ({}, "none")
+        by_expert = cfg.forward.parts == "experts"
+        self.parts, self.parts_source = (layer_extra_parts(self.log.steps, shape, chunk, by_expert=by_expert)
+                                         if prefill else ({}, "none"))
         self.miss_ns, self.part_ns = miss_ns(device, cost, record_nbytes), part_ns(cost, self.routed)
         if prefill:
             self.say("prefill parts priced beside misses: " + (
@@ -113,11 +115,12 @@ class Search:
         self.policy_curves: dict[str, list[Curve]] = {"lru": [self.curves.curve("lru", ly) for ly in self.routed]}
         if self.fixed.policy in (None, "lfu") and self.routed:
             lfu = {c.layer: c for c in lfu_curves(self.log.steps[self.first:], shape,
-                                                  decay_interval=cfg.pool.lfu_decay_interval_forwards)}
+                                                  decay_interval=cfg.pool.lfu_decay_interval_forwards,
+                                                  by_expert=cfg.forward.parts == "experts")}
             self.policy_curves["lfu"] = [lfu.get(ly) or _flat(c) for ly, c in zip(
                 self.routed, self.policy_curves["lru"], strict=True)]
         # Each curve's misses beside the parts of the same steps (the LFU curve's: the window's).
-        window = layer_extra_parts(self.log.steps[self.first:], shape, chunk)[0] if prefill else {}
+        window = layer_extra_parts(self.log.steps[self.first:], shape, chunk, by_expert=by_expert)[0] if prefill else {}
         parts_of = {"lru": self.parts, "lfu": window}
         self.values = {p: [self.layer_value(c, parts_of[p]) for c in cs] for p, cs in self.policy_curves.items()}
         self.value = self.values["lru"]

@@ -4,8 +4,9 @@ Both drivers run it: the trio actor (qnpipe.actors.forward, over the MLX model o
 recorded routes) and replay's heap driver (qnpipe.replay.fast). For each MoE layer of a
 step, `route` gives the predictor its candidates (with the pace's deadlines; those the
 predictor's full inbox cannot take are dropped and counted), the event log its route
-record, splits the step's tokens into parts that fit the layer (qnpipe.policy.parts),
-chooses whether the part asks for early grants, and sends the first part's `Acquire`.
+record, splits the step into parts that fit the layer (qnpipe.policy.parts: sets of experts
+with `by_expert`, forward.parts=experts; else token ranges), chooses whether the part asks
+for early grants, and sends the first part's `Acquire`.
 `handle(grant, now)` answers a `Granted` with the part to run (`Outbox.run`: its tokens'
 slots through the layer's lookup table) and a `Present` with the early work to queue;
 `part_done` releases the part (with route verification's tokens and slots) and asks for
@@ -33,7 +34,7 @@ import numpy as np
 from qnpipe.messages import Acquire, Candidates, ForwardDone, ForwardInbox, Granted, PoolInbox, Present, Release
 from qnpipe.policy.outbox import Outbox
 from qnpipe.policy.pace import Pace
-from qnpipe.policy.parts import Part, plan_parts_flat
+from qnpipe.policy.parts import Part, Splitter
 from qnpipe.steps import PartGrant
 from qnpipe.trace.format import UnionSize, route_record
 
@@ -82,10 +83,10 @@ class _LayerStep:
 
     A plain slotted class: one is made per layer-step, on replay's hot path."""
 
-    __slots__ = ("acquired", "early", "ids", "layer", "lut", "part", "parts", "slots", "t0")
+    __slots__ = ("acquired", "early", "ids", "layer", "lut", "owner", "pairs", "part", "parts", "slots", "t0")
 
     def __init__(self, layer: int, ids: np.ndarray | None, parts: list[Part], early: bool,
-                 lut: np.ndarray | None) -> None:
+                 lut: np.ndarray | None, pairs: list[float] | None = None) -> None:
         self.layer = layer
         self.ids = ids  # [N, k]; None when neither slots nor route verification are wanted
         self.parts = parts
@@ -95,6 +96,8 @@ class _LayerStep:
         self.t0 = 0.0  # when the part's Acquire went out
         self.acquired = False  # the part's Acquire went out and its Release did not
         self.slots = _NO_SLOTS  # the part's tokens' slots, once granted
+        self.pairs = pairs  # expert-major parts (more than one): each part's (token, expert) pairs / top-k
+        self.owner: np.ndarray | None = None  # [N, k]: each pair's expert-major part (when slots are wanted)
 
 
 @attrs.define
@@ -115,6 +118,7 @@ class ForwardCore:
     logging: bool = False
     union_prof: bool = False  # diag.union_prof: per-layer union sizes by step length
     router_order: bool = False  # replay.step_order=router: a part's experts served as the router names them
+    by_expert: bool = False  # forward.parts=experts: a split layer-step's parts are sets of experts
     hold_last_release: bool = False  # a layer-step's last Release goes with the next message (module doc)
     stats: ForwardStats = attrs.field(factory=ForwardStats)
     step: int = 0
@@ -125,6 +129,7 @@ class ForwardCore:
     # so the entries of others may be stale (an early layer-step clears its own first: -1 = not there yet).
     _luts: dict[int, np.ndarray] = attrs.field(factory=dict)
     _held: list[PoolInbox] = attrs.field(factory=list)  # the last Release of a layer-step (hold_last_release)
+    _splitter: Splitter | None = None  # made at the first route: `by_expert` and `router_order` are set by then
 
     def __attrs_post_init__(self) -> None:
         self.pace = Pace(self.moe_order)
@@ -179,7 +184,11 @@ class ForwardCore:
         if self.logging:
             assert ids is not None
             out.log.append(route_record({"t": now, "seq": self._seq()}, self.step, layer, ids, weights))
-        parts = plan_parts_flat(experts, k, self.capacities[layer], layer=layer, router_order=self.router_order)
+        split = self._splitter
+        if split is None:
+            split = self._splitter = Splitter(self.by_expert, router_order=self.router_order)
+        parts, counts = split.split(experts, k, self.capacities[layer], layer)
+        pair_tokens = None if counts is None else [p / k for p in counts]
         if self.union_prof:
             n, union = len(experts) // k, len({e for _, _, ex in parts for e in ex})
             acc = self.stats.union_sizes.setdefault((n, layer), [0, 0, 0])
@@ -200,7 +209,12 @@ class ForwardCore:
                 lut = self._luts[layer] = np.full(self.num_experts, -1, dtype=np.int64)
             if early:  # a Present maps only the experts in memory: the others must read -1
                 lut[list(parts[0][2])] = -1
-        self._at = at = _LayerStep(layer, ids, parts, early, lut)
+        self._at = at = _LayerStep(layer, ids, parts, early, lut, pair_tokens)
+        if pair_tokens is not None and lut is not None and ids is not None:
+            owner = np.full(self.num_experts, -1, dtype=np.int64)
+            for p, (_, _, ex) in enumerate(parts):
+                owner[list(ex)] = p
+            at.owner = owner[ids]
         self._acquire(at, now, out)
         return out
 
@@ -224,7 +238,14 @@ class ForwardCore:
                     self.stats.stall_by_layer[at.layer] = self.stats.stall_by_layer.get(at.layer, 0.0) + waited
                 lo, hi, _ = at.parts[at.part]
                 at.slots = _NO_SLOTS if at.lut is None else self._slots(at, msg.experts, msg.slots, lo, hi)
-                out.run = PartGrant(lo, hi, at.slots, at.part == len(at.parts) - 1, misses=msg.misses)
+                last = at.part == len(at.parts) - 1
+                if at.pairs is None:
+                    out.run = PartGrant(lo, hi, at.slots, last, misses=msg.misses)
+                else:  # the pairs of the layer's other parts read -1 (their lut entries may be stale)
+                    if at.owner is not None:
+                        at.slots = np.where(at.owner == at.part, at.slots, -1)
+                    out.run = PartGrant(lo, hi, at.slots, last, misses=msg.misses, by_expert=True,
+                                        pair_tokens=at.pairs[at.part])
             case Present():
                 assert at is not None
                 self.stats.early_grants += 1
@@ -246,9 +267,13 @@ class ForwardCore:
         if self.route_verify:
             assert at.ids is not None
             lo, hi, _ = at.parts[at.part]
+            ids, slots = at.ids[lo:hi], at.slots
+            if at.owner is not None:  # an expert-major part read the pairs of its own experts only
+                mine = at.owner == at.part
+                ids, slots = ids[mine], slots[mine]
             out.pool.append(Release(t=now, seq=self._seq(), step=self.step, layer=at.layer, part=at.part,
-                                    token_experts=tuple(at.ids[lo:hi].reshape(-1).tolist()),
-                                    token_slots=tuple(at.slots.reshape(-1).tolist())))
+                                    token_experts=tuple(ids.reshape(-1).tolist()),
+                                    token_slots=tuple(slots.reshape(-1).tolist())))
         else:
             out.pool.append(Release(t=now, seq=self._seq(), step=self.step, layer=at.layer, part=at.part))
         at.acquired = False

@@ -56,7 +56,7 @@ class LogBackend:
         return self._route()
 
     async def resume(self, grant: PartGrant) -> Event:
-        await trio.sleep(self._cost.layer_s(grant.hi - grant.lo, self._log.steps[self._step][self._i][0],
+        await trio.sleep(self._cost.layer_s(grant.tokens, self._log.steps[self._step][self._i][0],
                                             grant.misses))
         if not grant.last:
             return PartDone()

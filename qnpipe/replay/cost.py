@@ -48,7 +48,7 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             check_seconds(f"{where}layer_table[{layer}]", v)
         return self
 
-    def layer_s(self, tokens: int, layer: int | None = None, misses: int = 0) -> float:
+    def layer_s(self, tokens: float, layer: int | None = None, misses: int = 0) -> float:
         base = self.per_layer_s if layer is None else self.layer_table.get(layer, self.per_layer_s)
         s = base + self.per_token_s * tokens
         return s + self.per_miss_s * misses if misses and self.per_miss_s else s

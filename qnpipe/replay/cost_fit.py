@@ -16,7 +16,9 @@ few message hops. Each gap is one sample
           (+ per_miss_s * misses, with `per_miss`)
 
 with `tokens` the part's token count (`plan_parts` on the `trace.route`, as the forward
-splits it; the header's capacities) and `misses` the experts its grant read. `fit_cost`
+splits it; the header's capacities; for a layer-step whose parts acquired disjoint experts, as
+expert-major parts do, the part's (token, expert) pairs / top-k, which is also a disjoint token
+range's count) and `misses` the experts its grant read. `fit_cost`
 solves it by least squares over every gap of the log (or of several logs together: runs at
 several capacities tell the misses' term from the intercept; runs at several times average a
 busy machine's load); a coefficient the log cannot determine (every part of one token count: no
@@ -177,7 +179,10 @@ def _samples(path: str | Path) -> _Samples:
     if len(acquires) < 2:
         raise CostFitError(f"{path}: {len(acquires)} pool.acquire record(s): a cost fit needs a streamed run's event "
                            "log (qnpipe generate --trace, with experts not all resident)")
-    part_tokens: dict[tuple[int, int, int], int] = {}
+    part_tokens: dict[tuple[int, int, int], float] = {}
+    acquired: dict[tuple[int, int], list[Acquire]] = {}
+    for a in acquires:
+        acquired.setdefault((a.step, a.layer), []).append(a)
     rows: list[tuple[float, float, float]] = []
     gaps: list[float] = []
     layers: list[int] = []
@@ -192,7 +197,7 @@ def _samples(path: str | Path) -> _Samples:
         if (a.step, a.layer) not in routes:
             raise CostFitError(f"{path}: pool.acquire (step {a.step}, layer {a.layer}) has no trace.route record")
         if key not in part_tokens:
-            _parts_of(routes[(a.step, a.layer)], k, header.capacities, part_tokens)
+            _parts_of(routes[(a.step, a.layer)], k, header.capacities, part_tokens, acquired[(a.step, a.layer)])
         wait = g.t - a.t if g.misses else 0.0
         if g.misses and a.layer in nbytes:
             waits.append((wait, g.misses, nbytes[a.layer]))
@@ -220,7 +225,16 @@ def _read_hop(waits: list[tuple[float, int, int]], device: DeviceProfile) -> tup
     return hop, float(np.sqrt(np.mean((np.array(extra) - hop) ** 2)))
 
 
-def _parts_of(route: Route, k: int, caps: dict[int, int], out: dict[tuple[int, int, int], int]) -> None:
+def _parts_of(route: Route, k: int, caps: dict[int, int], out: dict[tuple[int, int, int], float],
+              acquires: list[Acquire]) -> None:
+    owner = {e: a.part for a in acquires for e in a.experts}
+    if len(acquires) > 1 and len(owner) == sum(len(a.experts) for a in acquires):  # disjoint: count pairs
+        pairs = dict.fromkeys((a.part for a in acquires), 0)
+        for e in route.experts:
+            pairs[owner[e]] += 1
+        for part, n in pairs.items():
+            out[(route.step, route.layer, part)] = n / k
+        return
     ids = np.asarray(route.experts, dtype=np.int64).reshape(-1, k)
     cap = caps.get(route.layer, ids.size)
     for p, (lo, hi, _) in enumerate(plan_parts(ids, cap, layer=route.layer)):

@@ -50,7 +50,7 @@ class Cost(Protocol):
     @property
     def read_hop_s(self) -> float: ...
 
-    def layer_s(self, tokens: int, layer: int | None = None, misses: int = 0) -> float: ...
+    def layer_s(self, tokens: float, layer: int | None = None, misses: int = 0) -> float: ...
 
 
 @attrs.frozen
@@ -98,7 +98,8 @@ class FastReplay:
         self.core = ForwardCore(forward_capacities(capacities, self.policy), num_experts, dict(self.policy.moe_order),
                                 early_pairs=early_pairs if cfg.forward.early_grants else 0,
                                 route_verify=cfg.diag.route_verify, slots=False, logging=logging,
-                                union_prof=cfg.diag.union_prof and logging, hold_last_release=True)
+                                union_prof=cfg.diag.union_prof and logging, hold_last_release=True,
+                                by_expert=cfg.forward.parts == "experts")
         self.cost = cost
         # Where the actor driver's full channels drop an advisory message.
         self.pool_cap = turn_order.holds(turn_order.pool_inbox_size(capacities))
@@ -144,7 +145,7 @@ class FastReplay:
                     run = core.handle((yield _GRANT, None), self.now).run
                     if run is None or run.early:  # early work is queued, not timed (replay's backend)
                         continue
-                    yield _SLEEP, cost.layer_s(run.hi - run.lo, layer, run.misses)
+                    yield _SLEEP, cost.layer_s(run.tokens, layer, run.misses)
                     to_pool(core.part_done(self.now).pool)
                     if run.last:
                         break

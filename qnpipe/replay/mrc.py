@@ -28,10 +28,10 @@ Both passes run as C loops (cextensions/mrc_opt.c: `qnpipe.replay._mrc_opt`, opt
 loaded with ctypes) when it was built, else in numpy, a step of all layers at a time: the same
 numbers (tests/replay/test_mrc.py runs both), the numpy ones tens of times slower.
 
-A multi-token step whose experts do not fit C slots runs in parts (qnpipe.policy.parts), so the
-requests themselves depend on C below a layer's largest step union: those capacities are replayed
-one by one (the slot table for LRU, qnpipe.replay.belady for Belady). Logs of one-token steps never
-need that.
+A multi-token step whose experts do not fit C slots runs in parts (qnpipe.policy.parts.Splitter, as
+forward.parts splits it: `by_expert`), so the requests themselves depend on C below a layer's largest
+step union: those capacities are replayed one by one (the slot table for LRU, qnpipe.replay.belady for
+Belady). Logs of one-token steps never need that.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from qnpipe.policy.parts import plan_parts_flat
+from qnpipe.policy.parts import Splitter
 from qnpipe.replay.belady import belady_hits
 from qnpipe.replay.log import load_log
 from qnpipe.trace import ModelShape
@@ -398,12 +398,13 @@ def belady_layers(reqs: np.ndarray, num_experts: int, *, native: bool | None = N
 
 
 def mrc(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShape, *,
-        policies: Sequence[str] = POLICIES, log: str = "", native: bool | None = None) -> MrcResult:
+        policies: Sequence[str] = POLICIES, log: str = "", native: bool | None = None,
+        by_expert: bool = True) -> MrcResult:
     """The curves of a log's routes (`ReplayLog.steps`): every layer that routes, and their total over them.
 
     Capacities run from `shape.top_k` to `shape.num_experts`; a layer whose largest step needs more
     slots than a capacity replays that capacity on its own (module doc). `native`: the C loops or the
-    numpy ones (None: C when built)."""
+    numpy ones (None: C when built). `by_expert`: split steps as forward.parts=experts does, else tokens."""
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"policy {p!r}: unknown, known: {', '.join(POLICIES)}")
@@ -458,7 +459,8 @@ def mrc(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShap
                     continue
                 if raw is None:
                     raw = [experts for step in steps for ly, experts in step if ly == layer]
-                parts = [ex for experts in raw for _, _, ex in plan_parts_flat(experts, k, c, layer=layer)]
+                split = Splitter(by_expert).parts  # one per capacity: a layer's parts depend on its previous split
+                parts = [ex for experts in raw for _, _, ex in split(experts, k, c, layer)]
                 hl.append(belady_hits(parts, c) if policy == "belady" else lru_hits(parts, c))
                 nl.append(sum(map(len, parts)))
             own.append(Curve(policy=policy, layer=layer, capacities=caps, hits=hl, requests=nl))
@@ -487,10 +489,11 @@ def _dense(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelS
     return None if (ordered[..., 1:] == ordered[..., :-1]).any() else arr
 
 
-def miss_ratio_curves(path: str | Path, *, policies: Sequence[str] = POLICIES, native: bool | None = None) -> MrcResult:
+def miss_ratio_curves(path: str | Path, *, policies: Sequence[str] = POLICIES, native: bool | None = None,
+                      by_expert: bool = True) -> MrcResult:
     """`mrc` of the log at `path` (qnpipe.replay.load_log checks it)."""
     log = load_log(path)
-    return mrc(log.steps, log.shape, policies=policies, log=str(path), native=native)
+    return mrc(log.steps, log.shape, policies=policies, log=str(path), native=native, by_expert=by_expert)
 
 
 __all__ = ["ALL", "POLICIES", "Curve", "MrcResult", "belady_layers", "belady_one_pass", "layer_requests", "lru_hits",

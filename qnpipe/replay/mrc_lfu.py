@@ -19,7 +19,7 @@ import heapq
 from collections.abc import Sequence
 
 from qnpipe.policy.eviction import LFU
-from qnpipe.policy.parts import plan_parts_flat
+from qnpipe.policy.parts import Splitter
 from qnpipe.policy.slot_table import SlotTable
 from qnpipe.replay.mrc import ALL, Curve, layer_requests
 from qnpipe.trace import ModelShape
@@ -34,15 +34,17 @@ def grid(lo: int, hi: int, points: int = GRID) -> list[int]:
     return sorted({lo + round(i * (hi - lo) / (points - 1)) for i in range(points)})
 
 
-def lfu_hits(steps: Sequence[tuple[int, ...] | None], k: int, capacity: int, *, decay_interval: int = 0
-             ) -> tuple[int, int]:
+def lfu_hits(steps: Sequence[tuple[int, ...] | None], k: int, capacity: int, *, decay_interval: int = 0,
+             by_expert: bool = True) -> tuple[int, int]:
     """(hits, requests) of one layer's slot table under the pool's LFU at `capacity`: `steps[s]` = the
-    layer's experts at step s (flat, token-major, `k` per token) or None (not routed; a forward all the same)."""
+    layer's experts at step s (flat, token-major, `k` per token) or None (not routed; a forward all the same).
+    `by_expert`: split steps in the forward's parts of forward.parts=experts (else token ranges)."""
+    split = Splitter(by_expert)
     table = SlotTable(0, capacity, LFU(decay_interval=decay_interval))
     hits = requests = 0
     for experts in steps:
         if experts is not None:
-            for _, _, part in plan_parts_flat(experts, k, capacity):
+            for _, _, part in split.parts(experts, k, capacity):
                 plan = table.acquire(part)
                 for ld in plan.loads:
                     table.loaded(ld.expert, ld.slot)
@@ -53,8 +55,8 @@ def lfu_hits(steps: Sequence[tuple[int, ...] | None], k: int, capacity: int, *, 
     return hits, requests
 
 
-def lfu_hits_fast(steps: Sequence[tuple[int, ...] | None], k: int, capacity: int, *, decay_interval: int = 0
-                  ) -> tuple[int, int]:
+def lfu_hits_fast(steps: Sequence[tuple[int, ...] | None], k: int, capacity: int, *, decay_interval: int = 0,
+                  by_expert: bool = True) -> tuple[int, int]:
     """`lfu_hits` without the slot table: the same keys (count, then tick: LFU's packed int, as a pair), the
     same victim (the least key outside the part being acquired), a heap with stale entries skipped for the
     minimum. A few times faster; tests/replay/test_mrc_lfu.py holds the two equal."""
@@ -64,10 +66,11 @@ def lfu_hits_fast(steps: Sequence[tuple[int, ...] | None], k: int, capacity: int
     heap: list[tuple[tuple[int, int], int]] = []
     tick = hits = requests = forwards = 0
     push, pop = heapq.heappush, heapq.heappop
+    split = Splitter(by_expert)
     for experts in steps:
         if experts is not None:
             parts = ([tuple(sorted(experts))] if len(experts) == k
-                     else [p for _, _, p in plan_parts_flat(experts, k, capacity)])
+                     else [p for _, _, p in split.parts(experts, k, capacity)])
             for part in parts:
                 requests += len(part)
                 missing = []
@@ -116,8 +119,9 @@ def lfu_hits_fast(steps: Sequence[tuple[int, ...] | None], k: int, capacity: int
 
 
 def lfu_curves(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: ModelShape, *,
-               decay_interval: int = 0, points: int = GRID) -> list[Curve]:
-    """LFU's curve of every layer the log routes (capacities top-k..experts), and their total (`layer=ALL`)."""
+               decay_interval: int = 0, points: int = GRID, by_expert: bool = True) -> list[Curve]:
+    """LFU's curve of every layer the log routes (capacities top-k..experts), and their total (`layer=ALL`);
+    `by_expert` as `lfu_hits`'."""
     k, e_count = shape.top_k, shape.num_experts
     caps = list(range(k, e_count + 1))
     at = grid(k, e_count, points)
@@ -131,7 +135,7 @@ def lfu_curves(steps: Sequence[Sequence[tuple[int, tuple[int, ...]]]], shape: Mo
             for ly, experts in step:
                 if ly == layer:
                     seq[s] = tuple(experts)
-        known = {c: lfu_hits_fast(seq, k, c, decay_interval=decay_interval) for c in at}
+        known = {c: lfu_hits_fast(seq, k, c, decay_interval=decay_interval, by_expert=by_expert) for c in at}
         hits = [_between(known, at, c, 0) for c in caps]
         reqs = [_between(known, at, c, 1) for c in caps]
         own.append(Curve(policy="lfu", layer=layer, capacities=caps, hits=hits, requests=reqs))

@@ -28,7 +28,7 @@ from qnpipe.io.device_file import named_profile
 from qnpipe.io.files import CONFIG_CAP, read_text_capped
 from qnpipe.io.sim_model import DeviceProfile
 from qnpipe.policy.build import check_placement, layer_capacities, parse_capacity_profile, side_slots
-from qnpipe.policy.parts import plan_parts_flat
+from qnpipe.policy.parts import Splitter
 from qnpipe.replay import caveats
 from qnpipe.replay.belady import belady_hits
 from qnpipe.replay.cost import MAX_COST_S, MAX_TABLE_LAYERS, CostModel
@@ -82,13 +82,15 @@ class _ShapeArgs:
         self.num_experts_per_tok = shape.top_k
 
 
-def _belady(log: ReplayLog, caps: dict[int, int], side: int = 0) -> dict[int, tuple[int, int, int]]:
+def _belady(log: ReplayLog, caps: dict[int, int], side: int = 0, split: Splitter | None = None
+            ) -> dict[int, tuple[int, int, int]]:
     """Per layer (requests, Belady hits at the resident slots, Belady hits at resident + `side` slots: the
-    run's whole memory), the requests split into parts as the forward splits them."""
+    run's whole memory), the requests split into parts as the forward splits them (`split`: the run's)."""
+    split = split or Splitter(False)
     seqs: dict[int, list[tuple[int, ...]]] = {layer: [] for layer in caps}
     for step in log.steps:
         for layer, experts in step:
-            seqs[layer] += [ex for _, _, ex in plan_parts_flat(experts, log.shape.top_k, caps[layer], layer=layer)]
+            seqs[layer] += [ex for _, _, ex in split.parts(experts, log.shape.top_k, caps[layer], layer)]
     out = {}
     for layer, s in seqs.items():
         at_caps = belady_hits(s, caps[layer])
@@ -162,7 +164,7 @@ def replay(log_path: str | Path, cfg: Config, *, device_profile: DeviceProfile |
                           f"{caveats.spans(set(caps) - set(log.record_nbytes))}: give the record size "
                           f"(record_nbytes, --set replay.record_nbytes=N)")
     side_n = side_slots(cfg)
-    belady = _belady(log, caps, side_n)
+    belady = _belady(log, caps, side_n, Splitter(cfg.forward.parts == "experts", router_order=step_order == "router"))
     profile = device_profile
     if driver == "fast":
         res = _run_fast(log, cfg, caps, nbytes, cost, profile, preds, router_order=step_order == "router")

@@ -35,11 +35,12 @@ def pool_switches(model: Any) -> dict[int, PooledSwitch]:
 
 class FakePool:
     def __init__(self, switches: dict[int, PooledSwitch], capacity: int, seed: int, *,
-                 early_every: int = 0, swap: bool = False) -> None:
+                 early_every: int = 0, swap: bool = False, by_expert: bool = False) -> None:
         self.rng = np.random.default_rng(seed)
         self.capacity = capacity
         self.early_every = early_every  # every n-th one-part step below EARLY_PAIRS gets early grants
         self.swap = swap  # negative control: two experts' slots swapped in every grant
+        self.by_expert = by_expert  # a step that does not fit runs in expert-major parts (forward.parts=experts)
         self.records: dict[int, dict[str, np.ndarray]] = {}
         self.host: dict[int, dict[str, np.ndarray]] = {}
         self.routes = self.parts = self.early = self.max_pairs = 0
@@ -86,6 +87,9 @@ class FakePool:
                 lo, cur = t, set()
             cur |= row
         ranges.append((lo, n))
+        if self.by_expert and len(ranges) > 1:
+            yield from self._by_expert(route)
+            return
         if len(ranges) > 1:
             self.parts += len(ranges)
         early = (len(ranges) == 1 and ids.size < EARLY_PAIRS and self.early_every > 0
@@ -103,6 +107,18 @@ class FakePool:
                     partial[keep] = lut[keep]
                     yield PartGrant(lo, hi, partial[part], last, early=True)
             yield PartGrant(lo, hi, lut[part], last)
+
+
+    def _by_expert(self, route: LayerRoute) -> Iterator[PartGrant]:
+        """Expert-major parts: the union in groups of `capacity`, each granted to the pairs of its experts."""
+        ids = route.ids
+        union = sorted(set(ids.reshape(-1).tolist()))
+        groups = [union[i:i + self.capacity] for i in range(0, len(union), self.capacity)]
+        self.parts += len(groups)
+        for i, group in enumerate(groups):
+            lut = self._fill(route.layer, group)
+            mine = np.isin(ids, group)
+            yield PartGrant(0, ids.shape[0], np.where(mine, lut[ids], -1), i == len(groups) - 1, by_expert=True)
 
 
 def drive(backend: GreenletBackend, pool: FakePool, tokens: list[int], cache: list[Any],

@@ -51,6 +51,10 @@ def test_pooled_logits_are_mlx_lm_s_bit_for_bit(family: str, quant: str | None) 
         pool = FakePool(switches, cap, seed=cap * 31, early_every=2)
         assert _same(pooled(model, pool, full_steps), want_full), f"prefill, capacity {cap}/{E}"
         assert pool.max_pairs >= 64, "the prefill must take the switch's sorted path"
+        if cap < E:  # expert-major parts (forward.parts=experts): each pair's row as in one pass
+            pool = FakePool(switches, cap, seed=cap * 31 + 2, by_expert=True)
+            assert _same(pooled(model, pool, full_steps), want_full), f"expert-major parts, capacity {cap}/{E}"
+            assert cap > k + 1 or pool.parts > 0, "top-k+1 slots must split some layer-step into expert parts"
         pool = FakePool(switches, cap, seed=cap * 31 + 1, early_every=2)
         got = pooled(model, pool, chunk_steps)
         assert _same(got, want_chunks), f"chunked prefill and decode, capacity {cap}/{E}"

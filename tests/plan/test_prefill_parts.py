@@ -75,7 +75,9 @@ def test_a_decode_log_derives_its_chunks_from_the_configured_size(tmp_path: Path
 
 
 def test_extra_parts_are_the_greedy_split() -> None:
-    assert extra_parts([(0, 1, 2, 3, 4, 5)], 2, 6) == [2, 2, 1, 1, 0]  # whole tokens: 3 slots hold one
+    assert extra_parts([(0, 1, 2, 3, 4, 5)], 2, 6, by_expert=False) == [2, 2, 1, 1, 0]  # whole tokens: 3 slots hold one
+    # expert-major (the default): as few parts as the slots allow, 3 slots hold half the experts
+    assert extra_parts([(0, 1, 2, 3, 4, 5)], 2, 6) == [2, 1, 1, 1, 0]
 
 
 def test_lfu_is_planned_on_its_own_curve_which_is_the_candidates_replay(tmp_path: Path) -> None:
@@ -110,15 +112,18 @@ def test_extra_parts_take_every_capacity_from_a_few_splits() -> None:
     """The count at each capacity is the greedy split's (the ranges between equal ends are filled, not split)."""
     import random
 
-    from qnpipe.policy.parts import plan_parts_flat
+    from qnpipe.policy.parts import Splitter, plan_parts_flat
 
     rng = random.Random(3)
     for _ in range(30):
         k, e = rng.randint(1, 4), rng.randint(6, 40)
         flat = tuple(x for _ in range(rng.randint(1, 12)) for x in rng.sample(range(e), k))
         want = [len(plan_parts_flat(flat, k, c)) - 1 for c in range(k, e + 1)]
-        assert extra_parts([flat], k, e) == want
+        assert extra_parts([flat], k, e, by_expert=False) == want
+        assert extra_parts([flat], k, e) == [len(Splitter(True).parts(flat, k, c)) - 1 for c in range(k, e + 1)]
     for _ in range(30):  # chunks of two tokens: the shortcut
         k, e = rng.randint(1, 4), rng.randint(6, 40)
         flat = tuple(x for _ in range(2) for x in rng.sample(range(e), k))
-        assert extra_parts([flat], k, e) == [len(plan_parts_flat(flat, k, c)) - 1 for c in range(k, e + 1)]
+        assert extra_parts([flat], k, e, by_expert=False) == [len(plan_parts_flat(flat, k, c)) - 1
+                                                              for c in range(k, e + 1)]
+        assert extra_parts([flat], k, e) == [len(Splitter(True).parts(flat, k, c)) - 1 for c in range(k, e + 1)]
