@@ -15,7 +15,7 @@ import pytest
 from test_belady_on_real_traces import TRACES
 
 from qnpipe import config
-from qnpipe.policy.parts import plan_parts_flat
+from qnpipe.policy.parts import Splitter, plan_parts_flat
 from qnpipe.replay import load_log, miss_ratio_curves, replay
 from qnpipe.replay.belady import belady_hits
 from qnpipe.replay.mrc import lru_hits
@@ -23,12 +23,14 @@ from qnpipe.trace.importers import import_log
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("parts", ["experts", "tokens"])
 @pytest.mark.parametrize(("name", "fmt", "src", "steps"), [t[:4] for t in TRACES], ids=[t[0] for t in TRACES])
-def test_one_pass_curves_equal_the_replay_on_a_real_trace(name: str, fmt: str, src: Path, steps: int,
+def test_one_pass_curves_equal_the_replay_on_a_real_trace(name: str, fmt: str, src: Path, steps: int, parts: str,
                                                          flame_dir: Path, tmp_path: Path) -> None:
     log = tmp_path / f"{name}.qtrace"
     s = import_log(fmt, src if src.is_absolute() else flame_dir / src, log, max_steps=steps)
-    result = miss_ratio_curves(log)
+    by_expert = parts == "experts"
+    result = miss_ratio_curves(log, by_expert=by_expert)
     routes = load_log(log)
     k, experts = routes.shape.top_k, routes.shape.num_experts
     caps = list(range(k, experts + 1))
@@ -37,15 +39,18 @@ def test_one_pass_curves_equal_the_replay_on_a_real_trace(name: str, fmt: str, s
         raw = [ex for step in routes.steps for ly, ex in step if ly == layer]
         lru, opt = result.curve("lru", layer), result.curve("belady", layer)
         for i, cap in enumerate(caps):
-            parts = [p for ex in raw for _, _, p in plan_parts_flat(ex, k, cap, layer=layer)]
-            assert lru.requests[i] == opt.requests[i] == sum(map(len, parts))
-            assert lru.hits[i] == lru_hits(parts, cap), (layer, cap)
-            assert opt.hits[i] == belady_hits(parts, cap), (layer, cap)
+            # One run per capacity: an expert-major split depends on the layer's previous one.
+            split = Splitter(by_expert).parts if by_expert else (lambda ex, k, c, layer: plan_parts_flat(ex, k, c, layer=layer))
+            reqs = [p for ex in raw for _, _, p in split(ex, k, cap, layer)]
+            assert lru.requests[i] == opt.requests[i] == sum(map(len, reqs))
+            assert lru.hits[i] == lru_hits(reqs, cap), (layer, cap)
+            assert opt.hits[i] == belady_hits(reqs, cap), (layer, cap)
     every = 1 if experts <= 16 else 16
     for i, cap in enumerate(caps):
         if i % every and cap != experts:
             continue
-        cfg = config.load(None, overrides={"pool.expert_slots": str(cap), "pool.evict_policy": "lru"})
+        cfg = config.load(None, overrides={"pool.expert_slots": str(cap), "pool.evict_policy": "lru",
+                                                 "forward.parts": parts})
         r = replay(log, cfg, record_nbytes=1 << 20)
         for x in r.layers:
             if x.requests:
