@@ -304,7 +304,7 @@ def _trace_processor() -> str | None:
     import shutil
 
     try:
-        from perfetto.prebuilts.manifests.trace_processor_shell import TRACE_PROCESSOR_SHELL_MANIFEST  # pyright: ignore[reportMissingImports]  # optional: not in the test extra
+        from perfetto.prebuilts.manifests.trace_processor_shell import TRACE_PROCESSOR_SHELL_MANIFEST  # pyright: ignore[reportMissingImports]  # the test extra has it; a bare install does not
     except ImportError:
         return None
     found = shutil.which("trace_processor_shell")
