@@ -26,7 +26,6 @@ from qnpipe.config.validate import (
 from qnpipe.errors import QnpipeError
 
 
-
 def add_config_flags(p: argparse.ArgumentParser, *, prefill: bool = True,
                       example: str = "forward.prefill_chunk_tokens=0") -> None:
     g = p.add_argument_group("configuration")
