@@ -27,7 +27,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
         "NOT_YET_IMPLEMENTED", "NotImplementedConfigWarning", "OVERRIDE_ALIASES", "PoolCfg", "PredictAgg",
         "PredictCfg", "PrefetchInto", "PrefixCfg", "ReadBackend", "ReadCfg", "ReplacedSwitchWarning", "TraceCfg",
         "check_evict_policy", "describe_allowed", "explicit_settings", "field_specs", "format_layer_set", "load",
-        "override_path", "parse_layer_set", "with_overrides"),
+        "override_path", "parse_layer_set", "rebuilt", "with_overrides"),
     "qnpipe.convert": ("CHUNK_BYTES", "ConvertReport", "MAX_SHARD_BYTES", "MODEL_FORMAT", "MODEL_VERSION",
                        "ROW_BLOCK_BYTES", "VerifyReport", "convert", "make_tiny", "verify_store"),
     "qnpipe.io": ("CacheMode", "DeviceProfile", "ExpertDevice", "ExpertReader", "ExpertStore", "ReadRequest",
