@@ -11,7 +11,7 @@ ten times cheaper to make than a frozen attrs class.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import msgspec
@@ -81,9 +81,24 @@ class PartDone:
 
 @attrs.frozen
 class StepDone:
-    """The step's forward ended; `value` is what its tail made of the final hidden states."""
+    """The step's forward ended; `value` is what its tail made of the final hidden states.
+    `stopped`: its `first_sync` ended it before its first route (no tail ran; `value` is None)."""
 
     value: Any
+    stopped: bool = False
+
+
+class Hits(Protocol):
+    """What a backend asks at a router before yielding its `LayerRoute` (the forward actor, when the pool
+    can answer in its turn): the slots to run the layer from at once, then the layer's turn."""
+
+    def hit_slots(self, route: LayerRoute) -> np.ndarray | None:
+        """`route`'s slots `[N, k]` when its grant is certain now, else None (yield the route)."""
+        ...
+
+    def hit_queued(self, route: LayerRoute, slots: np.ndarray) -> None:
+        """The layer's experts are queued from `slots`: the turn the yield would have had."""
+        ...
 
 
 Event = LayerRoute | PartDone | Queued | StepDone

@@ -21,7 +21,12 @@ misses per layer-step, rounded up): `bw_at_effective_qd_gbps`, for reference onl
 
 What is measured (every figure is a median over `--rounds`):
 
-* `tok_s_*`: `GenerateStats.decode_tok_s` (tokens after the first / time after the first).
+* `tok_s_*`: the steady decode rate: the tokens committed after the first up to the next-to-last,
+  over the time between those commits (`steady_tok_s`: `DecodeSession.commit` timed here). Not
+  `GenerateStats.decode_tok_s` (first to last, `decode_tok_s_*`): on MLX's CPU backend the resident
+  engine's first token is read only after the step queued behind it is done too, and its last right
+  after the one before, so there it counts n - 1 tokens over n - 2 steps, 1/(n - 2) too fast
+  (4.5 % at 24 tokens; every resident-relative key below had that bias until 2026-12-05).
 * per-token pool figures (`misses_per_token`, `missed_bytes_per_token`, `hit_rate`): the
   deltas of `eng.stats().pool` over one whole `generate` call, divided by its forward steps
   (`pool.steps` delta). The prompt is ONE token, so the prefill is a 1-token step like every
@@ -64,7 +69,7 @@ What is measured (every figure is a median over `--rounds`):
   this is an upper bound. `overhead_frac_loop` = demand `loop_work` / wall: the actors'
   own work alone (part of it runs while MLX computes in the background). The
   `_own_compute` bound likewise undercounts compute since then (it only sees `mlx`).
-  `overhead_frac_allhit` = (allhit step - resident step) / allhit step, from decode_tok_s:
+  `overhead_frac_allhit` = (allhit step - resident step) / allhit step, from `tok_s`:
   the streaming pipeline with every access a hit against the model run straight through
   (this also contains what the streamed decode loses by not queueing the next step
   before reading the token, see qnpipe.live.decoding). `overhead_frac_allhit_direct` is
@@ -257,10 +262,14 @@ class _TimedBackend:
         self._inner = inner
         self._inst = inst
 
-    async def begin(self, *a: Any) -> Any:
+    @property
+    def takes_hits(self) -> bool:
+        return getattr(self._inner, "takes_hits", False)
+
+    async def begin(self, *a: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return await self._inner.begin(*a)
+            return await self._inner.begin(*a, **kw)
         finally:
             self._inst.await_s += time.perf_counter() - t0
 
@@ -305,6 +314,31 @@ def patch_item() -> None:
 
     decoding._item = _item  # looked up as a global at each call
 
+    from qnpipe.live.session import DecodeSession
+
+    commit = DecodeSession.commit
+
+    def timed_commit(self: Any, tokens: Any, now: float) -> bool:
+        COMMITS.append((time.perf_counter(), len(tokens)))
+        return commit(self, tokens, now)
+
+    DecodeSession.commit = timed_commit  # pyright: ignore[reportAttributeAccessIssue]
+
+
+COMMITS: list[tuple[float, int]] = []  # (when, tokens) of each DecodeSession.commit of the current call
+
+
+def steady_tok_s(commits: list[tuple[float, int]]) -> float:
+    """Decode tok/s from the first commit to the next-to-last: the tokens committed after the first, up to and
+    including the next-to-last commit, over that time. On MLX's CPU backend the resident engine reads its first
+    token only once the step queued behind it is done too, and its last one at once after the one before, so
+    `decode_tok_s` (first to last) counts n - 1 tokens over n - 2 steps there; this counts every engine alike.
+    0.0 with fewer than 3 commits."""
+    if len(commits) < 3:
+        return 0.0
+    span = commits[-2][0] - commits[0][0]
+    return sum(n for _, n in commits[1:-1]) / span if span > 0 else 0.0
+
 
 def round_prompt(r: int, vocab_size: int) -> list[int]:
     """Round `r`'s one-token prompt: 10 + 37 r, wrapped to stay inside the vocabulary."""
@@ -332,9 +366,11 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
     b0 = rs.batches if rs is not None else 0
     m0, a0, i0 = inst.mlx_s, inst.await_s, ITEM_S[0]
     l0, mc0, ic0 = loop_cpu_s(eng), inst.mlx_cpu_s, ITEM_CPU_S[0]
+    COMMITS.clear()
     t0 = time.perf_counter()
     res = eng.generate(prompt, max_tokens=n, temperature=1.0, seed=seed, stop_at_eos=False)
     wall = time.perf_counter() - t0
+    tok_s = steady_tok_s(COMMITS) or res.stats.decode_tok_s
     p1 = pool_figures(eng)
     d = {k: p1[k] - p0[k] for k in p1}
     steps = d.get("steps") or res.stats.generated_tokens  # resident: one forward step per token
@@ -349,8 +385,9 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
     device = inst.device_union(t0)
     busy = inst.busy_union(t0)
     out = {
-        "tok_s": res.stats.decode_tok_s,
-        "step_s": 1.0 / res.stats.decode_tok_s if res.stats.decode_tok_s else math.inf,
+        "tok_s": tok_s,
+        "step_s": 1.0 / tok_s if tok_s else math.inf,
+        "decode_tok_s": res.stats.decode_tok_s,
         "steps": steps,
         "wall": wall / steps,
         "mlx": (mlx + item) / steps,
@@ -794,6 +831,7 @@ def main(argv: list[str] | None = None) -> int:
         "store_to_pool": rnd(store_bytes / final_pool.slot_bytes, 2),
         "reads_in_flight": args.workers, "read_backend": args.backend, "read_mode": bw[0]["mode"],
         "tokens_per_round": args.tokens, "rounds": args.rounds,
+        **{f"decode_tok_s_{n}": rnd(m(n, "decode_tok_s"), 3) for n in runs},
         "tok_s_resident": rnd(m("resident", "tok_s"), 3),
         "tok_s_demand": rnd(m("demand", "tok_s"), 3),
         "tok_s_allhit": rnd(m("allhit", "tok_s"), 3) if "allhit" in runs else None,
@@ -908,7 +946,8 @@ def _allhit_only(args: argparse.Namespace, engines: dict[str, Any], model_dir: P
     out = {"bench": "stream_allhit", "model": str(model_dir), "shape": args.shape, "moe_layers": moe_layers,
            "tokens_per_round": args.tokens, "rounds": args.rounds,
            "resident_ms_per_layer_step": rnd(ms, 3),
-           **{f"tok_s_{n}": rnd(med([x["tok_s"] for x in runs[n]]), 3) for n in runs}, **keys,
+           **{f"tok_s_{n}": rnd(med([x["tok_s"] for x in runs[n]]), 3) for n in runs},
+           **{f"decode_tok_s_{n}": rnd(med([x["decode_tok_s"] for x in runs[n]]), 3) for n in runs}, **keys,
            "allhit_misses_per_token": rnd(med([x["misses"] for x in runs["allhit"]]), 3),
            **({"ratio_allhit_spec_to_allhit": rnd(
                med([a["tok_s"] / b["tok_s"] for a, b in zip(runs["allhit_spec"], runs["allhit"], strict=True)]), 4)}

@@ -23,9 +23,10 @@ driver does the same (qnpipe.replay.fast).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import attrs
+import numpy as np
 import trio
 
 from qnpipe.actors.pool import InlinePool
@@ -35,7 +36,7 @@ from qnpipe.messages import Acquire, Candidates, ForwardInbox, Granted, Msg, Poo
 from qnpipe.policy.forward_core import ForwardCore, ForwardStats
 from qnpipe.policy.outbox import Outbox
 from qnpipe.policy.pace import Pace
-from qnpipe.steps import Event, LayerRoute, PartGrant, Queued, StepDone, Tail
+from qnpipe.steps import Event, Hits, LayerRoute, PartGrant, Queued, StepDone, Tail
 
 
 class Backend(Protocol):
@@ -46,6 +47,15 @@ class Backend(Protocol):
     async def resume(self, grant: PartGrant) -> Event: ...
 
     async def abort(self) -> None: ...
+
+
+class HitsBackend(Backend, Protocol):
+    """A backend whose steps run hits before their turn (`takes_hits`: qnpipe.live.loaded.ThreadedBackend)."""
+
+    takes_hits: bool
+
+    async def begin(self, inputs: Any, cache: Any, tail: Tail, hits: Hits | None = None,
+                    first_sync: Callable[[], bool] | None = None) -> Event: ...
 
 
 @attrs.define(eq=False)
@@ -75,6 +85,8 @@ class Forward:
     core: ForwardCore = attrs.field(init=False)
     _unsent: Outbox | None = None  # an answer of the core whose log was being written
     _answered: Granted | None = None  # the inline turn's grant, not yet taken by `_grant`
+    _last_open: bool = False  # a layer-step's last part ran and is not released yet (`_release_last`)
+    hits_taken: int = 0  # layer-steps the backend ran before their turn (`hit_slots`; tests, benchmarks)
 
     def __attrs_post_init__(self) -> None:
         self.core = ForwardCore(self.capacities, self.num_experts, self.moe_order, early_pairs=self.early_pairs,
@@ -94,19 +106,35 @@ class Forward:
     def pace(self) -> Pace:
         return self.core.pace
 
-    async def run(self, inputs: Any, cache: Any, tail: Tail) -> Any:
-        """Run one step; returns its tail's value. Raises the actor's error if the pipeline died."""
+    @property
+    def takes_hits(self) -> bool:
+        """Whether the backend runs in this task's turn and takes `hits` (and `run`'s `first_sync`)."""
+        return self.inline is not None and getattr(self.backend, "takes_hits", False)
+
+    async def run(self, inputs: Any, cache: Any, tail: Tail, first_sync: Callable[[], bool] | None = None) -> Any:
+        """Run one step; returns its tail's value. Raises the actor's error if the pipeline died.
+
+        `first_sync` (only when `takes_hits`): called in this turn once the step's first router is synced;
+        False ends the step there, before its first acquire: it returns None, and the pool never hears of it."""
         self._raise_failure()
         self.core.begin_step()
         self.busy = True
         try:
-            ev = await self.backend.begin(inputs, cache, tail)
+            if self.takes_hits:
+                ev = await cast(HitsBackend, self.backend).begin(inputs, cache, tail, hits=self, first_sync=first_sync)
+            else:
+                assert first_sync is None, "first_sync needs a backend in this task's turn (takes_hits)"
+                ev = await self.backend.begin(inputs, cache, tail)
             while isinstance(ev, LayerRoute):
                 ev = await self._layer(ev)
             assert isinstance(ev, StepDone), ev
-            out = self.core.end_step(trio.current_time())
-            if self.to_pool is not None:
-                await self._send(out)
+            if ev.stopped:
+                self.core.drop_step()
+            else:
+                self._release_last()
+                out = self.core.end_step(trio.current_time())
+                if self.to_pool is not None:
+                    await self._send(out)
         except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             await self._cleanup()
             self._raise_failure()
@@ -126,8 +154,8 @@ class Forward:
         with trio.CancelScope(shield=True):
             await self.backend.abort()
 
-    async def _send(self, out: Outbox) -> None:
-        assert self.to_pool is not None
+    def _emit(self, out: Outbox) -> None:
+        """The records and the predictor's candidates of `out` (what goes out before the pool's part)."""
         if self.emit is not None:
             # The recorder may raise (a full disk) before the pool has the part's Acquire: the
             # core then holds a part the pool never granted, and its cancel must not release it.
@@ -138,6 +166,10 @@ class Forward:
         if self.to_predictor is not None:
             for c in out.predictor:
                 self.to_predictor.send_nowait(c)  # the core took only what fits (_room)
+
+    async def _send(self, out: Outbox) -> None:
+        assert self.to_pool is not None
+        self._emit(out)
         if self.inline is not None and out.pool:
             self._answered = self.inline.answer(out.pool)
             if self._answered is not None:
@@ -154,8 +186,60 @@ class Forward:
             return 1 << 30  # send_nowait raises BrokenResourceError, as the step should
         return int(min(st.max_buffer_size - st.current_buffer_used + st.tasks_waiting_receive, 1 << 30))
 
+    # Hits run before their turn. A backend that takes `hits` (MlxBackend) asks `hit_slots` at each
+    # router: when the pool would grant the route at once in this turn, it queues the layer's experts
+    # from those slots and only then calls `hit_queued`, which takes the very turn `_layer` would have
+    # taken (the route, the Acquire, the pool's inline grant), so the device computes while the host
+    # does the pipeline's bookkeeping. Both run inside the backend's call, in this task's turn: no other
+    # task runs between the two, so the pool's answer cannot change (docs/pool.md, "Hits before
+    # their turn"). The layer is released at the next route or the step's end, as `_layer` does after
+    # the backend returns from it.
+
+    def hit_slots(self, route: LayerRoute) -> np.ndarray | None:
+        """`route`'s slots `[N, k]` when the pool would grant it at once, in one part, in this turn; None: the
+        route takes `_layer`'s way. Reads only."""
+        inline = self.inline
+        if inline is None or self.check_bytes is not None:
+            return None
+        ids = route.ids
+        flat = ids.reshape(-1).tolist()
+        cap = self.core.capacities[route.layer]
+        if ids.shape[1] > cap or len(set(flat)) > cap:  # parts, or a CapacityError: `_layer` says
+            return None
+        slots = inline.hit_slots(route.layer, flat)
+        return None if slots is None else np.array(slots, dtype=np.int64).reshape(ids.shape)
+
+    def hit_queued(self, route: LayerRoute, slots: np.ndarray) -> None:
+        """The backend queued `route`'s experts from `slots` (`hit_slots`, in this turn): the layer's turn."""
+        assert self.inline is not None
+        self._release_last()
+        self.progress += 1
+        now = trio.current_time()
+        out = self.core.route(route.layer, route.ids.reshape(-1).tolist(), route.ids.shape[1], now, ids=route.ids,
+                              weights=route.weights,
+                              predictions=route.predictions if self.to_predictor is not None else (), room=self._room())
+        self._emit(out)
+        granted = self.inline.answer(out.pool)
+        run = None if granted is None else self.core.handle(granted, granted.t).run
+        if (run is None or run.early or run.by_expert or not run.last or (run.lo, run.hi) != (0, len(slots))
+                or not np.array_equal(run.slots, slots)):
+            # hit_slots said this turn grants exactly these slots; the experts already ran from them
+            raise AssertionError(f"layer {route.layer}: the pool's grant {run} is not the hit {slots.tolist()}")
+        self.progress += 1
+        self.hits_taken += 1
+        self._last_open = True
+
+    def _release_last(self) -> None:
+        """Release the layer-step's last part (with `inline`: its Release is held for the next message), once the
+        backend has evaluated what depends on it: after its call returns, or at a hit's turn inside that call."""
+        if self._last_open:
+            self._last_open = False
+            out = self.core.part_done(trio.current_time())
+            assert not out.pool and not out.log, out  # the Release is held for the next message (use_inline)
+
     async def _layer(self, route: LayerRoute) -> Event:
         assert self.to_pool is not None and self.grants is not None
+        self._release_last()
         self.progress += 1
         core = self.core
         out = core.route(route.layer, route.ids.reshape(-1).tolist(), route.ids.shape[1], trio.current_time(),
@@ -167,6 +251,13 @@ class Forward:
             self.progress += 1
             if self.check_bytes is not None:
                 await self.check_bytes(route.layer, g.experts, g.slots)
+            if grant.last and self.inline is not None:
+                # A hit's turn inside the call (`hit_queued`) releases it first, as it must go before that
+                # layer's Acquire; else it is released as the call returns.
+                self._last_open = True
+                ev = await self.backend.resume(grant)
+                self._release_last()
+                return ev
             ev = await self.backend.resume(grant)
             out = core.part_done(trio.current_time())
             if grant.last:
@@ -198,6 +289,7 @@ class Forward:
             await self.backend.abort()
             out = self.core.cancel(trio.current_time())  # with the Release held, if any
             self._answered = None  # its Release is the core's (the part is acquired)
+            self._last_open = False  # ... and so is a hit's
             unsent, self._unsent = self._unsent, None
             if unsent is not None:  # its Releases are due still; its Acquire never left, so nothing is held
                 if any(isinstance(m, Acquire) for m in unsent.pool):

@@ -56,6 +56,14 @@ class InlinePool:
         self._inbox_state = self.inbox._state  # pyright: ignore[reportPrivateUsage]
         self._grants_data = self.grants._state.data  # pyright: ignore[reportPrivateUsage]
 
+    def hit_slots(self, layer: int, experts: list[int]) -> list[int] | None:
+        """The slot of each of `experts` when an `Acquire` of them would be answered here now (`answer`'s
+        conditions), else None. Reads only."""
+        inbox = self._inbox_state
+        if inbox.data or len(inbox.receive_tasks) != 1 or self._grants_data:
+            return None
+        return self.core.hit_slots(layer, experts)
+
     def answer(self, msgs: list[PoolInbox]) -> Granted | None:
         """The pool's answer to `msgs` (releases, then one `Acquire`) when it is an immediate grant
         (the turn then is taken at the acquire's time: logged and applied); None, untouched, when the

@@ -91,6 +91,20 @@ def _item(y: mx.array) -> int:
     return int(y.item())  # pyright: ignore[reportArgumentType]  # a token id: an integer scalar
 
 
+class _ReadAtSync:
+    """`Forward.run`'s `first_sync` that reads and commits the previous step's token `y`; `kept` is
+    `DecodeSession.commit`'s answer (None: not called yet)."""
+
+    def __init__(self, session: DecodeSession, y: mx.array) -> None:
+        self.session = session
+        self.y = y
+        self.kept: bool | None = None
+
+    def __call__(self) -> bool:
+        self.kept = self.session.commit([_item(self.y)], trio.current_time())
+        return self.kept
+
+
 def _start(model: Model, temperature: float, top_p: float, seed: int | None, top_k: int, min_p: float) -> Sampling:
     mx.reset_peak_memory()
     return Sampling(model, model.make_cache(), temperature, top_p, seed, top_k, min_p)
@@ -129,11 +143,24 @@ async def generate(fwd: Forward, thread: MLXThread, model: Model, tokenizer: Any
     assert y is not None
     token: mx.array = y
     session = DecodeSession(Output(tokenizer, eos, on_text, partial), len(tokens), max_tokens, t0, pf.start)
-    # All resident, the next step is queued before this token is read (mlx-lm's pipelining);
-    # streamed, every layer synchronises anyway, so the token is read first.
+    # All resident, the next step is queued before this token is read (mlx-lm's pipelining).
+    # Streamed, every layer synchronises: with the MLX calls in this task's turn the token is read
+    # at the next step's first router sync, which waits for it anyway, so the host builds that
+    # step's first layer while the device ends this one; a stop there ends the step before its
+    # first acquire. Otherwise the token is read first.
     ahead = fwd.to_pool is None
+    at_sync = not ahead and fwd.takes_hits
     while session.n < max_tokens:
         more = session.n + 1 < max_tokens
+        if at_sync and more:
+            read = _ReadAtSync(session, token)
+            nxt = await fwd.run(_next_input(token), s.cache, s.sample, first_sync=read)
+            if read.kept is None:  # the step synced on no router
+                read()
+            if not read.kept:
+                break
+            token = nxt
+            continue
         nxt = await fwd.run(_next_input(token), s.cache, s.sample) if ahead and more else None
         tok = await run_on(thread, _item, token)
         if not session.commit([tok], trio.current_time()):

@@ -10,9 +10,10 @@ never imports MLX's model code.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from qnpipe.model.slots import make_layer_slots
 from qnpipe.model.stage import Stage
 from qnpipe.model.stepper import MlxBackend
 from qnpipe.policy.predict import predict_targets
-from qnpipe.steps import Event, PartGrant, PredictPlan, Tail
+from qnpipe.steps import Event, Hits, PartGrant, PredictPlan, Tail
 from qnpipe.trace import ModelShape
 from qnpipe.trace.format import RunPart
 
@@ -235,8 +236,20 @@ class ThreadedBackend:
         self._b = backend
         self.early_pairs = backend.early_pairs
 
-    async def begin(self, inputs: Any, cache: Any, tail: Tail) -> Event:
-        return await run_on(self._thread, self._b.begin, inputs, cache, tail)
+    @property
+    def takes_hits(self) -> bool:
+        """Whether `begin` can take the forward's `hits` (and `first_sync`): a backend that runs them
+        (`MlxBackend`), with its calls inline in the forward's own trio loop (the engine's MLX thread),
+        so they are taken in that task's turn."""
+        return getattr(self._b, "takes_hits", False) and threading.current_thread() is self._thread.thread
+
+    async def begin(self, inputs: Any, cache: Any, tail: Tail, hits: Hits | None = None,
+                    first_sync: Callable[[], bool] | None = None) -> Event:
+        if hits is None and first_sync is None:
+            return await run_on(self._thread, self._b.begin, inputs, cache, tail)
+        if not self.takes_hits:
+            raise AssertionError("hits and first_sync run in the forward's turn: its loop must be the MLX thread's")
+        return await run_on(self._thread, self._b.begin, inputs, cache, tail, hits, first_sync)
 
     async def resume(self, grant: PartGrant) -> Event:
         return await run_on(self._thread, self._b.resume, grant)

@@ -35,15 +35,26 @@ from qnpipe.model.experts import LayerExperts, switch_glu
 from qnpipe.model.qwen3_next import Model, SparseMoeBlock
 from qnpipe.model.speculate import SlotWrites, Speculated, Speculation
 from qnpipe.model.stage import Remote
-from qnpipe.steps import Event, LayerRoute, PartDone, PartGrant, PredictPlan, Queued, StepDone, Tail
+from qnpipe.steps import Event, Hits, LayerRoute, PartDone, PartGrant, PredictPlan, Queued, StepDone, Tail
 
 
 def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: mx.array,
                   cache: list[Any], plan: PredictPlan | None = None, weights: bool = False,
-                  spec: Speculation | None = None) -> Generator[LayerRoute | PartDone | Queued, PartGrant, mx.array]:
+                  spec: Speculation | None = None,
+                  hits: Hits | None = None,
+                  first_sync: Callable[[], bool] | None = None) -> Generator[LayerRoute | PartDone | Queued, PartGrant,
+                                                                               mx.array | None]:
     """Post-final-norm hidden states `[B, L, H]` of `inputs [B, L]`, yielding at each MoE router.
 
     `weights`: also hand the router's gate weights to the host (the event log records them).
+
+    `hits`: at each router, a layer whose grant is certain now (`Hits.hit_slots`) runs at once
+    and is not yielded; the pipeline's turn for it (`Hits.hit_queued`) comes after its experts are
+    queued, while the device computes them. Not with `spec`, the other way to hide that turn (it learns
+    its map from the grants the layers yield for).
+
+    `first_sync` runs once, just after the step's first router sync (whose inputs needed the whole
+    previous step, so its sampled token is ready by then); False ends the step there: it returns None.
 
     `spec`: queue each small step's experts before the router's sync, from the slots they had
     last time, and use them when the grant confirms (qnpipe.model.speculate).
@@ -72,6 +83,10 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
         synced = (inds, scores, *[a for _, ids, p in preds for a in (ids, p)])
         ahead = _speculate(spec, i, slots[i], moe, x, h, synced, shared) if spec is not None else None
         mx.eval(*synced)  # one host sync for all
+        if first_sync is not None:
+            if not first_sync():
+                return None
+            first_sync = None
         # The shared expert needs no slot: it computes while the pool answers and reads.
         mx.async_eval(shared)
         k = inds.shape[-1]
@@ -79,7 +94,15 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
                              np.array(p.astype(mx.float32)).reshape(-1, p.shape[-1])) for t, ids, p in preds)
         w = np.array(scores.astype(mx.float32)).reshape(-1, k) if weights else None
         ids = np.array(inds)
-        grant = yield LayerRoute(i, ids.reshape(-1, k), predictions, w)
+        route = LayerRoute(i, ids.reshape(-1, k), predictions, w)
+        if hits is not None and spec is None and (hit := hits.hit_slots(route)) is not None:
+            # The one-part grant's very call (run_parts), so the bits are the same either way.
+            y = native_run(slots[i])(x, ids, hit.reshape(ids.shape))
+            h = h + moe.combine(x, y, scores, shared)
+            mx.async_eval(h)
+            hits.hit_queued(route, hit)
+            continue
+        grant = yield route
         full = grant.last and grant.lo == 0 and not grant.early
         if ahead is not None and spec is not None and spec.confirm(i, ahead, ids, grant.slots if full else None):
             h = ahead.h  # already queued
@@ -280,6 +303,7 @@ class MlxBackend:
     """One step at a time of `forward_steps`, driven from trio. MLX thread only."""
 
     early_pairs = EARLY_PAIRS
+    takes_hits = True  # `begin` takes the forward's `hits` and `first_sync`
 
     def __init__(self, model: Model, slots: dict[int, LayerExperts] | None,
                  plan: PredictPlan | None = None, weights: bool = False) -> None:
@@ -304,15 +328,21 @@ class MlxBackend:
         self.spec = Speculation(writes, self.model.args.num_experts)
         return self.spec
 
-    def begin(self, inputs: Callable[[], mx.array], cache: list[Any], tail: Tail) -> Event:
-        """Start a step on `inputs() [B, L]` (uint32, built here) and run it to its first yield."""
+    def begin(self, inputs: Callable[[], mx.array], cache: list[Any], tail: Tail, hits: Hits | None = None,
+              first_sync: Callable[[], bool] | None = None) -> Event:
+        """Start a step on `inputs() [B, L]` (uint32, built here) and run it to its first yield.
+        `hits`: run the layers it grants at once without yielding; `first_sync`: called after the first
+        router's sync, False ends the step there with `StepDone(None, stopped=True)` (`forward_steps`)."""
         self.abort()
         x = inputs()
         if isinstance(x, MtpRun):
             assert self.slots is not None, "an MTP step through the pool needs slots"
             self._gen = mtp_steps(self.model, self.slots, x, self.weights)
         else:
-            self._gen = forward_steps(self.model, self.slots, x, cache, self.plan, self.weights, self.spec)
+            # Pipeline parallel: every step rank 0 begins goes round the ring (its tail), so none stops early.
+            self._gen = forward_steps(self.model, self.slots, x, cache, self.plan, self.weights, self.spec,
+                                      None if self.slots is None else hits,
+                                      first_sync if self.ring_tail is None else None)
         self._tail = tail if self.ring_tail is None else self.ring_tail(tail, cache)
         return self._advance(None)
 
@@ -326,6 +356,8 @@ class MlxBackend:
             ev = next(self._gen) if grant is None else self._gen.send(grant)
         except StopIteration as stop:
             self._gen = None
+            if stop.value is None:  # first_sync stopped it
+                return StepDone(None, stopped=True)
             return StepDone(self._tail(stop.value))
         return ev
 

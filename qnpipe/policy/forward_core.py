@@ -153,6 +153,11 @@ class ForwardCore:
         self._at = None
         return self.step
 
+    def drop_step(self) -> None:
+        """The step began and was stopped before its first route: as if it never began (no `ForwardDone`)."""
+        assert self._at is None and not self._held, "only a step that routed nothing can be dropped"
+        self.step -= 1
+
     def end_step(self, now: float) -> Outbox:
         """The step's last layer is done: the pool's `ForwardDone`."""
         self.stats.steps += 1

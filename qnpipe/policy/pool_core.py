@@ -76,13 +76,24 @@ class PoolCore:
 
         The forward's inline turn (qnpipe.actors.pool.InlinePool) handles only such an acquire; its
         answer is then one `Granted` (no read, no promotion, no `Present`)."""
+        return not self._held_back(acq.layer, acq.experts) and self.policy.tables[acq.layer].all_ready(acq.experts)
+
+    def hit_slots(self, layer: int, experts: Sequence[int]) -> list[int] | None:
+        """The slot of each of `experts` (repeats allowed) when an `Acquire` of them at `layer` would be
+        granted at once (`answers_at_once`), else None. Reads only: the grant itself is still the turn's."""
+        if self._held_back(layer, experts):
+            return None
+        return self.policy.tables[layer].ready_slots(experts)
+
+    def _held_back(self, layer: int, experts: Sequence[int]) -> bool:
+        """Whether an acquire of `experts` at `layer` may wait or involve another actor even if they are
+        all ready: an early grant open, an acquire deferred, or one of them in the side region."""
         policy = self.policy
         if self.early or self.landed or policy.grants.deferred:
-            return False
-        side = policy.sides.get(acq.layer)
-        if side is not None and any(e in side.slot_of for e in acq.experts):
-            return False  # a side-region expert may be promoted: placement decides, with reads maybe
-        return policy.tables[acq.layer].all_ready(acq.experts)
+            return True
+        side = policy.sides.get(layer)
+        # a side-region expert may be promoted: placement decides, with reads maybe
+        return side is not None and any(e in side.slot_of for e in experts)
 
     def handle(self, msg: PoolInbox, now: float) -> Outbox:
         """Apply one message at time `now`. Raises RouteError when route verification fails."""

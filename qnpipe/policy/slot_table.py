@@ -125,6 +125,17 @@ class SlotTable:
         slot_of, loading = self.slot_of, self._loading
         return all(e in slot_of and e not in loading for e in experts)
 
+    def ready_slots(self, experts: Iterable[int]) -> list[int] | None:
+        """The slot of each of `experts` (repeats allowed) when `all_ready` of them, else None. Reads only."""
+        slot_of, loading = self.slot_of, self._loading
+        out = []
+        for e in experts:
+            s = slot_of.get(e)
+            if s is None or e in loading:
+                return None
+            out.append(s)
+        return out
+
     def can_acquire_now(self, experts: Sequence[int]) -> bool:
         """Whether `acquire(experts)` finds a slot for each miss without waiting.
 
