@@ -60,8 +60,9 @@ What is measured (every figure is a median over `--rounds`):
       `overhead_frac_sum` is its fraction, the definition before 2026-12-01's evening.)
     - `loop_work`: the CPU time of the thread whose trio loop runs the engine's pipeline (the
       MLX thread, qnpipe.live.mlx_thread, minus the CPU of the MLX calls inline there, taken apart
-      inside the same wrappers; with prefetch on, the engine's own loop thread): the actors'
-      and the decode loop's own work, measured directly. (A trio instrument summing task steps measured the same but cost
+      inside the same wrappers, but not the forward's turns for hits that run inside them,
+      `Forward.hit_slots` / `hit_queued`, timed apart; with prefetch on, the engine's own loop
+      thread): the actors' and the decode loop's own work, measured directly. (A trio instrument summing task steps measured the same but cost
       3.6 % of demand tok/s itself, side by side.)
 * `overhead_frac` = demand overhead / demand wall (the direct measurement above). Since early
   grants (qnpipe.actors.forward) the hits' compute of a layer runs in the background during
@@ -79,7 +80,10 @@ What is measured (every figure is a median over `--rounds`):
   `pipeline_cpu_us_per_layer_step_allhit` the same from the loop thread's CPU (`loop_work`), which
   a loaded machine disturbs far less. The `_channel` keys are the same for the `allhit_channel`
   engine, whose hits go through the pool actor's channels (`qnpipe.actors.pipeline._inline_hits`
-  off: the path before hits were answered in the forward's turn); `--no-channel` skips it.
+  off: the path before hits were answered in the forward's turn); `--no-channel` skips it. The `_turn`
+  keys (`--turn-ab`) are the `allhit_turn` engine's: hits answered in the forward's turn once the
+  backend has yielded the route, the sampled token read before the next step (the path before hits
+  ran before their turn, qnpipe.actors.forward `hit_slots`).
 * `--allhit-only`: resident and the all-hit engines alone, the keys above; with `--shape ms1`
   (the bench shape at a quarter of the hidden size and of the experts' width, 2 attention heads:
   ~1 ms of compute per layer-step on this VM, about a GPU's pace on the 80B, instead of ~6) it
@@ -210,7 +214,8 @@ class Instruments:
         mlxb = fwd.backend._b
         for name in ("begin", "resume"):
             setattr(mlxb, name, self._timed_mlx(getattr(mlxb, name)))
-        fwd.backend = _TimedBackend(fwd.backend, self)
+        fwd.backend = self.timed = _TimedBackend(fwd.backend, self)
+        self._fwd = fwd
         st = rt.core.streaming
         if st is not None:
             reader = st.reader
@@ -224,6 +229,11 @@ class Instruments:
                     self.reads.append((t0, time.perf_counter()))
 
             reader.read_batch = read_batch  # StoreDevice calls self._reader.read_batch
+
+    @property
+    def hits_cpu_s(self) -> float:
+        """The CPU of the forward's turns for hits, inside the MLX calls (`patch_item`'s timers)."""
+        return HITS_CPU_S.get(id(self._fwd), 0.0)
 
     def _timed_mlx(self, fn: Any) -> Any:
         def wrapped(*a: Any) -> Any:
@@ -261,10 +271,11 @@ class _TimedBackend:
     def __init__(self, inner: Any, inst: Instruments) -> None:
         self._inner = inner
         self._inst = inst
+        self.hits = True  # False: hits wait for their turn, the token is read first (the `allhit_turn` engine)
 
     @property
     def takes_hits(self) -> bool:
-        return getattr(self._inner, "takes_hits", False)
+        return self.hits and getattr(self._inner, "takes_hits", False)
 
     async def begin(self, *a: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
@@ -324,6 +335,24 @@ def patch_item() -> None:
 
     DecodeSession.commit = timed_commit  # pyright: ignore[reportAttributeAccessIssue]
 
+    # The pipeline's own work, though it runs inside an MLX call (qnpipe.actors.forward, hits before their turn).
+    from qnpipe.actors.forward import Forward
+
+    for name in ("hit_slots", "hit_queued"):
+        inner_hit = getattr(Forward, name)
+
+        def timed_hit(self: Any, *a: Any, _inner: Any = inner_hit) -> Any:
+            c0 = time.thread_time()
+            try:
+                return _inner(self, *a)
+            finally:
+                HITS_CPU_S[id(self)] = HITS_CPU_S.get(id(self), 0.0) + time.thread_time() - c0
+
+        setattr(Forward, name, timed_hit)
+
+
+HITS_CPU_S: dict[int, float] = {}  # id(Forward) -> CPU s in its hit_slots / hit_queued
+
 
 COMMITS: list[tuple[float, int]] = []  # (when, tokens) of each DecodeSession.commit of the current call
 
@@ -365,7 +394,7 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
     rs = inst.rt.pipe.read_stats
     b0 = rs.batches if rs is not None else 0
     m0, a0, i0 = inst.mlx_s, inst.await_s, ITEM_S[0]
-    l0, mc0, ic0 = loop_cpu_s(eng), inst.mlx_cpu_s, ITEM_CPU_S[0]
+    l0, mc0, ic0, hc0 = loop_cpu_s(eng), inst.mlx_cpu_s, ITEM_CPU_S[0], inst.hits_cpu_s
     COMMITS.clear()
     t0 = time.perf_counter()
     res = eng.generate(prompt, max_tokens=n, temperature=1.0, seed=seed, stop_at_eos=False)
@@ -381,7 +410,7 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
     from qnpipe.live.mlx_thread import MLXThread
 
     if eng.loop_thread is MLXThread.shared().thread:  # MLX calls run inline on that thread
-        loop -= (inst.mlx_cpu_s - mc0) + (ITEM_CPU_S[0] - ic0)
+        loop -= (inst.mlx_cpu_s - mc0) - (inst.hits_cpu_s - hc0) + (ITEM_CPU_S[0] - ic0)
     device = inst.device_union(t0)
     busy = inst.busy_union(t0)
     out = {
@@ -628,6 +657,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-allhit", action="store_true", help="skip the all-hit engines")
     ap.add_argument("--no-channel", action="store_true",
                     help="skip the all-hit engine whose hits go by channel (the path before inline hits)")
+    ap.add_argument("--turn-ab", action="store_true",
+                    help="also the all-hit engine whose hits are answered after the backend yields, the token read "
+                         "first (the path before hits ran before their turn): the `_turn` keys")
     ap.add_argument("--allhit-only", action="store_true",
                     help="only resident and the all-hit engines: the pipeline's cost per layer-step (with --shape ms1: "
                          "ratio_allhit_to_resident_1ms)")
@@ -686,6 +718,8 @@ def main(argv: list[str] | None = None) -> int:
                                                           prefill_chunk_tokens=0, **read)
             finally:
                 _pipeline._inline_hits = True  # pyright: ignore[reportPrivateUsage]
+        if args.turn_ab:  # its backend is told to take no hits (Instruments)
+            engines["allhit_turn"] = qnpipe.Engine(model_dir, expert_slots=num_experts, prefill_chunk_tokens=0, **read)
         if args.spec_ab:  # the same all-hit pool with speculated hits (forward.speculate_hits), same rounds
             engines["allhit_spec"] = qnpipe.Engine(model_dir, expert_slots=num_experts, prefill_chunk_tokens=0,
                                                    **{**read, "forward.speculate_hits": True})
@@ -706,6 +740,8 @@ def main(argv: list[str] | None = None) -> int:
         margs = engines["resident"].args
         k = margs.num_experts_per_tok
         inst = {name: Instruments(e) for name, e in engines.items()}
+        if "allhit_turn" in inst:
+            inst["allhit_turn"].timed.hits = False
         rng = np.random.default_rng(7)
         warm = rng.integers(3, 1000, args.warmup_prompt).tolist()
         for name, e in engines.items():
@@ -894,7 +930,7 @@ def allhit_keys(runs: dict[str, list[dict[str, float]]], moe_layers: int) -> dic
     median), the tok/s ratio, the loop thread's CPU per layer-step beyond resident's, and the same for the
     engine whose hits go by channel (the path before inline hits)."""
     out: dict[str, Any] = {}
-    for name, suffix in (("allhit", ""), ("allhit_channel", "_channel")):
+    for name, suffix in (("allhit", ""), ("allhit_channel", "_channel"), ("allhit_turn", "_turn")):
         if name not in runs:
             continue
         pairs = list(zip(runs[name], runs["resident"], strict=True))
@@ -915,6 +951,8 @@ def _allhit_only(args: argparse.Namespace, engines: dict[str, Any], model_dir: P
     import os
 
     inst = {name: Instruments(e) for name, e in engines.items()}
+    if "allhit_turn" in inst:
+        inst["allhit_turn"].timed.hits = False
     rng = np.random.default_rng(7)
     warm = rng.integers(3, 1000, args.warmup_prompt).tolist()
     for name, e in engines.items():
