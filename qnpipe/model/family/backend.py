@@ -13,7 +13,9 @@ slots granted before it, except after `Queued`. It holds here because `resume` r
 through the residual stream, so MLX has run them; (2) at `PartDone`, after the part's `mx.eval`;
 (3) at `Queued`, where the switch keeps the grant and a dropped step evaluates the queued work
 (PooledSwitch's abort path); or (4) with `StepDone`, after the tail, which evaluates the logits
-that depend on the last MoE layer.
+that depend on the last MoE layer. A switch that runs a hit before its turn (the step's `hits`,
+docs/pool.md) does not switch up at all: the forward releases that layer at its next route, after
+the next switch's sync, or at the step's end, as it would on return from `resume`.
 """
 
 from __future__ import annotations
@@ -25,14 +27,39 @@ import greenlet
 import mlx.nn as nn
 
 from qnpipe.model.stepper import EARLY_PAIRS, MtpRun
-from qnpipe.steps import Event, PartGrant, StepDone, Tail
+from qnpipe.steps import Event, Hits, PartGrant, StepDone, Tail
+
+
+class Stopped(Exception):
+    """A step's `first_sync` ended it at its first pooled switch (qnpipe.model.stepper.forward_steps)."""
+
+
+_STOPPED = object()
+
+
+class Step(greenlet.greenlet):
+    """A step's greenlet, with what the forward hands its pooled switches (`GreenletBackend.begin`)."""
+
+    hits: Hits | None = None
+    first_sync: Callable[[], bool] | None = None
+
+
+def _run(model: nn.Module, x: Any, cache: list[Any]) -> Any:
+    try:
+        return model(x, cache=cache)
+    except Stopped:
+        return _STOPPED
 
 
 class GreenletBackend:
     """One step at a time of mlx-lm's forward of `model` (its switches pooled), driven from trio.
-    MLX thread only. Its tails take logits: mlx-lm's `__call__` returns them."""
+    MLX thread only. Its tails take logits: mlx-lm's `__call__` returns them.
+
+    The step's greenlet carries the forward's `hits` and `first_sync` (as `MlxBackend.begin` takes
+    them): the pooled switches read them there (qnpipe.model.family.pooled)."""
 
     early_pairs = EARLY_PAIRS
+    takes_hits = True
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -41,8 +68,10 @@ class GreenletBackend:
         # Pipeline parallel is the native path's alone: never set here.
         self.ring_tail: Callable[[Tail, list[Any]], Tail] | None = None
 
-    def begin(self, inputs: Callable[[], Any], cache: list[Any], tail: Tail) -> Event:
-        """Start a step on `inputs() [B, L]` and run it to its first pooled switch (or its end)."""
+    def begin(self, inputs: Callable[[], Any], cache: list[Any], tail: Tail, hits: Hits | None = None,
+              first_sync: Callable[[], bool] | None = None) -> Event:
+        """Start a step on `inputs() [B, L]` and run it to its first pooled switch (or its end).
+        `hits`, `first_sync`: as `MlxBackend.begin`'s."""
         self.abort()
         x = inputs()
         if isinstance(x, MtpRun):
@@ -51,7 +80,8 @@ class GreenletBackend:
         if self.ring_tail is not None:
             raise ValueError("pipeline parallel runs on the native Qwen3-Next path only")
         model = self.model
-        self._g = greenlet.greenlet(lambda: model(x, cache=cache))
+        g = self._g = Step(lambda: _run(model, x, cache))
+        g.hits, g.first_sync = hits, first_sync  # read by the pooled switches
         self._tail = tail
         return self._advance(None)
 
@@ -72,6 +102,8 @@ class GreenletBackend:
         if not g.dead:
             return ev
         self._g = None
+        if ev is _STOPPED:
+            return StepDone(None, stopped=True)
         return StepDone(tail(ev))
 
     def abort(self) -> None:

@@ -26,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 from qnpipe.model.experts import expert_view
+from qnpipe.model.family.backend import Step, Stopped
 from qnpipe.model.family.shared_ahead import shared_of, start
 from qnpipe.model.family.switches import expert_linears, expert_params
 from qnpipe.model.stepper import run_parts
@@ -151,14 +152,29 @@ class PooledSwitch(nn.Module):
         if preds:
             mx.eval(indices, *[a for _, i, p in preds for a in (i, p)])  # one host sync for all
         ids = np.array(indices)  # the one host sync of the layer: the router's ids
-        if self._held.shared is not None:  # it computes while the pool answers and reads
-            start(self._held.shared, x)
-        parent = greenlet.getcurrent().parent
+        step = greenlet.getcurrent()
+        parent = step.parent
         if parent is None:
             raise RuntimeError(f"layer {self.layer}: a pooled switch runs inside GreenletBackend's step")
+        # The step's greenlet carries the forward's first_sync and hits (GreenletBackend.begin).
+        if isinstance(step, Step) and (first_sync := step.first_sync) is not None:
+            step.first_sync = None
+            if not first_sync():
+                raise Stopped
+        if self._held.shared is not None:  # it computes while the pool answers and reads
+            start(self._held.shared, x)
         predictions = tuple((t, np.array(i).reshape(-1, i.shape[-1]), np.array(p).reshape(-1, p.shape[-1]))
                             for t, i, p in preds)
-        grant = parent.switch(LayerRoute(self.layer, ids.reshape(-1, ids.shape[-1]), predictions))
+        route = LayerRoute(self.layer, ids.reshape(-1, ids.shape[-1]), predictions)
+        hits = step.hits if isinstance(step, Step) else None
+        if hits is not None and (hit := hits.hit_slots(route)) is not None:
+            # As the native path (qnpipe.model.stepper.forward_steps): the one-part grant's very call, queued,
+            # then the forward's turn for it while the device computes.
+            y = self._runner(slots)(x, ids, hit.reshape(ids.shape))
+            mx.async_eval(y)
+            hits.hit_queued(route, hit)
+            return y
+        grant = parent.switch(route)
         steps = run_parts(self._runner(slots), x, ids, grant)
         try:
             ev: PartDone | Queued = next(steps)
