@@ -685,6 +685,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import qnpipe
 
+    # The CPU BLAS is chosen when the engine is first reached (qnpipe.__getattr__), before anything imports
+    # MLX: `patch_item` below imports the decode loop, which would leave MLX on its bundled BLAS.
+    _ = qnpipe.Engine
     load0 = os.getloadavg()
     from qnpipe.io.store import ExpertStore
 
