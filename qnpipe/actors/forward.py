@@ -188,9 +188,9 @@ class Forward:
 
     # Hits run before their turn. A backend that takes `hits` (MlxBackend) asks `hit_slots` at each
     # router: when the pool would grant the route at once in this turn, it queues the layer's experts
-    # from those slots and only then calls `hit_queued`, which takes the very turn `_layer` would have
-    # taken (the route, the Acquire, the pool's inline grant), so the device computes while the host
-    # does the pipeline's bookkeeping. Both run inside the backend's call, in this task's turn: no other
+    # from those slots, and the next layer's attention and router, and only then calls `hit_queued`,
+    # which takes the very turn `_layer` would have taken (the route, the Acquire, the pool's inline
+    # grant), so the device computes while the host does the pipeline's bookkeeping. Both run inside the backend's call, in this task's turn: no other
     # task runs between the two, so the pool's answer cannot change (docs/pool.md, "Hits before
     # their turn"). The layer is released at the next route or the step's end, as `_layer` does after
     # the backend returns from it.

@@ -49,8 +49,9 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
     `weights`: also hand the router's gate weights to the host (the event log records them).
 
     `hits`: at each router, a layer whose grant is certain now (`Hits.hit_slots`) runs at once
-    and is not yielded; the pipeline's turn for it (`Hits.hit_queued`) comes after its experts are
-    queued, while the device computes them. Not with `spec`, the other way to hide that turn (it learns
+    and is not yielded; the pipeline's turn for it (`Hits.hit_queued`) comes once its experts and
+    the next layer's attention and router are queued (or at the step's end), while the device
+    computes them. Not with `spec`, the other way to hide that turn (it learns
     its map from the grants the layers yield for).
 
     `first_sync` runs once, just after the step's first router sync (whose inputs needed the whole
@@ -68,6 +69,7 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
     m = model.model
     h = inputs if inputs.ndim == 3 else m.embed_tokens(inputs)
     fa_mask, ssm_mask = m.masks(h, cache)
+    held: tuple[LayerRoute, np.ndarray] | None = None  # a hit whose experts are queued, its turn not taken yet
     for i, (layer, c) in enumerate(zip(m.layers, cache, strict=True)):
         if isinstance(layer, Remote):
             continue
@@ -82,6 +84,13 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
         shared = moe.shared(x)
         synced = (inds, scores, *[a for _, ids, p in preds for a in (ids, p)])
         ahead = _speculate(spec, i, slots[i], moe, x, h, synced, shared) if spec is not None else None
+        if held is not None:
+            # The previous layer's hit takes its turn once this layer's attention and router are queued
+            # too: taken before them, it would hold them back, and the device would wait.
+            assert hits is not None
+            mx.async_eval(*synced)
+            hits.hit_queued(*held)
+            held = None
         mx.eval(*synced)  # one host sync for all
         if first_sync is not None:
             if not first_sync():
@@ -100,7 +109,7 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
             y = native_run(slots[i])(x, ids, hit.reshape(ids.shape))
             h = h + moe.combine(x, y, scores, shared)
             mx.async_eval(h)
-            hits.hit_queued(route, hit)
+            held = (route, hit)
             continue
         grant = yield route
         full = grant.last and grant.lo == 0 and not grant.early
@@ -113,6 +122,9 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
         h = h + moe.combine(x, y, scores, shared)
         # Start computing this layer while Python builds the next one up to its router.
         mx.async_eval(h)
+    if held is not None:
+        assert hits is not None
+        hits.hit_queued(*held)
     return m.norm(h)
 
 

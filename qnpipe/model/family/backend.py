@@ -25,9 +25,10 @@ from typing import Any
 
 import greenlet
 import mlx.nn as nn
+import numpy as np
 
 from qnpipe.model.stepper import EARLY_PAIRS, MtpRun
-from qnpipe.steps import Event, Hits, PartGrant, StepDone, Tail
+from qnpipe.steps import Event, Hits, LayerRoute, PartGrant, StepDone, Tail
 
 
 class Stopped(Exception):
@@ -42,13 +43,25 @@ class Step(greenlet.greenlet):
 
     hits: Hits | None = None
     first_sync: Callable[[], bool] | None = None
+    held: tuple[LayerRoute, np.ndarray] | None = None  # a hit whose experts are queued, its turn not taken yet
+
+    def take_held(self) -> None:
+        """The held hit's turn (`Hits.hit_queued`), if any."""
+        if self.held is not None:
+            held, self.held = self.held, None
+            assert self.hits is not None
+            self.hits.hit_queued(*held)
 
 
 def _run(model: nn.Module, x: Any, cache: list[Any]) -> Any:
     try:
-        return model(x, cache=cache)
+        out = model(x, cache=cache)
     except Stopped:
         return _STOPPED
+    step = greenlet.getcurrent()
+    if isinstance(step, Step):
+        step.take_held()  # the last pooled switch's hit
+    return out
 
 
 class GreenletBackend:

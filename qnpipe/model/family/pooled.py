@@ -149,16 +149,21 @@ class PooledSwitch(nn.Module):
         if slots is None:
             return self.template(x, indices)
         preds = self.predictor(self.layer, x) if self.predictor is not None else []
+        step = greenlet.getcurrent()
+        mine = step if isinstance(step, Step) else None  # the step's greenlet carries the forward's hits, first_sync
+        if mine is not None and mine.held is not None:
+            # The previous switch's hit takes its turn once this layer's router is queued too (as the native
+            # path, qnpipe.model.stepper.forward_steps): taken before, it would hold the device back.
+            mx.async_eval(indices, *[a for _, i, p in preds for a in (i, p)])
+            mine.take_held()
         if preds:
             mx.eval(indices, *[a for _, i, p in preds for a in (i, p)])  # one host sync for all
         ids = np.array(indices)  # the one host sync of the layer: the router's ids
-        step = greenlet.getcurrent()
         parent = step.parent
         if parent is None:
             raise RuntimeError(f"layer {self.layer}: a pooled switch runs inside GreenletBackend's step")
-        # The step's greenlet carries the forward's first_sync and hits (GreenletBackend.begin).
-        if isinstance(step, Step) and (first_sync := step.first_sync) is not None:
-            step.first_sync = None
+        if mine is not None and (first_sync := mine.first_sync) is not None:
+            mine.first_sync = None
             if not first_sync():
                 raise Stopped
         if self._held.shared is not None:  # it computes while the pool answers and reads
@@ -166,13 +171,12 @@ class PooledSwitch(nn.Module):
         predictions = tuple((t, np.array(i).reshape(-1, i.shape[-1]), np.array(p).reshape(-1, p.shape[-1]))
                             for t, i, p in preds)
         route = LayerRoute(self.layer, ids.reshape(-1, ids.shape[-1]), predictions)
-        hits = step.hits if isinstance(step, Step) else None
-        if hits is not None and (hit := hits.hit_slots(route)) is not None:
-            # As the native path (qnpipe.model.stepper.forward_steps): the one-part grant's very call, queued,
-            # then the forward's turn for it while the device computes.
+        if mine is not None and mine.hits is not None and (hit := mine.hits.hit_slots(route)) is not None:
+            # As the native path (qnpipe.model.stepper.forward_steps): the one-part grant's very call, queued;
+            # the forward's turn for it comes later, while the device computes.
             y = self._runner(slots)(x, ids, hit.reshape(ids.shape))
             mx.async_eval(y)
-            hits.hit_queued(route, hit)
+            mine.held = (route, hit)  # its turn: at the next switch, or at the step's end (backend._run)
             return y
         grant = parent.switch(route)
         steps = run_parts(self._runner(slots), x, ids, grant)
