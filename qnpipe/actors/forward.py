@@ -204,7 +204,8 @@ class Forward:
         ids = route.ids
         flat = ids.reshape(-1).tolist()
         cap = self.core.capacities[route.layer]
-        if ids.shape[1] > cap or len(set(flat)) > cap:  # parts, or a CapacityError: `_layer` says
+        # parts, or a CapacityError: `_layer` says (a step of no more pairs than slots always fits)
+        if ids.shape[1] > cap or (len(flat) > cap and len(set(flat)) > cap):
             return None
         slots = inline.hit_slots(route.layer, flat)
         return None if slots is None else np.array(slots, dtype=np.int64).reshape(ids.shape)
@@ -212,12 +213,7 @@ class Forward:
     def hit_queued(self, route: LayerRoute, slots: np.ndarray) -> None:
         """The backend queued `route`'s experts from `slots` (`hit_slots`, in this turn): the layer's turn."""
         assert self.inline is not None
-        self._release_last()
-        self.progress += 1
-        now = trio.current_time()
-        out = self.core.route(route.layer, route.ids.reshape(-1).tolist(), route.ids.shape[1], now, ids=route.ids,
-                              weights=route.weights,
-                              predictions=route.predictions if self.to_predictor is not None else (), room=self._room())
+        out = self._route(route)
         self._emit(out)
         granted = self.inline.answer(out.pool)
         run = None if granted is None else self.core.handle(granted, granted.t).run
@@ -237,14 +233,19 @@ class Forward:
             out = self.core.part_done(trio.current_time())
             assert not out.pool and not out.log, out  # the Release is held for the next message (use_inline)
 
-    async def _layer(self, route: LayerRoute) -> Event:
-        assert self.to_pool is not None and self.grants is not None
+    def _route(self, route: LayerRoute) -> Outbox:
+        """A layer-step starts: the previous one's last part is released, then the core's route (its first Acquire)."""
         self._release_last()
         self.progress += 1
+        return self.core.route(route.layer, route.ids.reshape(-1).tolist(), route.ids.shape[1], trio.current_time(),
+                               ids=route.ids, weights=route.weights,
+                               predictions=route.predictions if self.to_predictor is not None else (),
+                               room=self._room())
+
+    async def _layer(self, route: LayerRoute) -> Event:
+        assert self.to_pool is not None and self.grants is not None
         core = self.core
-        out = core.route(route.layer, route.ids.reshape(-1).tolist(), route.ids.shape[1], trio.current_time(),
-                         ids=route.ids, weights=route.weights,
-                         predictions=route.predictions if self.to_predictor is not None else (), room=self._room())
+        out = self._route(route)
         while True:
             await self._send(out)
             grant, g = await self._grant()

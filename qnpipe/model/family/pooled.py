@@ -149,15 +149,16 @@ class PooledSwitch(nn.Module):
         if slots is None:
             return self.template(x, indices)
         preds = self.predictor(self.layer, x) if self.predictor is not None else []
+        synced = (indices, *[a for _, i, p in preds for a in (i, p)])
         step = greenlet.getcurrent()
         mine = step if isinstance(step, Step) else None  # the step's greenlet carries the forward's hits, first_sync
         if mine is not None and mine.held is not None:
             # The previous switch's hit takes its turn once this layer's router is queued too (as the native
             # path, qnpipe.model.stepper.forward_steps): taken before, it would hold the device back.
-            mx.async_eval(indices, *[a for _, i, p in preds for a in (i, p)])
+            mx.async_eval(*synced)
             mine.take_held()
         if preds:
-            mx.eval(indices, *[a for _, i, p in preds for a in (i, p)])  # one host sync for all
+            mx.eval(*synced)  # one host sync for all
         ids = np.array(indices)  # the one host sync of the layer: the router's ids
         parent = step.parent
         if parent is None:
