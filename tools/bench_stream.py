@@ -208,7 +208,7 @@ class Instruments:
         self.mlx_s = 0.0  # inside MlxBackend.begin/resume, on the MLX thread
         self.mlx_cpu_s = 0.0  # ... the MLX thread's CPU time in them
         self.await_s = 0.0  # awaiting ThreadedBackend.begin/resume, on the trio thread
-        self.reads: list[tuple[float, float]] = []  # SsdReader.read_batch intervals (worker threads)
+        self.reads: list[tuple[float, float]] = []  # SsdReader.read_batch / start..done intervals
         self.calls: list[tuple[float, float]] = []  # MlxBackend.begin/resume intervals (the MLX thread)
         fwd = rt.pipe.forward
         mlxb = fwd.backend._b
@@ -228,7 +228,24 @@ class Instruments:
                 finally:
                     self.reads.append((t0, time.perf_counter()))
 
-            reader.read_batch = read_batch  # StoreDevice calls self._reader.read_batch
+            reader.read_batch = read_batch  # StoreDevice calls self._reader.read_batch (or start, below)
+            if getattr(reader, "starts", False):
+                start = reader.start
+
+                def started(reqs: Any, fd: int) -> Any:
+                    pending = start(reqs, fd)
+                    poll = pending.poll
+
+                    def polled() -> Any:  # from the batch's start to when the device finished its last read
+                        out = poll()
+                        if out is not None:
+                            self.reads.append((pending.t_start, pending.t_done))
+                        return out
+
+                    pending.poll = polled
+                    return pending
+
+                reader.start = started
 
     @property
     def hits_cpu_s(self) -> float:
@@ -667,6 +684,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="also the all-hit pool with forward.speculate_hits on, in the same rounds "
                          "(ratio_allhit_spec_to_allhit)")
     ap.add_argument("--no-prefetch", action="store_true", help="skip the prefetch engine")
+    ap.add_argument("--submit-ab", action="store_true",
+                    help="also the demand engine with each read batch run on a submitter thread (the `_thread` keys)")
     ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
                     help="another config field of the prefetch run, e.g. predict.stage_global_budget_experts=0")
     ap.add_argument("--side", type=int, default=16, help="pool.side_region_slots of the prefetch run (default 16)")
@@ -710,6 +729,14 @@ def main(argv: list[str] | None = None) -> int:
     engines["resident"] = qnpipe.Engine(model_dir, eager_load=True, prefill_chunk_tokens=0)
     if not args.allhit_only:
         engines["demand"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0, **read)
+        if args.submit_ab:  # the same demand pool, its reads handed to a submitter thread each batch
+            from qnpipe.io import device as _device
+
+            _device._start_reads = False  # read when the engine's pipeline opens  # pyright: ignore[reportPrivateUsage]
+            try:
+                engines["demand_thread"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0, **read)
+            finally:
+                _device._start_reads = True  # pyright: ignore[reportPrivateUsage]
     if not args.no_allhit or args.allhit_only:
         engines["allhit"] = qnpipe.Engine(model_dir, expert_slots=num_experts, prefill_chunk_tokens=0, **read)
         if not args.no_channel:
@@ -919,6 +946,17 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline_alone_us_per_layer_step": {
             name: {key: rnd(v, 2) for key, v in x.items()} for name, x in pipe.items()},
         "allhit_misses_per_token": rnd(m("allhit", "misses"), 3) if "allhit" in runs else None,
+        **({} if "demand_thread" not in runs else {
+            # The demand run with each read batch on a submitter thread (`--submit-ab`), same rounds.
+            "tok_s_demand_thread": rnd(m("demand_thread", "tok_s"), 3),
+            "ratio_demand_to_serial_bound_thread": rnd(med([d["tok_s"] / bd for d, bd in
+                                                            zip(runs["demand_thread"], bounds, strict=True)])),
+            "overhead_frac_thread": rnd(med([d["overhead"] / d["wall"] for d in runs["demand_thread"]])),
+            "overhead_frac_loop_thread": rnd(med([d["loop_work"] / d["wall"] for d in runs["demand_thread"]])),
+            "ratio_demand_to_demand_thread": rnd(med([d["tok_s"] / t["tok_s"] for d, t in
+                                                      zip(runs["demand"], runs["demand_thread"], strict=True)])),
+            "overhead_frac_raw": [rnd(x) for x in ovh],
+            "overhead_frac_thread_raw": [rnd(d["overhead"] / d["wall"]) for d in runs["demand_thread"]]}),
         "step_s_raw": {name: [rnd(x["step_s"], 5) for x in runs[name]] for name in runs},
         "bandwidth_gbps_raw": [rnd(b["gbps"]) for b in bw],
         "bw_at_effective_qd_gbps_raw": [rnd(b["gbps"]) for b in bw_eff],

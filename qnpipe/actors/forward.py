@@ -282,6 +282,10 @@ class Forward:
                 continue
             if not run.early:
                 return run, g
+            # An early grant comes with the same turn's reads for the read scheduler, woken with us: trio runs
+            # a batch of woken tasks in either order, so let it put them on the device before our MLX call
+            # (a few hundred µs of host work queueing the hits) rather than after.
+            await trio.lowlevel.cancel_shielded_checkpoint()
             ev = await self.backend.resume(run)
             assert isinstance(ev, Queued), ev
 

@@ -28,9 +28,9 @@ import trio.testing
 
 from qnpipe.actors.autopin import Autopin
 from qnpipe.actors.forward import Forward
-from qnpipe.actors.pool import InlinePool, pool
+from qnpipe.actors.pool import InlinePool, PoolInline, pool
 from qnpipe.actors.predictor import PredictorStats, predictor
-from qnpipe.actors.read_scheduler import ReadSchedulerStats, read_scheduler
+from qnpipe.actors.read_scheduler import ReadSchedulerStats, ReadsInline, read_scheduler
 from qnpipe.actors.recorder import Emit, Emitter, open_recording
 from qnpipe.actors.turns import Turnstile
 from qnpipe.config import Config
@@ -52,6 +52,10 @@ from qnpipe.trace.format import RunPart
 # Hits answered in the forward's turn (qnpipe.actors.pool.InlinePool). False sends every message by
 # channel, as before: the tests that compare the two ways and tools/bench_stream.py's before/after set it.
 _inline_hits = True
+# The read scheduler's and the pool's turns over the miss path taken where their messages are made, when the
+# actor is idle (qnpipe.actors.read_scheduler.ReadsInline, qnpipe.actors.pool.PoolInline). False: by channel, as
+# before; the tests that compare the two ways and tools/bench_stream.py's before/after set it.
+_inline_reads = True
 
 
 @attrs.define
@@ -191,6 +195,9 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
     pool_core = PoolCore(policy, logging=emit is not None)
     if _inline_hits:
         fwd.use_inline(InlinePool(pool_core, pool_rx, grant_rx, emit, fwd.failure))
+    reads_inline = pool_inline = None
+    if _inline_reads and turns is None:
+        reads_inline, pool_inline = ReadsInline(read_rx), PoolInline(pool_rx)
     scopes: list[trio.CancelScope] = []
     try:
         async with trio.open_nursery() as nursery:
@@ -226,14 +233,17 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
                 async with pool_rx, grant_tx:
                     await supervised(partial(pool, pool_rx.clone(), read_tx, grant_tx.clone(), policy=policy,
                                              preload=preloads, after_forward=after_forward, emit=emit,
-                                             turns=turns, core=pool_core), task_status=task_status)
+                                             turns=turns, core=pool_core, inline=pool_inline,
+                                             reads_inline=reads_inline), task_status=task_status)
 
             await nursery.start(pool_actor)
             if predicting:
                 await nursery.start(supervised, partial(predictor, cand_rx, pool_tx.clone(), predict_cfg=cfg.predict,
                                                         top=hint_top(cfg.predict), stats=pstats, turns=turns))
             await nursery.start(supervised, partial(read_scheduler, read_rx, pool_tx.clone(), device=device,
-                                                    queue=queue, stats=rstats, emit=emit, turns=turns))
+                                                    queue=queue, stats=rstats, emit=emit, turns=turns,
+                                                    inline=reads_inline,
+                                                    pool_inline=pool_inline.take if pool_inline else None))
             try:
                 yield Pipeline(fwd, policy, rstats, device, pstats, autopin, read_queue=queue)
             finally:

@@ -8,25 +8,31 @@ the read scheduler (the event log gets a `ReadExpert` per read). The slot memory
 is the forward's (qnpipe.model.slots); this actor only decides what goes where.
 
 An acquire that is all hits is answered in the forward's own turn (`InlinePool`): the same
-core, the same messages and records, no channel hop and no scheduler pass.
+core, the same messages and records, no channel hop and no scheduler pass. Live, a finished
+batch's `ReadsDone` is likewise handled in the task that saw the batch finish when the pool
+is idle (`PoolInline`), and the reads a turn asks for are put on the device in this turn when
+the read scheduler is idle (qnpipe.actors.read_scheduler.ReadsInline).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
 from qnpipe.actors.stamp import drain, send_soon
 from qnpipe.actors.turns import Turnstile
-from qnpipe.messages import Acquire, ForwardDone, ForwardInbox, Granted, Msg, PoolInbox, ReadInbox
+from qnpipe.messages import Acquire, ForwardDone, ForwardInbox, Granted, Msg, PoolInbox, ReadInbox, ReadsDone
 from qnpipe.policy.outbox import Outbox
 from qnpipe.policy.pool import PoolPolicy
 from qnpipe.policy.pool_core import PoolCore
 from qnpipe.policy.slot_table import Load
 from qnpipe.policy.turn_order import POOL, in_turn_order
+
+if TYPE_CHECKING:
+    from qnpipe.actors.read_scheduler import ReadsInline
 
 
 @attrs.define(eq=False)
@@ -89,6 +95,30 @@ class InlinePool:
         return out.forward[0]
 
 
+@attrs.define(eq=False)
+class PoolInline:
+    """The pool's turn over a finished batch's `ReadsDone`, taken in the task that saw the batch finish (the
+    read scheduler's) when the pool actor is idle on an empty inbox: its next turn would have handled exactly
+    this message, first. The answers are delivered as the actor's are (its `deliver`)."""
+
+    inbox: trio.MemoryReceiveChannel[PoolInbox]  # the pool actor's (only its state is read)
+    turn: Callable[[ReadsDone], Awaitable[None]] | None = None  # set while the actor runs
+    turns: int = 0  # taken here (tests, benchmarks)
+    _state: Any = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._state = self.inbox._state  # pyright: ignore[reportPrivateUsage]
+
+    async def take(self, done: ReadsDone) -> bool:
+        """Take the pool's turn over `done` now if the pool is idle; False (nothing done) if not."""
+        state = self._state
+        if self.turn is None or state.data or len(state.receive_tasks) != 1:
+            return False
+        self.turns += 1
+        await self.turn(done)  # the core's turn is taken before any wait; only a full channel would wait
+        return True
+
+
 async def pool(
     inbox: trio.MemoryReceiveChannel[PoolInbox],
     to_reads: trio.MemorySendChannel[ReadInbox],
@@ -100,6 +130,8 @@ async def pool(
     emit: Callable[[Msg], None] | None = None,
     turns: Turnstile | None = None,
     core: PoolCore | None = None,
+    inline: PoolInline | None = None,
+    reads_inline: ReadsInline | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the pool until `inbox` closes. Raises RouteError when route verification fails.
@@ -107,36 +139,57 @@ async def pool(
     `preload`: (layer, load) reads issued before anything else (autopin's pinned experts,
     already placed in `policy`); `after_forward` runs after each ForwardDone (autopin's saves);
     `turns`: replay's turnstile (qnpipe.actors.turns), None live. `core`: the core over `policy`
-    when the forward shares it (`InlinePool`); else one is made here.
+    when the forward shares it (`InlinePool`); else one is made here. Live, `inline` lets the read
+    scheduler take this actor's turn over a `ReadsDone`, and `reads_inline` the read scheduler's turn here.
     """
     if core is None:
         core = PoolCore(policy, logging=emit is not None)
     assert core.policy is policy
 
+    live = turns is None
+    if not live:
+        reads_inline = None
+
     async def deliver(out: Outbox) -> None:
         if emit is not None:
             for r in out.log:
                 emit(r)
-        for m in out.reads:
-            await send_soon(to_reads, m)
+        if out.reads and not (reads_inline is not None and reads_inline.take(out.reads)):
+            for m in out.reads:
+                await send_soon(to_reads, m)
         for f in out.forward:
             await send_soon(to_forward, f)
 
+    async def turn_done(done: ReadsDone) -> None:
+        await deliver(core.turn((done,), trio.current_time()))
+
     async with inbox, to_reads, to_forward:
         await deliver(core.preload(preload, trio.current_time()))
+        if inline is not None and live:
+            inline.turn = turn_done
         task_status.started()
-        async for first in inbox:
-            if turns is not None:
-                await turns.turn(POOL)
-            # Whatever else is already waiting is handled in the same turn: one wake-up, not one per message.
-            now = trio.current_time()
-            msgs = in_turn_order(list(drain(inbox, first)))
-            if after_forward is None:  # the turn's answers in one (sent in the same order)
-                await deliver(core.turn(msgs, now))
-                continue
-            for msg in msgs:
-                out = core.handle(msg, now)
-                if isinstance(msg, ForwardDone):
-                    after_forward()
-                await deliver(out)
-            await deliver(core.end_turn(now))
+        try:
+            await _serve(inbox, core, deliver, after_forward, turns)
+        finally:
+            if inline is not None:
+                inline.turn = None
+
+
+async def _serve(inbox: trio.MemoryReceiveChannel[PoolInbox], core: PoolCore,
+                 deliver: Callable[[Outbox], Awaitable[None]], after_forward: Callable[[], None] | None,
+                 turns: Turnstile | None) -> None:
+    async for first in inbox:
+        if turns is not None:
+            await turns.turn(POOL)
+        # Whatever else is already waiting is handled in the same turn: one wake-up, not one per message.
+        now = trio.current_time()
+        msgs = in_turn_order(list(drain(inbox, first)))
+        if after_forward is None:  # the turn's answers in one (sent in the same order)
+            await deliver(core.turn(msgs, now))
+            continue
+        for msg in msgs:
+            out = core.handle(msg, now)
+            if isinstance(msg, ForwardDone):
+                after_forward()
+            await deliver(out)
+        await deliver(core.end_turn(now))

@@ -5,12 +5,20 @@ requests are merged when duplicate, ordered by class, and put on the device as t
 in-flight budget allows, a batch at a time; each finished batch goes back to the pool as
 one `ReadsDone` (the event log gets a `ReadDone` per read). A failed read (`ReadError`)
 ends the actor with that error.
+
+Live (no replay turnstile), a turn may be taken where its messages are made, when the actor
+it belongs to is idle on an empty inbox (`ReadsInline`, `qnpipe.actors.pool.PoolInline`): the
+pool's reads are put on the device in the pool's own turn, and a finished batch's `ReadsDone`
+is handled by the pool in the task that saw the batch finish. docs/pool.md, "Turns taken where
+they are asked", says why no actor can tell.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
+import attrs
 import trio
 
 from qnpipe.actors.stamp import drain, send_soon
@@ -23,6 +31,29 @@ from qnpipe.policy.read_queue import ReadQueue
 from qnpipe.policy.turn_order import READS, READS_DONE
 
 
+@attrs.define(eq=False)
+class ReadsInline:
+    """The read scheduler's turn, taken by the task that has its requests (the pool actor's) when the read
+    scheduler is idle on an empty inbox: its next turn would have handled exactly these, first."""
+
+    inbox: trio.MemoryReceiveChannel[ReadInbox]  # the read scheduler's (only its state is read)
+    turn: Callable[[Sequence[ReadInbox]], None] | None = None  # set once the actor runs (its nursery is open)
+    turns: int = 0  # taken here (tests, benchmarks)
+    _state: Any = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._state = self.inbox._state  # pyright: ignore[reportPrivateUsage]
+
+    def take(self, msgs: Sequence[ReadInbox]) -> bool:
+        """Take the turn over `msgs` now if the read scheduler is idle; False (nothing done) if not."""
+        state = self._state
+        if self.turn is None or state.data or len(state.receive_tasks) != 1:
+            return False
+        self.turn(msgs)
+        self.turns += 1
+        return True
+
+
 async def read_scheduler(
     inbox: trio.MemoryReceiveChannel[ReadInbox],
     to_pool: trio.MemorySendChannel[PoolInbox],
@@ -32,22 +63,28 @@ async def read_scheduler(
     stats: ReadSchedulerStats,
     emit: Callable[[Msg], None] | None = None,
     turns: Turnstile | None = None,
+    inline: ReadsInline | None = None,
+    pool_inline: Callable[[ReadsDone], Awaitable[bool]] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve read requests until `inbox` closes and every read in flight has finished.
 
-    `turns`: replay's turnstile (qnpipe.actors.turns), None live."""
+    `turns`: replay's turnstile (qnpipe.actors.turns), None live. Live, `inline` lets the pool take this
+    actor's turns where it makes the requests, and `pool_inline` takes the pool's turn over a `ReadsDone`
+    here when the pool is idle (True: taken)."""
     core = ReadCore(queue, stats, logging=emit is not None)
 
     async with inbox, to_pool, trio.open_nursery() as nursery:
 
-        async def deliver(out: Outbox) -> None:
+        def deliver(out: Outbox) -> ReadsDone | None:
+            """Act on `out` without waiting; its `ReadsDone` (a batch's turn has one) is the caller's to send."""
             if emit is not None:
                 for r in out.log:
                     emit(r)
+            done = None
             for m in out.pool:
                 if isinstance(m, ReadsDone):
-                    await send_soon(to_pool, m)  # the channel's bound is proven (actors.pipeline)
+                    done = m
                     continue
                 try:  # an expired prefetch: bounded like ReadsDone, one message per outstanding read
                     to_pool.send_nowait(m)
@@ -56,20 +93,32 @@ async def read_scheduler(
             for b in out.batches:
                 # Submitted in this turn: the I/O starts now, the task only waits for it.
                 nursery.start_soon(run, b, submit(device, b.jobs))
+            return done
 
         async def run(batch: Batch, reading: Awaitable[list[int]]) -> None:
             nbytes = await reading
             if turns is not None:
                 await turns.turn(READS_DONE, batch.number)
-            now = trio.current_time()
-            await deliver(core.turn((BatchDone(batch, nbytes),), now))
+            done = deliver(core.turn((BatchDone(batch, nbytes),), trio.current_time()))
+            if done is not None and not (pool_inline is not None and await pool_inline(done)):
+                await send_soon(to_pool, done)  # the channel's bound is proven (actors.pipeline)
 
+        def turn_now(msgs: Sequence[ReadInbox]) -> None:
+            done = deliver(core.turn(msgs, trio.current_time()))
+            assert done is None, done  # requests and promotions only: no batch finishes in such a turn
+
+        if inline is not None and turns is None:
+            inline.turn = turn_now
         task_status.started()
-        async for first in inbox:
-            if turns is not None:
-                await turns.turn(READS)
-            # Take everything already waiting, so one step's misses are one batch on the device.
-            await deliver(core.turn(drain(inbox, first), trio.current_time()))
+        try:
+            async for first in inbox:
+                if turns is not None:
+                    await turns.turn(READS)
+                # Take everything already waiting, so one step's misses are one batch on the device.
+                turn_now(list(drain(inbox, first)))
+        finally:
+            if inline is not None:
+                inline.turn = None
 
 
-__all__ = ["ReadSchedulerStats", "read_scheduler"]
+__all__ = ["ReadSchedulerStats", "ReadsInline", "read_scheduler"]

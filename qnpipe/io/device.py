@@ -3,11 +3,15 @@
 `ExpertDevice` is the seam: the read scheduler hands it batches of jobs (expert ids and
 slots, no buffers) and awaits them; replay swaps in a simulated device. The live one
 turns each job into a `ReadRequest` that scatters the record into its slot's host views
-and runs the blocking `read_batch` in a worker thread, so the trio loop never blocks.
+and puts the batch on the reader's own threads from the trio loop itself (`SsdReader.start`):
+the loop waits on a file descriptor those threads write when the batch is done, so no thread
+of ours and no hand-over of the GIL lies on a read's way in or out. A reader that cannot
+(`read_batch` only: the Python backend, checksums verified on read) runs in a worker thread.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -24,6 +28,11 @@ from qnpipe.messages import Job
 T = TypeVar("T")
 DeviceStatistics = ReaderStats | SimStatistics  # a device's own counters, frozen: its reader's, or simulated
 SlotDest = Callable[[int, int], Mapping[str, WritableBuffer]]  # (layer, slot) -> tensor name -> buffer
+
+
+# Reads put on the reader's threads from the loop (`SsdReader.start`). False runs every batch on a
+# submitter thread, as before: tests comparing the two ways and tools/bench_stream.py's A/B set it.
+_start_reads = True
 
 
 class ExpertDevice(Protocol):
@@ -62,9 +71,12 @@ class StoreDevice:
         self._dest = dest
         self._verify = verify_crc32
         # A slot's scatter list never changes (its scratch parts are only ever written), so build it once.
-        self._bufs: dict[tuple[int, int], tuple[WritableBuffer, ...]] = {}
+        self._bufs: dict[tuple[int, int], WritableBuffer] = {}
+        self._prepare: Callable[[WritableBuffer, int, str], WritableBuffer] | None = getattr(reader, "prepare", None)
         self._where: dict[int, tuple[str, int, Any]] = {}  # layer -> (path, record_nbytes, LayerFile)
         self._submitter = Submitter()
+        self._starts = _start_reads and bool(getattr(reader, "starts", False))  # no thread of ours in the way
+        self._wakeups = Wakeups()
 
     def request(self, job: Job) -> ReadRequest:
         where = self._where.get(job.layer)
@@ -77,8 +89,10 @@ class StoreDevice:
             self._store.record_location(job.layer, job.expert)  # raises, naming the store and expert
         buf = self._bufs.get((job.layer, job.slot))
         if buf is None:
-            buf = self._bufs[(job.layer, job.slot)] = scatter_buffers(lf.tensors, nbytes,
-                                                                      self._dest(job.layer, job.slot))
+            buf = scatter_buffers(lf.tensors, nbytes, self._dest(job.layer, job.slot))
+            if self._prepare is not None:  # taken apart once, not at every read (qnpipe.io.ssd.Prepared)
+                buf = self._prepare(buf, nbytes, f"layer {job.layer} slot {job.slot}")
+            self._bufs[(job.layer, job.slot)] = buf
         return ReadRequest(path=path, offset=job.expert * lf.stride, nbytes=nbytes, buf=buf, layer=job.layer,
                            expert=job.expert, crc32=lf.checksums[job.expert] if self._verify else None)
 
@@ -86,9 +100,21 @@ class StoreDevice:
         return await self.submit(jobs)
 
     def submit(self, jobs: Sequence[Job]) -> Awaitable[list[int]]:
-        """Hand the batch to a submitter thread now; the awaitable waits for it (qnpipe.io.device.submit)."""
+        """Put the batch on the device now; the awaitable waits for it (qnpipe.io.device.submit)."""
         reqs = [self.request(j) for j in jobs]
         writes = self._writes
+        if self._starts:
+            pair = self._wakeups.take()
+            if writes is not None:
+                writes.begin()
+            try:
+                pending = self._reader.start(reqs, pair[1])  # pyright: ignore[reportAttributeAccessIssue]
+            except BaseException:
+                self._wakeups.give(pair)
+                if writes is not None:
+                    writes.end()
+                raise
+            return self._wait(pending, pair)
         if writes is None:
             return _nbytes(self._submitter.start(self._reader.read_batch, reqs))
 
@@ -105,9 +131,31 @@ class StoreDevice:
             writes.end()
             raise
 
+    async def _wait(self, pending: Any, pair: tuple[int, int]) -> list[int]:
+        drained = False
+        results = None
+        try:
+            with trio.CancelScope(shield=True):  # the reads write into slot memory: they must be waited for
+                while results is None:
+                    drained = False
+                    await trio.lowlevel.wait_readable(pair[0])
+                    os.read(pair[0], 8)
+                    drained = True
+                    results = pending.poll()  # None: an attempt again, the fd is written again
+            assert results is not None  # the shield never swallows an exception here: narrowed for pyright
+            return [r.nbytes for r in results]
+        finally:
+            if drained:
+                self._wakeups.give(pair)
+            else:  # interrupted: the batch may write the fd yet, so it is not reused
+                self._wakeups.discard(pair, pending)
+            if self._writes is not None:
+                self._writes.end()
+
     def close(self) -> None:
-        """Stop the submitter threads (idempotent)."""
+        """Stop the submitter threads and close the wake-up descriptors (idempotent)."""
         self._submitter.close()
+        self._wakeups.close()
 
     def statistics(self) -> ReaderStats | None:
         return self._reader.statistics()
@@ -158,6 +206,53 @@ class Submitter:
         for t in self._threads:
             t.join()
         self._threads = []
+
+
+class Wakeups:
+    """File descriptors the reader's threads write when a batch is done, kept for the next batch.
+
+    A pair (read end, write end): one eventfd on Linux, a pipe elsewhere; 8 bytes are written
+    and read per batch, so a returned pair is empty again.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[tuple[int, int]] = []
+        self._open: set[tuple[int, int]] = set()
+        self._stray: list[Any] = []  # PendingRead of the pairs discarded
+
+    def take(self) -> tuple[int, int]:
+        if self._free:
+            return self._free.pop()
+        if hasattr(os, "eventfd"):
+            fd = os.eventfd(0, os.EFD_CLOEXEC)
+            pair = (fd, fd)
+        else:
+            r, w = os.pipe()
+            pair = (r, w)
+        self._open.add(pair)
+        return pair
+
+    def give(self, pair: tuple[int, int]) -> None:
+        self._free.append(pair)
+
+    def discard(self, pair: tuple[int, int], pending: Any) -> None:
+        """Never reuse `pair`: its wait ended before the batch `pending` (a `PendingRead`) wrote it."""
+        self._stray.append(pending)
+
+    def close(self) -> None:
+        """Close every pair, once the batches of discarded ones are done (they write into them)."""
+        for pending in self._stray:
+            pending.settle()
+        for pair in self._open:
+            _close_pair(pair)
+        self._open.clear()
+        self._free.clear()
+        self._stray.clear()
+
+
+def _close_pair(pair: tuple[int, int]) -> None:
+    for fd in set(pair):
+        os.close(fd)
 
 
 async def _outcome(done: trio.Event, box: list[Any]) -> Any:

@@ -52,7 +52,8 @@ class ReadRequest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     `buf` is caller-owned and writable: one buffer of at least `nbytes` bytes, or a tuple
     of buffers that the bytes fill in order (a scatter read, one `preadv`: e.g. a record's
-    tensors straight into their slots of the pool's stacked arrays). Under direct I/O the
+    tensors straight into their slots of the pool's stacked arrays), or the same taken apart once
+    by the reader's `prepare` (`qnpipe.io.ssd.Prepared`, for a destination read into often). Under direct I/O the
     bytes land in place when `offset` is a multiple of `ALIGN` and the buffers, up to
     `aligned_len(nbytes)` bytes in total (the read is rounded up; bytes past `nbytes` are
     scratch), each start at a multiple of `ALIGN` and hold a multiple of `ALIGN` bytes;

@@ -15,47 +15,32 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
 from qnpipe.config.tree import ReadBackend
 from qnpipe.errors import ReadError
+from qnpipe.io.destination import Prepared, one_or_tuple, prepare
 from qnpipe.io.reader import (
     ALIGN,
     CacheMode,
     ReaderStats,
     ReadRequest,
     ReadResult,
-    aligned_len,
+    WritableBuffer,
     alloc_aligned,
-    buffer_address,
 )
+from qnpipe.io.runners import CRunner, Op, PreadvFn, PyRunner, Runner, c_extension_available
 
 if TYPE_CHECKING:
     from qnpipe.config import ReadCfg
 
-__all__ = ["PreadvFn", "SsdReader", "c_extension_available", "choose_backend", "nocache_mode"]
-
-try:
-    import qnpipe.io._preadx as _preadx
-except ImportError:  # the optional extension was not built (no compiler at install time)
-    _preadx = None
+__all__ = ["PendingRead", "Prepared", "PreadvFn", "SsdReader", "prepare", "c_extension_available", "choose_backend", "nocache_mode"]
 
 _F_NOCACHE_DARWIN = 48  # <sys/fcntl.h>; Python's fcntl module has no name for it before 3.13
-
-# os.preadv's signature: (fd, buffers, offset) -> bytes read; raises OSError. The Python
-# backend's hook (tests inject faults with it).
-PreadvFn = Callable[[int, list[memoryview], int], int]
-
-
-def c_extension_available() -> bool:
-    """Whether `qnpipe.io._preadx` was built and imports."""
-    return _preadx is not None
-
 
 def choose_backend(backend: ReadBackend | str, *, hooked: bool, c_available: bool) -> ReadBackend:
     """The backend a reader runs: `backend`, with AUTO resolved; a `preadv` hook (`hooked`) means Python.
@@ -86,76 +71,15 @@ def nocache_mode(nocache: bool, platform: str = sys.platform) -> CacheMode:
     return CacheMode.PAGE_CACHE
 
 
-def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
-    """`bufs` without their first `n` bytes (after a partial read)."""
-    out = list(bufs)
-    while out and n >= out[0].nbytes:
-        n -= out.pop(0).nbytes
-    if out and n:
-        out[0] = out[0][n:]
-    return out
-
-
 class _OpenFile(msgspec.Struct, frozen=True, gc=False):
     fd: int
     mode: CacheMode
 
 
-# One read: (fd, offset, need, buffers). Fill `buffers` (one memoryview, or a tuple of them
-# for a scatter read) from `offset`; done once `need` bytes arrived. Result: bytes read, or
-# -errno. The C extension takes exactly these tuples.
-_Op = tuple[int, int, int, "memoryview | tuple[memoryview, ...]"]
-
-
-class _Runner(Protocol):
-    def run(self, ops: Sequence[_Op]) -> list[int]: ...
-    def close(self) -> None: ...
-
-
-class _CRunner:
-    def __init__(self, workers: int) -> None:
-        assert _preadx is not None
-        self._pool = _preadx.Pool(workers)
-
-    def run(self, ops: Sequence[_Op]) -> list[int]:
-        return self._pool.pread_batch(ops)
-
-    def close(self) -> None:
-        self._pool.close()
-
-
-class _PyRunner:
-    def __init__(self, workers: int, preadv: PreadvFn) -> None:
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="qnpipe-pread")
-        self._preadv = preadv
-
-    def run(self, ops: Sequence[_Op]) -> list[int]:
-        futures = [self._pool.submit(self._one, op) for op in ops]
-        return [f.result() for f in futures]
-
-    def _one(self, op: _Op) -> int:
-        fd, offset, need, buffers = op
-        bufs = list(buffers) if isinstance(buffers, tuple) else [buffers]
-        got = 0
-        while got < need and bufs:
-            try:
-                n = self._preadv(fd, bufs, offset + got)
-            except OSError as exc:
-                return -(exc.errno or errno.EIO)
-            if n <= 0:
-                break  # EOF
-            got += n
-            bufs = _advance(bufs, n)
-        return got
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
 class _ReadPlan(msgspec.Struct, gc=False):
     """How one request is read: straight into its buffer(s), or via an aligned bounce buffer."""
 
-    op: _Op
+    op: Op
     dest: tuple[memoryview, ...]  # the caller's buffer(s) as bytes, trimmed to nbytes in total
     skip: int  # bytes of the read before the request's first byte (bounce only)
     bounce: np.ndarray | None
@@ -185,8 +109,8 @@ class SsdReader:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         backend = choose_backend(backend, hooked=preadv is not None, c_available=c_extension_available())
-        self._runner: _Runner = (
-            _CRunner(workers) if backend is ReadBackend.C else _PyRunner(workers, preadv or os.preadv)
+        self._runner: Runner = (
+            CRunner(workers) if backend is ReadBackend.C else PyRunner(workers, preadv or os.preadv)
         )
         self._mode = nocache_mode(nocache)
         self._verify = verify_crc32
@@ -246,9 +170,40 @@ class SsdReader:
             for i in first:
                 attempts[i] = 2
             second = run(sorted(first))
+        return self._conclude(requests, plans, attempts, first, second, time.perf_counter() - t0,
+                              verified=verified, crc_failures=crc_failures)
+
+    @staticmethod
+    def prepare(buf: WritableBuffer, nbytes: int, where: str = "a read") -> Prepared:
+        """`buf` as a destination for many reads of `nbytes` bytes (`ReadRequest.buf`; module `prepare`)."""
+        return prepare(buf, nbytes, where)
+
+    @property
+    def starts(self) -> bool:
+        """Whether `start` is offered: the C backend, not verifying checksums (which `read_batch` does)."""
+        return isinstance(self._runner, CRunner) and not self._verify
+
+    def start(self, requests: Sequence[ReadRequest], notify_fd: int) -> PendingRead:
+        """Put `requests` on the device now and return at once: no thread of the caller's waits for them.
+
+        When the reads are done the reader writes an 8-byte 1 to `notify_fd` (an eventfd, or a pipe's
+        write end); the caller reads those 8 bytes and calls `PendingRead.poll`, which gives the
+        results as `read_batch` would, or None after putting a retry on the device (the fd is written
+        again). Bounced bytes are copied home by the reader's threads. Only when `starts`.
+        """
+        if self._closed:
+            raise RuntimeError("SsdReader is closed")
+        if not self.starts:
+            raise RuntimeError("SsdReader.start needs the C backend without verify_crc32 (see `starts`)")
+        return PendingRead(self, requests, notify_fd)
+
+    def _conclude(self, requests: Sequence[ReadRequest], plans: list[_ReadPlan], attempts: list[int],
+                  first: dict[int, str], second: dict[int, str], dt: float, *, verified: int = 0,
+                  crc_failures: int = 0) -> list[ReadResult]:
+        """Count the batch; its results, or `ReadError` for what failed twice."""
         bounced = sum(p.bounce is not None for p in plans)
         self._add_stats(
-            t0, requests=0 if second else len(requests),
+            dt, requests=0 if second else len(requests),
             nbytes=0 if second else sum(r.nbytes for r in requests), retries=len(first),
             bounced=0 if second else bounced, verified=verified, crc_failures=crc_failures, errors=int(bool(second)),
         )
@@ -346,27 +301,33 @@ class SsdReader:
     def _plan(self, r: ReadRequest) -> _ReadPlan:
         if r.offset < 0 or r.nbytes <= 0:
             raise ValueError(f"bad read request: offset {r.offset}, nbytes {r.nbytes} ({r.path})")
-        segs = _segments(r)
+        prep = r.buf
+        if not isinstance(prep, Prepared):
+            prep = prepare(prep, r.nbytes, f"{r.path}@{r.offset}")
+        elif prep.nbytes != r.nbytes:
+            raise ValueError(f"read of {r.nbytes} bytes into a destination prepared for {prep.nbytes} ({r.path})")
         f = self._file(r.path)
         if f.mode is not CacheMode.O_DIRECT:
-            dest = _trim(segs, r.nbytes)
-            return _ReadPlan((f.fd, r.offset, r.nbytes, _one_or_tuple(dest)), dest, 0, None, f.mode)
-        # Direct I/O reads whole 4096-byte blocks into 4096-aligned memory: read in place when
-        # every buffer (trimmed to the rounded-up length) is a whole number of aligned blocks.
-        length = aligned_len(r.nbytes)
-        if r.offset % ALIGN == 0 and sum(m.nbytes for m in segs) >= length:
-            direct = _trim(segs, length)
-            if all(m.nbytes % ALIGN == 0 and buffer_address(m) % ALIGN == 0 for m in direct):
-                return _ReadPlan((f.fd, r.offset, r.nbytes, _one_or_tuple(direct)), _trim(segs, r.nbytes), 0, None,
-                             f.mode)
+            return _ReadPlan((f.fd, r.offset, r.nbytes, one_or_tuple(prep.dest)), prep.dest, 0, None, f.mode)
+        if r.offset % ALIGN == 0 and prep.direct is not None:
+            return _ReadPlan((f.fd, r.offset, r.nbytes, one_or_tuple(prep.direct)), prep.dest, 0, None, f.mode)
         skip = r.offset % ALIGN
         bounce = alloc_aligned(skip + r.nbytes)
         op = (f.fd, r.offset - skip, skip + r.nbytes, bounce.data)
-        return _ReadPlan(op, _trim(segs, r.nbytes), skip, bounce, f.mode)
+        return _ReadPlan(op, prep.dest, skip, bounce, f.mode)
 
     def _execute(self, plans: list[_ReadPlan], which: Sequence[int], requests: Sequence[ReadRequest]) -> dict[int, str]:
         """Run the preads of `plans[which]` and copy bounced bytes home; {index: why} of failures."""
         out = self._runner.run([plans[i].op for i in which])
+        failed, refused = self._outcome(plans, which, out, requests, copied=False)
+        if refused:
+            failed.update(self._execute(plans, refused, requests))
+        return failed
+
+    def _outcome(self, plans: list[_ReadPlan], which: Sequence[int], out: list[int], requests: Sequence[ReadRequest],
+                 *, copied: bool) -> tuple[dict[int, str], list[int]]:
+        """Judge the results `out` of `plans[which]`: ({index: why} of failures, the reads to issue again
+        buffered). Bounced bytes are copied home here unless the reader's threads did (`copied`)."""
         failed: dict[int, str] = {}
         refused: list[int] = []
         for i, res in zip(which, out, strict=True):
@@ -378,24 +339,21 @@ class SsdReader:
                 failed[i] = f"{errno.errorcode.get(-res, 'errno ' + str(-res))}: {os.strerror(-res)}"
             elif res < p.op[2]:
                 failed[i] = f"short read: {max(res - p.skip, 0)} of {nbytes} bytes, then end of file"
-            elif p.bounce is not None:
+            elif p.bounce is not None and not copied:
                 pos = p.skip
                 for m in p.dest:  # scatter the bounced bytes home
                     m[:] = p.bounce[pos : pos + m.nbytes].data
                     pos += m.nbytes
-        if refused:
-            # The file system took O_DIRECT at open but refuses it at read: go buffered.
-            for i in refused:
-                self._reopen_buffered(requests[i].path, plans[i].op[0])
-                plans[i] = self._plan(requests[i])
-            failed.update(self._execute(plans, refused, requests))
-        return failed
+        # The file system took O_DIRECT at open but refuses it at read: go buffered.
+        for i in refused:
+            self._reopen_buffered(requests[i].path, plans[i].op[0])
+            plans[i] = self._plan(requests[i])
+        return failed, refused
 
     def _add_stats(
-        self, t0: float, *, requests: int, nbytes: int, retries: int, bounced: int, verified: int,
+        self, dt: float, *, requests: int, nbytes: int, retries: int, bounced: int, verified: int,
         crc_failures: int, errors: int,
     ) -> None:
-        dt = time.perf_counter() - t0
         with self._lock:
             s = self._stats
             self._stats = msgspec.structs.replace(
@@ -406,37 +364,60 @@ class SsdReader:
             )
 
 
-def _segments(r: ReadRequest) -> list[memoryview]:
-    """The request's destination buffer(s) as writable byte views; ValueError if unusable."""
-    bufs = r.buf if isinstance(r.buf, tuple | list) else (r.buf,)
-    out = []
-    for b in bufs:
-        try:
-            m = memoryview(b).cast("B")
-        except TypeError as exc:
-            raise ValueError(f"request buffer for {r.path}@{r.offset} is not a contiguous buffer: {exc}") from None
-        if m.readonly:
-            raise ValueError(f"request buffer for {r.path}@{r.offset} is read-only")
-        out.append(m)
-    room = sum(m.nbytes for m in out)
-    if not out or room < r.nbytes:
-        raise ValueError(f"request buffers for {r.path}@{r.offset} hold {room} bytes < nbytes {r.nbytes}")
-    return out
+class PendingRead:
+    """A batch `SsdReader.start` put on the device, with `read_batch`'s retry and fallback rules.
 
+    Each time the notify fd is written (and drained by the caller), `poll` takes the attempt's
+    results: the batch's `ReadResult`s, `ReadError`, or None when it has put the failed reads
+    on the device once more (or, refused direct I/O, buffered) and the fd will be written again.
+    """
 
-def _trim(segs: list[memoryview], n: int) -> tuple[memoryview, ...]:
-    """The first `n` bytes of `segs`, as views (empty tails dropped)."""
-    out = []
-    for m in segs:
-        if n <= 0:
-            break
-        out.append(m[:n] if m.nbytes > n else m)
-        n -= out[-1].nbytes
-    return tuple(out)
+    def __init__(self, reader: SsdReader, requests: Sequence[ReadRequest], notify_fd: int) -> None:
+        self.t_start = time.perf_counter()
+        self.t_done = self.t_start  # when the device finished the last attempt (perf_counter's clock)
+        self._reader = reader
+        self._requests = requests
+        self._fd = notify_fd
+        self._plans = [reader._plan(r) for r in requests]  # pyright: ignore[reportPrivateUsage]
+        self._attempts = [1] * len(self._plans)
+        self._first: dict[int, str] | None = None  # the first attempt's failures, once known
+        self._failed: dict[int, str] = {}  # this attempt's, so far (a refused read's buffered re-issue pending)
+        self._go(range(len(self._plans)))
 
+    def _go(self, which: Sequence[int]) -> None:
+        self._which = list(which)
+        runner = self._reader._runner  # pyright: ignore[reportPrivateUsage]
+        assert isinstance(runner, CRunner)
+        ops = [p.op if p.bounce is None else (*p.op, (p.skip, p.dest)) for p in (self._plans[i] for i in which)]
+        self._batch = runner.submit(ops, self._fd)
 
-def _one_or_tuple(segs: tuple[memoryview, ...]) -> memoryview | tuple[memoryview, ...]:
-    return segs[0] if len(segs) == 1 else segs
+    def settle(self) -> None:
+        """Block until the attempt on the device is done (then it writes nothing more)."""
+        self._batch.wait()
+
+    def poll(self) -> list[ReadResult] | None:
+        """The results once the fd was written; None when another attempt is on its way."""
+        out = self._batch.wait()  # done already: the fd is written last thing before
+        self.t_done = self._batch.t_done
+        failed, refused = self._reader._outcome(  # pyright: ignore[reportPrivateUsage]
+            self._plans, self._which, out, self._requests, copied=True)
+        self._failed.update(failed)
+        if refused:
+            self._go(refused)
+            return None
+        failed, self._failed = self._failed, {}
+        if self._first is None:
+            self._first = failed
+            if failed:
+                for i in failed:
+                    self._attempts[i] = 2
+                self._go(sorted(failed))
+                return None
+            second: dict[int, str] = {}
+        else:
+            second = failed
+        return self._reader._conclude(  # pyright: ignore[reportPrivateUsage]
+            self._requests, self._plans, self._attempts, self._first, second, self.t_done - self.t_start)
 
 
 def _crc32(segs: tuple[memoryview, ...]) -> int:

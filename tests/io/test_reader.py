@@ -552,7 +552,7 @@ def test_c_and_python_runners_report_the_same_results(tmp_path) -> None:
             (10**6, (4096,), 1), (100, (10, 4096, 3), 4109), (5 * 4096 - 7, (4, 4), 8),
         ]
         results = {}
-        for name, runner in (("c", ssd._CRunner(2)), ("py", ssd._PyRunner(2, os.preadv))):
+        for name, runner in (("c", ssd.CRunner(2)), ("py", ssd.PyRunner(2, os.preadv))):
             bufs = [tuple(bytearray(n) for n in sizes) for _, sizes, _ in specs]
             ops = [
                 (fd, off, need, memoryview(bs[0]) if len(bs) == 1 else tuple(memoryview(b) for b in bs))
