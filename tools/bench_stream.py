@@ -47,8 +47,9 @@ What is measured (every figure is a median over `--rounds`):
     - `hop`: time the forward spends awaiting `ThreadedBackend.begin/resume` minus the
       part of `mlx` they ran: the sync Engine's loop runs on the MLX thread, so the calls
       are inline and this is the turn given to the other tasks after each
-    - `device`: the union of the intervals in which `SsdReader.read_batch` runs (the
-      reads themselves; no compute overlaps them: the pipeline has no prefetch)
+    - `device`: the union of the intervals in which a batch is on the device: `SsdReader.read_batch`
+      running, or from `SsdReader.start` having queued the batch to its last read's end (the C reader's
+      own clock reading; the loop's wake-up after it is overhead)
     - `stall`: `pool.stall_s` delta: forward waiting for grants that had misses (device +
       the pool / read-scheduler messaging and thread hand-offs on the miss path)
     - `overhead` = wall - the union of the intervals inside an MLX call (the two above) or a
@@ -113,6 +114,12 @@ What is measured (every figure is a median over `--rounds`):
   `loadavg_start_end` records the load.
 * `pipeline_us_per_layer_step_demand` = the demand run's `overhead` per token / its layer-steps per
   token, in µs (the median over rounds).
+* `--miss-ab`: a `demand_before` engine, the same demand pool with the miss path as it was before
+  2026-12-05 (each read batch on a submitter thread, `qnpipe.io.device._start_reads`; every actor turn
+  by channel, `qnpipe.actors.pipeline._inline_reads`; no yield before an early grant's hits,
+  `qnpipe.actors.forward._reads_first`), in the same rounds: the `_before` keys,
+  `ratio_demand_to_demand_before` (tok/s, per round then the median) and each round's
+  `overhead_frac_raw` / `overhead_frac_before_raw`.
 * `ratio_demand_to_serial_bound` = tok_s_demand / tok_s_serial_bound (target >= 0.9);
   `overhead_frac` target < 0.05.
 
@@ -120,6 +127,7 @@ Prints progress on stderr and one JSON line on stdout.
 
     python tools/bench_stream.py                        # make / reuse the bench model in /tmp/qnpipe-bench-stream
     python tools/bench_stream.py --rounds 3 --tokens 32 # shorter
+    python tools/bench_stream.py --no-prefetch --no-channel --no-allhit --miss-ab --rounds 8 --tokens 24  # miss path
     python tools/bench_stream.py --model DIR            # an existing qnpipe model directory
     python tools/bench_stream.py --profile              # also a cProfile of the engine loop thread (demand)
     python tools/bench_stream.py --allhit-only --rounds 8 --tokens 24             # the pipeline's cost per hit
@@ -684,8 +692,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="also the all-hit pool with forward.speculate_hits on, in the same rounds "
                          "(ratio_allhit_spec_to_allhit)")
     ap.add_argument("--no-prefetch", action="store_true", help="skip the prefetch engine")
-    ap.add_argument("--submit-ab", action="store_true",
-                    help="also the demand engine with each read batch run on a submitter thread (the `_thread` keys)")
+    ap.add_argument("--miss-ab", action="store_true",
+                    help="also the demand engine with the miss path before 2026-12-05 (the `_before` keys)")
     ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
                     help="another config field of the prefetch run, e.g. predict.stage_global_budget_experts=0")
     ap.add_argument("--side", type=int, default=16, help="pool.side_region_slots of the prefetch run (default 16)")
@@ -729,14 +737,19 @@ def main(argv: list[str] | None = None) -> int:
     engines["resident"] = qnpipe.Engine(model_dir, eager_load=True, prefill_chunk_tokens=0)
     if not args.allhit_only:
         engines["demand"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0, **read)
-        if args.submit_ab:  # the same demand pool, its reads handed to a submitter thread each batch
+        if args.miss_ab:  # the same demand pool with the miss path as before (qnpipe.io.device, actors.pipeline)
+            from qnpipe.actors import forward as _forward
+            from qnpipe.actors import pipeline as _pipeline
             from qnpipe.io import device as _device
 
-            _device._start_reads = False  # read when the engine's pipeline opens  # pyright: ignore[reportPrivateUsage]
+            flags = ((_device, "_start_reads"), (_pipeline, "_inline_reads"), (_forward, "_reads_first"))
+            for mod, name in flags:
+                setattr(mod, name, False)  # read when the engine's pipeline opens
             try:
-                engines["demand_thread"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0, **read)
+                engines["demand_before"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0, **read)
             finally:
-                _device._start_reads = True  # pyright: ignore[reportPrivateUsage]
+                for mod, name in flags:
+                    setattr(mod, name, True)
     if not args.no_allhit or args.allhit_only:
         engines["allhit"] = qnpipe.Engine(model_dir, expert_slots=num_experts, prefill_chunk_tokens=0, **read)
         if not args.no_channel:
@@ -946,17 +959,17 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline_alone_us_per_layer_step": {
             name: {key: rnd(v, 2) for key, v in x.items()} for name, x in pipe.items()},
         "allhit_misses_per_token": rnd(m("allhit", "misses"), 3) if "allhit" in runs else None,
-        **({} if "demand_thread" not in runs else {
-            # The demand run with each read batch on a submitter thread (`--submit-ab`), same rounds.
-            "tok_s_demand_thread": rnd(m("demand_thread", "tok_s"), 3),
-            "ratio_demand_to_serial_bound_thread": rnd(med([d["tok_s"] / bd for d, bd in
-                                                            zip(runs["demand_thread"], bounds, strict=True)])),
-            "overhead_frac_thread": rnd(med([d["overhead"] / d["wall"] for d in runs["demand_thread"]])),
-            "overhead_frac_loop_thread": rnd(med([d["loop_work"] / d["wall"] for d in runs["demand_thread"]])),
-            "ratio_demand_to_demand_thread": rnd(med([d["tok_s"] / t["tok_s"] for d, t in
-                                                      zip(runs["demand"], runs["demand_thread"], strict=True)])),
+        **({} if "demand_before" not in runs else {
+            # The demand run with the miss path before 2026-12-05 (`--miss-ab`), same rounds.
+            "tok_s_demand_before": rnd(m("demand_before", "tok_s"), 3),
+            "ratio_demand_to_serial_bound_before": rnd(med([d["tok_s"] / bd for d, bd in
+                                                            zip(runs["demand_before"], bounds, strict=True)])),
+            "overhead_frac_before": rnd(med([d["overhead"] / d["wall"] for d in runs["demand_before"]])),
+            "overhead_frac_loop_before": rnd(med([d["loop_work"] / d["wall"] for d in runs["demand_before"]])),
+            "ratio_demand_to_demand_before": rnd(med([d["tok_s"] / t["tok_s"] for d, t in
+                                                      zip(runs["demand"], runs["demand_before"], strict=True)])),
             "overhead_frac_raw": [rnd(x) for x in ovh],
-            "overhead_frac_thread_raw": [rnd(d["overhead"] / d["wall"]) for d in runs["demand_thread"]]}),
+            "overhead_frac_before_raw": [rnd(d["overhead"] / d["wall"]) for d in runs["demand_before"]]}),
         "step_s_raw": {name: [rnd(x["step_s"], 5) for x in runs[name]] for name in runs},
         "bandwidth_gbps_raw": [rnd(b["gbps"]) for b in bw],
         "bw_at_effective_qd_gbps_raw": [rnd(b["gbps"]) for b in bw_eff],

@@ -58,6 +58,11 @@ class HitsBackend(Backend, Protocol):
                     first_sync: Callable[[], bool] | None = None) -> Event: ...
 
 
+# False: an early grant's hits are queued at once, before the reads of the same turn may be (the way before;
+# tools/bench_stream.py's `--miss-ab` sets it). Read when a Forward is made.
+_reads_first = True
+
+
 @attrs.define(eq=False)
 class Forward:
     """The step loop over a `Backend`; `to_pool`/`grants` are None when every expert is resident."""
@@ -87,6 +92,7 @@ class Forward:
     _answered: Granted | None = None  # the inline turn's grant, not yet taken by `_grant`
     _last_open: bool = False  # a layer-step's last part ran and is not released yet (`_release_last`)
     hits_taken: int = 0  # layer-steps the backend ran before their turn (`hit_slots`; tests, benchmarks)
+    reads_first: bool = attrs.field(init=False, factory=lambda: _reads_first)  # see `_grant`
 
     def __attrs_post_init__(self) -> None:
         self.core = ForwardCore(self.capacities, self.num_experts, self.moe_order, early_pairs=self.early_pairs,
@@ -282,10 +288,12 @@ class Forward:
                 continue
             if not run.early:
                 return run, g
-            # An early grant comes with the same turn's reads for the read scheduler, woken with us: trio runs
-            # a batch of woken tasks in either order, so let it put them on the device before our MLX call
-            # (a few hundred µs of host work queueing the hits) rather than after.
-            await trio.lowlevel.cancel_shielded_checkpoint()
+            if self.reads_first:
+                # An early grant comes with the same turn's reads for the read scheduler, woken with us (when
+                # the pool did not put them on the device itself): trio runs a batch of woken tasks in either
+                # order, so let it put them on the device before our MLX call (a few hundred µs of host work
+                # queueing the hits) rather than after.
+                await trio.lowlevel.cancel_shielded_checkpoint()
             ev = await self.backend.resume(run)
             assert isinstance(ev, Queued), ev
 

@@ -198,6 +198,7 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
     reads_inline = pool_inline = None
     if _inline_reads and turns is None:
         reads_inline, pool_inline = ReadsInline(read_rx), PoolInline(pool_rx)
+        fwd.reads_first = False  # the pool puts an early grant's reads on the device before it answers
     scopes: list[trio.CancelScope] = []
     try:
         async with trio.open_nursery() as nursery:

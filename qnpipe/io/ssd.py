@@ -373,8 +373,6 @@ class PendingRead:
     """
 
     def __init__(self, reader: SsdReader, requests: Sequence[ReadRequest], notify_fd: int) -> None:
-        self.t_start = time.perf_counter()
-        self.t_done = self.t_start  # when the device finished the last attempt (perf_counter's clock)
         self._reader = reader
         self._requests = requests
         self._fd = notify_fd
@@ -383,6 +381,8 @@ class PendingRead:
         self._first: dict[int, str] | None = None  # the first attempt's failures, once known
         self._failed: dict[int, str] = {}  # this attempt's, so far (a refused read's buffered re-issue pending)
         self._go(range(len(self._plans)))
+        self.t_start = time.perf_counter()  # the reads are queued (perf_counter's clock, as t_done)
+        self.t_done = self.t_start  # when the device finished the last attempt
 
     def _go(self, which: Sequence[int]) -> None:
         self._which = list(which)

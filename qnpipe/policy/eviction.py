@@ -16,6 +16,7 @@ ARC, S3-FIFO) are in their own modules: their `pick` moves a hand or queues, and
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Collection, Iterable
 
@@ -126,6 +127,14 @@ class LFU:
         free = self.key.keys() - loading
         free.difference_update(held, pinned)
         return min(free, key=self.key.__getitem__) if free else None
+
+    def pick_many(self, n: int, loading: Collection[int], held: Collection[int], pinned: Collection[int]) -> list[int]:
+        """What `n` picks in a row would give, each victim removed and its incoming expert inserted (loading)
+        between them: the keys of the others do not change, so it is the `n` least keys, in order. One set
+        and one partial sort instead of `n` (an acquire's misses). Fewer when fewer are evictable."""
+        free = self.key.keys() - loading
+        free.difference_update(held, pinned)
+        return heapq.nsmallest(n, free, key=self.key.__getitem__)
 
     def forward_done(self) -> None:
         self.forwards += 1

@@ -189,7 +189,16 @@ class SlotTable:
             accessed(e, tick)
             (hits if state[s] is SlotState.READY else waiting).append((e, s))
         self.tick = tick
-        loads = tuple([self._load(e) for e in missing])
+        evict = len(missing) - len(self._free)
+        pick_many = getattr(self.eviction, "pick_many", None) if evict > 1 else None
+        if pick_many is None:
+            loads = tuple([self._load(e) for e in missing])
+        else:  # the victims of the misses past the free slots at once (LFU.pick_many: the same ones, in order)
+            chosen = pick_many(evict, self._loading, self.held, self.pinned)
+            assert len(chosen) == evict, f"layer {self.layer}: no evictable slot"
+            free = len(self._free)
+            loads = tuple([self._load(e) for e in missing[:free]]
+                          + [self._load(e, v) for e, v in zip(missing[free:], chosen, strict=True)])
         return AcquirePlan(tuple(hits), loads, tuple(waiting))
 
     def acquire_ready(self, experts: Sequence[int]) -> tuple[tuple[int, int], ...]:

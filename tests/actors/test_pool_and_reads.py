@@ -158,19 +158,24 @@ def test_an_early_acquire_gets_each_burst_of_landed_reads_before_the_grant() -> 
 
 @attrs.define
 class SubmitDevice(FakeDevice):
-    """A device that starts its reads when submitted (as `StoreDevice` does), noting which task submitted:
-    whether it is the scheduler's own, which holds the nursery its read tasks wait in, or one of those."""
+    """A device that starts its reads when submitted (as `StoreDevice` does), noting which task submitted."""
 
-    by_owner: list[bool] = attrs.field(factory=list)
+    by_task: list[tuple[str, bool]] = attrs.field(factory=list)  # (its name, whether it holds a nursery)
 
     def submit(self, jobs: Sequence[Job]):
-        self.by_owner.append(bool(trio.lowlevel.current_task().child_nurseries))
+        task = trio.lowlevel.current_task()
+        self.by_task.append((task.name, bool(task.child_nurseries)))
         return self.read(jobs)
 
 
-def test_reads_go_on_the_device_in_the_schedulers_own_turn() -> None:
-    # Not in a task it starts, which would run a scheduler batch later (after, at random, the
-    # forward's work on an early grant).
+@pytest.mark.parametrize("inline", [True, False], ids=["in-the-pools-turn", "by-channel"])
+def test_reads_go_on_the_device_in_a_turn(monkeypatch: pytest.MonkeyPatch, inline: bool) -> None:
+    # In the read scheduler's turn, taken by the scheduler's own task or (live, the scheduler idle) in the
+    # pool's turn: never in a task started for it, which would run a scheduler batch later (after, at random,
+    # the forward's work on an early grant).
+    from qnpipe.actors import pipeline
+
+    monkeypatch.setattr(pipeline, "_inline_reads", inline)
     dev = SubmitDevice(latency_s=0.001)
 
     async def scenario() -> None:
@@ -182,7 +187,9 @@ def test_reads_go_on_the_device_in_the_schedulers_own_turn() -> None:
                 await _release(p.forward, step, 0)
 
     _run(scenario)
-    assert dev.by_owner == [True, True, True]
+    # an actor's own task (not one the scheduler started); the read scheduler's holds its nursery, the pool's none
+    actor = "pool_actor" if inline else "supervised"  # the pool's task runs under its own wrapper
+    assert dev.by_task == [(f"qnpipe.actors.pipeline._open_actors.<locals>.{actor}", not inline)] * 3
 
 
 def test_an_early_acquire_all_in_memory_or_all_missing_gets_only_the_grant() -> None:

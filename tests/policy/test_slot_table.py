@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
+from typing import Any
 
 import attrs
 import pytest
@@ -41,6 +42,7 @@ class Spy:
     inner: Eviction
     table: SlotTable | None = None
     victims: int = 0
+    many: int = 0  # pick_many calls
 
     def inserted(self, expert: int, tick: int) -> None:
         self.inner.inserted(expert, tick)
@@ -62,6 +64,25 @@ class Spy:
         assert v in cands, (v, cands)
         self.victims += 1
         return v
+
+    @property
+    def pick_many(self) -> Any:
+        """The inner policy's `pick_many` (absent when it has none), which must give its victims in a row."""
+        inner = self.inner.pick_many  # type: ignore[attr-defined]  # AttributeError: the table picks one by one
+
+        def many(n: int, loading: Collection[int], held: Collection[int], pinned: Collection[int]) -> list[int]:
+            t = self.table
+            assert t is not None
+            evictable = [e for e in t.slot_of if e not in loading and e not in held and e not in pinned]
+            want = []
+            for _ in range(min(n, len(evictable))):
+                want.append(self.victim(evictable, -1))
+                evictable.remove(want[-1])
+            got = inner(n, loading, held, pinned)
+            assert got == want, (got, want)
+            self.many += 1
+            return got
+        return many
 
     def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int],
              incoming: int) -> int | None:
@@ -374,3 +395,46 @@ def test_victim_is_always_a_candidate(kind: EvictPolicy, lam: float, decay: int,
             assert pol.pick((), (), (), incoming) == want
             pol.removed(v)
             resident.discard(v)
+
+
+@attrs.define
+class OneByOne:
+    """LFU as a policy without `pick_many`: the table then picks each victim on its own."""
+
+    inner: Eviction
+
+    def inserted(self, expert: int, tick: int) -> None:
+        self.inner.inserted(expert, tick)
+
+    def accessed(self, expert: int, tick: int) -> None:
+        self.inner.accessed(expert, tick)
+
+    def removed(self, expert: int) -> None:
+        self.inner.removed(expert)
+
+    def victim(self, candidates: Iterable[int], incoming: int) -> int:
+        return self.inner.victim(candidates, incoming)
+
+    def pick(self, loading: Collection[int], held: Collection[int], pinned: Collection[int],
+             incoming: int) -> int | None:
+        return self.inner.pick(loading, held, pinned, incoming)
+
+    def forward_done(self) -> None:
+        self.inner.forward_done()
+
+
+def test_an_acquires_victims_chosen_at_once_are_those_chosen_one_by_one() -> None:
+    # LFU.pick_many: the misses past the free slots get the n least keys, as n picks in a row would.
+    rng = __import__("random").Random(5)
+    spy = Spy(make_eviction(EvictPolicy.LFU, 6))
+    batched, single = SlotTable(0, 6, spy), SlotTable(0, 6, OneByOne(make_eviction(EvictPolicy.LFU, 6)))
+    spy.table = batched
+    for _ in range(300):
+        experts = rng.sample(range(N_EXPERTS), rng.randint(1, 5))
+        plans = [t.acquire(experts) for t in (batched, single)]
+        assert plans[0] == plans[1]
+        for t, plan in zip((batched, single), plans, strict=True):
+            for ld in plan.loads:
+                t.loaded(ld.expert, ld.slot)
+            t.release(experts)
+    assert spy.many > 20  # the batched search really ran
