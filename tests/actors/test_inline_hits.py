@@ -7,6 +7,12 @@ every message by channel (`qnpipe.actors.pipeline._inline_hits = False`); greedy
 would carry over) and no early grants (their records follow the reads' timing). The event logs hold
 the same record kinds in the same numbers, and the same grants (step, layer, part, experts, slots,
 hits, misses); only the times may differ.
+
+The miss path's turns taken where their messages are made (qnpipe.actors.read_scheduler.ReadsInline,
+qnpipe.actors.pool.PoolInline) the same way, on a pool too small for a step's experts: the read scheduler's
+turn in the pool's (its reads put on the device at once) and the pool's turn over a finished batch in the read
+scheduler's task, or every message by channel (`qnpipe.actors.pipeline._inline_reads = False`): the same
+record kinds, grants and reads (layer, expert, slot).
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ import pytest
 from qnpipe import trace
 from qnpipe.actors import pipeline
 from qnpipe.actors.forward import Forward
-from qnpipe.actors.pool import InlinePool
+from qnpipe.actors.pool import InlinePool, PoolInline
+from qnpipe.actors.read_scheduler import ReadsInline
 from qnpipe.cli import main
 from qnpipe.live.loaded import ThreadedBackend
-from qnpipe.messages import Acquire, Granted, Release
+from qnpipe.messages import Acquire, Granted, ReadDone, Release
 from qnpipe.policy.forward_core import ForwardCore
+from qnpipe.trace.format import ReadStarted
 
 SHAPE = {"num_hidden_layers": 3, "full_attention_interval": 3, "num_experts": 16, "num_experts_per_tok": 2}
 
@@ -136,3 +144,55 @@ def test_a_stop_at_the_next_steps_first_sync_leaves_no_step(streamed: Path, monk
                 assert eng.generate([5, 6, 7], max_tokens=8, stop_at_eos=False).tokens == full  # the engine goes on
     assert got["hits"][0] == tuple(full[:cut])
     assert got["hits"] == got["inline"]
+
+
+def _run_reads(model: Path, path: Path, inline: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], int, int]:
+    """The run's records and the turns taken inline: the read scheduler's, the pool's."""
+    taken = {"reads": 0, "pool": 0}
+    reads_take, pool_take = ReadsInline.take, PoolInline.take
+
+    def reads(self: ReadsInline, msgs: Any) -> bool:
+        ok = reads_take(self, msgs)
+        taken["reads"] += ok
+        return ok
+
+    async def pool(self: PoolInline, done: Any) -> bool:
+        ok = await pool_take(self, done)
+        taken["pool"] += ok
+        return ok
+
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "_inline_reads", inline)
+        m.setattr(ReadsInline, "take", reads)
+        m.setattr(PoolInline, "take", pool)
+        assert main(["generate", str(model), "--tokens", "5,6,7,8,9", "-n", "8", "--json", "--temperature", "0",
+                     "--set", "pool.expert_slots=4", "--set", "pool.autopin=false",
+                     "--set", "forward.early_grants=false", "--trace", str(path)]) == 0
+    _, records = trace.read(path)
+    return records, taken["reads"], taken["pool"]
+
+
+def _read_content(records: list[Any]) -> Counter[tuple[Any, ...]]:
+    """`_grants`, and every read started and done (layer, expert, slot)."""
+    out = _grants(records)
+    out.update((type(r).__name__, r.layer, r.expert, r.slot) for r in records if isinstance(r, ReadStarted | ReadDone))
+    return out
+
+
+def test_the_miss_path_inline_logs_the_same_records_as_the_channels(streamed: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    inline, reads, pools = _run_reads(streamed, tmp_path / "inline.qtrace", True, monkeypatch)
+    channel, no_reads, no_pools = _run_reads(streamed, tmp_path / "channel.qtrace", False, monkeypatch)
+    assert reads > 0 and pools > 0 and no_reads == no_pools == 0  # each way really was taken
+    assert Counter(type(r).__name__ for r in inline) == Counter(type(r).__name__ for r in channel)
+    content = _read_content(channel)
+    assert any(k[0] == "ReadDone" for k in content) and _read_content(inline) == content
+    # every read logged as started, then done
+    for records in (inline, channel):
+        times: dict[tuple[int, int, int], tuple[list[float], list[float]]] = {}
+        for r in records:
+            if isinstance(r, ReadStarted | ReadDone):
+                times.setdefault((r.layer, r.expert, r.slot), ([], []))[isinstance(r, ReadDone)].append(r.t)
+        for starts, dones in times.values():  # the same slot may be read again later
+            assert len(starts) == len(dones)
+            assert all(a <= b for a, b in zip(sorted(starts), sorted(dones), strict=True))
