@@ -148,7 +148,7 @@ class StoreDevice:
             if drained:
                 self._wakeups.give(pair)
             else:  # interrupted: the batch may write the fd yet, so it is not reused
-                self._wakeups.discard(pair, pending)
+                self._wakeups.discard(pending)
             if self._writes is not None:
                 self._writes.end()
 
@@ -235,8 +235,9 @@ class Wakeups:
     def give(self, pair: tuple[int, int]) -> None:
         self._free.append(pair)
 
-    def discard(self, pair: tuple[int, int], pending: Any) -> None:
-        """Never reuse `pair`: its wait ended before the batch `pending` (a `PendingRead`) wrote it."""
+    def discard(self, pending: Any) -> None:
+        """A pair taken and not given back, whose wait ended before its batch `pending` (a `PendingRead`)
+        wrote it: never reused, and closed only once that batch is done."""
         self._stray.append(pending)
 
     def close(self) -> None:
