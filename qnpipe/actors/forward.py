@@ -89,7 +89,7 @@ class Forward:
     inline: InlinePool | None = None  # answers hits in this task's turn (`use_inline`); None: all by channel
     core: ForwardCore = attrs.field(init=False)
     _unsent: Outbox | None = None  # an answer of the core whose log was being written
-    _answered: Granted | None = None  # the inline turn's grant, not yet taken by `_grant`
+    _answered: list[ForwardInbox] = attrs.field(factory=list)  # the inline turn's answers, not yet taken by `_grant`
     _last_open: bool = False  # a layer-step's last part ran and is not released yet (`_release_last`)
     hits_taken: int = 0  # layer-steps the backend ran before their turn (`hit_slots`; tests, benchmarks)
     reads_first: bool = attrs.field(init=False, factory=lambda: _reads_first)  # see `_grant`
@@ -177,8 +177,13 @@ class Forward:
         assert self.to_pool is not None
         self._emit(out)
         if self.inline is not None and out.pool:
-            self._answered = self.inline.answer(out.pool)
-            if self._answered is not None:
+            granted = self.inline.answer(out.pool)
+            if granted is not None:
+                self._answered.append(granted)
+                return
+            answers = self.inline.answer_reads(out.pool)
+            if answers is not None:  # its reads are on the device: what the forward waits for comes by channel
+                self._answered += answers
                 return
         for m in out.pool:
             await send_soon(self.to_pool, m, shield=True)
@@ -276,9 +281,8 @@ class Forward:
         """Wait for the part's grant; early grants' work is queued on the way."""
         assert self.grants is not None
         while True:
-            if self._answered is not None:  # granted in this turn, at its Acquire's time
-                g: ForwardInbox = self._answered
-                self._answered = None
+            if self._answered:  # answered in this turn, at its Acquire's time
+                g: ForwardInbox = self._answered.pop(0)
                 now = g.t
             else:
                 g = await self.grants.receive()
@@ -301,7 +305,7 @@ class Forward:
         with trio.CancelScope(shield=True):
             await self.backend.abort()
             out = self.core.cancel(trio.current_time())  # with the Release held, if any
-            self._answered = None  # its Release is the core's (the part is acquired)
+            self._answered.clear()  # its Release is the core's (the part is acquired)
             self._last_open = False  # ... and so is a hit's
             unsent, self._unsent = self._unsent, None
             if unsent is not None:  # its Releases are due still; its Acquire never left, so nothing is held

@@ -56,6 +56,9 @@ _inline_hits = True
 # actor is idle (qnpipe.actors.read_scheduler.ReadsInline, qnpipe.actors.pool.PoolInline). False: by channel, as
 # before; the tests that compare the two ways and tools/bench_stream.py's before/after set it.
 _inline_reads = True
+# With `_inline_reads`, an acquire with misses is taken in the forward's task too when the pool and the read
+# scheduler are both idle (qnpipe.actors.pool.InlinePool.answer_reads). False: by channel (A/B benchmarks).
+_inline_acquires = True
 
 
 @attrs.define
@@ -199,6 +202,8 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
     if _inline_reads and turns is None:
         reads_inline, pool_inline = ReadsInline(read_rx), PoolInline(pool_rx)
         fwd.reads_first = False  # the pool puts an early grant's reads on the device before it answers
+        if fwd.inline is not None and _inline_acquires:
+            fwd.inline.reads = reads_inline  # an acquire with misses, taken in the forward's turn
     scopes: list[trio.CancelScope] = []
     try:
         async with trio.open_nursery() as nursery:

@@ -52,7 +52,11 @@ class InlinePool:
     emit: Callable[[Msg], None] | None = None
     # The forward's: a turn that raises (RouteError) stops the pipeline as the pool actor's death would.
     failure: list[BaseException] = attrs.field(factory=list)
+    # Live: the read scheduler's turn taken where its requests are made. With it, an acquire with misses is
+    # taken here too when the read scheduler is idle as well (`answer_reads`).
+    reads: ReadsInline | None = None
     turns: int = 0  # inline turns taken (tests, benchmarks)
+    read_turns: int = 0  # ... of them with reads (`answer_reads`)
     # The channels' shared state, read directly: `statistics()` builds an object per call, twice per
     # layer-step (trio is pinned; qnpipe.actors.turns reads its internals too).
     _inbox_state: Any = attrs.field(init=False)
@@ -93,6 +97,33 @@ class InlinePool:
             for r in out.log:
                 self.emit(r)
         return out.forward[0]
+
+    def answer_reads(self, msgs: list[PoolInbox]) -> list[ForwardInbox] | None:
+        """The pool's turn over `msgs` (releases, then one `Acquire`) taken here when `answer` cannot and the read
+        scheduler is idle too: its reads go on the device through the read scheduler's turn, taken here as the
+        pool actor's `deliver` would (`ReadsInline`), and its answers to the forward (an early grant's `Present`,
+        or none) are returned, in order. None, untouched, when the actors must take it."""
+        reads = self.reads
+        acq = msgs[-1]
+        if reads is None or not isinstance(acq, Acquire) or not reads.idle():
+            return None
+        inbox = self._inbox_state
+        if inbox.data or len(inbox.receive_tasks) != 1 or self._grants_data:
+            return None
+        try:
+            out = self.core.turn(msgs, acq.t)
+        except Exception as e:
+            self.failure.append(e)
+            raise
+        self.turns += 1
+        self.read_turns += 1
+        if self.emit is not None:
+            for r in out.log:
+                self.emit(r)
+        if out.reads:
+            taken = reads.take(out.reads)
+            assert taken, "the read scheduler was idle a moment ago, in this very turn"
+        return out.forward
 
 
 @attrs.define(eq=False)

@@ -44,11 +44,16 @@ class ReadsInline:
     def __attrs_post_init__(self) -> None:
         self._state = self.inbox._state  # pyright: ignore[reportPrivateUsage]
 
+    def idle(self) -> bool:
+        """Whether `take` would take a turn now: the actor runs and is parked on an empty inbox."""
+        state = self._state
+        return self.turn is not None and not state.data and len(state.receive_tasks) == 1
+
     def take(self, msgs: Sequence[ReadInbox]) -> bool:
         """Take the turn over `msgs` now if the read scheduler is idle; False (nothing done) if not."""
-        state = self._state
-        if self.turn is None or state.data or len(state.receive_tasks) != 1:
+        if not self.idle():
             return False
+        assert self.turn is not None
         self.turn(msgs)
         self.turns += 1
         return True
