@@ -14,7 +14,8 @@ a cost model in replay. Cancellation stops the step at the next layer, releases 
 the step held, and leaves the pipeline ready for the next one.
 
 With `inline` (qnpipe.actors.pool.InlinePool, `use_inline`) an acquire the pool can grant
-at once is answered in the forward's own turn, and a layer's last `Release` waits for the
+at once is answered in the forward's own turn (live, one with misses too when the read scheduler
+is idle: its reads go on the device in that turn, its grant comes by channel), and a layer's last `Release` waits for the
 next `Acquire` (or the step's `ForwardDone`) to go with it (the core's `hold_last_release`),
 as it would reach the pool's turn anyway: the pool needs nothing earlier. Replay's heap
 driver does the same (qnpipe.replay.fast).

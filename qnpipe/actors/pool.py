@@ -11,7 +11,8 @@ An acquire that is all hits is answered in the forward's own turn (`InlinePool`)
 core, the same messages and records, no channel hop and no scheduler pass. Live, a finished
 batch's `ReadsDone` is likewise handled in the task that saw the batch finish when the pool
 is idle (`PoolInline`), and the reads a turn asks for are put on the device in this turn when
-the read scheduler is idle (qnpipe.actors.read_scheduler.ReadsInline).
+the read scheduler is idle (qnpipe.actors.read_scheduler.ReadsInline); an acquire with misses is then
+taken in the forward's turn too (`InlinePool.answer_reads`).
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ the child (a budget too small, a log that is not one or cannot be read) is raise
 its own class with its own message; anything else names the child's exit status and the end of its stderr. Ctrl-C reaches the child
 too (one process group), `subprocess.run` ends it if the parent alone is interrupted, and on Linux it is
 killed when the parent is (PR_SET_PDEATHSIG).
+
+The first `--memory` run on a machine with no saved device profile measures the device (`measured_device`):
+in a child process too, for the same reason (its read buffers, ~0.2 GB, would be the run's peak).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ import msgspec
 
 from qnpipe.config import Config, explicit_settings
 from qnpipe.errors import QnpipeError
+from qnpipe.io.device_file import load_profile, save_profile
+from qnpipe.io.measure import measured_once
+from qnpipe.io.simssd import DeviceProfile
 from qnpipe.plan.plan_file import Plan, load_plan, save_plan
 from qnpipe.plan.process import high_water_bytes, measure_process
 from qnpipe.plan.ranks import Share
@@ -148,4 +154,37 @@ def main(out_dir: str, parent: int) -> None:
     (out / "done.json").write_bytes(msgspec.json.encode(_Done(peak_bytes=high_water_bytes())))
 
 
-__all__ = ["ChildFailure", "plan_here", "plan_in_child", "remade"]
+# False measures in this process (tests whose fake measurement could not reach a child).
+_measure_in_child = True
+
+
+def measured_device(path: Path) -> DeviceProfile:
+    """This machine's measured device profile (`qnpipe.io.measure.measured_once`): the one saved at `path`, else
+    measured now in a child process, which keeps it at `path` when it can. QnpipeError (the child's exit status
+    and the end of its stderr) when the child fails."""
+    if path.exists() or not _measure_in_child:
+        return measured_once(path)[0].profile
+    with tempfile.TemporaryDirectory(prefix="qnpipe-measure-child-") as d:
+        out = Path(d) / "profile.json"
+        code = (f"import sys\nsys.path.insert(0, {_ROOT!r})\nfrom qnpipe.plan.child import measure_main\n"
+                "measure_main(sys.argv[1], sys.argv[2], int(sys.argv[3]))\n")
+        proc = subprocess.run([sys.executable, "-c", code, str(path), str(out), str(os.getpid())],
+                              capture_output=True, check=False)
+        if proc.returncode != 0 or not out.is_file():
+            tail = proc.stderr.decode(errors="replace")[-_STDERR_TAIL:]
+            raise QnpipeError(f"measuring this machine's device for {path} in a child process ({sys.executable}) "
+                              f"failed: exit status {proc.returncode}; its stderr ends:\n{tail}")
+        return load_profile(out).profile
+
+
+def measure_main(path: str, out: str, parent: int) -> None:
+    """The measuring child: `measured_once(path)` (kept at `path` when it can be), its profile written to `out`."""
+    _die_with(parent)
+    try:
+        measured, _ = measured_once(Path(path))
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    save_profile(out, measured)
+
+
+__all__ = ["ChildFailure", "measure_main", "measured_device", "plan_here", "plan_in_child", "remade"]

@@ -34,6 +34,7 @@ from qnpipe.plan.account import (
     pool_lines,
     shape_facts,
 )
+from qnpipe.plan.child import measured_device
 from qnpipe.plan.family_account import FamilyFacts, dir_facts
 from qnpipe.plan.fixed import user_fixed
 from qnpipe.plan.plan_file import BUDGET_KEYS, BudgetKey, Plan, plan_overrides
@@ -60,11 +61,8 @@ def resolve_device(device: str | Path | DeviceProfile, cfg: Config) -> tuple[str
         return "given", device.check(where="device.")
     name = str(device)
     if name == "measured":  # this machine's: measured once into the user cache when none is saved there
-        from qnpipe.io.measure import measured_once
-
         path = device_profile_path(cfg)
-        return name, (measured_once(path)[0].profile if not cfg.read.device_profile_path
-                      else named_profile(name, str(path)))
+        return name, (measured_device(path) if not cfg.read.device_profile_path else named_profile(name, str(path)))
     if name in device_names():
         return name, named_profile(name, cfg.read.device_profile_path)
     if name in published_names():  # shipped data whose every figure names its public source

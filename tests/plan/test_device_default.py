@@ -15,7 +15,8 @@ from qnpipe.config.user_dirs import DEVICE_PROFILE, device_profile_path, user_ca
 from qnpipe.io import measure
 from qnpipe.io.device_file import MeasuredProfile, load_profile
 from qnpipe.io.sim_model import PROFILES
-from qnpipe.plan import load_plan, minimum_budget, model_facts
+from qnpipe.errors import QnpipeError
+from qnpipe.plan import child, load_plan, minimum_budget, model_facts
 from qnpipe.plan.make import resolve_device
 from qnpipe.replay.synth import SynthSpec, write_synth
 
@@ -45,6 +46,7 @@ def test_measured_once_and_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     calls: list[Path] = []
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(measure, "measure_profile", _fake(calls))
+    monkeypatch.setattr(child, "_measure_in_child", False)  # the fake measures here
     cfg = config.load(None)
     assert resolve_device("measured", cfg) == ("measured", FAKE)
     assert resolve_device(cfg.plan.device, cfg) == ("measured", FAKE)
@@ -55,6 +57,31 @@ def test_measured_once_and_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     blocker.write_text("")
     got, where = measure.measured_once(blocker / "sub" / DEVICE_PROFILE, measure=_fake(calls))
     assert got.profile == FAKE and "not kept" in where and len(calls) == 2
+
+
+def test_the_first_measurement_runs_in_a_child_and_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its read buffers (~0.2 GB) are the child's: the run's own peak resident set, which `--memory` bounds,
+    never holds them. This process never measures (its measure_profile raises); the child's profile is kept
+    and read back."""
+    def here(*a: object, **kw: object) -> MeasuredProfile:
+        raise AssertionError("measured in the planning process")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(measure, "measure_profile", here)
+    cfg = config.load(None)
+    name, got = resolve_device("measured", cfg)
+    kept = load_profile(tmp_path / "qnpipe" / DEVICE_PROFILE)
+    assert name == "measured" and got == kept.profile and len(kept.samples) == 12  # FIRST_MEASURE's cells
+    assert resolve_device("measured", cfg)[1] == got  # read back, not measured again
+    assert not [p for p in (tmp_path / "qnpipe").iterdir() if p.name != DEVICE_PROFILE]  # its test files removed
+
+
+def test_a_failed_measuring_child_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    false = shutil.which("false")
+    assert false is not None
+    monkeypatch.setattr(child.sys, "executable", false)  # runs, and exits 1 without a profile
+    with pytest.raises(QnpipeError, match=r"measuring this machine's device for .*profile.json in a child process .*exit status 1"):
+        child.measured_device(tmp_path / "profile.json")
 
 
 def test_bench_io_saves_in_the_user_cache_not_the_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
