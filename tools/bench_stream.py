@@ -120,6 +120,10 @@ What is measured (every figure is a median over `--rounds`):
   `qnpipe.actors.forward._reads_first`), in the same rounds: the `_before` keys,
   `ratio_demand_to_demand_before` (tok/s, per round then the median) and each round's
   `overhead_frac_raw` / `overhead_frac_before_raw`.
+* `--acquire-ab`: a `demand_acquire_channel` engine, the same demand pool with an acquire with misses sent
+  to the pool actor by channel (`qnpipe.actors.pipeline._inline_acquires` off; the rest of the miss path as
+  today), in the same rounds: `tok_s_demand_acquire_channel`, `overhead_frac_acquire_channel`,
+  `ratio_demand_to_demand_acquire_channel` (tok/s, per round then the median) and the rounds' `_raw` fractions.
 * `ratio_demand_to_serial_bound` = tok_s_demand / tok_s_serial_bound (target >= 0.9);
   `overhead_frac` target < 0.05.
 
@@ -694,6 +698,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-prefetch", action="store_true", help="skip the prefetch engine")
     ap.add_argument("--miss-ab", action="store_true",
                     help="also the demand engine with the miss path before 2026-12-05 (the `_before` keys)")
+    ap.add_argument("--acquire-ab", action="store_true",
+                    help="also the demand engine whose acquires with misses go by channel (the "
+                         "`_acquire_channel` keys)")
     ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
                     help="another config field of the prefetch run, e.g. predict.stage_global_budget_experts=0")
     ap.add_argument("--side", type=int, default=16, help="pool.side_region_slots of the prefetch run (default 16)")
@@ -750,6 +757,15 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 for mod, name in flags:
                     setattr(mod, name, True)
+        if args.acquire_ab:  # the same, with an acquire with misses sent to the pool actor (actors.pipeline)
+            from qnpipe.actors import pipeline as _pipeline
+
+            _pipeline._inline_acquires = False  # read when the engine's pipeline opens
+            try:
+                engines["demand_acquire_channel"] = qnpipe.Engine(model_dir, expert_slots=slots,
+                                                                  prefill_chunk_tokens=0, **read)
+            finally:
+                _pipeline._inline_acquires = True
     if not args.no_allhit or args.allhit_only:
         engines["allhit"] = qnpipe.Engine(model_dir, expert_slots=num_experts, prefill_chunk_tokens=0, **read)
         if not args.no_channel:
@@ -970,6 +986,17 @@ def main(argv: list[str] | None = None) -> int:
                                                       zip(runs["demand"], runs["demand_before"], strict=True)])),
             "overhead_frac_raw": [rnd(x) for x in ovh],
             "overhead_frac_before_raw": [rnd(d["overhead"] / d["wall"]) for d in runs["demand_before"]]}),
+        **({} if "demand_acquire_channel" not in runs else {
+            # The demand run with its acquires with misses taken by the pool actor (`--acquire-ab`), same rounds.
+            "tok_s_demand_acquire_channel": rnd(m("demand_acquire_channel", "tok_s"), 3),
+            "overhead_frac_acquire_channel": rnd(med([d["overhead"] / d["wall"]
+                                                      for d in runs["demand_acquire_channel"]])),
+            "ratio_demand_to_demand_acquire_channel": rnd(med([d["tok_s"] / t["tok_s"] for d, t in
+                                                               zip(runs["demand"], runs["demand_acquire_channel"],
+                                                                   strict=True)])),
+            "overhead_frac_raw": [rnd(x) for x in ovh],
+            "overhead_frac_acquire_channel_raw": [rnd(d["overhead"] / d["wall"])
+                                                  for d in runs["demand_acquire_channel"]]}),
         "step_s_raw": {name: [rnd(x["step_s"], 5) for x in runs[name]] for name in runs},
         "bandwidth_gbps_raw": [rnd(b["gbps"]) for b in bw],
         "bw_at_effective_qd_gbps_raw": [rnd(b["gbps"]) for b in bw_eff],
