@@ -275,8 +275,7 @@ def _expert_parts(run: RunExperts, x: mx.array, ids: np.ndarray,
         grant = yield PartDone()
     order = np.concatenate(done)
     assert order.size == ids.size, "every pair runs in exactly one part"
-    y = mx.concatenate(ys, axis=0)[mx.array(np.argsort(order))]
-    return y.reshape(*ids.shape, x.shape[-1])
+    return _in_place(ys, order, ids.shape, x.shape[-1])
 
 
 def _queue_present(run: RunExperts, x: mx.array, ids: np.ndarray, slots: np.ndarray,
@@ -306,9 +305,13 @@ def _complete(run: RunExperts, x: mx.array, ids: np.ndarray, slots: np.ndarray,
     rest = np.flatnonzero(todo)
     if rest.size:
         ys = [*ys, _pairs(run, x, ids, rest, slots)]
-    order = np.concatenate([done, rest])
+    return _in_place(ys, np.concatenate([done, rest]), slots.shape, x.shape[-1])
+
+
+def _in_place(ys: list[mx.array], order: np.ndarray, shape: tuple[int, ...], width: int) -> mx.array:
+    """`[*shape, width]`: the rows of `ys` (pairs `order`, each pair once) back in pair order."""
     y = (mx.concatenate(ys, axis=0) if len(ys) > 1 else ys[0])[mx.array(np.argsort(order))]
-    return y.reshape(*slots.shape, x.shape[-1])
+    return y.reshape(*shape, width)
 
 
 class MlxBackend:

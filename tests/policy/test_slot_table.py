@@ -405,14 +405,17 @@ class OneByOne(Spy):
         raise AttributeError("pick_many")
 
 
-def test_an_acquires_victims_chosen_at_once_are_those_chosen_one_by_one() -> None:
-    # LFU.pick_many: the misses past the free slots get the n least keys, as n picks in a row would.
+@pytest.mark.parametrize(("capacity", "universe", "most"), [(6, N_EXPERTS, 5), (160, 400, 40)])
+def test_an_acquires_victims_chosen_at_once_are_those_chosen_one_by_one(capacity: int, universe: int,
+                                                                         most: int) -> None:
+    # LFU.pick_many: the misses past the free slots get the n least keys, as n picks in a row would (a sort up to
+    # 128 evictable keys, `heapq.nsmallest` past that: the second case takes both).
     rng = __import__("random").Random(5)
-    spy, one = Spy(make_eviction(EvictPolicy.LFU, 6)), OneByOne(make_eviction(EvictPolicy.LFU, 6))
-    batched, single = SlotTable(0, 6, spy), SlotTable(0, 6, one)
+    spy, one = Spy(make_eviction(EvictPolicy.LFU, capacity)), OneByOne(make_eviction(EvictPolicy.LFU, capacity))
+    batched, single = SlotTable(0, capacity, spy), SlotTable(0, capacity, one)
     spy.table, one.table = batched, single
     for _ in range(300):
-        experts = rng.sample(range(N_EXPERTS), rng.randint(1, 5))
+        experts = rng.sample(range(universe), rng.randint(1, most))
         plans = [t.acquire(experts) for t in (batched, single)]
         assert plans[0] == plans[1]
         for t, plan in zip((batched, single), plans, strict=True):
