@@ -33,7 +33,7 @@ import trio
 from qnpipe.actors.pool import InlinePool
 from qnpipe.actors.stamp import send_soon
 from qnpipe.errors import PipelineError
-from qnpipe.messages import Acquire, Candidates, ForwardInbox, Granted, Msg, PoolInbox, Release
+from qnpipe.messages import Acquire, Candidates, ForwardInbox, Msg, PoolInbox, Release
 from qnpipe.policy.forward_core import ForwardCore, ForwardStats
 from qnpipe.policy.outbox import Outbox
 from qnpipe.policy.pace import Pace

@@ -12,10 +12,10 @@ import pytest
 from qnpipe import config
 from qnpipe.cli import main
 from qnpipe.config.user_dirs import DEVICE_PROFILE, device_profile_path, user_cache_dir
+from qnpipe.errors import QnpipeError
 from qnpipe.io import measure
 from qnpipe.io.device_file import MeasuredProfile, load_profile
 from qnpipe.io.sim_model import PROFILES
-from qnpipe.errors import QnpipeError
 from qnpipe.plan import child, load_plan, minimum_budget, model_facts
 from qnpipe.plan.make import resolve_device
 from qnpipe.replay.synth import SynthSpec, write_synth
