@@ -70,8 +70,7 @@ class InlinePool:
     def hit_slots(self, layer: int, experts: list[int]) -> list[int] | None:
         """The slot of each of `experts` when an `Acquire` of them would be answered here now (`answer`'s
         conditions), else None. Reads only."""
-        inbox = self._inbox_state
-        if inbox.data or len(inbox.receive_tasks) != 1 or self._grants_data:
+        if not self._idle():
             return None
         return self.core.hit_slots(layer, experts)
 
@@ -80,23 +79,10 @@ class InlinePool:
         (the turn then is taken at the acquire's time: logged and applied); None, untouched, when the
         actors must take it."""
         acq = msgs[-1]
-        if not isinstance(acq, Acquire):
+        if not isinstance(acq, Acquire) or not self._idle() or not self.core.answers_at_once(acq):
             return None
-        inbox = self._inbox_state
-        if inbox.data or len(inbox.receive_tasks) != 1 or self._grants_data:
-            return None  # the pool has a turn to take (or is taking one): ours would jump the queue
-        if not self.core.answers_at_once(acq):
-            return None
-        try:
-            out = self.core.turn(msgs, acq.t)
-        except Exception as e:
-            self.failure.append(e)
-            raise
+        out = self._turn(msgs, acq)
         assert not out.reads and len(out.forward) == 1 and isinstance(out.forward[0], Granted), out
-        self.turns += 1
-        if self.emit is not None:
-            for r in out.log:
-                self.emit(r)
         return out.forward[0]
 
     def answer_reads(self, msgs: list[PoolInbox]) -> list[ForwardInbox] | None:
@@ -106,25 +92,33 @@ class InlinePool:
         or none) are returned, in order. None, untouched, when the actors must take it."""
         reads = self.reads
         acq = msgs[-1]
-        if reads is None or not isinstance(acq, Acquire) or not reads.idle():
+        if reads is None or not isinstance(acq, Acquire) or not reads.idle() or not self._idle():
             return None
+        out = self._turn(msgs, acq)
+        self.read_turns += 1
+        if out.reads:
+            taken = reads.take(out.reads)
+            assert taken, "the read scheduler was idle a moment ago, in this very turn"
+        return out.forward
+
+    def _idle(self) -> bool:
+        """The pool actor parked on an empty inbox and the forward's grant channel empty: a turn taken here
+        would be the actor's next, and jump no queue."""
         inbox = self._inbox_state
-        if inbox.data or len(inbox.receive_tasks) != 1 or self._grants_data:
-            return None
+        return not inbox.data and len(inbox.receive_tasks) == 1 and not self._grants_data
+
+    def _turn(self, msgs: list[PoolInbox], acq: Acquire) -> Outbox:
+        """The core's turn over `msgs` at the acquire's time, its records logged."""
         try:
             out = self.core.turn(msgs, acq.t)
         except Exception as e:
             self.failure.append(e)
             raise
         self.turns += 1
-        self.read_turns += 1
         if self.emit is not None:
             for r in out.log:
                 self.emit(r)
-        if out.reads:
-            taken = reads.take(out.reads)
-            assert taken, "the read scheduler was idle a moment ago, in this very turn"
-        return out.forward
+        return out
 
 
 @attrs.define(eq=False)
