@@ -17,15 +17,14 @@ its own class with its own message; anything else names the child's exit status 
 too (one process group), `subprocess.run` ends it if the parent alone is interrupted, and on Linux it is
 killed when the parent is (PR_SET_PDEATHSIG).
 
-The first `--memory` run on a machine with no saved device profile measures the device (`measured_device`):
-in a child process too, for the same reason (its read buffers, ~0.2 GB, would be the run's peak).
+The first `--memory` run on a machine with no saved device profile measures the device in a child process
+too, for the same reason (qnpipe.plan.measured).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,15 +34,10 @@ import msgspec
 
 from qnpipe.config import Config, explicit_settings
 from qnpipe.errors import QnpipeError
-from qnpipe.io.device_file import load_profile, save_profile
-from qnpipe.io.measure import measured_once
-from qnpipe.io.simssd import DeviceProfile
+from qnpipe.plan.fresh import ROOT, STDERR_TAIL, die_with
 from qnpipe.plan.plan_file import Plan, load_plan, save_plan
 from qnpipe.plan.process import high_water_bytes, measure_process
 from qnpipe.plan.ranks import Share
-
-_ROOT = str(Path(__file__).resolve().parents[2])  # the directory that holds the qnpipe package
-_STDERR_TAIL = 2000
 
 
 class _Job(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,14 +72,14 @@ def plan_in_child(cfg: Config, budget: int, *, log: Path | None, synth_path: Pat
                share=share, process=None if cfg.plan.process_bytes else measure_process())
     with tempfile.TemporaryDirectory(prefix="qnpipe-plan-child-") as d:
         out = Path(d)
-        code = (f"import sys\nsys.path.insert(0, {_ROOT!r})\nfrom qnpipe.plan.child import main\n"
+        code = (f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom qnpipe.plan.child import main\n"
                 "main(sys.argv[1], int(sys.argv[2]))\n")
         proc = subprocess.run([sys.executable, "-c", code, str(out), str(os.getpid())], input=msgspec.json.encode(job),
                               capture_output=True, check=False)
         if (out / "failed.json").is_file():
             raise remade(msgspec.json.decode((out / "failed.json").read_bytes(), type=ChildFailure))
         if proc.returncode != 0 or not (out / "done.json").is_file():
-            tail = proc.stderr.decode(errors="replace")[-_STDERR_TAIL:]
+            tail = proc.stderr.decode(errors="replace")[-STDERR_TAIL:]
             raise QnpipeError(f"planning in a child process ({sys.executable}) failed: exit status "
                               f"{proc.returncode}; its stderr ends:\n{tail}")
         done = msgspec.json.decode((out / "done.json").read_bytes(), type=_Done)
@@ -106,20 +100,6 @@ def remade(failed: ChildFailure) -> Exception:
     return QnpipeError(failed.message)
 
 
-def _die_with(parent: int) -> None:
-    """End when `parent` ends, even killed (Linux: PR_SET_PDEATHSIG): a planner nobody waits for any more
-    would go on using the memory and the cores the run was given."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:  # ended before the signal was asked for
-        raise SystemExit(1)
-
-
 def plan_here(cfg: Config, budget: int, *, log: Path | str | None, synth_path: Path | str | None,
               share: Share | None) -> Plan:
     """What the child runs, in this process: `make_plan` for `cfg`'s model at `budget`."""
@@ -136,7 +116,7 @@ def main(out_dir: str, parent: int) -> None:
     from qnpipe.config import rebuilt
     from qnpipe.plan.process import adopt_measured
 
-    _die_with(parent)
+    die_with(parent)
     out = Path(out_dir)
     job = msgspec.json.decode(sys.stdin.buffer.read(), type=_Job)
     try:
@@ -154,37 +134,4 @@ def main(out_dir: str, parent: int) -> None:
     (out / "done.json").write_bytes(msgspec.json.encode(_Done(peak_bytes=high_water_bytes())))
 
 
-# False measures in this process (tests whose fake measurement could not reach a child).
-_measure_in_child = True
-
-
-def measured_device(path: Path) -> DeviceProfile:
-    """This machine's measured device profile (`qnpipe.io.measure.measured_once`): the one saved at `path`, else
-    measured now in a child process, which keeps it at `path` when it can. QnpipeError (the child's exit status
-    and the end of its stderr) when the child fails."""
-    if path.exists() or not _measure_in_child:
-        return measured_once(path)[0].profile
-    with tempfile.TemporaryDirectory(prefix="qnpipe-measure-child-") as d:
-        out = Path(d) / "profile.json"
-        code = (f"import sys\nsys.path.insert(0, {_ROOT!r})\nfrom qnpipe.plan.child import measure_main\n"
-                "measure_main(sys.argv[1], sys.argv[2], int(sys.argv[3]))\n")
-        proc = subprocess.run([sys.executable, "-c", code, str(path), str(out), str(os.getpid())],
-                              capture_output=True, check=False)
-        if proc.returncode != 0 or not out.is_file():
-            tail = proc.stderr.decode(errors="replace")[-_STDERR_TAIL:]
-            raise QnpipeError(f"measuring this machine's device for {path} in a child process ({sys.executable}) "
-                              f"failed: exit status {proc.returncode}; its stderr ends:\n{tail}")
-        return load_profile(out).profile
-
-
-def measure_main(path: str, out: str, parent: int) -> None:
-    """The measuring child: `measured_once(path)` (kept at `path` when it can be), its profile written to `out`."""
-    _die_with(parent)
-    try:
-        measured, _ = measured_once(Path(path))
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
-    save_profile(out, measured)
-
-
-__all__ = ["ChildFailure", "measure_main", "measured_device", "plan_here", "plan_in_child", "remade"]
+__all__ = ["ChildFailure", "plan_here", "plan_in_child", "remade"]

@@ -34,9 +34,9 @@ from qnpipe.plan.account import (
     pool_lines,
     shape_facts,
 )
-from qnpipe.plan.child import measured_device
 from qnpipe.plan.family_account import FamilyFacts, dir_facts
 from qnpipe.plan.fixed import user_fixed
+from qnpipe.plan.measured import measured_device
 from qnpipe.plan.plan_file import BUDGET_KEYS, BudgetKey, Plan, plan_overrides
 from qnpipe.plan.published import load_published, published_cost, published_names
 from qnpipe.plan.ranks import Share, check_ranks, layer_weights, restricted_log, share_lines, share_shape

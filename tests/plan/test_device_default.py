@@ -16,7 +16,7 @@ from qnpipe.errors import QnpipeError
 from qnpipe.io import measure
 from qnpipe.io.device_file import MeasuredProfile, load_profile
 from qnpipe.io.sim_model import PROFILES
-from qnpipe.plan import child, load_plan, minimum_budget, model_facts
+from qnpipe.plan import load_plan, measured, minimum_budget, model_facts
 from qnpipe.plan.make import resolve_device
 from qnpipe.replay.synth import SynthSpec, write_synth
 
@@ -46,7 +46,7 @@ def test_measured_once_and_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     calls: list[Path] = []
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(measure, "measure_profile", _fake(calls))
-    monkeypatch.setattr(child, "_measure_in_child", False)  # the fake measures here
+    monkeypatch.setattr(measured, "_measure_in_child", False)  # the fake measures here
     cfg = config.load(None)
     assert resolve_device("measured", cfg) == ("measured", FAKE)
     assert resolve_device(cfg.plan.device, cfg) == ("measured", FAKE)
@@ -79,9 +79,9 @@ def test_the_first_measurement_runs_in_a_child_and_is_kept(tmp_path: Path, monke
 def test_a_failed_measuring_child_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     false = shutil.which("false")
     assert false is not None
-    monkeypatch.setattr(child.sys, "executable", false)  # runs, and exits 1 without a profile
+    monkeypatch.setattr(measured.sys, "executable", false)  # runs, and exits 1 without a profile
     with pytest.raises(QnpipeError, match=r"measuring this machine's device for .*profile.json in a child process .*exit status 1"):
-        child.measured_device(tmp_path / "profile.json")
+        measured.measured_device(tmp_path / "profile.json")
 
 
 def test_bench_io_saves_in_the_user_cache_not_the_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -58,7 +58,7 @@ def test_plan_of_a_family_holds_its_budget_and_hits_are_the_replays(tmp_path: Pa
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     model = _tiny_converted(tmp_path, family)
     # The machine's device profile, when the first test to need it is this one, is measured in a child of the
-    # child (qnpipe.plan.child.measured_device): its ~0.2 GB of read buffers are never in the peak checked here.
+    # child (qnpipe.plan.measured): its ~0.2 GB of read buffers are never in the peak checked here.
     events, said = tmp_path / "run.qtrace", tmp_path / "child.json"
     sets = {"plan.context_tokens": CONTEXT, "plan.cache_dir": tmp_path / "plans", "compute.cpu_blas": "bundled"}
     argv = ["generate", str(model), "--tokens", PROMPT, "-n", "4", "--json", "--trace", str(events),
