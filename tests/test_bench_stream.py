@@ -16,14 +16,15 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_stream.py"
 def test_bench_stream_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(TOOL), "--shape", "smoke", "--work", str(tmp_path), "--rounds", "1", "--tokens", "4",
-         "--bw-seconds", "0.1", "--warmup-prompt", "64", "--workers", "4"],
+         "--bw-seconds", "0.1", "--warmup-prompt", "64", "--workers", "4", "--route-ab"],
         capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("tok_s_resident", "tok_s_demand", "tok_s_serial_bound", "ratio_demand_to_serial_bound",
                 "misses_per_token", "overhead_frac", "overhead_frac_allhit", "bandwidth_gbps",
                 "pipeline_us_per_layer_step_allhit", "pipeline_us_per_layer_step_allhit_channel",
-                "pipeline_cpu_us_per_layer_step_allhit", "pipeline_us_per_layer_step_demand"):
+                "pipeline_cpu_us_per_layer_step_allhit", "pipeline_us_per_layer_step_demand",
+                "tok_s_demand_route_later", "overhead_frac_route_later", "ratio_demand_to_demand_route_later"):
         assert key in out, key
     assert out["store_to_pool"] >= 4
     assert out["allhit_misses_per_token"] == 0

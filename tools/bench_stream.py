@@ -117,13 +117,17 @@ What is measured (every figure is a median over `--rounds`):
 * `--miss-ab`: a `demand_before` engine, the same demand pool with the miss path as it was before
   2026-12-05 (each read batch on a submitter thread, `qnpipe.io.device._start_reads`; every actor turn
   by channel, `qnpipe.actors.pipeline._inline_reads`; no yield before an early grant's hits,
-  `qnpipe.actors.forward._reads_first`), in the same rounds: the `_before` keys,
+  `qnpipe.actors.forward._reads_first`; the other tasks' turn before a route's acquire,
+  `qnpipe.actors.forward._route_turn_first`), in the same rounds: the `_before` keys,
   `ratio_demand_to_demand_before` (tok/s, per round then the median) and each round's
   `overhead_frac_raw` / `overhead_frac_before_raw`.
 * `--acquire-ab`: a `demand_acquire_channel` engine, the same demand pool with an acquire with misses sent
   to the pool actor by channel (`qnpipe.actors.pipeline._inline_acquires` off; the rest of the miss path as
   today), in the same rounds: `tok_s_demand_acquire_channel`, `overhead_frac_acquire_channel`,
   `ratio_demand_to_demand_acquire_channel` (tok/s, per round then the median) and the rounds' `_raw` fractions.
+* `--route-ab`: likewise a `demand_route_later` engine, whose backend gives the other tasks their turn as it
+  returns a route, before the forward's acquire (`qnpipe.actors.forward._route_turn_first` off): the
+  `_route_later` keys.
 * `ratio_demand_to_serial_bound` = tok_s_demand / tok_s_serial_bound (target >= 0.9);
   `overhead_frac` target < 0.05.
 
@@ -141,6 +145,7 @@ Prints progress on stderr and one JSON line on stdout.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import shutil
@@ -701,6 +706,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--acquire-ab", action="store_true",
                     help="also the demand engine whose acquires with misses go by channel (the "
                          "`_acquire_channel` keys)")
+    ap.add_argument("--route-ab", action="store_true",
+                    help="also the demand engine that gives the other tasks their turn before a route's acquire "
+                         "(the `_route_later` keys)")
     ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
                     help="another config field of the prefetch run, e.g. predict.stage_global_budget_experts=0")
     ap.add_argument("--side", type=int, default=16, help="pool.side_region_slots of the prefetch run (default 16)")
@@ -749,7 +757,8 @@ def main(argv: list[str] | None = None) -> int:
             from qnpipe.actors import pipeline as _pipeline
             from qnpipe.io import device as _device
 
-            flags = ((_device, "_start_reads"), (_pipeline, "_inline_reads"), (_forward, "_reads_first"))
+            flags = ((_device, "_start_reads"), (_pipeline, "_inline_reads"), (_forward, "_reads_first"),
+                     (_forward, "_route_turn_first"))
             for mod, name in flags:
                 setattr(mod, name, False)  # read when the engine's pipeline opens
             try:
@@ -757,15 +766,15 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 for mod, name in flags:
                     setattr(mod, name, True)
-        if args.acquire_ab:  # the same, with an acquire with misses sent to the pool actor (actors.pipeline)
-            from qnpipe.actors import pipeline as _pipeline
-
-            _pipeline._inline_acquires = False  # read when the engine's pipeline opens
-            try:
-                engines["demand_acquire_channel"] = qnpipe.Engine(model_dir, expert_slots=slots,
-                                                                  prefill_chunk_tokens=0, **read)
-            finally:
-                _pipeline._inline_acquires = True
+        for name, (mod, flag) in DEMAND_VARIANTS.items():  # `--acquire-ab`, `--route-ab`: one switch off each
+            if getattr(args, name.split("_", 1)[0] + "_ab"):
+                module = importlib.import_module(mod)
+                setattr(module, flag, False)  # read when the engine's pipeline opens
+                try:
+                    engines[f"demand_{name}"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0,
+                                                              **read)
+                finally:
+                    setattr(module, flag, True)
     if not args.no_allhit or args.allhit_only:
         engines["allhit"] = qnpipe.Engine(model_dir, expert_slots=num_experts, prefill_chunk_tokens=0, **read)
         if not args.no_channel:
@@ -986,17 +995,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       zip(runs["demand"], runs["demand_before"], strict=True)])),
             "overhead_frac_raw": [rnd(x) for x in ovh],
             "overhead_frac_before_raw": [rnd(d["overhead"] / d["wall"]) for d in runs["demand_before"]]}),
-        **({} if "demand_acquire_channel" not in runs else {
-            # The demand run with its acquires with misses taken by the pool actor (`--acquire-ab`), same rounds.
-            "tok_s_demand_acquire_channel": rnd(m("demand_acquire_channel", "tok_s"), 3),
-            "overhead_frac_acquire_channel": rnd(med([d["overhead"] / d["wall"]
-                                                      for d in runs["demand_acquire_channel"]])),
-            "ratio_demand_to_demand_acquire_channel": rnd(med([d["tok_s"] / t["tok_s"] for d, t in
-                                                               zip(runs["demand"], runs["demand_acquire_channel"],
-                                                                   strict=True)])),
-            "overhead_frac_raw": [rnd(x) for x in ovh],
-            "overhead_frac_acquire_channel_raw": [rnd(d["overhead"] / d["wall"])
-                                                  for d in runs["demand_acquire_channel"]]}),
+        **{k: v for name in DEMAND_VARIANTS if f"demand_{name}" in runs
+           for k, v in variant_keys(name, runs["demand"], runs[f"demand_{name}"], ovh).items()},
         "step_s_raw": {name: [rnd(x["step_s"], 5) for x in runs[name]] for name in runs},
         "bandwidth_gbps_raw": [rnd(b["gbps"]) for b in bw],
         "bw_at_effective_qd_gbps_raw": [rnd(b["gbps"]) for b in bw_eff],
@@ -1004,6 +1004,28 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(out), flush=True)
     return 0
+
+
+# The demand engine with one switch of the miss path off, in the same rounds (`--acquire-ab`, `--route-ab`):
+# name -> (module, flag). Its keys: `variant_keys`.
+DEMAND_VARIANTS = {
+    "acquire_channel": ("qnpipe.actors.pipeline", "_inline_acquires"),  # an acquire with misses sent by channel
+    "route_later": ("qnpipe.actors.forward", "_route_turn_first"),  # the other tasks' turn before a route's acquire
+}
+
+
+def variant_keys(name: str, demand: list[dict[str, float]], variant: list[dict[str, float]],
+                 ovh: list[float]) -> dict[str, Any]:
+    """`tok_s_demand_<name>`, `overhead_frac_<name>`, `ratio_demand_to_demand_<name>` (tok/s, per round then the
+    median), and the rounds' fractions both ways (`_raw`)."""
+    return {
+        f"tok_s_demand_{name}": rnd(med([d["tok_s"] for d in variant]), 3),
+        f"overhead_frac_{name}": rnd(med([d["overhead"] / d["wall"] for d in variant])),
+        f"ratio_demand_to_demand_{name}": rnd(med([d["tok_s"] / t["tok_s"]
+                                                   for d, t in zip(demand, variant, strict=True)])),
+        "overhead_frac_raw": [rnd(x) for x in ovh],
+        f"overhead_frac_{name}_raw": [rnd(d["overhead"] / d["wall"]) for d in variant],
+    }
 
 
 def allhit_keys(runs: dict[str, list[dict[str, float]]], moe_layers: int) -> dict[str, Any]:

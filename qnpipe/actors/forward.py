@@ -62,6 +62,9 @@ class HitsBackend(Backend, Protocol):
 # False: an early grant's hits are queued at once, before the reads of the same turn may be (the way before;
 # tools/bench_stream.py's `--miss-ab` sets it). Read when a Forward is made.
 _reads_first = True
+# False: the other tasks get their turn as soon as the backend returns a route, before the forward's acquire
+# (the way before 2026-12-05's evening). Read when a Forward is made.
+_route_turn_first = True
 
 
 @attrs.define(eq=False)
@@ -94,8 +97,12 @@ class Forward:
     _last_open: bool = False  # a layer-step's last part ran and is not released yet (`_release_last`)
     hits_taken: int = 0  # layer-steps the backend ran before their turn (`hit_slots`; tests, benchmarks)
     reads_first: bool = attrs.field(init=False, factory=lambda: _reads_first)  # see `_grant`
+    # The backend gives the other tasks no turn when it returns a route: `_layer` gives it once the acquire is sent.
+    route_turn_first: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
+        defer = getattr(self.backend, "defer_route_yield", None)
+        self.route_turn_first = _route_turn_first and defer is not None and defer()
         self.core = ForwardCore(self.capacities, self.num_experts, self.moe_order, early_pairs=self.early_pairs,
                                 route_verify=self.route_verify, logging=self.emit is not None, by_expert=self.by_expert,
                                 union_prof=self.union_prof, hold_last_release=self.inline is not None)
@@ -258,9 +265,15 @@ class Forward:
         assert self.to_pool is not None and self.grants is not None
         core = self.core
         out = self._route(route)
+        yielded = False
         while True:
             await self._send(out)
-            grant, g = await self._grant()
+            if self.route_turn_first and not yielded:
+                # The turn the backend did not give the other tasks as it returned the route: given now that the
+                # route's acquire is answered or sent (and with misses, their reads on the device).
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                yielded = True
+            grant, g = await self._grant(yielded)
             self.progress += 1
             if self.check_bytes is not None:
                 await self.check_bytes(route.layer, g.experts, g.slots)
@@ -278,8 +291,9 @@ class Forward:
                     await self._send(out)
                 return ev
 
-    async def _grant(self) -> tuple[PartGrant, ForwardInbox]:
-        """Wait for the part's grant; early grants' work is queued on the way."""
+    async def _grant(self, yielded: bool = False) -> tuple[PartGrant, ForwardInbox]:
+        """Wait for the part's grant; early grants' work is queued on the way. `yielded`: the other tasks had
+        their turn since the acquire was answered in this task (`_answered`)."""
         assert self.grants is not None
         while True:
             if self._answered:  # answered in this turn, at its Acquire's time
@@ -288,12 +302,13 @@ class Forward:
             else:
                 g = await self.grants.receive()
                 now = trio.current_time()
+                yielded = False  # the pool's turn came after ours: its reads may wait for the read scheduler's
             run = self.core.handle(g, now).run
             if run is None:  # a grant of a cancelled step
                 continue
             if not run.early:
                 return run, g
-            if self.reads_first:
+            if self.reads_first and not yielded:
                 # An early grant comes with the same turn's reads for the read scheduler, woken with us (when
                 # the pool did not put them on the device itself): trio runs a batch of woken tasks in either
                 # order, so let it put them on the device before our MLX call (a few hundred µs of host work

@@ -37,7 +37,7 @@ from qnpipe.model.slots import make_layer_slots
 from qnpipe.model.stage import Stage
 from qnpipe.model.stepper import MlxBackend
 from qnpipe.policy.predict import predict_targets
-from qnpipe.steps import Event, Hits, PartGrant, PredictPlan, Tail
+from qnpipe.steps import Event, Hits, LayerRoute, PartGrant, PredictPlan, Tail
 from qnpipe.trace import ModelShape
 from qnpipe.trace.format import RunPart
 
@@ -235,6 +235,14 @@ class ThreadedBackend:
         self._thread = thread
         self._b = backend
         self.early_pairs = backend.early_pairs
+        self._yield_after: Callable[[Event], bool] | None = None  # None: the other tasks' turn after every call
+
+    def defer_route_yield(self) -> bool:
+        """From now on a call that returns a route gives the other tasks no turn: the forward takes the route's
+        turn first (its acquire, and the reads it asks for, on their way) and then gives it
+        (qnpipe.actors.forward). True: done (always, here)."""
+        self._yield_after = _not_route
+        return True
 
     @property
     def takes_hits(self) -> bool:
@@ -246,17 +254,22 @@ class ThreadedBackend:
     async def begin(self, inputs: Any, cache: Any, tail: Tail, hits: Hits | None = None,
                     first_sync: Callable[[], bool] | None = None) -> Event:
         if hits is None and first_sync is None:
-            return await run_on(self._thread, self._b.begin, inputs, cache, tail)
+            return await run_on(self._thread, self._b.begin, inputs, cache, tail, yield_after=self._yield_after)
         if not self.takes_hits:
             raise AssertionError("hits and first_sync run in the forward's turn: its loop must be the MLX thread's")
-        return await run_on(self._thread, self._b.begin, inputs, cache, tail, hits, first_sync)
+        return await run_on(self._thread, self._b.begin, inputs, cache, tail, hits, first_sync,
+                            yield_after=self._yield_after)
 
     async def resume(self, grant: PartGrant) -> Event:
-        return await run_on(self._thread, self._b.resume, grant)
+        return await run_on(self._thread, self._b.resume, grant, yield_after=self._yield_after)
 
     async def abort(self) -> None:
         await run_on(self._thread, self._b.abort)
 
+
+
+def _not_route(ev: Event) -> bool:
+    return not isinstance(ev, LayerRoute)
 
 
 @asynccontextmanager

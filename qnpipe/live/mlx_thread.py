@@ -137,18 +137,24 @@ def _wake(token: trio.lowlevel.TrioToken, done: trio.Event) -> None:
         pass
 
 
-async def run_on(thread: MLXThread, fn: Callable[..., T], *args: Any) -> T:
+async def run_on(thread: MLXThread, fn: Callable[..., T], *args: Any,
+                 yield_after: Callable[[T], bool] | None = None) -> T:
     """Run `fn(*args)` on `thread` and wait in trio without blocking the loop.
 
     A cancellation waits for `fn` to finish (MLX work cannot be interrupted, and every
     call is one layer or one chunk long), then takes effect at the caller's next checkpoint.
-    In the loop `thread` hosts, `fn` runs inline, then the other tasks get their turn.
+    In the loop `thread` hosts, `fn` runs inline, then the other tasks get their turn, unless
+    `yield_after` says no for its value: the caller then gives them their turn itself, soon.
     """
     if threading.current_thread() is thread.thread:
         try:
-            return fn(*args)
-        finally:
+            out = fn(*args)
+        except BaseException:
             await trio.lowlevel.cancel_shielded_checkpoint()
+            raise
+        if yield_after is None or yield_after(out):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return out
     done = trio.Event()
     token = trio.lowlevel.current_trio_token()
     fut = thread.submit(fn, *args)

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from qnpipe import trace
-from qnpipe.actors import pipeline
+from qnpipe.actors import forward, pipeline
 from qnpipe.actors.forward import Forward
 from qnpipe.actors.pool import InlinePool, PoolInline
 from qnpipe.actors.read_scheduler import ReadsInline
@@ -146,10 +146,11 @@ def test_a_stop_at_the_next_steps_first_sync_leaves_no_step(streamed: Path, monk
     assert got["hits"] == got["inline"]
 
 
-def _run_reads(model: Path, path: Path, inline: bool,
-               monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], int, int, int]:
+def _run_reads(model: Path, path: Path, inline: bool, monkeypatch: pytest.MonkeyPatch,
+               route_first: bool = True) -> tuple[list[Any], int, int, int]:
     """The run's records and the turns taken inline: the read scheduler's, the pool's over a finished batch, the
-    pool's over an acquire with misses in the forward's task (`InlinePool.answer_reads`)."""
+    pool's over an acquire with misses in the forward's task (`InlinePool.answer_reads`). `route_first`: the
+    forward takes a route's turn before the other tasks get theirs (qnpipe.actors.forward._route_turn_first)."""
     taken = {"reads": 0, "pool": 0, "acquire": 0}
     reads_take, pool_take, answer_reads = ReadsInline.take, PoolInline.take, InlinePool.answer_reads
 
@@ -170,6 +171,7 @@ def _run_reads(model: Path, path: Path, inline: bool,
 
     with monkeypatch.context() as m:
         m.setattr(pipeline, "_inline_reads", inline)
+        m.setattr(forward, "_route_turn_first", route_first)
         m.setattr(ReadsInline, "take", reads)
         m.setattr(PoolInline, "take", pool)
         m.setattr(InlinePool, "answer_reads", acquire)
@@ -192,9 +194,24 @@ def test_the_miss_path_inline_logs_the_same_records_as_the_channels(streamed: Pa
     inline, reads, pools, acquires = _run_reads(streamed, tmp_path / "inline.qtrace", True, monkeypatch)
     channel, no_reads, no_pools, no_acquires = _run_reads(streamed, tmp_path / "channel.qtrace", False, monkeypatch)
     assert reads >= acquires > 0 and pools > 0 and no_reads == no_pools == no_acquires == 0  # each way really was taken
+    # The other tasks' turn given as the backend returns a route, before the forward's acquire (the way before).
+    deferred = Counter[bool]()
+    real = ThreadedBackend.defer_route_yield
+
+    def defer(self: ThreadedBackend) -> bool:
+        deferred[True] += 1
+        return real(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(ThreadedBackend, "defer_route_yield", defer)
+        route_later, *_ = _run_reads(streamed, tmp_path / "later.qtrace", True, monkeypatch, route_first=False)
+        assert not deferred  # this run's forward did not ask
+        first, *_ = _run_reads(streamed, tmp_path / "first.qtrace", True, monkeypatch)
+        assert deferred[True] >= 1  # ... and that run's did
     assert Counter(type(r).__name__ for r in inline) == Counter(type(r).__name__ for r in channel)
     content = _read_content(channel)
     assert any(k[0] == "ReadDone" for k in content) and _read_content(inline) == content
+    assert _read_content(route_later) == _read_content(first) == content
     # every read logged as started, then done
     for records in (inline, channel):
         times: dict[tuple[int, int, int], tuple[list[float], list[float]]] = {}

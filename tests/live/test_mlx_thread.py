@@ -66,3 +66,36 @@ def test_run_on_from_another_loop_waits_without_blocking_it() -> None:
 
     got, ticks = trio.run(main)
     assert got == "test-mlx-2" and ticks > 10
+
+
+def test_an_inline_call_yields_after_it_unless_its_value_says_the_caller_will(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run_on(..., yield_after=...)` in the thread's own loop: the other tasks get their turn (a checkpoint) after
+    the call only when `yield_after(value)` is true (the forward takes a route's turn first:
+    qnpipe.actors.forward), and always after a call that raised."""
+    th = MLXThread(name="test-mlx-yield")
+    given = 0
+    real = trio.lowlevel.cancel_shielded_checkpoint
+
+    async def counted() -> None:
+        nonlocal given
+        given += 1
+        await real()
+
+    monkeypatch.setattr(trio.lowlevel, "cancel_shielded_checkpoint", counted)
+
+    async def task() -> list[int]:
+        seen = []
+        for value in (1, 2, 3, 4):
+            before = given
+            assert await run_on(th, lambda v=value: v, yield_after=lambda v: v % 2 == 0) == value
+            seen.append(given - before)
+        before = given
+        assert await run_on(th, lambda: 5) == 5  # no yield_after: always
+        seen.append(given - before)
+        before = given
+        with pytest.raises(ValueError, match="odd"):
+            await run_on(th, lambda: (_ for _ in ()).throw(ValueError("odd")), yield_after=lambda v: False)
+        seen.append(given - before)
+        return seen
+
+    assert th.host(task).result(timeout=10) == [0, 1, 0, 1, 1, 1]
