@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_cold.py"
+from tests.tool_module import load_tool
 
 
-def _tool():  # noqa: ANN202 - a module loaded from its path
-    spec = importlib.util.spec_from_file_location("bench_cold", TOOL)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_cold"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def _tool() -> ModuleType:
+    return load_tool("bench_cold.py")
 
 
 def test_bench_cold_prints_its_keys(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_mtp.py"
+from tests.tool_module import load_tool
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_mtp", TOOL)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_mtp"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("bench_mtp.py")
 
 
 @pytest.mark.slow
