@@ -265,15 +265,15 @@ class Forward:
         assert self.to_pool is not None and self.grants is not None
         core = self.core
         out = self._route(route)
-        yielded = False
+        owed = self.route_turn_first
         while True:
             await self._send(out)
-            if self.route_turn_first and not yielded:
+            if owed:
                 # The turn the backend did not give the other tasks as it returned the route: given now that the
                 # route's acquire is answered or sent (and with misses, their reads on the device).
                 await trio.lowlevel.cancel_shielded_checkpoint()
-                yielded = True
-            grant, g = await self._grant(yielded)
+            grant, g = await self._grant(yielded=owed)
+            owed = False
             self.progress += 1
             if self.check_bytes is not None:
                 await self.check_bytes(route.layer, g.experts, g.slots)

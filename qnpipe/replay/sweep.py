@@ -332,6 +332,7 @@ def _pool_pass(log: str, points: Sequence[Point], which: Iterable[int], jobs: in
     pids = RawArray("i", len(points))
     ex = ProcessPoolExecutor(max_workers=max(1, min(jobs, len(which))), mp_context=_worker_context(),
                              initializer=_worker_init, initargs=(starts, pids))
+    stopping = _quiet_feeder(ex)
     lost: list[int] = []
     killed: set[int] = set()
     try:
@@ -358,6 +359,7 @@ def _pool_pass(log: str, points: Sequence[Point], which: Iterable[int], jobs: in
                     _remove_partial_logs([points[i]])
                     tick()
     except BaseException:
+        stopping.set()
         _terminate(ex)  # Ctrl-C, SIGTERM: the points running would otherwise finish first
         _remove_partial_logs([points[i] for i in which if out[i] is None])
         raise
@@ -383,9 +385,28 @@ def _overrun(waiting: set[Future[Outcome]], futures: dict[Future[Outcome], int],
     return out
 
 
+def _quiet_feeder(ex: ProcessPoolExecutor) -> threading.Event:
+    """An event that, once set, keeps the pool's queue feeder thread from printing a traceback when a write to a
+    worker fails (its pipe closed under it while `_terminate` tears the pool down: stderr would show an
+    `OSError: Bad file descriptor` for a stop that went as it should). Before the first submit: the feeder
+    thread takes its error handler when it starts."""
+    stopping = threading.Event()
+    queue = getattr(ex, "_call_queue", None)  # concurrent.futures' own (CPython 3.11-3.13)
+    inner = getattr(queue, "_on_queue_feeder_error", None)
+    if queue is not None and inner is not None:
+
+        def on_error(e: BaseException, obj: object) -> None:
+            if not stopping.is_set():
+                inner(e, obj)
+
+        queue._on_queue_feeder_error = on_error  # pyright: ignore[reportAttributeAccessIssue]
+    return stopping
+
+
 def _terminate(ex: ProcessPoolExecutor) -> None:
     """Stop the pool's workers now, not after their points (concurrent.futures has no public way before 3.14)."""
     procs = list((getattr(ex, "_processes", None) or {}).values())
+    manager = getattr(ex, "_executor_manager_thread", None)  # shutdown forgets both
     ex.shutdown(wait=False, cancel_futures=True)
     for p in procs:
         p.terminate()
@@ -394,6 +415,11 @@ def _terminate(ex: ProcessPoolExecutor) -> None:
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
+    # Its manager thread closes the pool's wake-up pipe on its way out; at the interpreter's exit
+    # concurrent.futures writes to that pipe without its lock (CPython 3.11), so a close under way then is
+    # an `OSError: Bad file descriptor` on stderr. Let the thread finish first.
+    if manager is not None:
+        manager.join(timeout=5)
 
 
 def _remove_partial_logs(points: Iterable[Point]) -> None:

@@ -291,3 +291,23 @@ def test_progress_counts_every_point_and_json_prints_the_file(log: Path, tmp_pat
     out = tmp_path / "s.json"
     assert main(["sweep", str(log), *CLI, "--executor", "serial", "--json", "-o", str(out)]) == 0
     assert capsys.readouterr().out.encode() == out.read_bytes()
+
+
+def test_a_terminated_pool_leaves_no_thread_to_write_to_its_closed_pipes(capfd: pytest.CaptureFixture[str]) -> None:
+    """`sweep._terminate` (Ctrl-C, SIGTERM) returns once the pool's manager thread is gone: at the interpreter's
+    exit concurrent.futures writes to the pipe that thread closes, without its lock, and a close under way then
+    printed `OSError: Bad file descriptor`. Once stopping, the queue feeder's write errors print nothing."""
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    ex = ProcessPoolExecutor(max_workers=1, mp_context=sweep._worker_context())  # pyright: ignore[reportPrivateUsage]
+    stopping = sweep._quiet_feeder(ex)  # pyright: ignore[reportPrivateUsage]
+    ex.submit(time.sleep, 60)
+    manager, queue = cast(Any, ex)._executor_manager_thread, cast(Any, ex)._call_queue  # concurrent.futures' own
+    assert manager is not None and manager.is_alive() and queue is not None
+    stopping.set()
+    sweep._terminate(ex)  # pyright: ignore[reportPrivateUsage]
+    assert not manager.is_alive()
+    capfd.readouterr()
+    queue._on_queue_feeder_error(OSError(9, "Bad file descriptor"), None)  # what the feeder thread calls
+    assert capfd.readouterr().err == ""
