@@ -1,5 +1,6 @@
 """Build hook for the optional C parts, each inside the package that uses it: the reader
-`qnpipe.io._preadx` (cextensions/preadx.c), Belady's miss-ratio curve loop `qnpipe.replay._mrc_opt`
+`qnpipe.io._preadx` (cextensions/preadx.c), LFU's slot table acquire `qnpipe.policy._slot_table`
+(cextensions/slot_table.c), Belady's miss-ratio curve loop `qnpipe.replay._mrc_opt`
 (cextensions/mrc_opt.c) and, on Linux, the CBLAS shim `qnpipe.compute._cblas_shim` (cextensions/cblas_shim.c).
 
 Everything else about the package lives in pyproject.toml. Both are optional: when no
@@ -42,7 +43,8 @@ class OptionalBuildExt(build_ext):
 
 
 FALLBACKS = {"qnpipe.io._preadx": "its pure-Python reader", "qnpipe.compute._cblas_shim": "MLX's bundled BLAS",
-             "qnpipe.replay._mrc_opt": "its numpy Belady curves"}
+             "qnpipe.replay._mrc_opt": "its numpy Belady curves",
+             "qnpipe.policy._slot_table": "its Python slot table (the same decisions)"}
 
 ext_modules = []
 if sys.platform != "win32":
@@ -54,6 +56,10 @@ if sys.platform != "win32":
             extra_link_args=["-pthread"] if sys.platform.startswith("linux") else [],
         )
     )
+
+    # LFU's slot table acquire (qnpipe/policy/slot_table.py): the pool's decision right after a layer's compute.
+    ext_modules.append(Extension("qnpipe.policy._slot_table", sources=["cextensions/slot_table.c"],
+                                 extra_compile_args=["-O2", "-Wall"]))
 
     # A plain shared library loaded with ctypes (qnpipe/replay/mrc.py), never imported: no Python API.
     ext_modules.append(Extension("qnpipe.replay._mrc_opt", sources=["cextensions/mrc_opt.c"],

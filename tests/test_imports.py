@@ -23,8 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "qnpipe"
-# Private modules by name only: the C extension (the Python fallback stands beside it) and the version.
-PRIVATE_OK = {"qnpipe.io._preadx", "qnpipe._version"}
+# Private modules by name only: the C extensions (a Python fallback stands beside each) and the version.
+PRIVATE_OK = {"qnpipe.io._preadx", "qnpipe.policy._slot_table", "qnpipe._version"}
 
 # Leaves below every layer: they import nothing of qnpipe but errors, so the config modules may read
 # TOML through qnpipe.files (read a small file whole, capped and regular-only).

@@ -29,7 +29,7 @@ from qnpipe.policy.eviction_plugin import make_plugin
 from qnpipe.policy.eviction_protocol import Eviction
 from qnpipe.policy.eviction_s3fifo import S3FIFO
 
-_TICK_BITS = 48  # ticks count accesses of one layer: 2^48 outlasts any run
+TICK_BITS = 48  # ticks count accesses of one layer: 2^48 outlasts any run
 
 
 @attrs.define(slots=True)
@@ -112,7 +112,7 @@ class LFU:
     def accessed(self, expert: int, tick: int) -> None:
         c = self.count[expert] = self.count.get(expert, 0) + 1
         self.last[expert] = tick
-        self.key[expert] = (c << _TICK_BITS) | tick
+        self.key[expert] = (c << TICK_BITS) | tick
 
     def removed(self, expert: int) -> None:
         del self.last[expert]
@@ -144,7 +144,7 @@ class LFU:
         self.forwards += 1
         if self.decay_interval and self.forwards % self.decay_interval == 0:
             self.count = {e: c >> 1 for e, c in self.count.items() if c > 1 or e in self.last}
-            self.key = {e: (self.count.get(e, 0) << _TICK_BITS) | t for e, t in self.last.items()}
+            self.key = {e: (self.count.get(e, 0) << TICK_BITS) | t for e, t in self.last.items()}
 
 
 @attrs.define(slots=True)

@@ -18,11 +18,20 @@ import enum
 from collections.abc import Collection, Iterable, Sequence
 
 import attrs
+import msgspec
 
 from qnpipe.errors import CapacityError
-from qnpipe.policy.eviction import Eviction
+from qnpipe.policy.eviction import LFU, TICK_BITS, Eviction
+
+try:  # the optional C build (setup.py); without it, the method below does the same
+    import qnpipe.policy._slot_table as _slot_table  # pyright: ignore[reportMissingImports]
+except ImportError:  # pragma: no cover - the CI build has it
+    _slot_table = None
 
 FREE = -1
+# An LFU table's `acquire` in C (cextensions/slot_table.c) when it is built: the same steps on the same objects.
+# False: the Python method (the tests that hold the two equal, A/B benchmarks).
+_c_acquire = _slot_table is not None
 
 
 class LoadCause(enum.StrEnum):
@@ -42,9 +51,9 @@ class SlotState(enum.IntEnum):
     READY = 2
 
 
-@attrs.frozen(slots=True)
-class Load:
-    """A miss: read `expert` into `slot`; `evicted` is the expert the slot held (FREE = none)."""
+class Load(msgspec.Struct, frozen=True):
+    """A miss: read `expert` into `slot`; `evicted` is the expert the slot held (FREE = none). A frozen
+    msgspec Struct: made in C, six times an acquire on the miss path (an attrs class's `__init__` is Python)."""
 
     expert: int
     slot: int
@@ -52,8 +61,7 @@ class Load:
     cause: LoadCause
 
 
-@attrs.frozen(slots=True)
-class AcquirePlan:
+class AcquirePlan(msgspec.Struct, frozen=True):
     """The answer to `acquire`: hits (expert, slot), loads to issue, and experts already loading."""
 
     hits: tuple[tuple[int, int], ...]
@@ -169,6 +177,9 @@ class SlotTable:
 
         Raises CapacityError (nothing changed) when they cannot all be resident at once.
         """
+        if (_c_acquire and _slot_table is not None and type(self.eviction) is LFU
+                and (got := _slot_table.acquire(self, experts)) is not None):
+            return AcquirePlan(*got)
         if len(experts) > (room := self.available_for(experts)):
             raise CapacityError(
                 f"layer {self.layer}: a step needs {len(experts)} distinct experts, "
@@ -376,3 +387,7 @@ class SlotTable:
                 return (f"layer {self.layer}: slot {s} (expert {e}) was rewritten while a step read it "
                         f"(generation {generations.get(s)} at grant, {self.generation[s]} now)")
         return None
+
+
+if _slot_table is not None:
+    _slot_table.init(SlotState.READY, SlotState.LOADING, Load, LoadCause.COLD, LoadCause.CAPACITY, TICK_BITS)
