@@ -16,7 +16,8 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_stream.py"
 def test_bench_stream_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(TOOL), "--shape", "smoke", "--work", str(tmp_path), "--rounds", "1", "--tokens", "4",
-         "--bw-seconds", "0.1", "--warmup-prompt", "64", "--workers", "4", "--route-ab"],
+         "--bw-seconds", "0.1", "--warmup-prompt", "64", "--workers", "4", "--route-ab",
+         "--c-acquire-ab"],
         capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -24,7 +25,9 @@ def test_bench_stream_smoke(tmp_path: Path) -> None:
                 "misses_per_token", "overhead_frac", "overhead_frac_allhit", "bandwidth_gbps",
                 "pipeline_us_per_layer_step_allhit", "pipeline_us_per_layer_step_allhit_channel",
                 "pipeline_cpu_us_per_layer_step_allhit", "pipeline_us_per_layer_step_demand",
-                "tok_s_demand_route_later", "overhead_frac_route_later", "ratio_demand_to_demand_route_later"):
+                "tok_s_demand_route_later", "overhead_frac_route_later", "ratio_demand_to_demand_route_later",
+                "tok_s_demand_python_acquire", "overhead_frac_python_acquire",
+                "ratio_demand_to_demand_python_acquire"):
         assert key in out, key
     assert out["store_to_pool"] >= 4
     assert out["allhit_misses_per_token"] == 0
@@ -54,3 +57,19 @@ def test_round_prompts_stay_in_the_vocabulary() -> None:
     spec.loader.exec_module(mod)
     assert [mod.round_prompt(r, 1024)[0] for r in range(3)] == [10, 47, 84]  # the rounds so far, unchanged
     assert all(10 <= mod.round_prompt(r, 1024)[0] < 1024 for r in range(2000))
+
+
+def test_a_call_variant_turns_its_switch_off_around_its_engine_runs_only() -> None:
+    from qnpipe.policy import slot_table
+    from tests.tool_module import load_tool
+
+    mod = load_tool("bench_stream.py", "bench_stream_variants")
+    assert slot_table._c_acquire
+    with mod.call_variant("demand"):
+        assert slot_table._c_acquire
+    with mod.call_variant("demand_python_acquire"):
+        assert not slot_table._c_acquire
+    assert slot_table._c_acquire
+    with pytest.raises(RuntimeError), mod.call_variant("demand_before"):
+        raise RuntimeError("a run that fails")
+    assert slot_table._c_acquire

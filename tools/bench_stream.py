@@ -128,6 +128,9 @@ What is measured (every figure is a median over `--rounds`):
 * `--route-ab`: likewise a `demand_route_later` engine, whose backend gives the other tasks their turn as it
   returns a route, before the forward's acquire (`qnpipe.actors.forward._route_turn_first` off): the
   `_route_later` keys.
+* `--c-acquire-ab`: likewise a `demand_python_acquire` engine, whose slot tables acquire in Python rather
+  than in C (`qnpipe.policy.slot_table._c_acquire` off around its runs; the `--miss-ab` engine's too): the
+  `_python_acquire` keys.
 * `ratio_demand_to_serial_bound` = tok_s_demand / tok_s_serial_bound (target >= 0.9);
   `overhead_frac` target < 0.05.
 
@@ -145,6 +148,7 @@ Prints progress on stderr and one JSON line on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -152,7 +156,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -709,6 +713,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--route-ab", action="store_true",
                     help="also the demand engine that gives the other tasks their turn before a route's acquire "
                          "(the `_route_later` keys)")
+    ap.add_argument("--c-acquire-ab", action="store_true",
+                    help="also the demand engine with the slot tables' Python acquire in place of the C one "
+                         "(the `_python_acquire` keys)")
     ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
                     help="another config field of the prefetch run, e.g. predict.stage_global_budget_experts=0")
     ap.add_argument("--side", type=int, default=16, help="pool.side_region_slots of the prefetch run (default 16)")
@@ -775,6 +782,9 @@ def main(argv: list[str] | None = None) -> int:
                                                               **read)
                 finally:
                     setattr(module, flag, True)
+        if args.c_acquire_ab:  # its switch is read per call: set around its runs (`CALL_VARIANTS`)
+            engines["demand_python_acquire"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0,
+                                                             **read)
     if not args.no_allhit or args.allhit_only:
         engines["allhit"] = qnpipe.Engine(model_dir, expert_slots=num_experts, prefill_chunk_tokens=0, **read)
         if not args.no_channel:
@@ -846,7 +856,8 @@ def main(argv: list[str] | None = None) -> int:
                 e = engines[name]
                 if prof is not None and name == "demand":
                     _profile(e, prof, True)
-                res = run_call(e, inst[name], prompt, args.tokens, seed)
+                with call_variant(name):
+                    res = run_call(e, inst[name], prompt, args.tokens, seed)
                 if prof is not None and name == "demand":
                     _profile(e, prof, False)
                 toks[name] = res.pop("tokens")
@@ -995,7 +1006,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       zip(runs["demand"], runs["demand_before"], strict=True)])),
             "overhead_frac_raw": [rnd(x) for x in ovh],
             "overhead_frac_before_raw": [rnd(d["overhead"] / d["wall"]) for d in runs["demand_before"]]}),
-        **{k: v for name in DEMAND_VARIANTS if f"demand_{name}" in runs
+        **{k: v for name in (*DEMAND_VARIANTS, "python_acquire") if f"demand_{name}" in runs
            for k, v in variant_keys(name, runs["demand"], runs[f"demand_{name}"], ovh).items()},
         "step_s_raw": {name: [rnd(x["step_s"], 5) for x in runs[name]] for name in runs},
         "bandwidth_gbps_raw": [rnd(b["gbps"]) for b in bw],
@@ -1012,6 +1023,28 @@ DEMAND_VARIANTS = {
     "acquire_channel": ("qnpipe.actors.pipeline", "_inline_acquires"),  # an acquire with misses sent by channel
     "route_later": ("qnpipe.actors.forward", "_route_turn_first"),  # the other tasks' turn before a route's acquire
 }
+# Likewise, for switches read at each call rather than when the engine opens: set off around the engine's runs.
+# engine -> (module, flag). `demand_before` (`--miss-ab`) has the slot tables' Python acquire too.
+CALL_VARIANTS = {
+    "demand_python_acquire": ("qnpipe.policy.slot_table", "_c_acquire"),  # `--c-acquire-ab`
+    "demand_before": ("qnpipe.policy.slot_table", "_c_acquire"),
+}
+
+
+@contextlib.contextmanager
+def call_variant(engine: str) -> Iterator[None]:
+    """`engine`'s switch of `CALL_VARIANTS` off for the block (nothing for the other engines)."""
+    if engine not in CALL_VARIANTS:
+        yield
+        return
+    module = importlib.import_module(CALL_VARIANTS[engine][0])
+    flag = CALL_VARIANTS[engine][1]
+    saved = getattr(module, flag)
+    setattr(module, flag, False)
+    try:
+        yield
+    finally:
+        setattr(module, flag, saved)
 
 
 def variant_keys(name: str, demand: list[dict[str, float]], variant: list[dict[str, float]],
