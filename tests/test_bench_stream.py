@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -27,11 +28,13 @@ def test_bench_stream_smoke(tmp_path: Path) -> None:
                 "pipeline_cpu_us_per_layer_step_allhit", "pipeline_us_per_layer_step_demand",
                 "tok_s_demand_route_later", "overhead_frac_route_later", "ratio_demand_to_demand_route_later",
                 "tok_s_demand_python_acquire", "overhead_frac_python_acquire",
-                "ratio_demand_to_demand_python_acquire"):
+                "ratio_demand_to_demand_python_acquire", "overhead_frac_from_first_read", "read_take_delay_us"):
         assert key in out, key
     assert out["store_to_pool"] >= 4
     assert out["allhit_misses_per_token"] == 0
     assert out["misses_per_token"] > 0
+    # a reader thread may take the first read before the hand-over call returns: either way of the start
+    assert 0 < out["overhead_frac_from_first_read"] < 1 and math.isfinite(out["read_take_delay_us"])
 
 
 @pytest.mark.slow

@@ -65,6 +65,11 @@ What is measured (every figure is a median over `--rounds`):
       `Forward.hit_slots` / `hit_queued`, timed apart; with prefetch on, the engine's own loop
       thread): the actors' and the decode loop's own work, measured directly. (A trio instrument summing task steps measured the same but cost
       3.6 % of demand tok/s itself, side by side.)
+* `overhead_frac_from_first_read`: the same with each batch counted on the device only from when one of the
+  reader's threads took its first read (`PendingRead.t_started`, the C reader's clock), not from when the loop
+  handed it over: the thread hand-off's delay is the pipeline's too. `read_take_delay_us`: that delay, the
+  median over the demand run's batches (per round, then the median); negative when a thread took the first
+  read before the hand-over call returned (the batch is then on the device earlier than `overhead_frac` says).
 * `overhead_frac` = demand overhead / demand wall (the direct measurement above). Since early
   grants (qnpipe.actors.forward) the hits' compute of a layer runs in the background during
   its reads, outside `mlx`: what of it does not fall within `device` is counted here, so
@@ -230,6 +235,10 @@ class Instruments:
         self.mlx_cpu_s = 0.0  # ... the MLX thread's CPU time in them
         self.await_s = 0.0  # awaiting ThreadedBackend.begin/resume, on the trio thread
         self.reads: list[tuple[float, float]] = []  # SsdReader.read_batch / start..done intervals
+        # The started batches' intervals from when a reader thread took their first read (`PendingRead.t_started`),
+        # and the delay to it from their start.
+        self.reads_taken: list[tuple[float, float]] = []
+        self.take_delays: list[float] = []
         self.calls: list[tuple[float, float]] = []  # MlxBackend.begin/resume intervals (the MLX thread)
         fwd = rt.pipe.forward
         mlxb = fwd.backend._b
@@ -261,6 +270,8 @@ class Instruments:
                         out = poll()
                         if out is not None:
                             self.reads.append((pending.t_start, pending.t_done))
+                            self.reads_taken.append((pending.t_started, pending.t_done))
+                            self.take_delays.append(pending.t_started - pending.t_start)
                         return out
 
                     pending.poll = polled
@@ -292,6 +303,10 @@ class Instruments:
     def busy_union(self, since: float) -> float:
         """Wall time after `since` inside an MLX call, the token read, or a read batch (any of them)."""
         return union_s(self.reads + self.calls + ITEM_IV, since)
+
+    def busy_union_taken(self, since: float) -> float:
+        """`busy_union` with each started batch from its first read's take, not its start (read_batch's alike)."""
+        return union_s((self.reads_taken or self.reads) + self.calls + ITEM_IV, since)
 
 
 def union_s(intervals: list[tuple[float, float]], since: float) -> float:
@@ -434,6 +449,7 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
     m0, a0, i0 = inst.mlx_s, inst.await_s, ITEM_S[0]
     l0, mc0, ic0, hc0 = loop_cpu_s(eng), inst.mlx_cpu_s, ITEM_CPU_S[0], inst.hits_cpu_s
     COMMITS.clear()
+    k0 = len(inst.take_delays)
     t0 = time.perf_counter()
     res = eng.generate(prompt, max_tokens=n, temperature=1.0, seed=seed, stop_at_eos=False)
     wall = time.perf_counter() - t0
@@ -451,6 +467,8 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
         loop -= (inst.mlx_cpu_s - mc0) - (inst.hits_cpu_s - hc0) + (ITEM_CPU_S[0] - ic0)
     device = inst.device_union(t0)
     busy = inst.busy_union(t0)
+    busy_taken = inst.busy_union_taken(t0)
+    delays = inst.take_delays[k0:]
     out = {
         "tok_s": tok_s,
         "step_s": 1.0 / tok_s if tok_s else math.inf,
@@ -461,6 +479,8 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
         "hop": (awaited - mlx) / steps,
         "device": device / steps,
         "overhead": (wall - busy) / steps,
+        "overhead_taken": (wall - busy_taken) / steps,
+        "take_delay_us": statistics.median(delays) * 1e6 if delays else 0.0,
         "overhead_sum": (wall - mlx - item - device) / steps,
         "loop_work": loop / steps,
         "tokens": res.tokens,
@@ -967,6 +987,10 @@ def main(argv: list[str] | None = None) -> int:
         "tok_s_serial_bound_at_effective_qd": rnd(
             1.0 / (step_res + m("demand", "bytes") / (med([b["gbps"] for b in bw_eff]) * 1e9)), 3),
         "overhead_frac": rnd(med(ovh)),
+        # The same with each batch on the device from when a reader thread took its first read: the thread
+        # hand-off's delay counted as the pipeline's too, and the batch's median delay.
+        "overhead_frac_from_first_read": rnd(med([d["overhead_taken"] / d["wall"] for d in runs["demand"]])),
+        "read_take_delay_us": rnd(med([d["take_delay_us"] for d in runs["demand"]]), 1),
         # The demand run's overhead (as overhead_frac's) per layer-step, in µs.
         "pipeline_us_per_layer_step_demand": rnd(med([d["overhead"] / d["layer_steps"] * 1e6
                                                       for d in runs["demand"]]), 1),

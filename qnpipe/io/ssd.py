@@ -364,6 +364,11 @@ class SsdReader:
             )
 
 
+# After a batch is handed to the reader's threads, the loop's thread yields its CPU once (`PendingRead`). False:
+# it goes on with its turn (A/B benchmarks): 1.9 % and 2.5 % fewer tok/s on this VM (docs/measurements.md).
+_yield_after_start = True
+
+
 class PendingRead:
     """A batch `SsdReader.start` put on the device, with `read_batch`'s retry and fallback rules.
 
@@ -383,6 +388,13 @@ class PendingRead:
         self._go(range(len(self._plans)))
         self.t_start = time.perf_counter()  # the reads are queued (perf_counter's clock, as t_done)
         self.t_done = self.t_start  # when the device finished the last attempt
+        # When a reader thread took the first read (known once polled): before t_start at times.
+        self.t_started = self.t_start
+        self._polled = False
+        if _yield_after_start:
+            # The reader thread just woken is often put on this CPU, and would wait for this thread to block
+            # (a few hundred µs of the turn's work later, on this VM); a yield lets it start the reads first.
+            os.sched_yield()
 
     def _go(self, which: Sequence[int]) -> None:
         self._which = list(which)
@@ -398,6 +410,9 @@ class PendingRead:
     def poll(self) -> list[ReadResult] | None:
         """The results once the fd was written; None when another attempt is on its way."""
         out = self._batch.wait()  # done already: the fd is written last thing before
+        if not self._polled:  # the first batch put on the device
+            self._polled = True
+            self.t_started = self._batch.t_started
         self.t_done = self._batch.t_done
         failed, refused = self._reader._outcome(  # pyright: ignore[reportPrivateUsage]
             self._plans, self._which, out, self._requests, copied=True)

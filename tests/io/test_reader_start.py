@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import select
+import time
 
 import numpy as np
 import pytest
@@ -88,7 +89,9 @@ def test_start_reads_what_read_batch_reads(store, note, nocache) -> None:
         assert reader.starts
         a = [alloc_aligned(TINY4_RECORD) for _ in keys]
         b = [alloc_aligned(TINY4_RECORD) for _ in keys]
-        got = finish(reader.start(requests_for(root, index, keys, a), note.w), note)
+        before = time.perf_counter()
+        pending = reader.start(requests_for(root, index, keys, a), note.w)
+        got = finish(pending, note)
         want = reader.read_batch(requests_for(root, index, keys, b))
         stats = reader.statistics()
     assert got == want
@@ -96,6 +99,9 @@ def test_start_reads_what_read_batch_reads(store, note, nocache) -> None:
         assert bytes(buf[:TINY4_RECORD]) == expected(root, index.layers[layer], expert)
     assert (stats.batches, stats.reads, stats.retries, stats.errors) == (2, 2 * len(keys), 0, 0)
     assert note.wakes == 1
+    # a reader thread took the first read once it was handed over (before `start` returned, at times), then the
+    # last one ended
+    assert before <= pending.t_started <= pending.t_done and pending.t_start <= pending.t_done
 
 
 @DIRECT
@@ -229,8 +235,10 @@ def test_pool_submit_copies_and_checks(tmp_path, note) -> None:
         ops = [(fd, i * 4096, 4096, bufs[i]) for i in range(4)] + [(fd, 8192, 4096, bufs[4], (10, (d1, d2)))]
         batch = pool.submit(ops, note.w)
         note.wait()
+        with pytest.raises(RuntimeError, match="t_started is known after wait"):
+            _ = batch.t_started
         assert batch.done and batch.wait() == [4096] * 5 and batch.wait() == [4096] * 5
-        assert isinstance(batch.t_done, float)
+        assert isinstance(batch.t_done, float) and batch.t_started <= batch.t_done  # the first read's take, its end
         for i in range(4):
             assert (bufs[i] == data[i * 4096 : (i + 1) * 4096]).all()
         assert (d1 == data[8192 + 10 : 8192 + 110]).all() and (d2 == data[8192 + 110 : 8192 + 310]).all()
@@ -261,3 +269,20 @@ def test_pool_submit_copies_and_checks(tmp_path, note) -> None:
         pool.close()
         os.close(fd)
     assert note.idle()
+
+
+def test_the_loop_yields_its_cpu_once_per_batch_it_hands_over(store, note, monkeypatch) -> None:
+    # The woken reader thread may be waiting for this very CPU (docs/measurements.md): one yield per start.
+    from qnpipe.io import ssd
+
+    root, index = store
+    keys = all_keys(index)[:2]
+    yields: list[int] = []
+    monkeypatch.setattr(ssd.os, "sched_yield", lambda: yields.append(1))
+    with SsdReader(workers=2, nocache=False, backend="c") as reader:
+        bufs = [alloc_aligned(TINY4_RECORD) for _ in keys]
+        finish(reader.start(requests_for(root, index, keys, bufs), note.w), note)
+        assert len(yields) == 1
+        monkeypatch.setattr(ssd, "_yield_after_start", False)
+        finish(reader.start(requests_for(root, index, keys, bufs), note.w), note)
+        assert len(yields) == 1
