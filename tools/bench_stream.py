@@ -136,6 +136,9 @@ What is measured (every figure is a median over `--rounds`):
 * `--c-acquire-ab`: likewise a `demand_python_acquire` engine, whose slot tables acquire in Python rather
   than in C (`qnpipe.policy.slot_table._c_acquire` off around its runs; the `--miss-ab` engine's too): the
   `_python_acquire` keys.
+* `--yield-ab`: likewise a `demand_no_yield` engine, whose loop goes on with its turn after handing a batch to
+  the reader's threads instead of yielding its CPU once (`qnpipe.io.ssd._yield_after_start` off around its runs;
+  the `--miss-ab` engine's too): the `_no_yield` keys.
 * `ratio_demand_to_serial_bound` = tok_s_demand / tok_s_serial_bound (target >= 0.9);
   `overhead_frac` target < 0.05.
 
@@ -736,6 +739,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--c-acquire-ab", action="store_true",
                     help="also the demand engine with the slot tables' Python acquire in place of the C one "
                          "(the `_python_acquire` keys)")
+    ap.add_argument("--yield-ab", action="store_true",
+                    help="also the demand engine whose loop does not yield its CPU after handing a batch to the "
+                         "reader's threads (the `_no_yield` keys)")
     ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
                     help="another config field of the prefetch run, e.g. predict.stage_global_budget_experts=0")
     ap.add_argument("--side", type=int, default=16, help="pool.side_region_slots of the prefetch run (default 16)")
@@ -802,9 +808,10 @@ def main(argv: list[str] | None = None) -> int:
                                                               **read)
                 finally:
                     setattr(module, flag, True)
-        if args.c_acquire_ab:  # its switch is read per call: set around its runs (`CALL_VARIANTS`)
-            engines["demand_python_acquire"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0,
-                                                             **read)
+        for on, name in ((args.c_acquire_ab, "python_acquire"), (args.yield_ab, "no_yield")):
+            if on:  # its switch is read per call: set around its runs (`CALL_VARIANTS`)
+                engines[f"demand_{name}"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0,
+                                                          **read)
     if not args.no_allhit or args.allhit_only:
         engines["allhit"] = qnpipe.Engine(model_dir, expert_slots=num_experts, prefill_chunk_tokens=0, **read)
         if not args.no_channel:
@@ -1030,7 +1037,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       zip(runs["demand"], runs["demand_before"], strict=True)])),
             "overhead_frac_raw": [rnd(x) for x in ovh],
             "overhead_frac_before_raw": [rnd(d["overhead"] / d["wall"]) for d in runs["demand_before"]]}),
-        **{k: v for name in (*DEMAND_VARIANTS, "python_acquire") if f"demand_{name}" in runs
+        **{k: v for name in (*DEMAND_VARIANTS, "python_acquire", "no_yield") if f"demand_{name}" in runs
            for k, v in variant_keys(name, runs["demand"], runs[f"demand_{name}"], ovh).items()},
         "step_s_raw": {name: [rnd(x["step_s"], 5) for x in runs[name]] for name in runs},
         "bandwidth_gbps_raw": [rnd(b["gbps"]) for b in bw],
@@ -1049,26 +1056,27 @@ DEMAND_VARIANTS = {
 }
 # Likewise, for switches read at each call rather than when the engine opens: set off around the engine's runs.
 # engine -> (module, flag). `demand_before` (`--miss-ab`) has the slot tables' Python acquire too.
+_C_ACQUIRE = ("qnpipe.policy.slot_table", "_c_acquire")
+_YIELD = ("qnpipe.io.ssd", "_yield_after_start")
 CALL_VARIANTS = {
-    "demand_python_acquire": ("qnpipe.policy.slot_table", "_c_acquire"),  # `--c-acquire-ab`
-    "demand_before": ("qnpipe.policy.slot_table", "_c_acquire"),
+    "demand_python_acquire": (_C_ACQUIRE,),  # `--c-acquire-ab`
+    "demand_no_yield": (_YIELD,),  # `--yield-ab`
+    "demand_before": (_C_ACQUIRE, _YIELD),
 }
 
 
 @contextlib.contextmanager
 def call_variant(engine: str) -> Iterator[None]:
-    """`engine`'s switch of `CALL_VARIANTS` off for the block (nothing for the other engines)."""
-    if engine not in CALL_VARIANTS:
-        yield
-        return
-    module = importlib.import_module(CALL_VARIANTS[engine][0])
-    flag = CALL_VARIANTS[engine][1]
-    saved = getattr(module, flag)
-    setattr(module, flag, False)
+    """`engine`'s switches of `CALL_VARIANTS` off for the block (nothing for the other engines)."""
+    switches = [(importlib.import_module(mod), flag) for mod, flag in CALL_VARIANTS.get(engine, ())]
+    saved = [getattr(module, flag) for module, flag in switches]
+    for module, flag in switches:
+        setattr(module, flag, False)
     try:
         yield
     finally:
-        setattr(module, flag, saved)
+        for (module, flag), value in zip(switches, saved, strict=True):
+            setattr(module, flag, value)
 
 
 def variant_keys(name: str, demand: list[dict[str, float]], variant: list[dict[str, float]],
