@@ -488,22 +488,14 @@ static PyObject *Batch_get_done(BatchObject *b, void *closure) {
     return PyBool_FromLong(done);
 }
 
-static PyObject *Batch_get_t_done(BatchObject *b, void *closure) {
-    (void)closure;
+/* t_done and t_started: `closure` names the field ("t_done" or "t_started"), known once the batch is waited for. */
+static PyObject *Batch_get_time(BatchObject *b, void *closure) {
+    const char *name = (const char *)closure;
     if (b->results == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "t_done is known after wait()");
+        PyErr_Format(PyExc_RuntimeError, "%s is known after wait()", name);
         return NULL;
     }
-    return PyFloat_FromDouble(b->job.t_done);
-}
-
-static PyObject *Batch_get_t_started(BatchObject *b, void *closure) {
-    (void)closure;
-    if (b->results == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "t_started is known after wait()");
-        return NULL;
-    }
-    return PyFloat_FromDouble(b->job.t_first);
+    return PyFloat_FromDouble(strcmp(name, "t_done") == 0 ? b->job.t_done : b->job.t_first);
 }
 
 static PyMethodDef Batch_methods[] = {
@@ -515,9 +507,9 @@ static PyMethodDef Batch_methods[] = {
 
 static PyGetSetDef Batch_getset[] = {
     {"done", (getter)Batch_get_done, NULL, "every op finished", NULL},
-    {"t_done", (getter)Batch_get_t_done, NULL, "when the last op finished, on time.perf_counter's clock", NULL},
-    {"t_started", (getter)Batch_get_t_started, NULL,
-     "when a worker took the first op (the reads' start), on time.perf_counter's clock", NULL},
+    {"t_done", (getter)Batch_get_time, NULL, "when the last op finished, on time.perf_counter's clock", "t_done"},
+    {"t_started", (getter)Batch_get_time, NULL,
+     "when a worker took the first op (the reads' start), on time.perf_counter's clock", "t_started"},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

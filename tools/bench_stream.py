@@ -730,18 +730,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-prefetch", action="store_true", help="skip the prefetch engine")
     ap.add_argument("--miss-ab", action="store_true",
                     help="also the demand engine with the miss path before 2026-12-05 (the `_before` keys)")
-    ap.add_argument("--acquire-ab", action="store_true",
-                    help="also the demand engine whose acquires with misses go by channel (the "
-                         "`_acquire_channel` keys)")
-    ap.add_argument("--route-ab", action="store_true",
-                    help="also the demand engine that gives the other tasks their turn before a route's acquire "
-                         "(the `_route_later` keys)")
-    ap.add_argument("--c-acquire-ab", action="store_true",
-                    help="also the demand engine with the slot tables' Python acquire in place of the C one "
-                         "(the `_python_acquire` keys)")
-    ap.add_argument("--yield-ab", action="store_true",
-                    help="also the demand engine whose loop does not yield its CPU after handing a batch to the "
-                         "reader's threads (the `_no_yield` keys)")
+    for flag, (what, keys) in {
+        "--acquire-ab": ("whose acquires with misses go by channel", "_acquire_channel"),
+        "--route-ab": ("that gives the other tasks their turn before a route's acquire", "_route_later"),
+        "--c-acquire-ab": ("with the slot tables' Python acquire in place of the C one", "_python_acquire"),
+        "--yield-ab": ("whose loop does not yield its CPU after handing a batch to the reader's threads",
+                       "_no_yield"),
+    }.items():
+        ap.add_argument(flag, action="store_true", help=f"also the demand engine {what} (the `{keys}` keys)")
     ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
                     help="another config field of the prefetch run, e.g. predict.stage_global_budget_experts=0")
     ap.add_argument("--side", type=int, default=16, help="pool.side_region_slots of the prefetch run (default 16)")
