@@ -365,7 +365,7 @@ class SsdReader:
 
 
 # After a batch is handed to the reader's threads, the loop's thread yields its CPU once (`PendingRead`). False:
-# it goes on with its turn (A/B benchmarks): 1.9 % and 2.5 % fewer tok/s on this VM (docs/measurements.md).
+# it goes on with its turn (A/B benchmarks): ~1-2.5 % fewer tok/s on this VM (docs/measurements.md).
 _yield_after_start = True
 
 
