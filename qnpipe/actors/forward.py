@@ -23,8 +23,9 @@ driver does the same (qnpipe.replay.fast).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import attrs
 import numpy as np
@@ -38,6 +39,9 @@ from qnpipe.policy.forward_core import ForwardCore, ForwardStats
 from qnpipe.policy.outbox import Outbox
 from qnpipe.policy.pace import Pace
 from qnpipe.steps import Event, Hits, LayerRoute, PartGrant, Queued, StepDone, Tail
+
+if TYPE_CHECKING:
+    from qnpipe.actors.read_scheduler import Claimed
 
 
 class Backend(Protocol):
@@ -65,6 +69,9 @@ _reads_first = True
 # False: the other tasks get their turn as soon as the backend returns a route, before the forward's acquire
 # (the way before 2026-12-05's evening). Read when a Forward is made.
 _route_turn_first = True
+# False: a demand batch put on the device in the forward's turn is waited for by the read scheduler's task, which
+# hands the grant over by channel (the way before 2026-12-06; A/B benchmarks). Read at each acquire.
+_wait_own_reads = True
 
 
 @attrs.define(eq=False)
@@ -94,6 +101,8 @@ class Forward:
     core: ForwardCore = attrs.field(init=False)
     _unsent: Outbox | None = None  # an answer of the core whose log was being written
     _answered: list[ForwardInbox] = attrs.field(factory=list)  # the inline turn's answers, not yet taken by `_grant`
+    # The demand batches the inline turn put on the device for this task to wait for (`_grant`), oldest first.
+    _claimed: list[Claimed] = attrs.field(factory=list)
     _last_open: bool = False  # a layer-step's last part ran and is not released yet (`_release_last`)
     hits_taken: int = 0  # layer-steps the backend ran before their turn (`hit_slots`; tests, benchmarks)
     reads_first: bool = attrs.field(init=False, factory=lambda: _reads_first)  # see `_grant`
@@ -189,7 +198,7 @@ class Forward:
             if granted is not None:
                 self._answered.append(granted)
                 return
-            answers = self.inline.answer_reads(out.pool)
+            answers = self.inline.answer_reads(out.pool, self._claimed if _wait_own_reads else None)
             if answers is not None:  # its reads are on the device: what the forward waits for comes by channel
                 self._answered += answers
                 return
@@ -300,7 +309,19 @@ class Forward:
                 g: ForwardInbox = self._answered.pop(0)
                 now = g.t
             else:
-                g = await self.grants.receive()
+                if self._claimed and not self.grants._state.data:  # pyright: ignore[reportPrivateUsage]
+                    # The batch of reads this task's turn put on the device: the turns over its end are taken
+                    # here (the read scheduler's, the pool's), so its grant is most often in the channel after
+                    # it, with no task between the reads' end and the grant's use.
+                    assert self.inline is not None and self.inline.reads is not None
+                    await self.inline.reads.wait(self._claimed.pop(0))
+                    await trio.lowlevel.checkpoint_if_cancelled()
+                    try:
+                        g = self.grants.receive_nowait()
+                    except trio.WouldBlock:
+                        continue
+                else:
+                    g = await self.grants.receive()
                 now = trio.current_time()
                 yielded = False  # the pool's turn came after ours: its reads may wait for the read scheduler's
             run = self.core.handle(g, now).run
@@ -319,6 +340,14 @@ class Forward:
 
     async def _cleanup(self) -> None:
         with trio.CancelScope(shield=True):
+            claimed, self._claimed = self._claimed, []
+            for c in claimed:  # not waited for here after all: the read scheduler's task takes it, or settles it
+                reads = self.inline.reads if self.inline is not None else None
+                if reads is not None and reads.start is not None:
+                    reads.disown(c)
+                else:  # the read scheduler stopped: its reads write into slot memory, so they end first
+                    with contextlib.suppress(Exception):
+                        await c.reading
             await self.backend.abort()
             out = self.core.cancel(trio.current_time())  # with the Release held, if any
             self._answered.clear()  # its Release is the core's (the part is acquired)

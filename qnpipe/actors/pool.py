@@ -33,7 +33,7 @@ from qnpipe.policy.slot_table import Load
 from qnpipe.policy.turn_order import POOL, in_turn_order
 
 if TYPE_CHECKING:
-    from qnpipe.actors.read_scheduler import ReadsInline
+    from qnpipe.actors.read_scheduler import Claimed, ReadsInline
 
 
 @attrs.define(eq=False)
@@ -85,11 +85,12 @@ class InlinePool:
         assert not out.reads and len(out.forward) == 1 and isinstance(out.forward[0], Granted), out
         return out.forward[0]
 
-    def answer_reads(self, msgs: list[PoolInbox]) -> list[ForwardInbox] | None:
+    def answer_reads(self, msgs: list[PoolInbox], claim: list[Claimed] | None = None) -> list[ForwardInbox] | None:
         """The pool's turn over `msgs` (releases, then one `Acquire`) taken here when `answer` cannot and the read
         scheduler is idle too: its reads go on the device through the read scheduler's turn, taken here as the
         pool actor's `deliver` would (`ReadsInline`), and its answers to the forward (an early grant's `Present`,
-        or none) are returned, in order. None, untouched, when the actors must take it."""
+        or none) are returned, in order. None, untouched, when the actors must take it. `claim`: the caller waits
+        for the turn's demand batch itself (`ReadsInline.take`)."""
         reads = self.reads
         acq = msgs[-1]
         if reads is None or not isinstance(acq, Acquire) or not reads.idle() or not self._idle():
@@ -97,7 +98,7 @@ class InlinePool:
         out = self._turn(msgs, acq)
         self.read_turns += 1
         if out.reads:
-            taken = reads.take(out.reads)
+            taken = reads.take(out.reads, claim)
             assert taken, "the read scheduler was idle a moment ago, in this very turn"
         return out.forward
 

@@ -10,12 +10,16 @@ Live (no replay turnstile), a turn may be taken where its messages are made, whe
 it belongs to is idle on an empty inbox (`ReadsInline`, `qnpipe.actors.pool.PoolInline`): the
 pool's reads are put on the device in the pool's own turn, and a finished batch's `ReadsDone`
 is handled by the pool in the task that saw the batch finish. docs/pool.md, "Turns taken where
-they are asked", says why no actor can tell.
+they are asked", says why no actor can tell. A demand batch put on the device in the forward's
+own turn is waited for by the forward itself (`ReadsInline.take`'s `claim`, `Claimed`): the turns
+over its end are then taken in the task that waits for its grant, with no task of this actor's
+in between.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import attrs
@@ -27,18 +31,36 @@ from qnpipe.io.device import ExpertDevice, submit
 from qnpipe.messages import Msg, PoolInbox, ReadInbox, ReadsDone
 from qnpipe.policy.outbox import Batch, Outbox
 from qnpipe.policy.read_core import BatchDone, ReadCore, ReadSchedulerStats
-from qnpipe.policy.read_queue import ReadQueue
+from qnpipe.policy.read_queue import ReadClass, ReadQueue
 from qnpipe.policy.turn_order import READS, READS_DONE
+
+
+@attrs.frozen(eq=False)
+class Claimed:
+    """A demand batch on the device that the task which took the turn waits for itself (`ReadsInline.wait`)."""
+
+    batch: Batch
+    reading: Awaitable[list[int]]
 
 
 @attrs.define(eq=False)
 class ReadsInline:
     """The read scheduler's turn, taken by the task that has its requests (the pool actor's) when the read
-    scheduler is idle on an empty inbox: its next turn would have handled exactly these, first."""
+    scheduler is idle on an empty inbox: its next turn would have handled exactly these, first.
+
+    A taker that passes `claim` (the forward, whose acquire asked for the reads) gets the turn's demand batch
+    there, as a `Claimed`, instead of the actor's task that would wait for it: it then `wait`s for it where it
+    would wait for its grant, which takes the turns over the batch's end (the read scheduler's, and the pool's
+    when it is idle) in its own task, as that task would have (`disown` hands it back to the actor)."""
 
     inbox: trio.MemoryReceiveChannel[ReadInbox]  # the read scheduler's (only its state is read)
     turn: Callable[[Sequence[ReadInbox]], None] | None = None  # set once the actor runs (its nursery is open)
     turns: int = 0  # taken here (tests, benchmarks)
+    claimed: int = 0  # batches waited for by the task that took the turn (tests, benchmarks)
+    # Set while the actor runs: the batch's end, awaited in the caller's task; and started in the actor's.
+    finish: Callable[[Batch, Awaitable[list[int]]], Awaitable[None]] | None = None
+    start: Callable[[Batch, Awaitable[list[int]]], None] | None = None
+    _claim: list[Claimed] | None = None  # the taker's, during its turn
     _state: Any = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -49,14 +71,38 @@ class ReadsInline:
         state = self._state
         return self.turn is not None and not state.data and len(state.receive_tasks) == 1
 
-    def take(self, msgs: Sequence[ReadInbox]) -> bool:
-        """Take the turn over `msgs` now if the read scheduler is idle; False (nothing done) if not."""
+    def take(self, msgs: Sequence[ReadInbox], claim: list[Claimed] | None = None) -> bool:
+        """Take the turn over `msgs` now if the read scheduler is idle; False (nothing done) if not.
+        `claim`: the turn's first batch, when it holds demand reads only, is appended there, to `wait` for."""
         if not self.idle():
             return False
         assert self.turn is not None
-        self.turn(msgs)
+        self._claim = claim
+        try:
+            self.turn(msgs)
+        finally:
+            self._claim = None
         self.turns += 1
         return True
+
+    def claims(self, batch: Batch) -> list[Claimed] | None:
+        """The taker's list when it claims `batch` (the read scheduler's `deliver` asks), else None."""
+        claim = self._claim
+        if claim is None or claim or any(j.cls is not ReadClass.DEMAND for j in batch.jobs):
+            return None
+        return claim
+
+    async def wait(self, claimed: Claimed) -> None:
+        """Wait for a claimed batch and take the turns over its end (shielded: its reads write into slots, and
+        the pool must hear of them). A read's error ends the read scheduler, as in its own task."""
+        assert self.finish is not None, "the read scheduler stopped with a claimed batch"
+        with trio.CancelScope(shield=True):
+            await self.finish(claimed.batch, claimed.reading)
+
+    def disown(self, claimed: Claimed) -> None:
+        """Hand a claimed batch back to the read scheduler's own task (a taker that will not wait for it)."""
+        assert self.start is not None, "the read scheduler stopped with a claimed batch"
+        self.start(claimed.batch, claimed.reading)
 
 
 async def read_scheduler(
@@ -97,7 +143,13 @@ async def read_scheduler(
                     nursery.start_soon(to_pool.send, m)
             for b in out.batches:
                 # Submitted in this turn: the I/O starts now, the task only waits for it.
-                nursery.start_soon(run, b, submit(device, b.jobs))
+                reading = submit(device, b.jobs)
+                claim = inline.claims(b) if inline is not None else None
+                if claim is not None:
+                    inline.claimed += 1  # pyright: ignore[reportOptionalMemberAccess]
+                    claim.append(Claimed(b, reading))
+                else:
+                    nursery.start_soon(run, b, reading)
             return done
 
         async def run(batch: Batch, reading: Awaitable[list[int]]) -> None:
@@ -108,12 +160,22 @@ async def read_scheduler(
             if done is not None and not (pool_inline is not None and await pool_inline(done)):
                 await send_soon(to_pool, done)  # the channel's bound is proven (actors.pipeline)
 
+        async def finish(batch: Batch, reading: Awaitable[list[int]]) -> None:
+            """`run` in a claimant's task; an error ends this actor as in its own task (the claimant goes on
+            to wait for its grant, which then never comes: the pipeline stops with this error)."""
+            try:
+                await run(batch, reading)
+            except Exception as e:
+                nursery.start_soon(_raise, e)
+
         def turn_now(msgs: Sequence[ReadInbox]) -> None:
             done = deliver(core.turn(msgs, trio.current_time()))
             assert done is None, done  # requests and promotions only: no batch finishes in such a turn
 
         if inline is not None and turns is None:
             inline.turn = turn_now
+            inline.finish = finish
+            inline.start = partial(nursery.start_soon, run)
         task_status.started()
         try:
             async for first in inbox:
@@ -123,7 +185,11 @@ async def read_scheduler(
                 turn_now(list(drain(inbox, first)))
         finally:
             if inline is not None:
-                inline.turn = None
+                inline.turn = inline.finish = inline.start = None
 
 
-__all__ = ["ReadSchedulerStats", "ReadsInline", "read_scheduler"]
+async def _raise(e: BaseException) -> None:
+    raise e
+
+
+__all__ = ["Claimed", "ReadSchedulerStats", "ReadsInline", "read_scheduler"]

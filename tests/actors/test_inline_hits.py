@@ -147,22 +147,32 @@ def test_a_stop_at_the_next_steps_first_sync_leaves_no_step(streamed: Path, monk
 
 
 def _run_reads(model: Path, path: Path, inline: bool, monkeypatch: pytest.MonkeyPatch,
-               route_first: bool = True) -> tuple[list[Any], int, int, int]:
+               route_first: bool = True, own_reads: bool = True) -> tuple[list[Any], int, int, int]:
     """The run's records and the turns taken inline: the read scheduler's, the pool's over a finished batch, the
     pool's over an acquire with misses in the forward's task (`InlinePool.answer_reads`). `route_first`: the
-    forward takes a route's turn before the other tasks get theirs (qnpipe.actors.forward._route_turn_first)."""
+    forward takes a route's turn before the other tasks get theirs (qnpipe.actors.forward._route_turn_first).
+    `own_reads`: the forward waits for the batch its turn put on the device (qnpipe.actors.forward._wait_own_reads);
+    the batches it did are counted in `CLAIMED`."""
     taken = {"reads": 0, "pool": 0, "acquire": 0}
     reads_take, pool_take, answer_reads = ReadsInline.take, PoolInline.take, InlinePool.answer_reads
 
-    def acquire(self: InlinePool, msgs: Any) -> Any:
-        got = answer_reads(self, msgs)
+    def acquire(self: InlinePool, msgs: Any, *rest: Any) -> Any:
+        got = answer_reads(self, msgs, *rest)
         taken["acquire"] += got is not None
         return got
 
-    def reads(self: ReadsInline, msgs: Any) -> bool:
-        ok = reads_take(self, msgs)
+    def reads(self: ReadsInline, msgs: Any, *rest: Any) -> bool:
+        ok = reads_take(self, msgs, *rest)
         taken["reads"] += ok
         return ok
+
+    def claims(self: ReadsInline, batch: Any) -> Any:
+        claim = reads_claims(self, batch)
+        CLAIMED[0] += claim is not None
+        return claim
+
+    reads_claims = ReadsInline.claims
+    CLAIMED[0] = 0
 
     async def pool(self: PoolInline, done: Any) -> bool:
         ok = await pool_take(self, done)
@@ -172,7 +182,9 @@ def _run_reads(model: Path, path: Path, inline: bool, monkeypatch: pytest.Monkey
     with monkeypatch.context() as m:
         m.setattr(pipeline, "_inline_reads", inline)
         m.setattr(forward, "_route_turn_first", route_first)
+        m.setattr(forward, "_wait_own_reads", own_reads)
         m.setattr(ReadsInline, "take", reads)
+        m.setattr(ReadsInline, "claims", claims)
         m.setattr(PoolInline, "take", pool)
         m.setattr(InlinePool, "answer_reads", acquire)
         assert main(["generate", str(model), "--tokens", "5,6,7,8,9", "-n", "8", "--json", "--temperature", "0",
@@ -180,6 +192,9 @@ def _run_reads(model: Path, path: Path, inline: bool, monkeypatch: pytest.Monkey
                      "--set", "forward.early_grants=false", "--trace", str(path)]) == 0
     _, records = trace.read(path)
     return records, taken["reads"], taken["pool"], taken["acquire"]
+
+
+CLAIMED = [0]  # `_run_reads`' last run: the demand batches its forward waited for itself
 
 
 def _read_content(records: list[Any]) -> Counter[tuple[Any, ...]]:
@@ -192,8 +207,12 @@ def _read_content(records: list[Any]) -> Counter[tuple[Any, ...]]:
 def test_the_miss_path_inline_logs_the_same_records_as_the_channels(streamed: Path, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     inline, reads, pools, acquires = _run_reads(streamed, tmp_path / "inline.qtrace", True, monkeypatch)
+    claimed = CLAIMED[0]
+    others, *_ = _run_reads(streamed, tmp_path / "others.qtrace", True, monkeypatch, own_reads=False)
+    assert CLAIMED[0] == 0 < claimed  # the forward waited for its own reads, then the read scheduler's task did
     channel, no_reads, no_pools, no_acquires = _run_reads(streamed, tmp_path / "channel.qtrace", False, monkeypatch)
     assert reads >= acquires > 0 and pools > 0 and no_reads == no_pools == no_acquires == 0  # each way really was taken
+    assert _read_content(others) == _read_content(channel)
     # The other tasks' turn given as the backend returns a route, before the forward's acquire (the way before).
     deferred = Counter[bool]()
     real = ThreadedBackend.defer_route_yield
