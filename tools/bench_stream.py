@@ -139,6 +139,9 @@ What is measured (every figure is a median over `--rounds`):
 * `--yield-ab`: likewise a `demand_no_yield` engine, whose loop goes on with its turn after handing a batch to
   the reader's threads instead of yielding its CPU once (`qnpipe.io.ssd._yield_after_start` off around its runs;
   the `--miss-ab` engine's too): the `_no_yield` keys.
+* `--own-reads-ab`: likewise a `demand_others_wait` engine, whose demand batches are waited for by the read
+  scheduler's task, which hands the grant to the forward by channel, rather than by the forward itself
+  (`qnpipe.actors.forward._wait_own_reads` off around its runs; the `--miss-ab` engine's too): the `_others_wait` keys.
 * `ratio_demand_to_serial_bound` = tok_s_demand / tok_s_serial_bound (target >= 0.9);
   `overhead_frac` target < 0.05.
 
@@ -267,9 +270,12 @@ class Instruments:
 
                 def started(reqs: Any, fd: int) -> Any:
                     pending = start(reqs, fd)
-                    poll = pending.poll
+                    for name in ("poll", "poll_nbytes"):  # the live device calls the second
+                        setattr(pending, name, polled(pending, getattr(pending, name)))
+                    return pending
 
-                    def polled() -> Any:  # from the batch's start to when the device finished its last read
+                def polled(pending: Any, poll: Any) -> Any:
+                    def timed() -> Any:  # from the batch's start to when the device finished its last read
                         out = poll()
                         if out is not None:
                             self.reads.append((pending.t_start, pending.t_done))
@@ -277,8 +283,7 @@ class Instruments:
                             self.take_delays.append(pending.t_started - pending.t_start)
                         return out
 
-                    pending.poll = polled
-                    return pending
+                    return timed
 
                 reader.start = started
 
@@ -729,13 +734,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(ratio_allhit_spec_to_allhit)")
     ap.add_argument("--no-prefetch", action="store_true", help="skip the prefetch engine")
     ap.add_argument("--miss-ab", action="store_true",
-                    help="also the demand engine with the miss path before 2026-12-05 (the `_before` keys)")
+                    help="also the demand engine with the miss path before 2026-12-05 (the `_before` keys; the switches of --c-acquire-ab, --yield-ab and --own-reads-ab off too)")
     for flag, (what, keys) in {
         "--acquire-ab": ("whose acquires with misses go by channel", "_acquire_channel"),
         "--route-ab": ("that gives the other tasks their turn before a route's acquire", "_route_later"),
         "--c-acquire-ab": ("with the slot tables' Python acquire in place of the C one", "_python_acquire"),
         "--yield-ab": ("whose loop does not yield its CPU after handing a batch to the reader's threads",
                        "_no_yield"),
+        "--own-reads-ab": ("whose demand batches are waited for by the read scheduler's task, not the forward's",
+                           "_others_wait"),
     }.items():
         ap.add_argument(flag, action="store_true", help=f"also the demand engine {what} (the `{keys}` keys)")
     ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
@@ -804,7 +811,8 @@ def main(argv: list[str] | None = None) -> int:
                                                               **read)
                 finally:
                     setattr(module, flag, True)
-        for on, name in ((args.c_acquire_ab, "python_acquire"), (args.yield_ab, "no_yield")):
+        for on, name in ((args.c_acquire_ab, "python_acquire"), (args.yield_ab, "no_yield"),
+                         (args.own_reads_ab, "others_wait")):
             if on:  # its switch is read per call: set around its runs (`CALL_VARIANTS`)
                 engines[f"demand_{name}"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0,
                                                           **read)
@@ -1033,7 +1041,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       zip(runs["demand"], runs["demand_before"], strict=True)])),
             "overhead_frac_raw": [rnd(x) for x in ovh],
             "overhead_frac_before_raw": [rnd(d["overhead"] / d["wall"]) for d in runs["demand_before"]]}),
-        **{k: v for name in (*DEMAND_VARIANTS, "python_acquire", "no_yield") if f"demand_{name}" in runs
+        **{k: v for name in (*DEMAND_VARIANTS, *CALL_VARIANT_NAMES) if f"demand_{name}" in runs
            for k, v in variant_keys(name, runs["demand"], runs[f"demand_{name}"], ovh).items()},
         "step_s_raw": {name: [rnd(x["step_s"], 5) for x in runs[name]] for name in runs},
         "bandwidth_gbps_raw": [rnd(b["gbps"]) for b in bw],
@@ -1054,11 +1062,14 @@ DEMAND_VARIANTS = {
 # engine -> (module, flag). `demand_before` (`--miss-ab`) has the slot tables' Python acquire too.
 _C_ACQUIRE = ("qnpipe.policy.slot_table", "_c_acquire")
 _YIELD = ("qnpipe.io.ssd", "_yield_after_start")
+_OWN_READS = ("qnpipe.actors.forward", "_wait_own_reads")
 CALL_VARIANTS = {
     "demand_python_acquire": (_C_ACQUIRE,),  # `--c-acquire-ab`
     "demand_no_yield": (_YIELD,),  # `--yield-ab`
-    "demand_before": (_C_ACQUIRE, _YIELD),
+    "demand_others_wait": (_OWN_READS,),  # `--own-reads-ab`
+    "demand_before": (_C_ACQUIRE, _YIELD, _OWN_READS),
 }
+CALL_VARIANT_NAMES = ("python_acquire", "no_yield", "others_wait")  # their keys' suffixes
 
 
 @contextlib.contextmanager

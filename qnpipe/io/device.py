@@ -141,9 +141,9 @@ class StoreDevice:
                     await trio.lowlevel.wait_readable(pair[0])
                     os.read(pair[0], 8)
                     drained = True
-                    results = pending.poll()  # None: an attempt again, the fd is written again
+                    results = pending.poll_nbytes()  # None: an attempt again, the fd is written again
             assert results is not None  # the shield never swallows an exception here: narrowed for pyright
-            return [r.nbytes for r in results]
+            return results
         finally:
             if drained:
                 self._wakeups.give(pair)

@@ -10,6 +10,7 @@ fallback, counted in `statistics().direct_fallbacks`. A batch runs on the C exte
 from __future__ import annotations
 
 import errno
+import operator
 import os
 import sys
 import threading
@@ -386,6 +387,9 @@ class PendingRead:
         self._first: dict[int, str] | None = None  # the first attempt's failures, once known
         self._failed: dict[int, str] = {}  # this attempt's, so far (a refused read's buffered re-issue pending)
         self._go(range(len(self._plans)))
+        # At least what each read of the first attempt returns when it is whole (`poll_nbytes`'s quick answer;
+        # a direct read is rounded up to whole blocks).
+        self._whole = [p.op[2] for p in self._plans]
         self.t_start = time.perf_counter()  # the reads are queued (perf_counter's clock, as t_done)
         self.t_done = self.t_start  # when the device finished the last attempt
         # When a reader thread took the first read (known once polled): before t_start at times.
@@ -406,6 +410,22 @@ class PendingRead:
     def settle(self) -> None:
         """Block until the attempt on the device is done (then it writes nothing more)."""
         self._batch.wait()
+
+    def poll_nbytes(self) -> list[int] | None:
+        """`poll`, answered as the bytes read per request (what the live device keeps). When the first attempt
+        read every request whole, the results are not built one by one: counted as `poll` counts them."""
+        if self._polled or not all(map(operator.ge, self._batch.wait(), self._whole)):
+            results = self.poll()
+            return None if results is None else [r.nbytes for r in results]
+        batch = self._batch
+        self._polled = True
+        self.t_started, self.t_done = batch.t_started, batch.t_done
+        requests = self._requests
+        nbytes = [r.nbytes for r in requests]
+        self._reader._add_stats(  # pyright: ignore[reportPrivateUsage]
+            self.t_done - self.t_start, requests=len(requests), nbytes=sum(nbytes), retries=0,
+            bounced=sum(p.bounce is not None for p in self._plans), verified=0, crc_failures=0, errors=0)
+        return nbytes
 
     def poll(self) -> list[ReadResult] | None:
         """The results once the fd was written; None when another attempt is on its way."""

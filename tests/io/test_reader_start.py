@@ -10,6 +10,7 @@ import os
 import select
 import time
 
+import msgspec
 import numpy as np
 import pytest
 from test_reader import (
@@ -64,11 +65,11 @@ class Notify:
             os.close(fd)
 
 
-def finish(pending: PendingRead, note: Notify) -> list:
+def finish(pending: PendingRead, note: Notify, method: str = "poll") -> list:
     """Drive `pending` as the device does: wait for the fd, poll, again while it says another attempt is out."""
     while True:
         note.wait()
-        out = pending.poll()
+        out = getattr(pending, method)()
         if out is not None:
             assert note.idle()  # written once per attempt, no more
             return out
@@ -286,3 +287,50 @@ def test_the_loop_yields_its_cpu_once_per_batch_it_hands_over(store, note, monke
         monkeypatch.setattr(ssd, "_yield_after_start", False)
         finish(reader.start(requests_for(root, index, keys, bufs), note.w), note)
         assert len(yields) == 1
+
+
+def _three_ways(root, index, tmp_path) -> list[tuple[str, list[ReadRequest]]]:
+    """Batches of whole reads, bounced reads (direct I/O: misaligned memory, an unaligned offset), a short read."""
+    keys = all_keys(index)
+    lf = index.layers[1]
+    path = str(root / "experts" / lf.file)
+    short = tmp_path / "short.bin"
+    short.write_bytes(b"\7" * 3 * 4096)
+    return [
+        ("whole", requests_for(root, index, keys, [alloc_aligned(TINY4_RECORD) for _ in keys])),
+        ("bounced", [ReadRequest(path=path, offset=3 * lf.stride, nbytes=TINY4_RECORD,
+                                 buf=alloc_aligned(TINY4_RECORD + ALIGN)[1 : 1 + TINY4_RECORD], layer=1, expert=3),
+                     ReadRequest(path=path, offset=4 * lf.stride + 1000, nbytes=100, buf=bytearray(100))]),
+        ("short", [ReadRequest(path=str(short), offset=2 * 4096, nbytes=8192, buf=alloc_aligned(8192), layer=4,
+                               expert=9)]),
+    ]
+
+
+@pytest.mark.parametrize("nocache", [True, False])
+def test_poll_nbytes_answers_and_counts_as_poll(store, note, tmp_path, monkeypatch, nocache) -> None:
+    """The live device's quick answer: the bytes `poll`'s results give, the same statistics, the same errors."""
+    root, index = store
+    got: dict[str, list] = {}
+    polls = []
+    poll = PendingRead.poll
+    monkeypatch.setattr(PendingRead, "poll", lambda self: polls.append(1) or poll(self))
+    for method in ("poll", "poll_nbytes"):
+        with SsdReader(workers=3, nocache=nocache, backend="c") as reader:
+            for kind, reqs in _three_ways(root, index, tmp_path):
+                if kind == "short":
+                    with pytest.raises(ReadError, match=r"expert 9 of layer 4: short read"):
+                        finish(reader.start(reqs, note.w), note, method)
+                    continue
+                pending = reader.start(reqs, note.w)
+                out = finish(pending, note, method)
+                got.setdefault(kind, []).append([r if isinstance(r, int) else r.nbytes for r in out])
+                assert pending.t_started <= pending.t_done
+                for r in reqs:
+                    if r.layer >= 0:
+                        assert bytes(memoryview(r.buf)[: r.nbytes]) == expected(root, index.layers[r.layer], r.expert)
+            got.setdefault("stats", []).append(msgspec.structs.replace(reader.statistics(), read_s=0.0))
+    for kind, (by_poll, by_nbytes) in got.items():
+        assert by_poll == by_nbytes, kind
+    # `poll` ran 4 times (the short read's two attempts); under `poll_nbytes`, only for the short read's
+    assert len(polls) == 4 + 2
+    assert got["stats"][0].reads > 0 and got["stats"][0].errors == 1
