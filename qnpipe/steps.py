@@ -100,6 +100,11 @@ class Hits(Protocol):
         """The layer's experts are queued from `slots`: the turn the yield would have had."""
         ...
 
+    def grant_queued(self) -> None:
+        """A yielded layer's work (and the next layer's attention and router) is queued: the turn of a grant
+        the forward gave before it (its reads' end), if any."""
+        ...
+
 
 Event = LayerRoute | PartDone | Queued | StepDone
 Tail = Callable[[Any], Any]  # the step's final hidden states -> its value (an mx.array, in a live run)

@@ -72,6 +72,10 @@ _route_turn_first = True
 # False: a demand batch put on the device in the forward's turn is waited for by the read scheduler's task, which
 # hands the grant over by channel (the way before 2026-12-06; A/B benchmarks). Read at each acquire.
 _wait_own_reads = True
+# False: a grant whose reads the forward waited for itself is taken (the read scheduler's and the pool's turns over
+# the reads' end) before the backend runs it, not in the backend's call once its work is queued (`grant_queued`;
+# the way before 2026-12-05's night; A/B benchmarks). Read at each wait.
+_landed_grants = True
 
 
 @attrs.define(eq=False)
@@ -103,6 +107,9 @@ class Forward:
     _answered: list[ForwardInbox] = attrs.field(factory=list)  # the inline turn's answers, not yet taken by `_grant`
     # The demand batches the inline turn put on the device for this task to wait for (`_grant`), oldest first.
     _claimed: list[Claimed] = attrs.field(factory=list)
+    # A grant the backend runs before its turn (`_grant`): the batch, its bytes, the foreseen grant, the reads' end.
+    _landed: tuple[Claimed, list[int], PartGrant, float] | None = None
+    landed_taken: int = 0  # grants taken in the backend's call (`grant_queued`; tests, benchmarks)
     _last_open: bool = False  # a layer-step's last part ran and is not released yet (`_release_last`)
     hits_taken: int = 0  # layer-steps the backend ran before their turn (`hit_slots`; tests, benchmarks)
     reads_first: bool = attrs.field(init=False, factory=lambda: _reads_first)  # see `_grant`
@@ -285,12 +292,15 @@ class Forward:
             owed = False
             self.progress += 1
             if self.check_bytes is not None:
+                assert g is not None  # a grant runs before its turn only without check_bytes
                 await self.check_bytes(route.layer, g.experts, g.slots)
             if grant.last and self.inline is not None:
                 # A hit's turn inside the call (`hit_queued`) releases it first, as it must go before that
                 # layer's Acquire; else it is released as the call returns.
                 self._last_open = True
                 ev = await self.backend.resume(grant)
+                if self._landed is not None:  # a backend that did not take the grant's turn in its call
+                    await self._land()
                 self._release_last()
                 return ev
             ev = await self.backend.resume(grant)
@@ -300,7 +310,38 @@ class Forward:
                     await self._send(out)
                 return ev
 
-    async def _grant(self, yielded: bool = False) -> tuple[PartGrant, ForwardInbox]:
+    def grant_queued(self) -> None:
+        """The backend queued the work of a grant it ran before its turn (and the next layer's attention and
+        router): the turns over its reads' end, which give that grant, taken now (`_grant`). Nothing when none."""
+        if self._landed is None:
+            return
+        claimed, nbytes, run, t = self._landed
+        assert self.inline is not None and self.inline.reads is not None
+        taken = self.inline.reads.over_now(claimed, nbytes)
+        assert taken, "the pool was idle when the grant was foreseen, in this very turn"
+        self._landed = None
+        self._granted(run, self.grants.receive_nowait() if self.grants is not None else None, t)
+
+    async def _land(self) -> None:
+        """`grant_queued`'s turns after the backend's call, which did not take them: they may wait."""
+        assert self._landed is not None and self.inline is not None and self.inline.reads is not None
+        claimed, nbytes, run, t = self._landed
+        self._landed = None
+        await self.inline.reads.over(claimed, nbytes)
+        assert self.grants is not None
+        self._granted(run, await self.grants.receive(), t)
+
+    def _granted(self, run: PartGrant, g: ForwardInbox | None, t: float) -> None:
+        """The pool's grant of a part the backend ran before it (`_grant`): the core takes it at the reads' end
+        `t`; it must be the one foreseen."""
+        got = None if g is None else self.core.handle(g, t).run
+        if (got is None or (got.lo, got.hi, got.last, got.early, got.by_expert) != (run.lo, run.hi, run.last,
+                                                                                        run.early, run.by_expert)
+                or not np.array_equal(got.slots, run.slots)):
+            raise AssertionError(f"the pool's grant {got} is not the one foreseen {run}")
+        self.landed_taken += 1
+
+    async def _grant(self, yielded: bool = False) -> tuple[PartGrant, ForwardInbox | None]:
         """Wait for the part's grant; early grants' work is queued on the way. `yielded`: the other tasks had
         their turn since the acquire was answered in this task (`_answered`)."""
         assert self.grants is not None
@@ -314,7 +355,21 @@ class Forward:
                     # here (the read scheduler's, the pool's), so its grant is most often in the channel after
                     # it, with no task between the reads' end and the grant's use.
                     assert self.inline is not None and self.inline.reads is not None
-                    await self.inline.reads.wait(self._claimed.pop(0))
+                    reads, claimed = self.inline.reads, self._claimed.pop(0)
+                    if _landed_grants and self.takes_hits and self.check_bytes is None:
+                        nbytes = await reads.reads_of(claimed)
+                        if nbytes is None:  # failed: the read scheduler ends with the error, no grant comes
+                            continue
+                        # The grant these reads complete, foreseen: the backend runs it at once, and the turns
+                        # that give it are taken in the backend's call once its work is queued (`grant_queued`).
+                        # Nothing else runs in between (the backend's call is this task's), so the pool that is
+                        # idle now still is then, and gives this very grant (checked there).
+                        if self.inline.idle() and reads.pool_idle() and (run := self.core.foresee(claimed.batch.jobs)):
+                            self._landed = (claimed, nbytes, run, trio.current_time())
+                            return run, None
+                        await reads.over(claimed, nbytes)
+                    else:
+                        await reads.wait(claimed)
                     await trio.lowlevel.checkpoint_if_cancelled()
                     try:
                         g = self.grants.receive_nowait()
@@ -340,6 +395,11 @@ class Forward:
 
     async def _cleanup(self) -> None:
         with trio.CancelScope(shield=True):
+            if self._landed is not None:  # the pool hears of the reads; the grant comes to a cancelled step
+                claimed, nbytes, _, _ = self._landed
+                self._landed = None
+                if self.inline is not None and self.inline.reads is not None and self.inline.reads.turns_over:
+                    await self.inline.reads.over(claimed, nbytes)
             claimed, self._claimed = self._claimed, []
             for c in claimed:  # not waited for here after all: the read scheduler's task takes it, or settles it
                 reads = self.inline.reads if self.inline is not None else None

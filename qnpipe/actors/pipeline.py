@@ -201,6 +201,7 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
     reads_inline = pool_inline = None
     if _inline_reads and turns is None:
         reads_inline, pool_inline = ReadsInline(read_rx), PoolInline(pool_rx)
+        reads_inline.pool_idle = pool_inline.idle
         fwd.reads_first = False  # the pool puts an early grant's reads on the device before it answers
         if fwd.inline is not None and _inline_acquires:
             fwd.inline.reads = reads_inline  # an acquire with misses, taken in the forward's turn
@@ -249,7 +250,8 @@ async def _open_actors(cfg: Config, backend: Any, *, num_experts: int, capacitie
             await nursery.start(supervised, partial(read_scheduler, read_rx, pool_tx.clone(), device=device,
                                                     queue=queue, stats=rstats, emit=emit, turns=turns,
                                                     inline=reads_inline,
-                                                    pool_inline=pool_inline.take if pool_inline else None))
+                                                    pool_inline=pool_inline.take if pool_inline else None,
+                                                    pool_inline_now=pool_inline.take_now if pool_inline else None))
             try:
                 yield Pipeline(fwd, policy, rstats, device, pstats, autopin, read_queue=queue)
             finally:

@@ -70,7 +70,7 @@ class InlinePool:
     def hit_slots(self, layer: int, experts: list[int]) -> list[int] | None:
         """The slot of each of `experts` when an `Acquire` of them would be answered here now (`answer`'s
         conditions), else None. Reads only."""
-        if not self._idle():
+        if not self.idle():
             return None
         return self.core.hit_slots(layer, experts)
 
@@ -79,7 +79,7 @@ class InlinePool:
         (the turn then is taken at the acquire's time: logged and applied); None, untouched, when the
         actors must take it."""
         acq = msgs[-1]
-        if not isinstance(acq, Acquire) or not self._idle() or not self.core.answers_at_once(acq):
+        if not isinstance(acq, Acquire) or not self.idle() or not self.core.answers_at_once(acq):
             return None
         out = self._turn(msgs, acq)
         assert not out.reads and len(out.forward) == 1 and isinstance(out.forward[0], Granted), out
@@ -93,7 +93,7 @@ class InlinePool:
         for the turn's demand batch itself (`ReadsInline.take`)."""
         reads = self.reads
         acq = msgs[-1]
-        if reads is None or not isinstance(acq, Acquire) or not reads.idle() or not self._idle():
+        if reads is None or not isinstance(acq, Acquire) or not reads.idle() or not self.idle():
             return None
         out = self._turn(msgs, acq)
         self.read_turns += 1
@@ -102,7 +102,7 @@ class InlinePool:
             assert taken, "the read scheduler was idle a moment ago, in this very turn"
         return out.forward
 
-    def _idle(self) -> bool:
+    def idle(self) -> bool:
         """The pool actor parked on an empty inbox and the forward's grant channel empty: a turn taken here
         would be the actor's next, and jump no queue."""
         inbox = self._inbox_state
@@ -130,19 +130,35 @@ class PoolInline:
 
     inbox: trio.MemoryReceiveChannel[PoolInbox]  # the pool actor's (only its state is read)
     turn: Callable[[ReadsDone], Awaitable[None]] | None = None  # set while the actor runs
+    turn_now: Callable[[ReadsDone], None] | None = None  # ... its answers sent without a wait
     turns: int = 0  # taken here (tests, benchmarks)
     _state: Any = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._state = self.inbox._state  # pyright: ignore[reportPrivateUsage]
 
+    def idle(self) -> bool:
+        """Whether `take` would take the turn now: the actor runs and is parked on an empty inbox."""
+        state = self._state
+        return self.turn is not None and not state.data and len(state.receive_tasks) == 1
+
     async def take(self, done: ReadsDone) -> bool:
         """Take the pool's turn over `done` now if the pool is idle; False (nothing done) if not."""
-        state = self._state
-        if self.turn is None or state.data or len(state.receive_tasks) != 1:
+        if not self.idle():
             return False
         self.turns += 1
+        assert self.turn is not None
         await self.turn(done)  # the core's turn is taken before any wait; only a full channel would wait
+        return True
+
+    def take_now(self, done: ReadsDone) -> bool:
+        """`take` whose answers go out without a wait (the channels' bounds are proven, qnpipe.policy.turn_order:
+        a full one is an error here). For a caller that cannot wait (`Forward.grant_queued`)."""
+        if not self.idle():
+            return False
+        self.turns += 1
+        assert self.turn_now is not None
+        self.turn_now(done)
         return True
 
 
@@ -190,16 +206,27 @@ async def pool(
     async def turn_done(done: ReadsDone) -> None:
         await deliver(core.turn((done,), trio.current_time()))
 
+    def turn_done_now(done: ReadsDone) -> None:
+        out = core.turn((done,), trio.current_time())
+        if emit is not None:
+            for r in out.log:
+                emit(r)
+        if out.reads and not (reads_inline is not None and reads_inline.take(out.reads)):
+            for m in out.reads:
+                to_reads.send_nowait(m)
+        for f in out.forward:
+            to_forward.send_nowait(f)
+
     async with inbox, to_reads, to_forward:
         await deliver(core.preload(preload, trio.current_time()))
         if inline is not None and live:
-            inline.turn = turn_done
+            inline.turn, inline.turn_now = turn_done, turn_done_now
         task_status.started()
         try:
             await _serve(inbox, core, deliver, after_forward, turns)
         finally:
             if inline is not None:
-                inline.turn = None
+                inline.turn = inline.turn_now = None
 
 
 async def _serve(inbox: trio.MemoryReceiveChannel[PoolInbox], core: PoolCore,

@@ -60,6 +60,11 @@ class ReadsInline:
     # Set while the actor runs: the batch's end, awaited in the caller's task; and started in the actor's.
     finish: Callable[[Batch, Awaitable[list[int]]], Awaitable[None]] | None = None
     start: Callable[[Batch, Awaitable[list[int]]], None] | None = None
+    # ... and `finish` in two: the reads' end (None: they failed, and the actor has the error), then the turns.
+    read_end: Callable[[Awaitable[list[int]]], Awaitable[list[int] | None]] | None = None
+    turns_over: Callable[[Batch, list[int]], Awaitable[None]] | None = None
+    turns_now: Callable[[Batch, list[int]], None] | None = None  # ... without a wait (`over_now`)
+    pool_idle: Callable[[], bool] = lambda: False  # the pool would take a ReadsDone's turn now (set by the wiring)
     _claim: list[Claimed] | None = None  # the taker's, during its turn
     _state: Any = attrs.field(init=False)
 
@@ -99,6 +104,29 @@ class ReadsInline:
         with trio.CancelScope(shield=True):
             await self.finish(claimed.batch, claimed.reading)
 
+    async def reads_of(self, claimed: Claimed) -> list[int] | None:
+        """`wait`'s first half: the bytes read per job once a claimed batch's reads are done (shielded), or None
+        when they failed (the read scheduler ends with the error). `over` or `over_now` must follow."""
+        assert self.read_end is not None, "the read scheduler stopped with a claimed batch"
+        with trio.CancelScope(shield=True):
+            return await self.read_end(claimed.reading)
+
+    async def over(self, claimed: Claimed, nbytes: list[int]) -> None:
+        """`wait`'s second half: the turns over the batch's end (the read scheduler's; the pool's when it is idle,
+        else its `ReadsDone` by channel)."""
+        assert self.turns_over is not None, "the read scheduler stopped with a claimed batch"
+        with trio.CancelScope(shield=True):
+            await self.turns_over(claimed.batch, nbytes)
+
+    def over_now(self, claimed: Claimed, nbytes: list[int]) -> bool:
+        """`over`, taken without a wait when the pool is idle (its turn then is taken here too); False, nothing
+        done, when it is not."""
+        assert self.turns_now is not None, "the read scheduler stopped with a claimed batch"
+        if not self.pool_idle():
+            return False
+        self.turns_now(claimed.batch, nbytes)
+        return True
+
     def disown(self, claimed: Claimed) -> None:
         """Hand a claimed batch back to the read scheduler's own task (a taker that will not wait for it)."""
         assert self.start is not None, "the read scheduler stopped with a claimed batch"
@@ -116,13 +144,14 @@ async def read_scheduler(
     turns: Turnstile | None = None,
     inline: ReadsInline | None = None,
     pool_inline: Callable[[ReadsDone], Awaitable[bool]] | None = None,
+    pool_inline_now: Callable[[ReadsDone], bool] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve read requests until `inbox` closes and every read in flight has finished.
 
     `turns`: replay's turnstile (qnpipe.actors.turns), None live. Live, `inline` lets the pool take this
     actor's turns where it makes the requests, and `pool_inline` takes the pool's turn over a `ReadsDone`
-    here when the pool is idle (True: taken)."""
+    here when the pool is idle (True: taken); `pool_inline_now` likewise, without a wait (`ReadsInline.over_now`)."""
     core = ReadCore(queue, stats, logging=emit is not None)
 
     async with inbox, to_pool, trio.open_nursery() as nursery:
@@ -156,9 +185,27 @@ async def read_scheduler(
             nbytes = await reading
             if turns is not None:
                 await turns.turn(READS_DONE, batch.number)
+            await turns_over(batch, nbytes)
+
+        async def turns_over(batch: Batch, nbytes: list[int]) -> None:
             done = deliver(core.turn((BatchDone(batch, nbytes),), trio.current_time()))
             if done is not None and not (pool_inline is not None and await pool_inline(done)):
                 await send_soon(to_pool, done)  # the channel's bound is proven (actors.pipeline)
+
+        def turns_now(batch: Batch, nbytes: list[int]) -> None:
+            """`turns_over` when the pool is idle (`ReadsInline.over_now` checked): its turn taken at once."""
+            done = deliver(core.turn((BatchDone(batch, nbytes),), trio.current_time()))
+            if done is not None:
+                assert pool_inline_now is not None
+                taken = pool_inline_now(done)
+                assert taken, "the pool was idle a moment ago, in this very turn"
+
+        async def read_end(reading: Awaitable[list[int]]) -> list[int] | None:
+            try:
+                return await reading
+            except Exception as e:  # as `run`'s: this actor ends with it
+                nursery.start_soon(_raise, e)
+                return None
 
         async def finish(batch: Batch, reading: Awaitable[list[int]]) -> None:
             """`run` in a claimant's task; an error ends this actor as in its own task (the claimant goes on
@@ -176,6 +223,7 @@ async def read_scheduler(
             inline.turn = turn_now
             inline.finish = finish
             inline.start = partial(nursery.start_soon, run)
+            inline.read_end, inline.turns_over, inline.turns_now = read_end, turns_over, turns_now
         task_status.started()
         try:
             async for first in inbox:
@@ -186,6 +234,7 @@ async def read_scheduler(
         finally:
             if inline is not None:
                 inline.turn = inline.finish = inline.start = None
+                inline.read_end = inline.turns_over = inline.turns_now = None
 
 
 async def _raise(e: BaseException) -> None:

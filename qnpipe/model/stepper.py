@@ -51,7 +51,8 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
     `hits`: at each router, a layer whose grant is certain now (`Hits.hit_slots`) runs at once
     and is not yielded; the pipeline's turn for it (`Hits.hit_queued`) comes once its experts and
     the next layer's attention and router are queued (or at the step's end), while the device
-    computes them. Not with `spec`, the other way to hide that turn (it learns
+    computes them. A yielded layer's grant the forward gave before its turn takes that turn at the
+    same point (`Hits.grant_queued`, after every yielded layer: nothing when there is none). Not with `spec`, the other way to hide that turn (it learns
     its map from the grants the layers yield for).
 
     `first_sync` runs once, just after the step's first router sync (whose inputs needed the whole
@@ -70,6 +71,7 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
     h = inputs if inputs.ndim == 3 else m.embed_tokens(inputs)
     fa_mask, ssm_mask = m.masks(h, cache)
     held: tuple[LayerRoute, np.ndarray] | None = None  # a hit whose experts are queued, its turn not taken yet
+    granted = False  # a yielded layer's work is queued: the forward's turn for a grant given before it is due
     for i, (layer, c) in enumerate(zip(m.layers, cache, strict=True)):
         if isinstance(layer, Remote):
             continue
@@ -84,13 +86,18 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
         shared = moe.shared(x)
         synced = (inds, scores, *[a for _, ids, p in preds for a in (ids, p)])
         ahead = _speculate(spec, i, slots[i], moe, x, h, synced, shared) if spec is not None else None
-        if held is not None:
+        if held is not None or granted:
             # The previous layer's hit takes its turn once this layer's attention and router are queued
-            # too: taken before them, it would hold them back, and the device would wait.
+            # too: taken before them, it would hold them back, and the device would wait. So does a grant
+            # the forward gave before its turn (`Hits.grant_queued`).
             assert hits is not None
             mx.async_eval(*synced)
-            hits.hit_queued(*held)
-            held = None
+            if held is not None:
+                hits.hit_queued(*held)
+                held = None
+            else:
+                hits.grant_queued()
+                granted = False
         mx.eval(*synced)  # one host sync for all
         if first_sync is not None:
             if not first_sync():
@@ -112,6 +119,7 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
             held = (route, hit)
             continue
         grant = yield route
+        granted = hits is not None
         full = grant.last and grant.lo == 0 and not grant.early
         if ahead is not None and spec is not None and spec.confirm(i, ahead, ids, grant.slots if full else None):
             h = ahead.h  # already queued
@@ -125,6 +133,9 @@ def forward_steps(model: Model, slots: dict[int, LayerExperts] | None, inputs: m
     if held is not None:
         assert hits is not None
         hits.hit_queued(*held)
+    elif granted:
+        assert hits is not None
+        hits.grant_queued()
     return m.norm(h)
 
 

@@ -25,13 +25,13 @@ The forward's capacity of a layer is the pool's minus its pinned experts
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, assert_never
 
 import attrs
 import numpy as np
 
-from qnpipe.messages import Acquire, Candidates, ForwardDone, ForwardInbox, Granted, PoolInbox, Present, Release
+from qnpipe.messages import Acquire, Candidates, ForwardDone, ForwardInbox, Granted, Job, PoolInbox, Present, Release
 from qnpipe.policy.outbox import Outbox
 from qnpipe.policy.pace import Pace
 from qnpipe.policy.parts import Part, Splitter
@@ -259,6 +259,23 @@ class ForwardCore:
             case _:
                 assert_never(msg)
         return out
+
+    def foresee(self, reads: Iterable[Job]) -> PartGrant | None:
+        """The full grant of the early part being acquired as the pool's `Granted` will give it, once `reads` are
+        done, when they hold the read of every expert of the part not in memory yet (none given by a `Present`);
+        None when they do not (the grant comes as usual), or the part is not an early one. Its `misses` counts
+        those reads. Its slots go in the lookup table: the grant writes the same ones there (`handle`)."""
+        at = self._at
+        if at is None or not at.early or not at.acquired or at.lut is None or at.ids is None:
+            return None
+        lo, hi, experts = at.parts[at.part]
+        layer, lut = at.layer, at.lut
+        slot_of = {j.expert: j.slot for j in reads if j.layer == layer}
+        missing = [e for e in experts if lut[e] < 0]
+        if not missing or any(e not in slot_of for e in missing):
+            return None
+        lut[missing] = [slot_of[e] for e in missing]
+        return PartGrant(lo, hi, lut[at.ids[lo:hi]], at.part == len(at.parts) - 1, misses=len(missing))
 
     def end_turn(self, now: float) -> Outbox:
         """The forward takes no turns (it acts before the actors at each instant): nothing to send."""

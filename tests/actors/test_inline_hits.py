@@ -17,6 +17,7 @@ record kinds, grants and reads (layer, expert, slot).
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -240,3 +241,43 @@ def test_the_miss_path_inline_logs_the_same_records_as_the_channels(streamed: Pa
         for starts, dones in times.values():  # the same slot may be read again later
             assert len(starts) == len(dones)
             assert all(a <= b for a, b in zip(sorted(starts), sorted(dones), strict=True))
+
+
+def test_a_grant_run_before_its_turn_logs_the_same_records(streamed: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Early grants on: the forward waits for its own reads and, when they complete its grant, the backend runs
+    that grant at once and its turns come in the backend's call (`Forward.grant_queued`), or, off
+    (qnpipe.actors.forward._landed_grants), before it. The same tokens, record kinds, grants and reads."""
+    runs: dict[bool, tuple[Any, list[Any], int]] = {}
+    for landed in (True, False):
+        taken = Counter[str]()
+        real_granted, real_queued = Forward._granted, Forward.grant_queued
+
+        def granted(self: Forward, *a: Any, _real: Any = real_granted, taken: Counter[str] = taken) -> None:
+            taken["granted"] += 1
+            _real(self, *a)
+
+        def queued(self: Forward, _real: Any = real_queued, taken: Counter[str] = taken) -> None:
+            taken["in the call"] += self._landed is not None
+            _real(self)
+
+        path = tmp_path / f"landed-{landed}.qtrace"
+        with monkeypatch.context() as m:
+            m.setattr(forward, "_landed_grants", landed)
+            m.setattr(Forward, "_granted", granted)
+            m.setattr(Forward, "grant_queued", queued)
+            assert main(["generate", str(streamed), "--tokens", "5,6,7,8,9", "-n", "8", "--json", "--temperature",
+                         "0", "--set", "pool.expert_slots=6", "--set", "pool.autopin=false",
+                         "--trace", str(path)]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        _, records = trace.read(path)
+        runs[landed] = (out["tokens"], records, taken["granted"])
+        if landed:  # grants were run before their turn, and most took it in the backend's call
+            assert taken["granted"] > 0 and taken["in the call"] > 0
+        else:
+            assert taken["granted"] == taken["in the call"] == 0
+    (tokens, landed_records, _), (tokens_off, records_off, _) = runs[True], runs[False]
+    assert tokens == tokens_off
+    assert Counter(type(r).__name__ for r in landed_records) == Counter(type(r).__name__ for r in records_off)
+    assert _read_content(landed_records) == _read_content(records_off)
