@@ -142,6 +142,11 @@ What is measured (every figure is a median over `--rounds`):
 * `--own-reads-ab`: likewise a `demand_others_wait` engine, whose demand batches are waited for by the read
   scheduler's task, which hands the grant to the forward by channel, rather than by the forward itself
   (`qnpipe.actors.forward._wait_own_reads` off around its runs; the `--miss-ab` engine's too): the `_others_wait` keys.
+* `--landed-ab`: likewise a `demand_grant_first` engine, whose grants are taken (the read scheduler's and the
+  pool's turns over the reads' end) before the backend runs them rather than in its call once its work is queued
+  (`qnpipe.actors.forward._landed_grants` off around its runs; the `--miss-ab` engine's too): the `_grant_first`
+  keys. The overhead such a turn leaves is inside an MLX call, so `overhead_frac` no longer counts it: compare
+  the tok/s ratio too.
 * `ratio_demand_to_serial_bound` = tok_s_demand / tok_s_serial_bound (target >= 0.9);
   `overhead_frac` target < 0.05.
 
@@ -734,7 +739,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(ratio_allhit_spec_to_allhit)")
     ap.add_argument("--no-prefetch", action="store_true", help="skip the prefetch engine")
     ap.add_argument("--miss-ab", action="store_true",
-                    help="also the demand engine with the miss path before 2026-12-05 (the `_before` keys; the switches of --c-acquire-ab, --yield-ab and --own-reads-ab off too)")
+                    help="also the demand engine with the miss path before 2026-12-05 (the `_before` keys; the "
+                         "switches of --c-acquire-ab, --yield-ab, --own-reads-ab and --landed-ab off too)")
     for flag, (what, keys) in {
         "--acquire-ab": ("whose acquires with misses go by channel", "_acquire_channel"),
         "--route-ab": ("that gives the other tasks their turn before a route's acquire", "_route_later"),
@@ -743,6 +749,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        "_no_yield"),
         "--own-reads-ab": ("whose demand batches are waited for by the read scheduler's task, not the forward's",
                            "_others_wait"),
+        "--landed-ab": ("whose grants are taken before the backend runs them, not in its call", "_grant_first"),
     }.items():
         ap.add_argument(flag, action="store_true", help=f"also the demand engine {what} (the `{keys}` keys)")
     ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
@@ -812,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     setattr(module, flag, True)
         for on, name in ((args.c_acquire_ab, "python_acquire"), (args.yield_ab, "no_yield"),
-                         (args.own_reads_ab, "others_wait")):
+                         (args.own_reads_ab, "others_wait"), (args.landed_ab, "grant_first")):
             if on:  # its switch is read per call: set around its runs (`CALL_VARIANTS`)
                 engines[f"demand_{name}"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0,
                                                           **read)
@@ -1063,13 +1070,15 @@ DEMAND_VARIANTS = {
 _C_ACQUIRE = ("qnpipe.policy.slot_table", "_c_acquire")
 _YIELD = ("qnpipe.io.ssd", "_yield_after_start")
 _OWN_READS = ("qnpipe.actors.forward", "_wait_own_reads")
+_LANDED = ("qnpipe.actors.forward", "_landed_grants")
 CALL_VARIANTS = {
     "demand_python_acquire": (_C_ACQUIRE,),  # `--c-acquire-ab`
     "demand_no_yield": (_YIELD,),  # `--yield-ab`
     "demand_others_wait": (_OWN_READS,),  # `--own-reads-ab`
-    "demand_before": (_C_ACQUIRE, _YIELD, _OWN_READS),
+    "demand_grant_first": (_LANDED,),  # `--landed-ab`
+    "demand_before": (_C_ACQUIRE, _YIELD, _OWN_READS, _LANDED),
 }
-CALL_VARIANT_NAMES = ("python_acquire", "no_yield", "others_wait")  # their keys' suffixes
+CALL_VARIANT_NAMES = ("python_acquire", "no_yield", "others_wait", "grant_first")  # their keys' suffixes
 
 
 @contextlib.contextmanager

@@ -320,21 +320,26 @@ class Forward:
         taken = self.inline.reads.over_now(claimed, nbytes)
         assert taken, "the pool was idle when the grant was foreseen, in this very turn"
         self._landed = None
-        self._granted(run, self.grants.receive_nowait() if self.grants is not None else None, t)
+        assert self.grants is not None
+        self._granted(run, self.core.handle(self.grants.receive_nowait(), t).run)
 
     async def _land(self) -> None:
         """`grant_queued`'s turns after the backend's call, which did not take them: they may wait."""
         assert self._landed is not None and self.inline is not None and self.inline.reads is not None
+        assert self.grants is not None
         claimed, nbytes, run, t = self._landed
         self._landed = None
-        await self.inline.reads.over(claimed, nbytes)
-        assert self.grants is not None
-        self._granted(run, await self.grants.receive(), t)
+        if self.grants._state.data:  # pyright: ignore[reportPrivateUsage]  # as in `_grant`
+            self.inline.reads.over_later(claimed, nbytes)
+        else:
+            await self.inline.reads.over(claimed, nbytes)
+        while (got := self.core.handle(await self.grants.receive(), t).run) is None:
+            pass  # a grant of a cancelled step
+        self._granted(run, got)
 
-    def _granted(self, run: PartGrant, g: ForwardInbox | None, t: float) -> None:
-        """The pool's grant of a part the backend ran before it (`_grant`): the core takes it at the reads' end
-        `t`; it must be the one foreseen."""
-        got = None if g is None else self.core.handle(g, t).run
+    def _granted(self, run: PartGrant, got: PartGrant | None) -> None:
+        """The pool's grant `got` of a part the backend ran before it (`_grant`), taken by the core at the reads'
+        end: it must be the one foreseen."""
         if (got is None or (got.lo, got.hi, got.last, got.early, got.by_expert) != (run.lo, run.hi, run.last,
                                                                                         run.early, run.by_expert)
                 or not np.array_equal(got.slots, run.slots)):
@@ -356,20 +361,23 @@ class Forward:
                     # it, with no task between the reads' end and the grant's use.
                     assert self.inline is not None and self.inline.reads is not None
                     reads, claimed = self.inline.reads, self._claimed.pop(0)
-                    if _landed_grants and self.takes_hits and self.check_bytes is None:
-                        nbytes = await reads.reads_of(claimed)
-                        if nbytes is None:  # failed: the read scheduler ends with the error, no grant comes
-                            continue
-                        # The grant these reads complete, foreseen: the backend runs it at once, and the turns
-                        # that give it are taken in the backend's call once its work is queued (`grant_queued`).
-                        # Nothing else runs in between (the backend's call is this task's), so the pool that is
-                        # idle now still is then, and gives this very grant (checked there).
-                        if self.inline.idle() and reads.pool_idle() and (run := self.core.foresee(claimed.batch.jobs)):
-                            self._landed = (claimed, nbytes, run, trio.current_time())
-                            return run, None
-                        await reads.over(claimed, nbytes)
-                    else:
-                        await reads.wait(claimed)
+                    nbytes = await reads.reads_of(claimed)
+                    if nbytes is None:  # failed: the read scheduler ends with the error, no grant comes
+                        continue
+                    if self.grants._state.data:  # pyright: ignore[reportPrivateUsage]
+                        # Answers came while it waited (another batch's): taken first, and the turns go to a task
+                        # of the read scheduler's, whose sends to this channel may wait until they are.
+                        reads.over_later(claimed, nbytes)
+                        continue
+                    # The grant these reads complete, foreseen: the backend runs it at once, and the turns that
+                    # give it are taken in the backend's call once its work is queued (`grant_queued`). Nothing
+                    # else runs in between (the backend's call is this task's), so the pool that is idle now
+                    # still is then, and gives this very grant (checked there).
+                    if (_landed_grants and self.takes_hits and self.check_bytes is None and self.inline.idle()
+                            and reads.pool_idle() and (run := self.core.foresee(claimed.batch.jobs)) is not None):
+                        self._landed = (claimed, nbytes, run, trio.current_time())
+                        return run, None
+                    await reads.over(claimed, nbytes)
                     await trio.lowlevel.checkpoint_if_cancelled()
                     try:
                         g = self.grants.receive_nowait()
@@ -398,8 +406,8 @@ class Forward:
             if self._landed is not None:  # the pool hears of the reads; the grant comes to a cancelled step
                 claimed, nbytes, _, _ = self._landed
                 self._landed = None
-                if self.inline is not None and self.inline.reads is not None and self.inline.reads.turns_over:
-                    await self.inline.reads.over(claimed, nbytes)
+                if self.inline is not None and self.inline.reads is not None and self.inline.reads.later:
+                    self.inline.reads.over_later(claimed, nbytes)  # its sends to this channel may wait
             claimed, self._claimed = self._claimed, []
             for c in claimed:  # not waited for here after all: the read scheduler's task takes it, or settles it
                 reads = self.inline.reads if self.inline is not None else None

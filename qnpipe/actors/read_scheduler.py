@@ -49,21 +49,22 @@ class ReadsInline:
     scheduler is idle on an empty inbox: its next turn would have handled exactly these, first.
 
     A taker that passes `claim` (the forward, whose acquire asked for the reads) gets the turn's demand batch
-    there, as a `Claimed`, instead of the actor's task that would wait for it: it then `wait`s for it where it
-    would wait for its grant, which takes the turns over the batch's end (the read scheduler's, and the pool's
-    when it is idle) in its own task, as that task would have (`disown` hands it back to the actor)."""
+    there, as a `Claimed`, instead of the actor's task that would wait for it: it then waits for it where it
+    would wait for its grant (`reads_of`) and takes the turns over the batch's end (the read scheduler's, and the
+    pool's when it is idle) in its own task, as that task would have (`over`; `disown` hands it back)."""
 
     inbox: trio.MemoryReceiveChannel[ReadInbox]  # the read scheduler's (only its state is read)
     turn: Callable[[Sequence[ReadInbox]], None] | None = None  # set once the actor runs (its nursery is open)
     turns: int = 0  # taken here (tests, benchmarks)
     claimed: int = 0  # batches waited for by the task that took the turn (tests, benchmarks)
-    # Set while the actor runs: the batch's end, awaited in the caller's task; and started in the actor's.
-    finish: Callable[[Batch, Awaitable[list[int]]], Awaitable[None]] | None = None
+    # Set while the actor runs: a batch's wait started in the actor's task (`disown`); in the caller's, the reads'
+    # end (None: they failed, and the actor has the error), then the turns over it, in the caller's task, without
+    # a wait (`over_now`), or in a task of the actor's (`over_later`).
     start: Callable[[Batch, Awaitable[list[int]]], None] | None = None
-    # ... and `finish` in two: the reads' end (None: they failed, and the actor has the error), then the turns.
     read_end: Callable[[Awaitable[list[int]]], Awaitable[list[int] | None]] | None = None
     turns_over: Callable[[Batch, list[int]], Awaitable[None]] | None = None
-    turns_now: Callable[[Batch, list[int]], None] | None = None  # ... without a wait (`over_now`)
+    turns_now: Callable[[Batch, list[int]], None] | None = None
+    later: Callable[[Batch, list[int]], None] | None = None
     pool_idle: Callable[[], bool] = lambda: False  # the pool would take a ReadsDone's turn now (set by the wiring)
     _claim: list[Claimed] | None = None  # the taker's, during its turn
     _state: Any = attrs.field(init=False)
@@ -97,23 +98,18 @@ class ReadsInline:
             return None
         return claim
 
-    async def wait(self, claimed: Claimed) -> None:
-        """Wait for a claimed batch and take the turns over its end (shielded: its reads write into slots, and
-        the pool must hear of them). A read's error ends the read scheduler, as in its own task."""
-        assert self.finish is not None, "the read scheduler stopped with a claimed batch"
-        with trio.CancelScope(shield=True):
-            await self.finish(claimed.batch, claimed.reading)
-
     async def reads_of(self, claimed: Claimed) -> list[int] | None:
-        """`wait`'s first half: the bytes read per job once a claimed batch's reads are done (shielded), or None
-        when they failed (the read scheduler ends with the error). `over` or `over_now` must follow."""
+        """The bytes read per job once a claimed batch's reads are done (shielded: they write into slots), or None
+        when they failed (the read scheduler ends with the error, as in its own task). Then the turns over the
+        batch's end: `over`, `over_now` or `over_later`."""
         assert self.read_end is not None, "the read scheduler stopped with a claimed batch"
         with trio.CancelScope(shield=True):
             return await self.read_end(claimed.reading)
 
     async def over(self, claimed: Claimed, nbytes: list[int]) -> None:
-        """`wait`'s second half: the turns over the batch's end (the read scheduler's; the pool's when it is idle,
-        else its `ReadsDone` by channel)."""
+        """The turns over the batch's end (the read scheduler's; the pool's when it is idle, else its `ReadsDone`
+        by channel). The pool's answers to the forward may wait for room in its channel: a forward takes them here
+        only with its channel empty (it holds what one turn sends, a `Present` and a `Granted`), else `over_later`."""
         assert self.turns_over is not None, "the read scheduler stopped with a claimed batch"
         with trio.CancelScope(shield=True):
             await self.turns_over(claimed.batch, nbytes)
@@ -126,6 +122,12 @@ class ReadsInline:
             return False
         self.turns_now(claimed.batch, nbytes)
         return True
+
+    def over_later(self, claimed: Claimed, nbytes: list[int]) -> None:
+        """`over`, taken by a task of the read scheduler's (for a forward whose channel holds answers to take
+        first: the turn's sends to it may wait until it has)."""
+        assert self.later is not None, "the read scheduler stopped with a claimed batch"
+        self.later(claimed.batch, nbytes)
 
     def disown(self, claimed: Claimed) -> None:
         """Hand a claimed batch back to the read scheduler's own task (a taker that will not wait for it)."""
@@ -207,23 +209,15 @@ async def read_scheduler(
                 nursery.start_soon(_raise, e)
                 return None
 
-        async def finish(batch: Batch, reading: Awaitable[list[int]]) -> None:
-            """`run` in a claimant's task; an error ends this actor as in its own task (the claimant goes on
-            to wait for its grant, which then never comes: the pipeline stops with this error)."""
-            try:
-                await run(batch, reading)
-            except Exception as e:
-                nursery.start_soon(_raise, e)
-
         def turn_now(msgs: Sequence[ReadInbox]) -> None:
             done = deliver(core.turn(msgs, trio.current_time()))
             assert done is None, done  # requests and promotions only: no batch finishes in such a turn
 
         if inline is not None and turns is None:
             inline.turn = turn_now
-            inline.finish = finish
             inline.start = partial(nursery.start_soon, run)
             inline.read_end, inline.turns_over, inline.turns_now = read_end, turns_over, turns_now
+            inline.later = partial(nursery.start_soon, turns_over)
         task_status.started()
         try:
             async for first in inbox:
@@ -233,7 +227,7 @@ async def read_scheduler(
                 turn_now(list(drain(inbox, first)))
         finally:
             if inline is not None:
-                inline.turn = inline.finish = inline.start = None
+                inline.turn = inline.start = inline.later = None
                 inline.read_end = inline.turns_over = inline.turns_now = None
 
 
