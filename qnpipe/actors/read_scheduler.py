@@ -99,12 +99,12 @@ class ReadsInline:
         return claim
 
     async def reads_of(self, claimed: Claimed) -> list[int] | None:
-        """The bytes read per job once a claimed batch's reads are done (shielded: they write into slots), or None
-        when they failed (the read scheduler ends with the error, as in its own task). Then the turns over the
-        batch's end: `over`, `over_now` or `over_later`."""
+        """The bytes read per job once a claimed batch's reads are done, or None when they failed (the read
+        scheduler ends with the error, as in its own task). Then the turns over the batch's end: `over`, `over_now`
+        or `over_later`. Not shielded here: a device whose reads write into slot memory shields its own wait
+        (`StoreDevice`), and one that does not can be cancelled, as in the read scheduler's task."""
         assert self.read_end is not None, "the read scheduler stopped with a claimed batch"
-        with trio.CancelScope(shield=True):
-            return await self.read_end(claimed.reading)
+        return await self.read_end(claimed.reading)
 
     async def over(self, claimed: Claimed, nbytes: list[int]) -> None:
         """The turns over the batch's end (the read scheduler's; the pool's when it is idle, else its `ReadsDone`
