@@ -23,15 +23,15 @@ driver does the same (qnpipe.replay.fast).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol, cast
 
 import attrs
 import numpy as np
 import trio
 
 from qnpipe.actors.pool import InlinePool
+from qnpipe.actors.read_scheduler import Claimed, settle
 from qnpipe.actors.stamp import send_soon
 from qnpipe.errors import PipelineError
 from qnpipe.messages import Acquire, Candidates, ForwardInbox, Msg, PoolInbox, Release
@@ -40,8 +40,12 @@ from qnpipe.policy.outbox import Outbox
 from qnpipe.policy.pace import Pace
 from qnpipe.steps import Event, Hits, LayerRoute, PartGrant, Queued, StepDone, Tail
 
-if TYPE_CHECKING:
-    from qnpipe.actors.read_scheduler import Claimed
+
+def _foreseen(got: PartGrant | None, want: PartGrant, what: str) -> None:
+    """A grant the backend ran before its turn: the pool's, taken at that turn, must be the same part."""
+    if (got is None or (got.lo, got.hi, got.last, got.early, got.by_expert)
+            != (want.lo, want.hi, want.last, want.early, want.by_expert) or not np.array_equal(got.slots, want.slots)):
+        raise AssertionError(f"the pool's grant {got} is not {what} {want}")
 
 
 class Backend(Protocol):
@@ -252,10 +256,8 @@ class Forward:
         self._emit(out)
         granted = self.inline.answer(out.pool)
         run = None if granted is None else self.core.handle(granted, granted.t).run
-        if (run is None or run.early or run.by_expert or not run.last or (run.lo, run.hi) != (0, len(slots))
-                or not np.array_equal(run.slots, slots)):
-            # hit_slots said this turn grants exactly these slots; the experts already ran from them
-            raise AssertionError(f"layer {route.layer}: the pool's grant {run} is not the hit {slots.tolist()}")
+        # hit_slots said this turn grants exactly these slots; the experts already ran from them
+        _foreseen(run, PartGrant(0, len(slots), slots, last=True), f"layer {route.layer}: the hit")
         self.progress += 1
         self.hits_taken += 1
         self._last_open = True
@@ -340,10 +342,7 @@ class Forward:
     def _granted(self, run: PartGrant, got: PartGrant | None) -> None:
         """The pool's grant `got` of a part the backend ran before it (`_grant`), taken by the core at the reads'
         end: it must be the one foreseen."""
-        if (got is None or (got.lo, got.hi, got.last, got.early, got.by_expert) != (run.lo, run.hi, run.last,
-                                                                                        run.early, run.by_expert)
-                or not np.array_equal(got.slots, run.slots)):
-            raise AssertionError(f"the pool's grant {got} is not the one foreseen {run}")
+        _foreseen(got, run, "the grant foreseen")
         self.landed_taken += 1
 
     async def _grant(self, yielded: bool = False) -> tuple[PartGrant, ForwardInbox | None]:
@@ -413,9 +412,8 @@ class Forward:
                 reads = self.inline.reads if self.inline is not None else None
                 if reads is not None and reads.start is not None:
                     reads.disown(c)
-                else:  # the read scheduler stopped: its reads write into slot memory, so they end first
-                    with contextlib.suppress(Exception):
-                        await c.reading
+                else:
+                    await settle(c)
             await self.backend.abort()
             out = self.core.cancel(trio.current_time())  # with the Release held, if any
             self._answered.clear()  # its Release is the core's (the part is acquired)

@@ -18,6 +18,7 @@ in between.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
@@ -103,7 +104,9 @@ class ReadsInline:
         scheduler ends with the error, as in its own task). Then the turns over the batch's end: `over`, `over_now`
         or `over_later`. Not shielded here: a device whose reads write into slot memory shields its own wait
         (`StoreDevice`), and one that does not can be cancelled, as in the read scheduler's task."""
-        assert self.read_end is not None, "the read scheduler stopped with a claimed batch"
+        if self.read_end is None:  # the read scheduler ended (with an error, or a failure elsewhere)
+            await settle(claimed)
+            return None
         return await self.read_end(claimed.reading)
 
     async def over(self, claimed: Claimed, nbytes: list[int]) -> None:
@@ -202,12 +205,19 @@ async def read_scheduler(
                 taken = pool_inline_now(done)
                 assert taken, "the pool was idle a moment ago, in this very turn"
 
+        waiting: set[trio.CancelScope] = set()  # the claimed waits in other tasks: they end with this actor
+
         async def read_end(reading: Awaitable[list[int]]) -> list[int] | None:
-            try:
-                return await reading
-            except Exception as e:  # as `run`'s: this actor ends with it
-                nursery.start_soon(_raise, e)
-                return None
+            with trio.CancelScope() as scope:
+                waiting.add(scope)
+                try:
+                    return await reading
+                except Exception as e:  # as `run`'s: this actor ends with it
+                    nursery.start_soon(_raise, e)
+                    return None
+                finally:
+                    waiting.discard(scope)
+            return None  # this actor ended (an actor failed, or the pipeline closes), as its own wait would
 
         def turn_now(msgs: Sequence[ReadInbox]) -> None:
             done = deliver(core.turn(msgs, trio.current_time()))
@@ -226,13 +236,24 @@ async def read_scheduler(
                 # Take everything already waiting, so one step's misses are one batch on the device.
                 turn_now(list(drain(inbox, first)))
         finally:
+            for scope in waiting:
+                scope.cancel()
             if inline is not None:
                 inline.turn = inline.start = inline.later = None
                 inline.read_end = inline.turns_over = inline.turns_now = None
+
+
+async def settle(claimed: Claimed) -> None:
+    """End a claimed batch whose read scheduler has stopped, as its cancelled task would have: a device whose
+    reads write into slot memory waits for them (its wait is shielded), any other is cancelled."""
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        with contextlib.suppress(Exception):
+            await claimed.reading
 
 
 async def _raise(e: BaseException) -> None:
     raise e
 
 
-__all__ = ["Claimed", "ReadSchedulerStats", "ReadsInline", "read_scheduler"]
+__all__ = ["Claimed", "ReadSchedulerStats", "ReadsInline", "read_scheduler", "settle"]
