@@ -35,6 +35,11 @@ from qnpipe.policy.turn_order import POOL, in_turn_order
 if TYPE_CHECKING:
     from qnpipe.actors.read_scheduler import Claimed, ReadsInline
 
+# In an acquire with misses taken in the forward's turn (`InlinePool.answer_reads`), its reads go to the read
+# scheduler's turn as soon as the tables have chosen their slots, before the rest of the pool's turn
+# (`PoolCore.reads_now`). False: after the whole turn (A/B benchmarks).
+_reads_first = True
+
 
 @attrs.define(eq=False)
 class InlinePool:
@@ -62,6 +67,7 @@ class InlinePool:
     # layer-step (trio is pinned; qnpipe.actors.turns reads its internals too).
     _inbox_state: Any = attrs.field(init=False)
     _grants_data: Any = attrs.field(init=False)
+    _claim: list[Claimed] | None = None  # `answer_reads`' caller's, during its turn
 
     def __attrs_post_init__(self) -> None:
         self._inbox_state = self.inbox._state  # pyright: ignore[reportPrivateUsage]
@@ -95,12 +101,25 @@ class InlinePool:
         acq = msgs[-1]
         if reads is None or not isinstance(acq, Acquire) or not reads.idle() or not self.idle():
             return None
-        out = self._turn(msgs, acq)
+        if _reads_first:
+            self.core.reads_now = self._reads_now
+        self._claim = claim
+        try:
+            out = self._turn(msgs, acq)
+            if out.reads:
+                self._reads_now(out)
+        finally:
+            self.core.reads_now = None
+            self._claim = None
         self.read_turns += 1
-        if out.reads:
-            taken = reads.take(out.reads, claim)
-            assert taken, "the read scheduler was idle a moment ago, in this very turn"
         return out.forward
+
+    def _reads_now(self, out: Outbox) -> None:
+        """The read scheduler's turn over `out.reads`, taken now (they leave `out`); the caller's `claim` with it."""
+        assert self.reads is not None
+        taken = self.reads.take(out.reads, self._claim)
+        assert taken, "the read scheduler was idle a moment ago, in this very turn"
+        out.reads.clear()
 
     def idle(self) -> bool:
         """The pool actor parked on an empty inbox and the forward's grant channel empty: a turn taken here

@@ -14,7 +14,7 @@ others are still on their way; `Granted` (all of them) ends it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import assert_never
 
 import attrs
@@ -52,6 +52,11 @@ class PoolCore:
     seq: int = 0
     early: set[GrantKey] = attrs.field(factory=set)  # pending grants whose step takes Present
     landed: dict[GrantKey, list[tuple[int, int]]] = attrs.field(factory=dict)  # their reads done in this turn
+    # Set for one turn by a driver that puts reads on the device from inside the turn (qnpipe.actors.pool's
+    # `InlinePool.answer_reads`): an acquire's reads are handed to it (and taken out of the `Outbox`) as soon as
+    # the tables have chosen their slots, before the rest of the acquire's turn. Never while logging, so the
+    # event log's records keep the order every driver gives them.
+    reads_now: Callable[[Outbox], None] | None = None
 
     def _seq(self) -> int:
         self.seq += 1
@@ -117,11 +122,18 @@ class PoolCore:
         match msg:
             case Acquire():
                 key = (msg.step, msg.layer, msg.part)
-                acq = policy.acquire(key, msg.experts, msg.t)
-                if self.logging:
-                    out.log += [RecallSample(t=now, seq=self._seq(), step=msg.step, layer=ly, used=used,
-                                             predicted=predicted) for ly, used, predicted in acq.recall]
-                self._read(msg.layer, acq.loads, now, out, acq.promotions)
+                if (reads_now := self.reads_now) is not None and not self.logging and (
+                        adm := policy.acquire_loads(key, msg.experts, msg.t)) is not None:
+                    # The same reads, the same messages, in the same order: only sooner on the device.
+                    self._read(msg.layer, adm.loads, now, out)
+                    reads_now(out)
+                    acq = policy.acquire_done(adm)
+                else:
+                    acq = policy.acquire(key, msg.experts, msg.t)
+                    if self.logging:
+                        out.log += [RecallSample(t=now, seq=self._seq(), step=msg.step, layer=ly, used=used,
+                                                 predicted=predicted) for ly, used, predicted in acq.recall]
+                    self._read(msg.layer, acq.loads, now, out, acq.promotions)
                 if (ready := acq.ready) is not None:
                     self._grant(ready, now, out)
                 elif msg.early:
