@@ -147,6 +147,10 @@ What is measured (every figure is a median over `--rounds`):
   (`qnpipe.actors.forward._landed_grants` off around its runs; the `--miss-ab` engine's too): the `_grant_first`
   keys. The overhead such a turn leaves is inside an MLX call, so `overhead_frac` no longer counts it: compare
   the tok/s ratio too.
+* `--reads-first-ab`: likewise a `demand_reads_after_turn` engine, whose acquires with misses put their reads on
+  the device after the pool's whole turn rather than once the slot table has chosen their slots
+  (`qnpipe.actors.pool._reads_first` off around its runs; the `--miss-ab` engine's too): the `_reads_after_turn`
+  keys.
 * `ratio_demand_to_serial_bound` = tok_s_demand / tok_s_serial_bound (target >= 0.9);
   `overhead_frac` target < 0.05.
 
@@ -740,7 +744,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-prefetch", action="store_true", help="skip the prefetch engine")
     ap.add_argument("--miss-ab", action="store_true",
                     help="also the demand engine with the miss path before 2026-12-05 (the `_before` keys; the "
-                         "switches of --c-acquire-ab, --yield-ab, --own-reads-ab and --landed-ab off too)")
+                         "switches of --c-acquire-ab, --yield-ab, --own-reads-ab, --landed-ab and --reads-first-ab off too)")
     for flag, (what, keys) in {
         "--acquire-ab": ("whose acquires with misses go by channel", "_acquire_channel"),
         "--route-ab": ("that gives the other tasks their turn before a route's acquire", "_route_later"),
@@ -750,6 +754,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--own-reads-ab": ("whose demand batches are waited for by the read scheduler's task, not the forward's",
                            "_others_wait"),
         "--landed-ab": ("whose grants are taken before the backend runs them, not in its call", "_grant_first"),
+        "--reads-first-ab": ("whose acquires put their reads on the device after the pool's whole turn",
+                             "_reads_after_turn"),
     }.items():
         ap.add_argument(flag, action="store_true", help=f"also the demand engine {what} (the `{keys}` keys)")
     ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
@@ -819,7 +825,8 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     setattr(module, flag, True)
         for on, name in ((args.c_acquire_ab, "python_acquire"), (args.yield_ab, "no_yield"),
-                         (args.own_reads_ab, "others_wait"), (args.landed_ab, "grant_first")):
+                         (args.own_reads_ab, "others_wait"), (args.landed_ab, "grant_first"),
+                         (args.reads_first_ab, "reads_after_turn")):
             if on:  # its switch is read per call: set around its runs (`CALL_VARIANTS`)
                 engines[f"demand_{name}"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0,
                                                           **read)
@@ -1071,14 +1078,16 @@ _C_ACQUIRE = ("qnpipe.policy.slot_table", "_c_acquire")
 _YIELD = ("qnpipe.io.ssd", "_yield_after_start")
 _OWN_READS = ("qnpipe.actors.forward", "_wait_own_reads")
 _LANDED = ("qnpipe.actors.forward", "_landed_grants")
+_READS_FIRST = ("qnpipe.actors.pool", "_reads_first")
 CALL_VARIANTS = {
     "demand_python_acquire": (_C_ACQUIRE,),  # `--c-acquire-ab`
     "demand_no_yield": (_YIELD,),  # `--yield-ab`
     "demand_others_wait": (_OWN_READS,),  # `--own-reads-ab`
     "demand_grant_first": (_LANDED,),  # `--landed-ab`
-    "demand_before": (_C_ACQUIRE, _YIELD, _OWN_READS, _LANDED),
+    "demand_reads_after_turn": (_READS_FIRST,),  # `--reads-first-ab`
+    "demand_before": (_C_ACQUIRE, _YIELD, _OWN_READS, _LANDED, _READS_FIRST),
 }
-CALL_VARIANT_NAMES = ("python_acquire", "no_yield", "others_wait", "grant_first")  # their keys' suffixes
+CALL_VARIANT_NAMES = ("python_acquire", "no_yield", "others_wait", "grant_first", "reads_after_turn")  # key suffixes
 
 
 @contextlib.contextmanager

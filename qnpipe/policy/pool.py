@@ -15,7 +15,7 @@ the counters (`pool_counters.PoolCounters`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import msgspec
@@ -57,19 +57,6 @@ class ReadResult(msgspec.Struct, frozen=True):
     grants: tuple[Grant, ...] = ()
     landed: tuple[Landed, ...] = ()
     promotions: tuple[Promotion, ...] = ()
-
-
-class Admitted(msgspec.Struct, frozen=True):
-    """An acquire between `PoolPolicy.acquire_loads` and `acquire_done`: its tables' plan made, the rest not."""
-
-    key: GrantKey
-    experts: tuple[int, ...]
-    now: float
-    plan: AcquirePlan
-
-    @property
-    def loads(self) -> tuple[Load, ...]:
-        return self.plan.loads
 
 
 NOTHING_READ = ReadResult()  # the answer of a read that leads to nothing (one object: compare with `is`)
@@ -179,55 +166,26 @@ class PoolPolicy:
         self.tally.loads(layer, plan.loads)
         return list(plan.loads)
 
-    def acquire(self, key: GrantKey, experts: Sequence[int], now: float) -> AcquireResult:
+    def acquire(self, key: GrantKey, experts: Sequence[int], now: float,
+                reads_now: Callable[[Sequence[Load]], None] | None = None) -> AcquireResult:
         """Plan the grant `key` of `experts`: the reads to issue and the grant if complete.
 
-        When the slots it needs are still loading for a cancelled step, the acquire waits
-        (no reads, no grant) and `read_done` takes it up again.
+        When the slots it needs are still loading for a cancelled step, the acquire waits (no reads, no grant)
+        and `read_done` takes it up again. `reads_now` gets the reads once the table has chosen their slots,
+        before the grant, counters and attribution, when they are all (no side region); the result has them too.
         """
-        self._asked(key, experts)
-        out = self._admit(key, experts, now)
+        grants = self.grants
+        if key in grants.pending or key in grants.held or key in grants.deferred:  # Grants.known, inline
+            raise AssertionError(f"grant {key} asked for twice")
+        if self.heat is not None:
+            self.heat.count(key[0], key[1], experts)
+        out = self._admit(key, experts, now, reads_now)
         recall = self.attribution.take_recall() if self.attribution.recall else ()
         if out is None:
             self._defer(key, experts, now)
             return AcquireResult(recall=recall)
         loads, ready, promotions = out
         return AcquireResult(tuple(loads), ready, tuple(promotions), recall)
-
-    def acquire_loads(self, key: GrantKey, experts: Sequence[int], now: float) -> Admitted | None:
-        """`acquire` in two halves, for an acquire whose reads may go out before the rest of its turn: the
-        table's plan, whose `loads` are the reads `acquire` would name; `acquire_done` gives the rest of its
-        result (changing nothing until then: the two together are `acquire`, call for call). None, with
-        nothing done, when the acquire is not this simple one (a side region, a deferred acquire, all hits,
-        no slot to take yet): use `acquire`."""
-        layer = key[1]
-        table = self.tables[layer]
-        if (self.sides or self.into_main or self.grants.deferred or table.all_ready(experts)
-                or not table.can_acquire_now(experts)):
-            return None
-        self._asked(key, experts)
-        if len(experts) > (room := table.room_ever(experts, ())):
-            raise CapacityError(self._no_room(layer, len(experts), room, table.capacity))
-        return Admitted(key, tuple(experts), now, table.acquire(experts))
-
-    def acquire_done(self, adm: Admitted) -> AcquireResult:
-        """The rest of `acquire` after `acquire_loads`: its grant, counters and recall samples."""
-        loads, ready, promotions = self._admitted(adm.key, adm.experts, adm.now, self.tables[adm.key[1]], adm.plan,
-                                                  [], [], None)
-        recall = self.attribution.take_recall() if self.attribution.recall else ()
-        return AcquireResult(tuple(loads), ready, tuple(promotions), recall)
-
-    def _asked(self, key: GrantKey, experts: Sequence[int]) -> None:
-        grants = self.grants
-        if key in grants.pending or key in grants.held or key in grants.deferred:  # Grants.known, inline
-            raise AssertionError(f"grant {key} asked for twice")
-        if self.heat is not None:
-            self.heat.count(key[0], key[1], experts)
-
-    @staticmethod
-    def _no_room(layer: int, need: int, room: int, capacity: int) -> str:
-        return (f"layer {layer}: a step needs {need} distinct experts, {room} of {capacity} slots are usable "
-                f"(the rest are pinned, held or kept for waiting acquires)")
 
     def present(self, key: GrantKey) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(experts, slots) of grant `key` already in memory while the rest is read (`Grants.present`)."""
@@ -250,8 +208,8 @@ class PoolPolicy:
             self.sides[key[1]].hold(in_side)
         self.grants.deferred[key] = Deferred(tuple(experts), now, tuple(in_side))
 
-    def _admit(self, key: GrantKey, experts: Sequence[int],
-               now: float) -> tuple[Sequence[Load], Grant | None, list[Promotion]] | None:
+    def _admit(self, key: GrantKey, experts: Sequence[int], now: float, reads_now: Callable[[Sequence[Load]], None]
+               | None = None) -> tuple[Sequence[Load], Grant | None, list[Promotion]] | None:
         """Grant `key` now if its resident part has a slot for each miss: the reads to issue, the grant if
         complete and the prefetches it waits for; None: it must wait for slots still loading. CapacityError
         (nothing changed) when the resident region cannot give its part even once the reads are done."""
@@ -269,7 +227,10 @@ class PoolPolicy:
             # was accepted (after it, each was checked against its room).
             reserved = self.grants.reserved(layer, before=key) if self.grants.deferred else set()
             if len(main_part) > (room := table.room_ever(main_part, reserved)):
-                raise CapacityError(self._no_room(layer, len(main_part), room, table.capacity))
+                raise CapacityError(
+                    f"layer {layer}: a step needs {len(main_part)} distinct experts, {room} of "
+                    f"{table.capacity} slots are usable (the rest are pinned, held or kept for waiting acquires)"
+                )
             if not table.can_acquire_now(main_part):
                 return None
             promoted = self.placement.promote(layer, experts, main_part, reserved) if in_side else []
@@ -278,14 +239,8 @@ class PoolPolicy:
             plan = table.acquire(main_part)
             # the side region's part is held before a demand load's victim moves there and takes a side slot
             splan = side.acquire(in_side) if in_side and side is not None else None
-        return self._admitted(key, experts, now, table, plan, in_side, promoted, splan)
-
-    def _admitted(self, key: GrantKey, experts: Sequence[int], now: float, table: SlotTable, plan: AcquirePlan,
-                  in_side: list[int], promoted: list[int],
-                  splan: AcquirePlan | None) -> tuple[Sequence[Load], Grant | None, list[Promotion]]:
-        """`_admit` once the tables have planned: the grant, the counters, the attribution of its misses."""
-        layer = key[1]
-        side = self.sides.get(layer)
+            if reads_now is not None and plan.loads and splan is None and isinstance(self.placement, SidePlacement):
+                reads_now(plan.loads)  # SidePlacement.demand's loads: the plan's
         slot_of = dict(plan.hits) | dict(plan.waiting) | {ld.expert: ld.slot for ld in plan.loads}
         gen_of = {e: table.generation[s] for e, s in slot_of.items()}
         hits = len(plan.hits)
@@ -313,8 +268,6 @@ class PoolPolicy:
         grant = Grant(key, tuple(experts), [slot_of[e] for e in experts], [gen_of[e] for e in experts], missing,
                       hits, len(missing), now, frozenset(in_side))
         return demand.loads, self.grants.open(grant), promotions
-
-    # ----------------------------------------------------------------- prefetch
 
     def prefetch(self, step: int, source: int, layer: int, ranked: Sequence[tuple[int, float]]) -> list[Load]:
         """Plan the prefetch of `ranked` candidates (best first) for `layer`, hinted at MoE layer `source`.
@@ -359,8 +312,6 @@ class PoolPolicy:
         self.placement.prefetch_cancelled(layer, expert)
         self.attribution.expired(layer, expert)
         return False
-
-    # ----------------------------------------------------------------- reads done, release
 
     def read_done(self, layer: int, expert: int, slot: int) -> ReadResult:
         """The read of (`layer`, `expert`) into `slot` finished: the reads and grants that follow."""
@@ -443,5 +394,5 @@ class PoolPolicy:
                     self.attribution.wasted(layer, e)
 
 
-__all__ = ["NOTHING_READ", "AcquireResult", "Admitted", "Deferred", "Grant", "GrantKey", "HintFate", "LayerCounters", "MissKind",
+__all__ = ["NOTHING_READ", "AcquireResult", "Deferred", "Grant", "GrantKey", "HintFate", "LayerCounters", "MissKind",
            "PoolOptions", "PoolPolicy", "PoolStatistics", "PrefetchBudgets", "Promotion", "ReadResult", "SlotMap"]

@@ -54,8 +54,8 @@ class PoolCore:
     landed: dict[GrantKey, list[tuple[int, int]]] = attrs.field(factory=dict)  # their reads done in this turn
     # Set for one turn by a driver that puts reads on the device from inside the turn (qnpipe.actors.pool's
     # `InlinePool.answer_reads`): an acquire's reads are handed to it (and taken out of the `Outbox`) as soon as
-    # the tables have chosen their slots, before the rest of the acquire's turn. Never while logging, so the
-    # event log's records keep the order every driver gives them.
+    # the tables have chosen their slots, before the rest of the acquire's turn (`PoolPolicy.acquire`): the same
+    # messages, in the same order. Not while logging: the read scheduler's records would precede the pool's.
     reads_now: Callable[[Outbox], None] | None = None
 
     def _seq(self) -> int:
@@ -122,17 +122,21 @@ class PoolCore:
         match msg:
             case Acquire():
                 key = (msg.step, msg.layer, msg.part)
-                if (reads_now := self.reads_now) is not None and not self.logging and (
-                        adm := policy.acquire_loads(key, msg.experts, msg.t)) is not None:
-                    # The same reads, the same messages, in the same order: only sooner on the device.
-                    self._read(msg.layer, adm.loads, now, out)
-                    reads_now(out)
-                    acq = policy.acquire_done(adm)
+                sent: list[Sequence[Load]] = []
+                if self.reads_now is not None and not self.logging:
+
+                    def reads_now(loads: Sequence[Load]) -> None:  # the same reads, sooner on the device
+                        self._read(msg.layer, loads, now, out)
+                        self.reads_now(out)  # pyright: ignore[reportOptionalCall]  # set for the turn
+                        sent.append(loads)
+
+                    acq = policy.acquire(key, msg.experts, msg.t, reads_now)
                 else:
                     acq = policy.acquire(key, msg.experts, msg.t)
-                    if self.logging:
-                        out.log += [RecallSample(t=now, seq=self._seq(), step=msg.step, layer=ly, used=used,
-                                                 predicted=predicted) for ly, used, predicted in acq.recall]
+                if self.logging:
+                    out.log += [RecallSample(t=now, seq=self._seq(), step=msg.step, layer=ly, used=used,
+                                             predicted=predicted) for ly, used, predicted in acq.recall]
+                if not sent:
                     self._read(msg.layer, acq.loads, now, out, acq.promotions)
                 if (ready := acq.ready) is not None:
                     self._grant(ready, now, out)

@@ -281,3 +281,48 @@ def test_a_grant_run_before_its_turn_logs_the_same_records(streamed: Path, tmp_p
     assert tokens == tokens_off
     assert Counter(type(r).__name__ for r in landed_records) == Counter(type(r).__name__ for r in records_off)
     assert _read_content(landed_records) == _read_content(records_off)
+
+
+def test_an_acquires_reads_put_on_the_device_before_the_rest_of_its_turn_are_the_same_reads(
+        streamed: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """An acquire with misses taken in the forward's turn puts its reads on the device once the table chose their
+    slots (`PoolPolicy.acquire`'s `reads_now`), or, off (qnpipe.actors.pool._reads_first), after its whole turn:
+    the same tokens, and the same reads (layer, expert, slot) handed to the read scheduler in the same order."""
+    from qnpipe.actors import pool
+    from qnpipe.messages import ReadExperts
+    from qnpipe.policy.pool import PoolPolicy
+
+    runs: dict[bool, tuple[Any, list[tuple[int, int, int]], int]] = {}
+    for first in (True, False):
+        reads: list[tuple[int, int, int]] = []
+        early = [0]
+        real_take, real_acquire = ReadsInline.take, PoolPolicy.acquire
+
+        def take(self: ReadsInline, msgs: Any, *rest: Any, _real: Any = real_take,
+                 reads: list[tuple[int, int, int]] = reads) -> bool:
+            ok = _real(self, msgs, *rest)
+            reads.extend((m.layer, e, s) for m in msgs if ok and isinstance(m, ReadExperts)
+                         for e, s in zip(m.experts, m.slots, strict=True))
+            return ok
+
+        def acquire(self: PoolPolicy, *a: Any, _real: Any = real_acquire, early: list[int] = early) -> Any:
+            if len(a) < 4 or a[3] is None:
+                return _real(self, *a)
+
+            def hook(loads: Any, inner: Any = a[3]) -> None:
+                early[0] += 1
+                inner(loads)
+
+            return _real(self, *a[:3], hook)
+
+        with monkeypatch.context() as m:
+            m.setattr(pool, "_reads_first", first)
+            m.setattr(ReadsInline, "take", take)
+            m.setattr(PoolPolicy, "acquire", acquire)
+            assert main(["generate", str(streamed), "--tokens", "5,6,7,8,9", "-n", "8", "--json", "--temperature",
+                         "0", "--set", "pool.expert_slots=4", "--set", "pool.autopin=false"]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        runs[first] = (out["tokens"], reads, early[0])
+    (tokens, reads, early), (tokens_off, reads_off, early_off) = runs[True], runs[False]
+    assert tokens == tokens_off and reads == reads_off and len(reads) > 0
+    assert early > 0 and early_off == 0  # the reads really went out from inside the turn, and only with it on

@@ -79,3 +79,45 @@ def test_a_deferred_acquire_taken_up_gives_its_recall_sample_with_the_next_acqui
 def test_without_recall_prof_no_sample_is_kept() -> None:
     p = _policy(predicting=True)
     assert p.acquire((1, 0, 0), [1], 1.0).recall == ()
+
+
+def _lfu_policy(**options: object) -> PoolPolicy:
+    return PoolPolicy.build({0: 3}, {0: make_eviction(EvictPolicy.LFU, 3)}, {0: 8},
+                            PoolOptions(**options))  # type: ignore[arg-type]
+
+
+def test_an_acquires_reads_come_out_before_its_grant_and_counters_and_change_nothing_else() -> None:
+    """`PoolPolicy.acquire`'s `reads_now`: the same reads as the result's, before the misses are counted; the
+    results, the tables and the counters of a run with it are those of the same run without."""
+    steps = [[1, 2], [2, 3], [4, 5], [1, 5], [6, 1], [2, 6]]
+    runs = []
+    for hooked in (True, False):
+        p = _lfu_policy()
+        early: list[tuple[int, ...]] = []
+
+        def reads_now(loads: object, p: PoolPolicy = p, early: list[tuple[int, ...]] = early) -> None:
+            early.append(tuple(ld.expert for ld in loads))  # type: ignore[attr-defined]
+            assert p.counters[0].misses == sum(map(len, early[:-1]))  # called before this acquire is counted
+
+        results = []
+        for step, experts in enumerate(steps):
+            acq = p.acquire((step, 0, 0), experts, float(step), reads_now if hooked else None)
+            results.append(acq)
+            for ld in acq.loads:
+                results.append(p.read_done(0, ld.expert, ld.slot))
+            p.release((step, 0, 0))
+            p.forward_done()
+        if hooked:
+            assert early == [tuple(ld.expert for ld in r.loads) for r in results
+                             if isinstance(r, AcquireResult) and r.loads]
+            assert len(early) >= 4
+        runs.append((results, p.statistics(), dict(p.tables[0].slot_of)))
+    assert runs[0] == runs[1]
+
+
+def test_an_acquire_with_a_side_region_gives_its_reads_with_the_result_only() -> None:
+    p = _policy(predicting=True, side_slots=1)
+    p.prefetch(1, -1, 0, [(1, 1.0)])
+    got: list[object] = []
+    acq = p.acquire((1, 0, 0), [1, 2], 1.0, got.append)  # 1 is in the side region: a promotion may follow
+    assert got == [] and [ld.expert for ld in acq.loads] == [2]
