@@ -151,6 +151,9 @@ What is measured (every figure is a median over `--rounds`):
   the device after the pool's whole turn rather than once the slot table has chosen their slots
   (`qnpipe.actors.pool._reads_first` off around its runs; the `--miss-ab` engine's too): the `_reads_after_turn`
   keys.
+* `--foresee-ab`: likewise a `demand_foresee_late` engine, whose grant run before its turn is foreseen once its
+  reads are done rather than while they are on the device (`qnpipe.actors.forward._foresee_early` off around its
+  runs; the `--miss-ab` engine's too): the `_foresee_late` keys.
 * `ratio_demand_to_serial_bound` = tok_s_demand / tok_s_serial_bound (target >= 0.9);
   `overhead_frac` target < 0.05.
 
@@ -744,7 +747,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-prefetch", action="store_true", help="skip the prefetch engine")
     ap.add_argument("--miss-ab", action="store_true",
                     help="also the demand engine with the miss path before 2026-12-05 (the `_before` keys; the "
-                         "switches of --c-acquire-ab, --yield-ab, --own-reads-ab, --landed-ab and --reads-first-ab off too)")
+                         "switches of --c-acquire-ab, --yield-ab, --own-reads-ab, --landed-ab, --reads-first-ab and "
+                         "--foresee-ab off too)")
     for flag, (what, keys) in {
         "--acquire-ab": ("whose acquires with misses go by channel", "_acquire_channel"),
         "--route-ab": ("that gives the other tasks their turn before a route's acquire", "_route_later"),
@@ -756,6 +760,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--landed-ab": ("whose grants are taken before the backend runs them, not in its call", "_grant_first"),
         "--reads-first-ab": ("whose acquires put their reads on the device after the pool's whole turn",
                              "_reads_after_turn"),
+        "--foresee-ab": ("whose grants run before their turn are foreseen once their reads are done",
+                         "_foresee_late"),
     }.items():
         ap.add_argument(flag, action="store_true", help=f"also the demand engine {what} (the `{keys}` keys)")
     ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
@@ -826,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
                     setattr(module, flag, True)
         for on, name in ((args.c_acquire_ab, "python_acquire"), (args.yield_ab, "no_yield"),
                          (args.own_reads_ab, "others_wait"), (args.landed_ab, "grant_first"),
-                         (args.reads_first_ab, "reads_after_turn")):
+                         (args.reads_first_ab, "reads_after_turn"), (args.foresee_ab, "foresee_late")):
             if on:  # its switch is read per call: set around its runs (`CALL_VARIANTS`)
                 engines[f"demand_{name}"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0,
                                                           **read)
@@ -1079,15 +1085,18 @@ _YIELD = ("qnpipe.io.ssd", "_yield_after_start")
 _OWN_READS = ("qnpipe.actors.forward", "_wait_own_reads")
 _LANDED = ("qnpipe.actors.forward", "_landed_grants")
 _READS_FIRST = ("qnpipe.actors.pool", "_reads_first")
+_FORESEE = ("qnpipe.actors.forward", "_foresee_early")
 CALL_VARIANTS = {
     "demand_python_acquire": (_C_ACQUIRE,),  # `--c-acquire-ab`
     "demand_no_yield": (_YIELD,),  # `--yield-ab`
     "demand_others_wait": (_OWN_READS,),  # `--own-reads-ab`
     "demand_grant_first": (_LANDED,),  # `--landed-ab`
     "demand_reads_after_turn": (_READS_FIRST,),  # `--reads-first-ab`
-    "demand_before": (_C_ACQUIRE, _YIELD, _OWN_READS, _LANDED, _READS_FIRST),
+    "demand_foresee_late": (_FORESEE,),  # `--foresee-ab`
+    "demand_before": (_C_ACQUIRE, _YIELD, _OWN_READS, _LANDED, _READS_FIRST, _FORESEE),
 }
-CALL_VARIANT_NAMES = ("python_acquire", "no_yield", "others_wait", "grant_first", "reads_after_turn")  # key suffixes
+CALL_VARIANT_NAMES = ("python_acquire", "no_yield", "others_wait", "grant_first", "reads_after_turn",
+                      "foresee_late")  # their keys' suffixes
 
 
 @contextlib.contextmanager

@@ -80,6 +80,8 @@ _wait_own_reads = True
 # the reads' end) before the backend runs it, not in the backend's call once its work is queued (`grant_queued`;
 # the way before 2026-12-05's night; A/B benchmarks). Read at each wait.
 _landed_grants = True
+# False: such a grant is foreseen once its reads are done, not while they are on the device (A/B benchmarks).
+_foresee_early = True
 
 
 @attrs.define(eq=False)
@@ -360,6 +362,10 @@ class Forward:
                     # it, with no task between the reads' end and the grant's use.
                     assert self.inline is not None and self.inline.reads is not None
                     reads, claimed = self.inline.reads, self._claimed.pop(0)
+                    # The grant these reads would complete, foreseen while they are on the device (`foresee`
+                    # reads the core's state, which only this task changes, and changes nothing).
+                    ahead = (self.core.foresee(claimed.batch.jobs) if _landed_grants and _foresee_early
+                             and self.takes_hits and self.check_bytes is None else None)
                     nbytes = await reads.reads_of(claimed)
                     if nbytes is None:  # failed: the read scheduler ends with the error, no grant comes
                         continue
@@ -372,10 +378,11 @@ class Forward:
                     # give it are taken in the backend's call once its work is queued (`grant_queued`). Nothing
                     # else runs in between (the backend's call is this task's), so the pool that is idle now
                     # still is then, and gives this very grant (checked there).
-                    if (_landed_grants and self.takes_hits and self.check_bytes is None and self.inline.idle()
-                            and reads.pool_idle() and (run := self.core.foresee(claimed.batch.jobs)) is not None):
-                        self._landed = (claimed, nbytes, run, trio.current_time())
-                        return run, None
+                    if not _foresee_early and _landed_grants and self.takes_hits and self.check_bytes is None:
+                        ahead = self.core.foresee(claimed.batch.jobs)
+                    if ahead is not None and self.inline.idle() and reads.pool_idle():
+                        self._landed = (claimed, nbytes, ahead, trio.current_time())
+                        return ahead, None
                     await reads.over(claimed, nbytes)
                     await trio.lowlevel.checkpoint_if_cancelled()
                     try:

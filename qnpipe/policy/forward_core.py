@@ -264,7 +264,7 @@ class ForwardCore:
         """The full grant of the early part being acquired as the pool's `Granted` will give it, once `reads` are
         done, when they hold the read of every expert of the part not in memory yet (none given by a `Present`);
         None when they do not (the grant comes as usual), or the part is not an early one. Its `misses` counts
-        those reads. Its slots go in the lookup table: the grant writes the same ones there (`handle`)."""
+        those reads. Nothing changes here: the grant, handled, writes the same slots in the lookup table."""
         at = self._at
         if at is None or not at.early or not at.acquired or at.lut is None or at.ids is None:
             return None
@@ -274,6 +274,7 @@ class ForwardCore:
         missing = [e for e in experts if lut[e] < 0]
         if not missing or any(e not in slot_of for e in missing):
             return None
+        lut = lut.copy()
         lut[missing] = [slot_of[e] for e in missing]
         return PartGrant(lo, hi, lut[at.ids[lo:hi]], at.part == len(at.parts) - 1, misses=len(missing))
 

@@ -248,9 +248,10 @@ def test_a_grant_run_before_its_turn_logs_the_same_records(streamed: Path, tmp_p
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """Early grants on: the forward waits for its own reads and, when they complete its grant, the backend runs
     that grant at once and its turns come in the backend's call (`Forward.grant_queued`), or, off
-    (qnpipe.actors.forward._landed_grants), before it. The same tokens, record kinds, grants and reads."""
-    runs: dict[bool, tuple[Any, list[Any], int]] = {}
-    for landed in (True, False):
+    (qnpipe.actors.forward._landed_grants), before it; foreseen while its reads are on the device or once they are
+    done (`_foresee_early`). The same tokens, record kinds, grants and reads."""
+    runs: dict[tuple[bool, bool], tuple[Any, list[Any], int]] = {}
+    for landed, early in ((True, True), (True, False), (False, True)):
         taken = Counter[str]()
         real_granted, real_queued = Forward._granted, Forward.grant_queued
 
@@ -262,9 +263,10 @@ def test_a_grant_run_before_its_turn_logs_the_same_records(streamed: Path, tmp_p
             taken["in the call"] += self._landed is not None
             _real(self)
 
-        path = tmp_path / f"landed-{landed}.qtrace"
+        path = tmp_path / f"landed-{landed}-{early}.qtrace"
         with monkeypatch.context() as m:
             m.setattr(forward, "_landed_grants", landed)
+            m.setattr(forward, "_foresee_early", early)
             m.setattr(Forward, "_granted", granted)
             m.setattr(Forward, "grant_queued", queued)
             assert main(["generate", str(streamed), "--tokens", "5,6,7,8,9", "-n", "8", "--json", "--temperature",
@@ -272,15 +274,17 @@ def test_a_grant_run_before_its_turn_logs_the_same_records(streamed: Path, tmp_p
                          "--trace", str(path)]) == 0
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         _, records = trace.read(path)
-        runs[landed] = (out["tokens"], records, taken["granted"])
+        runs[landed, early] = (out["tokens"], records, taken["granted"])
         if landed:  # grants were run before their turn, and most took it in the backend's call
             assert taken["granted"] > 0 and taken["in the call"] > 0
         else:
             assert taken["granted"] == taken["in the call"] == 0
-    (tokens, landed_records, _), (tokens_off, records_off, _) = runs[True], runs[False]
-    assert tokens == tokens_off
-    assert Counter(type(r).__name__ for r in landed_records) == Counter(type(r).__name__ for r in records_off)
-    assert _read_content(landed_records) == _read_content(records_off)
+    tokens_off, records_off, _ = runs[False, True]
+    for early in (True, False):
+        tokens, landed_records, _ = runs[True, early]
+        assert tokens == tokens_off
+        assert Counter(type(r).__name__ for r in landed_records) == Counter(type(r).__name__ for r in records_off)
+        assert _read_content(landed_records) == _read_content(records_off)
 
 
 def test_an_acquires_reads_put_on_the_device_before_the_rest_of_its_turn_are_the_same_reads(
