@@ -62,6 +62,10 @@ def submit(device: ExpertDevice, jobs: Sequence[Job]) -> Awaitable[list[int]]:
 class StoreDevice:
     """`ExpertDevice` over an `ExpertStore` and an `ExpertReader` (the real SSD)."""
 
+    # Its reads write into slot memory, so their waits are shielded: nothing can cancel one (the read scheduler
+    # then spares a wait of its in another task the cancel scope that could not stop it).
+    shields_reads = True
+
     def __init__(self, store: ExpertStore, reader: ExpertReader, dest: SlotDest, *, verify_crc32: bool,
                  writes: SlotWrites | None = None) -> None:
         self._store = store

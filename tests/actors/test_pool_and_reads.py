@@ -293,3 +293,60 @@ def test_watchdog_turns_a_hung_device_into_a_stall_error_with_the_evidence() -> 
             return trio.current_time()
 
     assert _run(scenario) < 3.0  # within a check interval of the limit, on the virtual clock
+
+
+@pytest.mark.parametrize("shields", [True, False])
+def test_a_batch_claimed_by_another_task_ends_with_the_read_scheduler(shields: bool) -> None:
+    """A demand batch a task claimed (`ReadsInline.take`'s `claim`) and waits for itself ends when the read
+    scheduler stops, as the actor's own wait would: None at once when the device's wait can be cancelled, None
+    once the read is done when the device shields it (`shields_reads`: its reads write into slot memory)."""
+    from qnpipe.actors.read_scheduler import Claimed, ReadSchedulerStats, ReadsInline, read_scheduler
+    from qnpipe.messages import ReadExperts
+    from qnpipe.policy.read_core import read_queue
+
+    class Device:
+        shields_reads = shields
+        done = 0
+
+        async def read(self, jobs: Sequence[Job]) -> list[int]:
+            with trio.CancelScope(shield=shields):
+                await trio.sleep(5)
+            self.done += 1
+            return [100] * len(jobs)
+
+        def statistics(self) -> None:
+            return None
+
+    dev = Device()
+
+    async def scenario() -> tuple[object, float]:
+        inbox_tx, inbox_rx = trio.open_memory_channel[object](8)
+        pool_tx, pool_rx = trio.open_memory_channel[object](8)
+        inline = ReadsInline(inbox_rx)  # type: ignore[arg-type]
+        got: list[object] = []
+        async with inbox_tx, pool_rx, trio.open_nursery() as nursery:
+            scope = trio.CancelScope()
+
+            async def actor(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                with scope:
+                    await read_scheduler(inbox_rx, pool_tx, device=dev,  # type: ignore[arg-type]
+                                         queue=read_queue(Config()), stats=ReadSchedulerStats(), inline=inline,
+                                         task_status=task_status)
+
+            await nursery.start(actor)
+            claim: list[Claimed] = []
+            assert inline.take([ReadExperts(t=0.0, seq=1, layer=0, experts=(1,), slots=(0,))], claim)
+            assert len(claim) == 1 and inline.claimed == 1
+
+            async def wait() -> None:
+                got.append(await inline.reads_of(claim[0]))
+                got.append(trio.current_time())
+
+            nursery.start_soon(wait)
+            await trio.sleep(1)
+            scope.cancel()
+        return got[0], got[1]  # type: ignore[return-value]
+
+    nbytes, t = _run(scenario)
+    assert nbytes is None
+    assert (t, dev.done) == ((5.0, 1) if shields else (1.0, 0))
