@@ -207,12 +207,12 @@ class Forward:
         assert self.to_pool is not None
         self._emit(out)
         if self.inline is not None and out.pool:
-            granted = self.inline.answer(out.pool)
-            if granted is not None:
-                self._answered.append(granted)
-                return
+            # With the read scheduler idle too, the turn is taken whatever the acquire asks (`answer_reads`: a
+            # miss's reads go on the device); else only when the pool grants it at once (`answer`).
             answers = self.inline.answer_reads(out.pool, self._claimed if _wait_own_reads else None)
-            if answers is not None:  # its reads are on the device: what the forward waits for comes by channel
+            if answers is None and (granted := self.inline.answer(out.pool)) is not None:
+                answers = [granted]
+            if answers is not None:  # what the forward waits for beyond these comes by channel
                 self._answered += answers
                 return
         for m in out.pool:

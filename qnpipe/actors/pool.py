@@ -92,18 +92,18 @@ class InlinePool:
         return out.forward[0]
 
     def answer_reads(self, msgs: list[PoolInbox], claim: list[Claimed] | None = None) -> list[ForwardInbox] | None:
-        """The pool's turn over `msgs` (releases, then one `Acquire`) taken here when `answer` cannot and the read
-        scheduler is idle too: its reads go on the device through the read scheduler's turn, taken here as the
-        pool actor's `deliver` would (`ReadsInline`), and its answers to the forward (an early grant's `Present`,
-        or none) are returned, in order. None, untouched, when the actors must take it. `claim`: the caller waits
-        for the turn's demand batch itself (`ReadsInline.take`)."""
+        """The pool's turn over `msgs` (releases, then one `Acquire`) taken here when the pool and the read
+        scheduler are both idle: its reads go on the device through the read scheduler's turn, taken here as the
+        pool actor's `deliver` would (`ReadsInline`), and its answers to the forward (a `Granted` when it is granted
+        at once, as `answer`'s; an early grant's `Present`; or none) are returned, in order. None, untouched, when
+        the actors must take it. `claim`: the caller waits for the turn's demand batch itself (`ReadsInline.take`)."""
         reads = self.reads
         acq = msgs[-1]
         if reads is None or not isinstance(acq, Acquire) or not reads.idle() or not self.idle():
             return None
         if _reads_first:
             self.core.reads_now = self._reads_now
-        self._claim = claim
+        self._claim, turns = claim, reads.turns
         try:
             out = self._turn(msgs, acq)
             if out.reads:
@@ -111,7 +111,7 @@ class InlinePool:
         finally:
             self.core.reads_now = None
             self._claim = None
-        self.read_turns += 1
+        self.read_turns += reads.turns > turns  # the read scheduler's turn was taken here
         return out.forward
 
     def _reads_now(self, out: Outbox) -> None:

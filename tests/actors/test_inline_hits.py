@@ -51,15 +51,22 @@ def streamed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(model: Path, path: Path, slots: int, mode: str,
          monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], int, int]:
-    """The run's records, its inline answers and its hits run before their turn; `mode`: hits | inline | channel."""
+    """The run's records, its inline grants (`answer`'s, and `answer_reads`' of an acquire granted at once) and its
+    hits run before their turn; `mode`: hits | inline | channel."""
     answered = hits = 0
-    real, real_hit = InlinePool.answer, Forward.hit_queued
+    real, real_reads, real_hit = InlinePool.answer, InlinePool.answer_reads, Forward.hit_queued
 
     def counting(self: InlinePool, msgs: Any) -> Any:
         nonlocal answered
         g = real(self, msgs)
         answered += g is not None
         return g
+
+    def counting_reads(self: InlinePool, msgs: Any, *rest: Any) -> Any:
+        nonlocal answered
+        got = real_reads(self, msgs, *rest)
+        answered += got is not None and len(got) == 1 and isinstance(got[0], Granted)
+        return got
 
     def counting_hit(self: Forward, route: Any, slots: Any) -> None:
         nonlocal hits
@@ -71,6 +78,7 @@ def _run(model: Path, path: Path, slots: int, mode: str,
         if mode == "inline":
             m.setattr(ThreadedBackend, "takes_hits", property(lambda self: False))
         m.setattr(InlinePool, "answer", counting)
+        m.setattr(InlinePool, "answer_reads", counting_reads)
         m.setattr(Forward, "hit_queued", counting_hit)
         assert main(["generate", str(model), "--tokens", "5,6,7,8,9", "-n", "6", "--json", "--temperature", "0",
                      "--set", f"pool.expert_slots={slots}", "--set", "pool.autopin=false",
