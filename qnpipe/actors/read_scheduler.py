@@ -102,8 +102,8 @@ class ReadsInline:
     async def reads_of(self, claimed: Claimed) -> list[int] | None:
         """The bytes read per job once a claimed batch's reads are done, or None when they failed (the read
         scheduler ends with the error, as in its own task). Then the turns over the batch's end: `over`, `over_now`
-        or `over_later`. Not shielded here: a device whose reads write into slot memory shields its own wait
-        (`StoreDevice`), and one that does not can be cancelled, as in the read scheduler's task."""
+        or `over_later`. The wait ends with the read scheduler, as its own task's would (None then): cancelled, or,
+        for a device that shields its waits (`StoreDevice`: its reads write into slot memory), at the reads' end."""
         if self.read_end is None:  # the read scheduler ended (with an error, or a failure elsewhere)
             await settle(claimed)
             return None
