@@ -231,7 +231,7 @@ class PoolPolicy:
                     f"layer {layer}: a step needs {len(main_part)} distinct experts, {room} of "
                     f"{table.capacity} slots are usable (the rest are pinned, held or kept for waiting acquires)"
                 )
-            if not table.can_acquire_now(main_part):
+            if table.loading_any() and not table.can_acquire_now(main_part):  # else implied by the room check
                 return None
             promoted = self.placement.promote(layer, experts, main_part, reserved) if in_side else []
             if promoted:

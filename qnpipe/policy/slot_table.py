@@ -120,6 +120,12 @@ class SlotTable:
         need = set(experts)
         return self.capacity - len((self.pinned | self.held.keys() | set(reserved)) - need)
 
+    def loading_any(self) -> bool:
+        """Whether a read into this table is in flight. With none, a step whose `room_ever` (whatever it
+        reserves) fits its experts `can_acquire_now`: every pinned or held expert has a slot, and every slot
+        taken is READY."""
+        return bool(self._loading)
+
     def available_for(self, experts: Iterable[int]) -> int:
         """Slots a step needing `experts` can use: capacity minus pins, holds and reads in flight it does not share."""
         # A read still in flight with no hold (its step was released early) keeps its slot too.

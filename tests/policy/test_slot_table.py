@@ -237,6 +237,8 @@ class SlotTableMachine(RuleBasedStateMachine):
             evictable = sum(1 for e, s in t.slot_of.items() if t.state[s] is SlotState.READY
                             and e not in t.held and e not in t.pinned and e not in need)
             assert t.can_acquire_now(sorted(need)) == (missing <= free + evictable)
+            if not t.loading_any():  # PoolPolicy._admit then skips can_acquire_now after the room check
+                assert t.can_acquire_now(sorted(need)) == (len(need) <= t.room_ever(need))
 
 TestSlotTableMachine = SlotTableMachine.TestCase
 # more: the state machine's rule orders are many
