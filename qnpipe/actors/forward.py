@@ -364,8 +364,8 @@ class Forward:
                     reads, claimed = self.inline.reads, self._claimed.pop(0)
                     # The grant these reads would complete, foreseen while they are on the device (`foresee`
                     # reads the core's state, which only this task changes, and changes nothing).
-                    ahead = (self.core.foresee(claimed.batch.jobs) if _landed_grants and _foresee_early
-                             and self.takes_hits and self.check_bytes is None else None)
+                    lands = _landed_grants and self.takes_hits and self.check_bytes is None
+                    ahead = self.core.foresee(claimed.batch.jobs) if lands and _foresee_early else None
                     nbytes = await reads.reads_of(claimed)
                     if nbytes is None:  # failed: the read scheduler ends with the error, no grant comes
                         continue
@@ -378,7 +378,7 @@ class Forward:
                     # give it are taken in the backend's call once its work is queued (`grant_queued`). Nothing
                     # else runs in between (the backend's call is this task's), so the pool that is idle now
                     # still is then, and gives this very grant (checked there).
-                    if not _foresee_early and _landed_grants and self.takes_hits and self.check_bytes is None:
+                    if lands and not _foresee_early:
                         ahead = self.core.foresee(claimed.batch.jobs)
                     if ahead is not None and self.inline.idle() and reads.pool_idle():
                         self._landed = (claimed, nbytes, ahead, trio.current_time())
