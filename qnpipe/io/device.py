@@ -33,6 +33,9 @@ SlotDest = Callable[[int, int], Mapping[str, WritableBuffer]]  # (layer, slot) -
 # Reads put on the reader's threads from the loop (`SsdReader.start`). False runs every batch on a
 # submitter thread, as before: tests comparing the two ways and tools/bench_stream.py's A/B set it.
 _start_reads = True
+# Reads put on the device at targets planned once per slot (`SsdReader.start_at`): no request or plan is built per
+# read unless one fails. False builds them all (A/B benchmarks, tests comparing the two ways).
+_in_place = True
 
 
 class ExpertDevice(Protocol):
@@ -80,6 +83,9 @@ class StoreDevice:
         self._where: dict[int, tuple[str, int, Any]] = {}  # layer -> (path, record_nbytes, LayerFile)
         self._submitter = Submitter()
         self._starts = _start_reads and bool(getattr(reader, "starts", False))  # no thread of ours in the way
+        self._in_place = self._starts and _in_place and hasattr(reader, "start_at") and self._prepare is not None
+        # (layer, slot) -> its reads' target (None: they bounce), the record stride and the layer's expert count.
+        self._targets: dict[tuple[int, int], tuple[Any, int, int]] = {}
         self._wakeups = Wakeups()
 
     def request(self, job: Job) -> ReadRequest:
@@ -100,25 +106,50 @@ class StoreDevice:
         return ReadRequest(path=path, offset=job.expert * lf.stride, nbytes=nbytes, buf=buf, layer=job.layer,
                            expert=job.expert, crc32=lf.checksums[job.expert] if self._verify else None)
 
+    def _at(self, jobs: Sequence[Job]) -> list[tuple[Any, int]] | None:
+        """The jobs as `SsdReader.start_at`'s (target, offset) pairs; None when one of them would bounce."""
+        at = []
+        targets, epoch = self._targets, self._reader.epoch  # pyright: ignore[reportAttributeAccessIssue]
+        for job in jobs:
+            known = targets.get((job.layer, job.slot))
+            if known is None or (known[0] is not None and known[0].epoch != epoch):
+                request = self.request(job)  # checks the expert, builds the slot's destination once
+                lf = self._where[job.layer][2]
+                target = self._reader.target(request.path, request.buf)  # pyright: ignore[reportAttributeAccessIssue]
+                known = targets[(job.layer, job.slot)] = (target, lf.stride, lf.num_experts)
+            target, stride, experts = known
+            if target is None:
+                return None
+            if not 0 <= job.expert < experts:
+                self.request(job)  # raises, naming the store and expert
+            at.append((target, job.expert * stride))
+        return at
+
     async def read(self, jobs: Sequence[Job]) -> list[int]:
         return await self.submit(jobs)
 
     def submit(self, jobs: Sequence[Job]) -> Awaitable[list[int]]:
         """Put the batch on the device now; the awaitable waits for it (qnpipe.io.device.submit)."""
-        reqs = [self.request(j) for j in jobs]
         writes = self._writes
         if self._starts:
+            at = self._at(jobs) if self._in_place else None
+            reqs = [self.request(j) for j in jobs] if at is None else ()
             pair = self._wakeups.take()
             if writes is not None:
                 writes.begin()
             try:
-                pending = self._reader.start(reqs, pair[1])  # pyright: ignore[reportAttributeAccessIssue]
+                if at is None:
+                    pending = self._reader.start(reqs, pair[1])  # pyright: ignore[reportAttributeAccessIssue]
+                else:
+                    pending = self._reader.start_at(  # pyright: ignore[reportAttributeAccessIssue]
+                        at, pair[1], lambda: [self.request(j) for j in jobs])
             except BaseException:
                 self._wakeups.give(pair)
                 if writes is not None:
                     writes.end()
                 raise
             return self._wait(pending, pair)
+        reqs = [self.request(j) for j in jobs]
         if writes is None:
             return _nbytes(self._submitter.start(self._reader.read_batch, reqs))
 

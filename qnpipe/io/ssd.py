@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -87,6 +87,18 @@ class _ReadPlan(msgspec.Struct, gc=False):
     mode: CacheMode
 
 
+class Target(msgspec.Struct, frozen=True, gc=False):
+    """A file and a destination planned once (`SsdReader.target`): a read of `nbytes` bytes at any block-aligned
+    offset of the file lands in the destination in place, so it needs no plan of its own (`SsdReader.start_at`)."""
+
+    fd: int
+    bufs: memoryview | tuple[memoryview, ...]  # what the reader's threads read into
+    dest: tuple[memoryview, ...]  # the destination as bytes, trimmed to nbytes
+    mode: CacheMode
+    nbytes: int
+    epoch: int  # the reader's `epoch` when planned: stale once a file has fallen back to the page cache
+
+
 class SsdReader:
     """The real `ExpertReader`: reads batches of byte ranges into caller buffers.
 
@@ -120,6 +132,10 @@ class SsdReader:
         self._lock = threading.Lock()
         self._closed = False
         self._stats = ReaderStats(backend=backend.value, workers=workers, mode=self._mode)
+        # Counted per batch in plain ints: a `ReaderStats` rebuilt per batch cost ~12 µs on the path from a demand
+        # batch's end to its grant (docs/measurements.md); `statistics` builds the snapshot.
+        self._tally = _Tally()
+        self.epoch = 0  # bumped when a file is reopened through the page cache (a `Target` of before is stale)
 
     @classmethod
     def from_config(cls, read_cfg: ReadCfg, **kwargs: object) -> SsdReader:
@@ -198,6 +214,32 @@ class SsdReader:
             raise RuntimeError("SsdReader.start needs the C backend without verify_crc32 (see `starts`)")
         return PendingRead(self, requests, notify_fd)
 
+    def target(self, path: str, prep: Prepared) -> Target | None:
+        """`path` and the destination `prep` planned once for `start_at`, or None when a direct read would
+        not land in place (it is bounced: `start` plans each such read)."""
+        epoch = self.epoch  # first: a fallback in between leaves the target stale, not wrong
+        f = self._file(path)
+        if f.mode is CacheMode.O_DIRECT:
+            if prep.direct is None:
+                return None
+            return Target(f.fd, one_or_tuple(prep.direct), prep.dest, f.mode, prep.nbytes, epoch)
+        return Target(f.fd, one_or_tuple(prep.dest), prep.dest, f.mode, prep.nbytes, epoch)
+
+    def start_at(self, reads: Sequence[tuple[Target, int]], notify_fd: int,
+                 requests: Callable[[], Sequence[ReadRequest]]) -> PendingRead:
+        """`start` of reads given as (target, offset) pairs, with no request or plan built per read; `requests()`
+        gives the same reads as `ReadRequest`s and is called only when one of them fails. A stale target or an
+        offset a direct read cannot take in place sends the whole batch through `start`."""
+        if self._closed:
+            raise RuntimeError("SsdReader is closed")
+        if not self.starts:
+            raise RuntimeError("SsdReader.start_at needs the C backend without verify_crc32 (see `starts`)")
+        epoch = self.epoch
+        for t, offset in reads:
+            if t.epoch != epoch or offset < 0 or (t.mode is CacheMode.O_DIRECT and offset % ALIGN):
+                return PendingRead(self, requests(), notify_fd)
+        return PendingRead(self, requests, notify_fd, at=reads)
+
     def _conclude(self, requests: Sequence[ReadRequest], plans: list[_ReadPlan], attempts: list[int],
                   first: dict[int, str], second: dict[int, str], dt: float, *, verified: int = 0,
                   crc_failures: int = 0) -> list[ReadResult]:
@@ -226,7 +268,7 @@ class SsdReader:
     def statistics(self) -> ReaderStats:
         """A snapshot of the counters (see `ReaderStats`)."""
         with self._lock:
-            return self._stats
+            return self._tally.into(self._stats)
 
     @property
     def backend(self) -> ReadBackend:
@@ -288,7 +330,7 @@ class SsdReader:
 
     def _count_fallback(self) -> None:
         # Always called with self._lock held.
-        self._stats = msgspec.structs.replace(self._stats, direct_fallbacks=self._stats.direct_fallbacks + 1)
+        self._tally.direct_fallbacks += 1
 
     def _reopen_buffered(self, path: str, fd: int) -> None:
         """The file system refused a direct read of `path` on `fd` (EINVAL): use the page cache."""
@@ -298,6 +340,7 @@ class SsdReader:
                 self._files[path] = self._open(path, CacheMode.PAGE_CACHE)
                 self._retired_fds.append(fd)
                 self._count_fallback()
+                self.epoch += 1
 
     def _plan(self, r: ReadRequest) -> _ReadPlan:
         if r.offset < 0 or r.nbytes <= 0:
@@ -352,17 +395,35 @@ class SsdReader:
         return failed, refused
 
     def _add_stats(
-        self, dt: float, *, requests: int, nbytes: int, retries: int, bounced: int, verified: int,
-        crc_failures: int, errors: int,
+        self, dt: float, *, requests: int, nbytes: int, bounced: int, retries: int = 0, verified: int = 0,
+        crc_failures: int = 0, errors: int = 0,
     ) -> None:
         with self._lock:
-            s = self._stats
-            self._stats = msgspec.structs.replace(
-                s, batches=s.batches + 1, reads=s.reads + requests, bytes_read=s.bytes_read + nbytes,
-                read_s=s.read_s + dt, retries=s.retries + retries, errors=s.errors + errors,
-                bounced_reads=s.bounced_reads + bounced, verified_reads=s.verified_reads + verified,
-                checksum_failures=s.checksum_failures + crc_failures,
-            )
+            t = self._tally
+            t.batches += 1
+            t.reads += requests
+            t.bytes_read += nbytes
+            t.read_s += dt
+            t.retries += retries
+            t.errors += errors
+            t.bounced_reads += bounced
+            t.verified_reads += verified
+            t.checksum_failures += crc_failures
+
+
+class _Tally:
+    """`ReaderStats`' counters, bumped in place (under the reader's lock)."""
+
+    __slots__ = ("batches", "bounced_reads", "bytes_read", "checksum_failures", "direct_fallbacks", "errors",
+                 "read_s", "reads", "retries", "verified_reads")
+
+    def __init__(self) -> None:
+        self.batches = self.reads = self.bytes_read = self.retries = self.errors = self.direct_fallbacks = 0
+        self.bounced_reads = self.verified_reads = self.checksum_failures = 0
+        self.read_s = 0.0
+
+    def into(self, base: ReaderStats) -> ReaderStats:
+        return msgspec.structs.replace(base, **{k: getattr(self, k) for k in self.__slots__})
 
 
 # After a batch is handed to the reader's threads, the loop's thread yields its CPU once (`PendingRead`). False:
@@ -378,18 +439,32 @@ class PendingRead:
     on the device once more (or, refused direct I/O, buffered) and the fd will be written again.
     """
 
-    def __init__(self, reader: SsdReader, requests: Sequence[ReadRequest], notify_fd: int) -> None:
+    def __init__(self, reader: SsdReader, requests: Sequence[ReadRequest] | Callable[[], Sequence[ReadRequest]],
+                 notify_fd: int, *, at: Sequence[tuple[Target, int]] | None = None) -> None:
         self._reader = reader
-        self._requests = requests
         self._fd = notify_fd
-        self._plans = [reader._plan(r) for r in requests]  # pyright: ignore[reportPrivateUsage]
-        self._attempts = [1] * len(self._plans)
         self._first: dict[int, str] | None = None  # the first attempt's failures, once known
         self._failed: dict[int, str] = {}  # this attempt's, so far (a refused read's buffered re-issue pending)
-        self._go(range(len(self._plans)))
-        # At least what each read of the first attempt returns when it is whole (`poll_nbytes`'s quick answer;
-        # a direct read is rounded up to whole blocks).
-        self._whole = [p.op[2] for p in self._plans]
+        # `at` (`SsdReader.start_at`): the requests and plans are built only if a read fails (`_planned`).
+        self._at = at
+        self._ask = requests
+        self._requests: Sequence[ReadRequest] = ()
+        self._plans: list[_ReadPlan] = []
+        if at is None:
+            assert not callable(requests)
+            self._requests = requests
+            self._plans = [reader._plan(r) for r in requests]  # pyright: ignore[reportPrivateUsage]
+            self._go(range(len(self._plans)))
+            # At least what each read of the first attempt returns when it is whole (`poll_nbytes`'s quick
+            # answer; a direct read is rounded up to whole blocks).
+            self._whole = [p.op[2] for p in self._plans]
+        else:
+            self._which = range(len(at))
+            runner = reader._runner  # pyright: ignore[reportPrivateUsage]
+            assert isinstance(runner, CRunner)
+            self._batch = runner.submit([(t.fd, offset, t.nbytes, t.bufs) for t, offset in at], notify_fd)
+            self._whole = [t.nbytes for t, _ in at]
+        self._attempts = [1] * len(self._whole)
         self.t_start = time.perf_counter()  # the reads are queued (perf_counter's clock, as t_done)
         self.t_done = self.t_start  # when the device finished the last attempt
         # When a reader thread took the first read (known once polled): before t_start at times.
@@ -399,6 +474,14 @@ class PendingRead:
             # The reader thread just woken is often put on this CPU, and would wait for this thread to block
             # (a few hundred µs of the turn's work later, on this VM); a yield lets it start the reads first.
             os.sched_yield()
+
+    def _planned(self) -> None:
+        """The requests and plans of reads started `at` targets, as `start` would have planned them."""
+        if self._at is None or self._plans:
+            return
+        assert callable(self._ask)
+        self._requests = self._ask()
+        self._plans = [_ReadPlan((t.fd, offset, t.nbytes, t.bufs), t.dest, 0, None, t.mode) for t, offset in self._at]
 
     def _go(self, which: Sequence[int]) -> None:
         self._which = list(which)
@@ -420,16 +503,19 @@ class PendingRead:
         batch = self._batch
         self._polled = True
         self.t_started, self.t_done = batch.t_started, batch.t_done
-        requests = self._requests
-        nbytes = [r.nbytes for r in requests]
+        if self._at is None:
+            nbytes = [r.nbytes for r in self._requests]
+            bounced = sum(p.bounce is not None for p in self._plans)
+        else:  # read in place: a target's nbytes is its requests'
+            nbytes, bounced = list(self._whole), 0
         self._reader._add_stats(  # pyright: ignore[reportPrivateUsage]
-            self.t_done - self.t_start, requests=len(requests), nbytes=sum(nbytes), retries=0,
-            bounced=sum(p.bounce is not None for p in self._plans), verified=0, crc_failures=0, errors=0)
+            self.t_done - self.t_start, requests=len(nbytes), nbytes=sum(nbytes), bounced=bounced)
         return nbytes
 
     def poll(self) -> list[ReadResult] | None:
         """The results once the fd was written; None when another attempt is on its way."""
         out = self._batch.wait()  # done already: the fd is written last thing before
+        self._planned()
         if not self._polled:  # the first batch put on the device
             self._polled = True
             self.t_started = self._batch.t_started

@@ -66,7 +66,7 @@ def test_close_joins_every_thread_and_an_error_reaches_the_caller() -> None:
 
 
 @pytest.mark.skipif(not c_extension_available(), reason="C extension not built")
-@pytest.mark.parametrize("start", [True, False], ids=["start", "thread"])
+@pytest.mark.parametrize("start", ["at", "start", "thread"])
 def test_the_device_fills_slots_alike_either_way(tmp_path, monkeypatch, start) -> None:
     # Reads put on the reader's threads from the loop (`SsdReader.start`, woken by a descriptor the
     # reader writes), or each batch on a submitter thread: the same bytes in the same slots.
@@ -74,7 +74,8 @@ def test_the_device_fills_slots_alike_either_way(tmp_path, monkeypatch, start) -
 
     index = write_store(tmp_path, layers=2, experts=6, record_nbytes=BIG_RECORD, tensors=BIG_TENSORS)
     pools = [_pool(lf, 4) for lf in index.layers]
-    monkeypatch.setattr(device, "_start_reads", start)
+    monkeypatch.setattr(device, "_start_reads", start != "thread")
+    monkeypatch.setattr(device, "_in_place", start == "at")
     rng = np.random.default_rng(3)
 
     def batch() -> list[Job]:
@@ -99,6 +100,9 @@ def test_the_device_fills_slots_alike_either_way(tmp_path, monkeypatch, start) -
         dev = StoreDevice(store, reader, lambda layer, slot: {n: a[slot] for n, a in pools[layer].items()},
                           verify_crc32=False)
         try:
+            asked = []
+            request = dev.request
+            dev.request = lambda job: asked.append(job) or request(job)  # pyright: ignore[reportAttributeAccessIssue]
             trio.run(main, dev)
             stats = reader.statistics()
             pairs = set(dev._wakeups._open)  # pyright: ignore[reportPrivateUsage]
@@ -106,8 +110,40 @@ def test_the_device_fills_slots_alike_either_way(tmp_path, monkeypatch, start) -
             dev.close()
     assert stats.batches == 22 and stats.bounced_reads == 0
     # one wake-up pair reused batch after batch, a second for the batch on the device beside it; closed with it
-    assert len(pairs) == (2 if start else 0)
+    assert len(pairs) == (0 if start == "thread" else 2)
+    # at targets, a request is built once per slot (its target), not per read
+    slots = {(j.layer, j.slot) for j in asked}
+    assert len(asked) == (len(slots) if start == "at" else 20 * 3 + 4) and len(slots) == 7
     for pair in pairs:
         for fd in pair:
             with pytest.raises(OSError):
                 os.fstat(fd)
+
+
+@pytest.mark.skipif(not c_extension_available(), reason="C extension not built")
+def test_reads_at_targets_check_the_expert_and_plan_again_after_a_fallback(tmp_path) -> None:
+    from test_reader import BIG_RECORD, BIG_TENSORS, _check_slots, _pool, write_store
+
+    from qnpipe.errors import StoreError
+
+    index = write_store(tmp_path, layers=1, experts=6, record_nbytes=BIG_RECORD, tensors=BIG_TENSORS)
+    pools = [_pool(lf, 4) for lf in index.layers]
+
+    async def main(dev: StoreDevice, reader: SsdReader) -> None:
+        assert await device.submit(dev, [Job(layer=0, expert=1, slot=2)]) == [BIG_RECORD]
+        with pytest.raises(StoreError, match="expert 6 out of range"):  # the slot's target is known already
+            device.submit(dev, [Job(layer=0, expert=6, slot=2)])
+        planned = dev._targets[(0, 2)][0]  # pyright: ignore[reportPrivateUsage]
+        reader.epoch += 1  # as a file reopened through the page cache does
+        assert await device.submit(dev, [Job(layer=0, expert=4, slot=2)]) == [BIG_RECORD]
+        again = dev._targets[(0, 2)][0]  # pyright: ignore[reportPrivateUsage]
+        assert again is not planned and again.epoch == reader.epoch
+        _check_slots(tmp_path, index, [(0, 4)], pools, [2])
+
+    with ExpertStore.open(tmp_path) as store, SsdReader(workers=2, backend="c") as reader:
+        dev = StoreDevice(store, reader, lambda layer, slot: {n: a[slot] for n, a in pools[layer].items()},
+                          verify_crc32=False)
+        try:
+            trio.run(main, dev, reader)
+        finally:
+            dev.close()
