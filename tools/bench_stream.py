@@ -133,11 +133,14 @@ What is measured (every figure is a median over `--rounds`):
 * `--route-ab`: likewise a `demand_route_later` engine, whose backend gives the other tasks their turn as it
   returns a route, before the forward's acquire (`qnpipe.actors.forward._route_turn_first` off): the
   `_route_later` keys.
+* `--targets-ab`: likewise a `demand_targets_off` engine, whose device builds a `ReadRequest` and a plan per
+  read rather than putting each read at its slot's target planned once (`qnpipe.io.device._in_place` off): the
+  `_targets_off` keys.
 * `--c-acquire-ab`: likewise a `demand_python_acquire` engine, whose slot tables acquire in Python rather
   than in C (`qnpipe.policy.slot_table._c_acquire` off around its runs; the `--miss-ab` engine's too): the
   `_python_acquire` keys.
 * `--yield-ab`: likewise a `demand_no_yield` engine, whose loop goes on with its turn after handing a batch to
-  the reader's threads instead of yielding its CPU once (`qnpipe.io.ssd._yield_after_start` off around its runs;
+  the reader's threads instead of yielding its CPU once (`qnpipe.io.pending._yield_after_start` off around its runs;
   the `--miss-ab` engine's too): the `_no_yield` keys.
 * `--own-reads-ab`: likewise a `demand_others_wait` engine, whose demand batches are waited for by the read
   scheduler's task, which hands the grant to the forward by channel, rather than by the forward itself
@@ -752,6 +755,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag, (what, keys) in {
         "--acquire-ab": ("whose acquires with misses go by channel", "_acquire_channel"),
         "--route-ab": ("that gives the other tasks their turn before a route's acquire", "_route_later"),
+        "--targets-ab": ("whose device builds a request and a plan per read", "_targets_off"),
         "--c-acquire-ab": ("with the slot tables' Python acquire in place of the C one", "_python_acquire"),
         "--yield-ab": ("whose loop does not yield its CPU after handing a batch to the reader's threads",
                        "_no_yield"),
@@ -1077,11 +1081,12 @@ def main(argv: list[str] | None = None) -> int:
 DEMAND_VARIANTS = {
     "acquire_channel": ("qnpipe.actors.pipeline", "_inline_acquires"),  # an acquire with misses sent by channel
     "route_later": ("qnpipe.actors.forward", "_route_turn_first"),  # the other tasks' turn before a route's acquire
+    "targets_off": ("qnpipe.io.device", "_in_place"),  # a request and a plan built per read
 }
 # Likewise, for switches read at each call rather than when the engine opens: set off around the engine's runs.
 # engine -> (module, flag). `demand_before` (`--miss-ab`) has the slot tables' Python acquire too.
 _C_ACQUIRE = ("qnpipe.policy.slot_table", "_c_acquire")
-_YIELD = ("qnpipe.io.ssd", "_yield_after_start")
+_YIELD = ("qnpipe.io.pending", "_yield_after_start")
 _OWN_READS = ("qnpipe.actors.forward", "_wait_own_reads")
 _LANDED = ("qnpipe.actors.forward", "_landed_grants")
 _READS_FIRST = ("qnpipe.actors.pool", "_reads_first")

@@ -10,7 +10,6 @@ fallback, counted in `statistics().direct_fallbacks`. A batch runs on the C exte
 from __future__ import annotations
 
 import errno
-import operator
 import os
 import sys
 import threading
@@ -20,11 +19,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
-import numpy as np
 
 from qnpipe.config.tree import ReadBackend
 from qnpipe.errors import ReadError
 from qnpipe.io.destination import Prepared, one_or_tuple, prepare
+from qnpipe.io.pending import PendingRead
+from qnpipe.io.read_plan import ReadPlan, Target
 from qnpipe.io.reader import (
     ALIGN,
     CacheMode,
@@ -34,12 +34,12 @@ from qnpipe.io.reader import (
     WritableBuffer,
     alloc_aligned,
 )
-from qnpipe.io.runners import CRunner, Op, PreadvFn, PyRunner, Runner, c_extension_available
+from qnpipe.io.runners import CRunner, PreadvFn, PyRunner, Runner, c_extension_available
 
 if TYPE_CHECKING:
     from qnpipe.config import ReadCfg
 
-__all__ = ["PendingRead", "Prepared", "PreadvFn", "SsdReader", "prepare", "c_extension_available", "choose_backend", "nocache_mode"]
+__all__ = ["PendingRead", "Prepared", "PreadvFn", "SsdReader", "Target", "prepare", "c_extension_available", "choose_backend", "nocache_mode"]
 
 _F_NOCACHE_DARWIN = 48  # <sys/fcntl.h>; Python's fcntl module has no name for it before 3.13
 
@@ -75,28 +75,6 @@ def nocache_mode(nocache: bool, platform: str = sys.platform) -> CacheMode:
 class _OpenFile(msgspec.Struct, frozen=True, gc=False):
     fd: int
     mode: CacheMode
-
-
-class _ReadPlan(msgspec.Struct, gc=False):
-    """How one request is read: straight into its buffer(s), or via an aligned bounce buffer."""
-
-    op: Op
-    dest: tuple[memoryview, ...]  # the caller's buffer(s) as bytes, trimmed to nbytes in total
-    skip: int  # bytes of the read before the request's first byte (bounce only)
-    bounce: np.ndarray | None
-    mode: CacheMode
-
-
-class Target(msgspec.Struct, frozen=True, gc=False):
-    """A file and a destination planned once (`SsdReader.target`): a read of `nbytes` bytes at any block-aligned
-    offset of the file lands in the destination in place, so it needs no plan of its own (`SsdReader.start_at`)."""
-
-    fd: int
-    bufs: memoryview | tuple[memoryview, ...]  # what the reader's threads read into
-    dest: tuple[memoryview, ...]  # the destination as bytes, trimmed to nbytes
-    mode: CacheMode
-    nbytes: int
-    epoch: int  # the reader's `epoch` when planned: stale once a file has fallen back to the page cache
 
 
 class SsdReader:
@@ -240,7 +218,7 @@ class SsdReader:
                 return PendingRead(self, requests(), notify_fd)
         return PendingRead(self, requests, notify_fd, at=reads)
 
-    def _conclude(self, requests: Sequence[ReadRequest], plans: list[_ReadPlan], attempts: list[int],
+    def _conclude(self, requests: Sequence[ReadRequest], plans: list[ReadPlan], attempts: list[int],
                   first: dict[int, str], second: dict[int, str], dt: float, *, verified: int = 0,
                   crc_failures: int = 0) -> list[ReadResult]:
         """Count the batch; its results, or `ReadError` for what failed twice."""
@@ -342,7 +320,7 @@ class SsdReader:
                 self._count_fallback()
                 self.epoch += 1
 
-    def _plan(self, r: ReadRequest) -> _ReadPlan:
+    def _plan(self, r: ReadRequest) -> ReadPlan:
         if r.offset < 0 or r.nbytes <= 0:
             raise ValueError(f"bad read request: offset {r.offset}, nbytes {r.nbytes} ({r.path})")
         prep = r.buf
@@ -352,15 +330,15 @@ class SsdReader:
             raise ValueError(f"read of {r.nbytes} bytes into a destination prepared for {prep.nbytes} ({r.path})")
         f = self._file(r.path)
         if f.mode is not CacheMode.O_DIRECT:
-            return _ReadPlan((f.fd, r.offset, r.nbytes, one_or_tuple(prep.dest)), prep.dest, 0, None, f.mode)
+            return ReadPlan((f.fd, r.offset, r.nbytes, one_or_tuple(prep.dest)), prep.dest, 0, None, f.mode)
         if r.offset % ALIGN == 0 and prep.direct is not None:
-            return _ReadPlan((f.fd, r.offset, r.nbytes, one_or_tuple(prep.direct)), prep.dest, 0, None, f.mode)
+            return ReadPlan((f.fd, r.offset, r.nbytes, one_or_tuple(prep.direct)), prep.dest, 0, None, f.mode)
         skip = r.offset % ALIGN
         bounce = alloc_aligned(skip + r.nbytes)
         op = (f.fd, r.offset - skip, skip + r.nbytes, bounce.data)
-        return _ReadPlan(op, prep.dest, skip, bounce, f.mode)
+        return ReadPlan(op, prep.dest, skip, bounce, f.mode)
 
-    def _execute(self, plans: list[_ReadPlan], which: Sequence[int], requests: Sequence[ReadRequest]) -> dict[int, str]:
+    def _execute(self, plans: list[ReadPlan], which: Sequence[int], requests: Sequence[ReadRequest]) -> dict[int, str]:
         """Run the preads of `plans[which]` and copy bounced bytes home; {index: why} of failures."""
         out = self._runner.run([plans[i].op for i in which])
         failed, refused = self._outcome(plans, which, out, requests, copied=False)
@@ -368,7 +346,7 @@ class SsdReader:
             failed.update(self._execute(plans, refused, requests))
         return failed
 
-    def _outcome(self, plans: list[_ReadPlan], which: Sequence[int], out: list[int], requests: Sequence[ReadRequest],
+    def _outcome(self, plans: list[ReadPlan], which: Sequence[int], out: list[int], requests: Sequence[ReadRequest],
                  *, copied: bool) -> tuple[dict[int, str], list[int]]:
         """Judge the results `out` of `plans[which]`: ({index: why} of failures, the reads to issue again
         buffered). Bounced bytes are copied home here unless the reader's threads did (`copied`)."""
@@ -424,121 +402,6 @@ class _Tally:
 
     def into(self, base: ReaderStats) -> ReaderStats:
         return msgspec.structs.replace(base, **{k: getattr(self, k) for k in self.__slots__})
-
-
-# After a batch is handed to the reader's threads, the loop's thread yields its CPU once (`PendingRead`). False:
-# it goes on with its turn (A/B benchmarks): ~1-2.5 % fewer tok/s on this VM (docs/measurements.md).
-_yield_after_start = True
-
-
-class PendingRead:
-    """A batch `SsdReader.start` put on the device, with `read_batch`'s retry and fallback rules.
-
-    Each time the notify fd is written (and drained by the caller), `poll` takes the attempt's
-    results: the batch's `ReadResult`s, `ReadError`, or None when it has put the failed reads
-    on the device once more (or, refused direct I/O, buffered) and the fd will be written again.
-    """
-
-    def __init__(self, reader: SsdReader, requests: Sequence[ReadRequest] | Callable[[], Sequence[ReadRequest]],
-                 notify_fd: int, *, at: Sequence[tuple[Target, int]] | None = None) -> None:
-        self._reader = reader
-        self._fd = notify_fd
-        self._first: dict[int, str] | None = None  # the first attempt's failures, once known
-        self._failed: dict[int, str] = {}  # this attempt's, so far (a refused read's buffered re-issue pending)
-        # `at` (`SsdReader.start_at`): the requests and plans are built only if a read fails (`_planned`).
-        self._at = at
-        self._ask = requests
-        self._requests: Sequence[ReadRequest] = ()
-        self._plans: list[_ReadPlan] = []
-        if at is None:
-            assert not callable(requests)
-            self._requests = requests
-            self._plans = [reader._plan(r) for r in requests]  # pyright: ignore[reportPrivateUsage]
-            self._go(range(len(self._plans)))
-            # At least what each read of the first attempt returns when it is whole (`poll_nbytes`'s quick
-            # answer; a direct read is rounded up to whole blocks).
-            self._whole = [p.op[2] for p in self._plans]
-        else:
-            self._which = range(len(at))
-            runner = reader._runner  # pyright: ignore[reportPrivateUsage]
-            assert isinstance(runner, CRunner)
-            self._batch = runner.submit([(t.fd, offset, t.nbytes, t.bufs) for t, offset in at], notify_fd)
-            self._whole = [t.nbytes for t, _ in at]
-        self._attempts = [1] * len(self._whole)
-        self.t_start = time.perf_counter()  # the reads are queued (perf_counter's clock, as t_done)
-        self.t_done = self.t_start  # when the device finished the last attempt
-        # When a reader thread took the first read (known once polled): before t_start at times.
-        self.t_started = self.t_start
-        self._polled = False
-        if _yield_after_start:
-            # The reader thread just woken is often put on this CPU, and would wait for this thread to block
-            # (a few hundred µs of the turn's work later, on this VM); a yield lets it start the reads first.
-            os.sched_yield()
-
-    def _planned(self) -> None:
-        """The requests and plans of reads started `at` targets, as `start` would have planned them."""
-        if self._at is None or self._plans:
-            return
-        assert callable(self._ask)
-        self._requests = self._ask()
-        self._plans = [_ReadPlan((t.fd, offset, t.nbytes, t.bufs), t.dest, 0, None, t.mode) for t, offset in self._at]
-
-    def _go(self, which: Sequence[int]) -> None:
-        self._which = list(which)
-        runner = self._reader._runner  # pyright: ignore[reportPrivateUsage]
-        assert isinstance(runner, CRunner)
-        ops = [p.op if p.bounce is None else (*p.op, (p.skip, p.dest)) for p in (self._plans[i] for i in which)]
-        self._batch = runner.submit(ops, self._fd)
-
-    def settle(self) -> None:
-        """Block until the attempt on the device is done (then it writes nothing more)."""
-        self._batch.wait()
-
-    def poll_nbytes(self) -> list[int] | None:
-        """`poll`, answered as the bytes read per request (what the live device keeps). When the first attempt
-        read every request whole, the results are not built one by one: counted as `poll` counts them."""
-        if self._polled or not all(map(operator.ge, self._batch.wait(), self._whole)):
-            results = self.poll()
-            return None if results is None else [r.nbytes for r in results]
-        batch = self._batch
-        self._polled = True
-        self.t_started, self.t_done = batch.t_started, batch.t_done
-        if self._at is None:
-            nbytes = [r.nbytes for r in self._requests]
-            bounced = sum(p.bounce is not None for p in self._plans)
-        else:  # read in place: a target's nbytes is its requests'
-            nbytes, bounced = list(self._whole), 0
-        self._reader._add_stats(  # pyright: ignore[reportPrivateUsage]
-            self.t_done - self.t_start, requests=len(nbytes), nbytes=sum(nbytes), bounced=bounced)
-        return nbytes
-
-    def poll(self) -> list[ReadResult] | None:
-        """The results once the fd was written; None when another attempt is on its way."""
-        out = self._batch.wait()  # done already: the fd is written last thing before
-        self._planned()
-        if not self._polled:  # the first batch put on the device
-            self._polled = True
-            self.t_started = self._batch.t_started
-        self.t_done = self._batch.t_done
-        failed, refused = self._reader._outcome(  # pyright: ignore[reportPrivateUsage]
-            self._plans, self._which, out, self._requests, copied=True)
-        self._failed.update(failed)
-        if refused:
-            self._go(refused)
-            return None
-        failed, self._failed = self._failed, {}
-        if self._first is None:
-            self._first = failed
-            if failed:
-                for i in failed:
-                    self._attempts[i] = 2
-                self._go(sorted(failed))
-                return None
-            second: dict[int, str] = {}
-        else:
-            second = failed
-        return self._reader._conclude(  # pyright: ignore[reportPrivateUsage]
-            self._requests, self._plans, self._attempts, self._first, second, self.t_done - self.t_start)
 
 
 def _crc32(segs: tuple[memoryview, ...]) -> int:

@@ -274,17 +274,17 @@ def test_pool_submit_copies_and_checks(tmp_path, note) -> None:
 
 def test_the_loop_yields_its_cpu_once_per_batch_it_hands_over(store, note, monkeypatch) -> None:
     # The woken reader thread may be waiting for this very CPU (docs/measurements.md): one yield per start.
-    from qnpipe.io import ssd
+    from qnpipe.io import pending
 
     root, index = store
     keys = all_keys(index)[:2]
     yields: list[int] = []
-    monkeypatch.setattr(ssd.os, "sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(pending.os, "sched_yield", lambda: yields.append(1))
     with SsdReader(workers=2, nocache=False, backend="c") as reader:
         bufs = [alloc_aligned(TINY4_RECORD) for _ in keys]
         finish(reader.start(requests_for(root, index, keys, bufs), note.w), note)
         assert len(yields) == 1
-        monkeypatch.setattr(ssd, "_yield_after_start", False)
+        monkeypatch.setattr(pending, "_yield_after_start", False)
         finish(reader.start(requests_for(root, index, keys, bufs), note.w), note)
         assert len(yields) == 1
 
