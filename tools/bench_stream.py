@@ -281,13 +281,14 @@ class Instruments:
 
             reader.read_batch = read_batch  # StoreDevice calls self._reader.read_batch (or start, below)
             if getattr(reader, "starts", False):
-                start = reader.start
+                def started(start: Any) -> Any:
+                    def wrapped(*args: Any) -> Any:
+                        pending = start(*args)
+                        for name in ("poll", "poll_nbytes"):  # the live device calls the second
+                            setattr(pending, name, polled(pending, getattr(pending, name)))
+                        return pending
 
-                def started(reqs: Any, fd: int) -> Any:
-                    pending = start(reqs, fd)
-                    for name in ("poll", "poll_nbytes"):  # the live device calls the second
-                        setattr(pending, name, polled(pending, getattr(pending, name)))
-                    return pending
+                    return wrapped
 
                 def polled(pending: Any, poll: Any) -> Any:
                     def timed() -> Any:  # from the batch's start to when the device finished its last read
@@ -300,7 +301,9 @@ class Instruments:
 
                     return timed
 
-                reader.start = started
+                reader.start = started(reader.start)  # `start_at` plans nothing per read, `start` every read
+                if hasattr(reader, "start_at"):
+                    reader.start_at = started(reader.start_at)
 
     @property
     def hits_cpu_s(self) -> float:
