@@ -19,7 +19,7 @@ def test_bench_stream_smoke(tmp_path: Path) -> None:
         [sys.executable, str(TOOL), "--shape", "smoke", "--work", str(tmp_path), "--rounds", "1", "--tokens", "4",
          "--bw-seconds", "0.1", "--warmup-prompt", "64", "--workers", "4", "--route-ab",
          "--c-acquire-ab", "--yield-ab", "--own-reads-ab", "--landed-ab", "--reads-first-ab",
-         "--foresee-ab", "--targets-ab"],
+         "--foresee-ab", "--targets-ab", "--submit-first-ab"],
         capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -36,7 +36,8 @@ def test_bench_stream_smoke(tmp_path: Path) -> None:
                 "tok_s_demand_reads_after_turn", "overhead_frac_reads_after_turn",
                 "ratio_demand_to_demand_reads_after_turn", "tok_s_demand_foresee_late",
                 "overhead_frac_foresee_late", "ratio_demand_to_demand_foresee_late", "tok_s_demand_targets_off",
-                "overhead_frac_targets_off", "ratio_demand_to_demand_targets_off"):
+                "overhead_frac_targets_off", "ratio_demand_to_demand_targets_off", "tok_s_demand_submit_after_turn",
+                "overhead_frac_submit_after_turn", "ratio_demand_to_demand_submit_after_turn"):
         assert key in out, key
     assert out["store_to_pool"] >= 4
     assert out["allhit_misses_per_token"] == 0
@@ -83,12 +84,13 @@ def test_a_call_variant_turns_its_switch_off_around_its_engine_runs_only() -> No
     with mod.call_variant("demand_python_acquire"):
         assert not slot_table._c_acquire
     assert slot_table._c_acquire
-    from qnpipe.actors import forward, pool
+    from qnpipe.actors import forward, pool, read_scheduler
     from qnpipe.io import pending
 
     with pytest.raises(RuntimeError), mod.call_variant("demand_before"):
         assert not (slot_table._c_acquire or pending._yield_after_start or forward._wait_own_reads
-                    or forward._landed_grants or pool._reads_first or forward._foresee_early)
+                    or forward._landed_grants or pool._reads_first or forward._foresee_early
+                    or read_scheduler._submit_first)
         raise RuntimeError("a run that fails")
     assert slot_table._c_acquire and pending._yield_after_start and forward._wait_own_reads and forward._landed_grants
-    assert pool._reads_first and forward._foresee_early
+    assert pool._reads_first and forward._foresee_early and read_scheduler._submit_first

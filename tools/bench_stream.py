@@ -157,6 +157,10 @@ What is measured (every figure is a median over `--rounds`):
 * `--foresee-ab`: likewise a `demand_foresee_late` engine, whose grant run before its turn is foreseen once its
   reads are done rather than while they are on the device (`qnpipe.actors.forward._foresee_early` off around its
   runs; the `--miss-ab` engine's too): the `_foresee_late` keys.
+* `--submit-first-ab`: likewise a `demand_submit_after_turn` engine, whose demand batch known before the read
+  scheduler's turn (`ReadCore.batch_at_once`) goes on the device in that turn, after its bookkeeping, rather than
+  before it (`qnpipe.actors.read_scheduler._submit_first` off around its runs; the `--miss-ab` engine's too): the
+  `_submit_after_turn` keys.
 * `ratio_demand_to_serial_bound` = tok_s_demand / tok_s_serial_bound (target >= 0.9);
   `overhead_frac` target < 0.05.
 
@@ -753,8 +757,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-prefetch", action="store_true", help="skip the prefetch engine")
     ap.add_argument("--miss-ab", action="store_true",
                     help="also the demand engine with the miss path before 2026-12-05 (the `_before` keys; the "
-                         "switches of --c-acquire-ab, --yield-ab, --own-reads-ab, --landed-ab, --reads-first-ab and "
-                         "--foresee-ab off too)")
+                         "switches of --c-acquire-ab, --yield-ab, --own-reads-ab, --landed-ab, --reads-first-ab, "
+                         "--foresee-ab and --submit-first-ab off too)")
     for flag, (what, keys) in {
         "--acquire-ab": ("whose acquires with misses go by channel", "_acquire_channel"),
         "--route-ab": ("that gives the other tasks their turn before a route's acquire", "_route_later"),
@@ -769,6 +773,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "_reads_after_turn"),
         "--foresee-ab": ("whose grants run before their turn are foreseen once their reads are done",
                          "_foresee_late"),
+        "--submit-first-ab": ("whose demand batches known before the read scheduler's turn go on the device in it",
+                              "_submit_after_turn"),
     }.items():
         ap.add_argument(flag, action="store_true", help=f"also the demand engine {what} (the `{keys}` keys)")
     ap.add_argument("--prefetch-set", action="append", default=[], metavar="KEY=VALUE",
@@ -839,7 +845,8 @@ def main(argv: list[str] | None = None) -> int:
                     setattr(module, flag, True)
         for on, name in ((args.c_acquire_ab, "python_acquire"), (args.yield_ab, "no_yield"),
                          (args.own_reads_ab, "others_wait"), (args.landed_ab, "grant_first"),
-                         (args.reads_first_ab, "reads_after_turn"), (args.foresee_ab, "foresee_late")):
+                         (args.reads_first_ab, "reads_after_turn"), (args.foresee_ab, "foresee_late"),
+                         (args.submit_first_ab, "submit_after_turn")):
             if on:  # its switch is read per call: set around its runs (`CALL_VARIANTS`)
                 engines[f"demand_{name}"] = qnpipe.Engine(model_dir, expert_slots=slots, prefill_chunk_tokens=0,
                                                           **read)
@@ -1094,6 +1101,7 @@ _OWN_READS = ("qnpipe.actors.forward", "_wait_own_reads")
 _LANDED = ("qnpipe.actors.forward", "_landed_grants")
 _READS_FIRST = ("qnpipe.actors.pool", "_reads_first")
 _FORESEE = ("qnpipe.actors.forward", "_foresee_early")
+_SUBMIT_FIRST = ("qnpipe.actors.read_scheduler", "_submit_first")
 CALL_VARIANTS = {
     "demand_python_acquire": (_C_ACQUIRE,),  # `--c-acquire-ab`
     "demand_no_yield": (_YIELD,),  # `--yield-ab`
@@ -1101,10 +1109,11 @@ CALL_VARIANTS = {
     "demand_grant_first": (_LANDED,),  # `--landed-ab`
     "demand_reads_after_turn": (_READS_FIRST,),  # `--reads-first-ab`
     "demand_foresee_late": (_FORESEE,),  # `--foresee-ab`
-    "demand_before": (_C_ACQUIRE, _YIELD, _OWN_READS, _LANDED, _READS_FIRST, _FORESEE),
+    "demand_submit_after_turn": (_SUBMIT_FIRST,),  # `--submit-first-ab`
+    "demand_before": (_C_ACQUIRE, _YIELD, _OWN_READS, _LANDED, _READS_FIRST, _FORESEE, _SUBMIT_FIRST),
 }
 CALL_VARIANT_NAMES = ("python_acquire", "no_yield", "others_wait", "grant_first", "reads_after_turn",
-                      "foresee_late")  # their keys' suffixes
+                      "foresee_late", "submit_after_turn")  # their keys' suffixes
 
 
 @contextlib.contextmanager

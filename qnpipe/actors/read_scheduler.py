@@ -32,8 +32,12 @@ from qnpipe.io.device import ExpertDevice, submit
 from qnpipe.messages import Msg, PoolInbox, ReadInbox, ReadsDone
 from qnpipe.policy.outbox import Batch, Outbox
 from qnpipe.policy.read_core import BatchDone, ReadCore, ReadSchedulerStats
-from qnpipe.policy.read_queue import ReadClass, ReadQueue
+from qnpipe.policy.read_queue import Job, ReadClass, ReadQueue
 from qnpipe.policy.turn_order import READS, READS_DONE
+
+# A turn's first batch, when known before the turn (`ReadCore.batch_at_once`: one demand request whose reads all
+# start at once), goes on the device before the core's bookkeeping of the turn. False: after it (A/B benchmarks).
+_submit_first = True
 
 
 @attrs.frozen(eq=False)
@@ -161,8 +165,9 @@ async def read_scheduler(
 
     async with inbox, to_pool, trio.open_nursery() as nursery:
 
-        def deliver(out: Outbox) -> ReadsDone | None:
-            """Act on `out` without waiting; its `ReadsDone` (a batch's turn has one) is the caller's to send."""
+        def deliver(out: Outbox, first: tuple[list[Job], Awaitable[list[int]]] | None = None) -> ReadsDone | None:
+            """Act on `out` without waiting; its `ReadsDone` (a batch's turn has one) is the caller's to send.
+            `first`: the jobs of `out`'s first batch and its reads, put on the device before the turn."""
             if emit is not None:
                 for r in out.log:
                     emit(r)
@@ -175,9 +180,14 @@ async def read_scheduler(
                     to_pool.send_nowait(m)
                 except trio.WouldBlock:
                     nursery.start_soon(to_pool.send, m)
-            for b in out.batches:
-                # Submitted in this turn: the I/O starts now, the task only waits for it.
-                reading = submit(device, b.jobs)
+            for i, b in enumerate(out.batches):
+                if i == 0 and first is not None:
+                    if b.jobs != first[0]:
+                        raise AssertionError(f"the turn's first batch {b.jobs} is not the one started before it "
+                                             f"{first[0]}")
+                    reading = first[1]
+                else:  # submitted in this turn: the I/O starts now, the task only waits for it
+                    reading = submit(device, b.jobs)
                 claim = inline.claims(b) if inline is not None else None
                 if claim is not None:
                     inline.claimed += 1  # pyright: ignore[reportOptionalMemberAccess]
@@ -230,7 +240,16 @@ async def read_scheduler(
                 return None
 
         def turn_now(msgs: Sequence[ReadInbox]) -> None:
-            done = deliver(core.turn(msgs, trio.current_time()))
+            now = trio.current_time()
+            jobs = core.batch_at_once(msgs) if _submit_first else None
+            first = None if jobs is None else (jobs, submit(device, jobs))
+            try:
+                out = core.turn(msgs, now)
+            except BaseException:
+                if first is not None:  # on the device already: waited for, as the reads of a failed actor are
+                    nursery.start_soon(ended, first[1])
+                raise
+            done = deliver(out, first)
             assert done is None, done  # requests and promotions only: no batch finishes in such a turn
 
         if inline is not None and turns is None:

@@ -9,7 +9,7 @@ answers with the batches to start now (as the in-flight budget allows, in
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import assert_never
 
 import attrs
@@ -18,7 +18,7 @@ import msgspec
 from qnpipe.config import Config
 from qnpipe.messages import Promote, ReadDone, ReadExperts, ReadExpired, ReadInbox, ReadsDone
 from qnpipe.policy.outbox import Batch, Outbox
-from qnpipe.policy.read_queue import Job, ReadQueue
+from qnpipe.policy.read_queue import Job, ReadClass, ReadQueue
 from qnpipe.trace.format import ReadStarted
 
 
@@ -88,6 +88,17 @@ class ReadCore:
         out = Outbox()
         self._handle(msg, now, out)
         return out
+
+    def batch_at_once(self, msgs: Sequence[ReadInbox]) -> list[Job] | None:
+        """The batch a turn over `msgs` puts on the device first, when it is known before the turn: one demand
+        `ReadExperts` whose reads all start at once (`ReadQueue.starts_at_once`). A driver may put it on the
+        device before taking the turn (the turn's first batch then equals it); None otherwise."""
+        if len(msgs) != 1 or not isinstance(msg := msgs[0], ReadExperts) or msg.cls is not ReadClass.DEMAND:
+            return None
+        scores = msg.scores or (0.0,) * len(msg.experts)
+        jobs = [Job(msg.layer, e, s, msg.cls, msg.deadline, c) for e, s, c in zip(msg.experts, msg.slots, scores,
+                                                                                 strict=True)]
+        return jobs if self.queue.starts_at_once(jobs) else None
 
     def turn(self, msgs: Iterable[ReadInbox | BatchDone], now: float) -> Outbox:
         """A whole turn: `handle` of each of `msgs` in order, then `end_turn`, answered as one `Outbox`

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Sequence
 
 import attrs
 
@@ -79,6 +80,15 @@ class ReadQueue:
         self.queued[key] = promoted = attrs.evolve(known, cls=ReadClass.DEMAND, deadline=math.inf)
         self.demand.append(promoted)
         return True
+
+    def starts_at_once(self, jobs: Sequence[Job]) -> bool:
+        """Whether pushing the demand reads `jobs` and taking would start exactly them, in order, as one batch:
+        no demand read is queued ahead, none of them merges (queued, in flight, or twice) and the budget has room."""
+        room = self.max_in_flight - len(self.in_flight)
+        if self.demand or not jobs or len(jobs) > (room if self.batch else min(room, 1)):
+            return False
+        keys = {job.key for job in jobs}
+        return len(keys) == len(jobs) and keys.isdisjoint(self.queued) and keys.isdisjoint(self.in_flight)
 
     def take(self, now: float = -math.inf) -> list[Job]:
         """The jobs to start now, all of one class (empty when the budget is used up or nothing is queued).

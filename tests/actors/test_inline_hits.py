@@ -338,3 +338,44 @@ def test_an_acquires_reads_put_on_the_device_before_the_rest_of_its_turn_are_the
     (tokens, reads, early), (tokens_off, reads_off, early_off) = runs[True], runs[False]
     assert tokens == tokens_off and reads == reads_off and len(reads) > 0
     assert early > 0 and early_off == 0  # the reads really went out from inside the turn, and only with it on
+
+
+def test_a_batch_known_before_its_turn_goes_on_the_device_first_and_logs_the_same(
+        streamed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A demand request whose reads all start at once (`ReadCore.batch_at_once`) is put on the device before the
+    read core's turn, or, off (qnpipe.actors.read_scheduler._submit_first), in it: the same tokens, records and
+    batches put on the device in the same order, and the early way really taken."""
+    from qnpipe.actors import read_scheduler
+    from qnpipe.policy.read_core import ReadCore
+
+    runs: dict[bool, tuple[Any, list[Any], list[list[tuple[int, int, int]]], int]] = {}
+    for first in (True, False):
+        batches: list[list[tuple[int, int, int]]] = []
+        known = [0]
+        real_submit, real_at_once = read_scheduler.submit, ReadCore.batch_at_once
+
+        def submit(device: Any, jobs: Any, _real: Any = real_submit, batches: Any = batches) -> Any:
+            batches.append([(j.layer, j.expert, j.slot) for j in jobs])
+            return _real(device, jobs)
+
+        def at_once(self: ReadCore, msgs: Any, _real: Any = real_at_once, known: list[int] = known) -> Any:
+            jobs = _real(self, msgs)
+            known[0] += jobs is not None
+            return jobs
+
+        path = tmp_path / f"first-{first}.qtrace"
+        with monkeypatch.context() as m:
+            m.setattr(read_scheduler, "_submit_first", first)
+            m.setattr(read_scheduler, "submit", submit)
+            m.setattr(ReadCore, "batch_at_once", at_once)
+            assert main(["generate", str(streamed), "--tokens", "5,6,7,8,9", "-n", "8", "--json", "--temperature",
+                         "0", "--set", "pool.expert_slots=4", "--set", "pool.autopin=false",
+                         "--trace", str(path)]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        _, records = trace.read(path)
+        runs[first] = (out["tokens"], records, batches, known[0])
+    (tokens, records, batches, known), (tokens_off, records_off, batches_off, known_off) = runs[True], runs[False]
+    assert tokens == tokens_off and batches == batches_off and len(batches) > 0
+    assert Counter(type(r).__name__ for r in records) == Counter(type(r).__name__ for r in records_off)
+    assert _read_content(records) == _read_content(records_off)
+    assert known > 0 and known_off == 0
