@@ -46,6 +46,8 @@ def test_bench_stream_smoke(tmp_path: Path) -> None:
     assert all(b["device"] > 0 for name, b in out["breakdown_ms_per_token"].items() if name.startswith("demand"))
     # a reader thread may take the first read before the hand-over call returns: either way of the start
     assert 0 < out["overhead_frac_from_first_read"] < 1 and math.isfinite(out["read_take_delay_us"])
+    # a batch whose first read came before the hand-over call returned is on the device from that read: never later
+    assert 0 < out["overhead_frac"] <= out["overhead_frac_handover"] < 1
 
 
 @pytest.mark.slow

@@ -70,7 +70,13 @@ What is measured (every figure is a median over `--rounds`):
   handed it over: the thread hand-off's delay is the pipeline's too. `read_take_delay_us`: that delay, the
   median over the demand run's batches (per round, then the median); negative when a thread took the first
   read before the hand-over call returned (the batch is then on the device earlier than `overhead_frac` says).
-* `overhead_frac` = demand overhead / demand wall (the direct measurement above). Since early
+* `overhead_frac` = demand overhead / demand wall (the direct measurement above). A batch started from the loop
+  (`SsdReader.start`, `start_at`) is on the device from the hand-over call's return, or from its first read when a
+  reader thread took that before the call returned: the woken reader was run first on the loop's CPU (on two
+  cores, ~40 % of a demand run's batches, the call then lasting ~190 µs while the reads are in flight).
+  `overhead_frac_handover` counts every batch from the call's return only (`overhead_frac` until 2026-12-05,
+  late): with the loop and the reader threads pinned to different CPUs it was 0.011 lower at the same wall time,
+  so it measured where the scheduler put the readers, not the pipeline's work. Since early
   grants (qnpipe.actors.forward) the hits' compute of a layer runs in the background during
   its reads, outside `mlx`: what of it does not fall within `device` is counted here, so
   this is an upper bound. `overhead_frac_loop` = demand `loop_work` / wall: the actors'
@@ -260,6 +266,8 @@ class Instruments:
         self.mlx_cpu_s = 0.0  # ... the MLX thread's CPU time in them
         self.await_s = 0.0  # awaiting ThreadedBackend.begin/resume, on the trio thread
         self.reads: list[tuple[float, float]] = []  # SsdReader.read_batch / start..done intervals
+        # ... each started batch from the hand-over call's return, even when a read began before it (`overhead_frac_handover`)
+        self.reads_handover: list[tuple[float, float]] = []
         # The started batches' intervals from when a reader thread took their first read (`PendingRead.t_started`),
         # and the delay to it from their start.
         self.reads_taken: list[tuple[float, float]] = []
@@ -282,6 +290,7 @@ class Instruments:
                     return inner(reqs)
                 finally:
                     self.reads.append((t0, time.perf_counter()))
+                    self.reads_handover.append(self.reads[-1])
 
             reader.read_batch = read_batch  # StoreDevice calls self._reader.read_batch (or start, below)
             if getattr(reader, "starts", False):
@@ -298,7 +307,10 @@ class Instruments:
                     def timed() -> Any:  # from the batch's start to when the device finished its last read
                         out = poll()
                         if out is not None:
-                            self.reads.append((pending.t_start, pending.t_done))
+                            # On the device from the hand-over, or from its first read when a reader thread took
+                            # it before the hand-over call returned (the woken reader ran first on the loop's CPU).
+                            self.reads.append((min(pending.t_start, pending.t_started), pending.t_done))
+                            self.reads_handover.append((pending.t_start, pending.t_done))
                             self.reads_taken.append((pending.t_started, pending.t_done))
                             self.take_delays.append(pending.t_started - pending.t_start)
                         return out
@@ -333,6 +345,10 @@ class Instruments:
     def busy_union(self, since: float) -> float:
         """Wall time after `since` inside an MLX call, the token read, or a read batch (any of them)."""
         return union_s(self.reads + self.calls + ITEM_IV, since)
+
+    def busy_union_handover(self, since: float) -> float:
+        """`busy_union` with each started batch from the hand-over call's return only."""
+        return union_s(self.reads_handover + self.calls + ITEM_IV, since)
 
     def busy_union_taken(self, since: float) -> float:
         """`busy_union` with each started batch from its first read's take, not its start (read_batch's alike)."""
@@ -498,6 +514,7 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
     device = inst.device_union(t0)
     busy = inst.busy_union(t0)
     busy_taken = inst.busy_union_taken(t0)
+    busy_handover = inst.busy_union_handover(t0)
     delays = inst.take_delays[k0:]
     out = {
         "tok_s": tok_s,
@@ -510,6 +527,7 @@ def run_call(eng: Any, inst: Instruments, prompt: list[int], n: int, seed: int) 
         "device": device / steps,
         "overhead": (wall - busy) / steps,
         "overhead_taken": (wall - busy_taken) / steps,
+        "overhead_handover": (wall - busy_handover) / steps,
         "take_delay_us": statistics.median(delays) * 1e6 if delays else 0.0,
         "overhead_sum": (wall - mlx - item - device) / steps,
         "loop_work": loop / steps,
@@ -1035,6 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
         # The same with each batch on the device from when a reader thread took its first read: the thread
         # hand-off's delay counted as the pipeline's too, and the batch's median delay.
         "overhead_frac_from_first_read": rnd(med([d["overhead_taken"] / d["wall"] for d in runs["demand"]])),
+        "overhead_frac_handover": rnd(med([d["overhead_handover"] / d["wall"] for d in runs["demand"]])),
         "read_take_delay_us": rnd(med([d["take_delay_us"] for d in runs["demand"]]), 1),
         # The demand run's overhead (as overhead_frac's) per layer-step, in µs.
         "pipeline_us_per_layer_step_demand": rnd(med([d["overhead"] / d["layer_steps"] * 1e6
