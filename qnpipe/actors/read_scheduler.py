@@ -241,7 +241,8 @@ async def read_scheduler(
 
         def turn_now(msgs: Sequence[ReadInbox]) -> None:
             now = trio.current_time()
-            jobs = core.batch_at_once(msgs) if _submit_first else None
+            # Live only: in replay's virtual time the early submit gains nothing, and costs the actors driver ~7 %.
+            jobs = core.batch_at_once(msgs) if _submit_first and turns is None else None
             first = None if jobs is None else (jobs, submit(device, jobs))
             try:
                 out = core.turn(msgs, now)
