@@ -203,6 +203,13 @@ def _run_reads(model: Path, path: Path, inline: bool, monkeypatch: pytest.Monkey
     return records, taken["reads"], taken["pool"], taken["acquire"]
 
 
+def _generate(model: Path, slots: int, path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Any, list[Any]]:
+    """`qnpipe generate` of 8 tokens at `slots` with its event log at `path`: its JSON line and its records."""
+    assert main(["generate", str(model), "--tokens", "5,6,7,8,9", "-n", "8", "--json", "--temperature", "0",
+                 "--set", f"pool.expert_slots={slots}", "--set", "pool.autopin=false", "--trace", str(path)]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1]), trace.read(path)[1]
+
+
 CLAIMED = [0]  # `_run_reads`' last run: the demand batches its forward waited for itself
 
 
@@ -277,11 +284,7 @@ def test_a_grant_run_before_its_turn_logs_the_same_records(streamed: Path, tmp_p
             m.setattr(forward, "_foresee_early", early)
             m.setattr(Forward, "_granted", granted)
             m.setattr(Forward, "grant_queued", queued)
-            assert main(["generate", str(streamed), "--tokens", "5,6,7,8,9", "-n", "8", "--json", "--temperature",
-                         "0", "--set", "pool.expert_slots=6", "--set", "pool.autopin=false",
-                         "--trace", str(path)]) == 0
-        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        _, records = trace.read(path)
+            out, records = _generate(streamed, 6, path, capsys)
         runs[landed, early] = (out["tokens"], records, taken["granted"])
         if landed:  # grants were run before their turn, and most took it in the backend's call
             assert taken["granted"] > 0 and taken["in the call"] > 0
@@ -368,11 +371,7 @@ def test_a_batch_known_before_its_turn_goes_on_the_device_first_and_logs_the_sam
             m.setattr(read_scheduler, "_submit_first", first)
             m.setattr(read_scheduler, "submit", submit)
             m.setattr(ReadCore, "batch_at_once", at_once)
-            assert main(["generate", str(streamed), "--tokens", "5,6,7,8,9", "-n", "8", "--json", "--temperature",
-                         "0", "--set", "pool.expert_slots=4", "--set", "pool.autopin=false",
-                         "--trace", str(path)]) == 0
-        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        _, records = trace.read(path)
+            out, records = _generate(streamed, 4, path, capsys)
         runs[first] = (out["tokens"], records, batches, known[0])
     (tokens, records, batches, known), (tokens_off, records_off, batches_off, known_off) = runs[True], runs[False]
     assert tokens == tokens_off and batches == batches_off and len(batches) > 0

@@ -35,12 +35,6 @@ pytestmark = pytest.mark.skipif(not ssd.c_extension_available(), reason="C exten
 DIRECT = pytest.mark.skipif(nocache_mode(True) is not CacheMode.O_DIRECT, reason="O_DIRECT is Linux-only")
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("store")
-    return root, write_store(root)
-
-
 class Notify:
     """A wake-up pair as the live device keeps one: an eventfd on Linux, else a pipe."""
 
@@ -65,6 +59,20 @@ class Notify:
             os.close(fd)
 
 
+def lying_destination(monkeypatch: pytest.MonkeyPatch) -> np.ndarray:
+    """A destination `prepare` wrongly takes for aligned from now on: a direct read into it is refused (EINVAL)."""
+    backing = alloc_aligned(TINY4_RECORD + 2 * ALIGN)
+    misaligned = backing[8 : 8 + 4 * ALIGN]
+    real = ssd.prepare
+
+    def lying(buf, nbytes, where="a read"):
+        p = real(buf, nbytes, where)
+        return Prepared(p.nbytes, p.dest, (misaligned.data.cast("B"),))
+
+    monkeypatch.setattr(ssd, "prepare", lying)
+    return misaligned
+
+
 def finish(pending: PendingRead, note: Notify, method: str = "poll") -> list:
     """Drive `pending` as the device does: wait for the fd, poll, again while it says another attempt is out."""
     while True:
@@ -73,13 +81,6 @@ def finish(pending: PendingRead, note: Notify, method: str = "poll") -> list:
         if out is not None:
             assert note.idle()  # written once per attempt, no more
             return out
-
-
-@pytest.fixture
-def note():
-    n = Notify()
-    yield n
-    n.close()
 
 
 @pytest.mark.parametrize("nocache", [True, False])
@@ -187,15 +188,7 @@ def test_a_refused_direct_read_goes_buffered(store, note, monkeypatch) -> None:
     # A destination wrongly taken for aligned: the file system answers the direct read EINVAL, as one
     # that opens O_DIRECT but refuses its reads does; the reader reopens the file buffered and reads again.
     root, index = store
-    backing = alloc_aligned(TINY4_RECORD + 2 * ALIGN)
-    misaligned = backing[8 : 8 + 4 * ALIGN]
-    real = ssd.prepare
-
-    def lying(buf, nbytes, where="a read"):
-        p = real(buf, nbytes, where)
-        return Prepared(p.nbytes, p.dest, (misaligned.data.cast("B"),))
-
-    monkeypatch.setattr(ssd, "prepare", lying)
+    misaligned = lying_destination(monkeypatch)
     keys = [(1, 2)]
     with SsdReader(workers=2, backend="c") as reader:
         results = finish(reader.start(requests_for(root, index, keys, [misaligned]), note.w), note)

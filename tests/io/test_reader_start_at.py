@@ -8,29 +8,15 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from test_reader import TINY4_RECORD, all_keys, expected, requests_for, write_store
-from test_reader_start import Notify, finish
+from test_reader import TINY4_RECORD, all_keys, expected, requests_for
+from test_reader_start import DIRECT, finish, lying_destination
 
 from qnpipe.errors import ReadError
 from qnpipe.io import ssd
-from qnpipe.io.reader import ALIGN, CacheMode, ReadRequest, alloc_aligned
-from qnpipe.io.ssd import PendingRead, Prepared, SsdReader, nocache_mode
+from qnpipe.io.reader import CacheMode, ReadRequest, alloc_aligned
+from qnpipe.io.ssd import PendingRead, Prepared, SsdReader
 
 pytestmark = pytest.mark.skipif(not ssd.c_extension_available(), reason="C extension not built")
-DIRECT = pytest.mark.skipif(nocache_mode(True) is not CacheMode.O_DIRECT, reason="O_DIRECT is Linux-only")
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("store")
-    return root, write_store(root)
-
-
-@pytest.fixture
-def note():
-    n = Notify()
-    yield n
-    n.close()
 
 
 class Asked:
@@ -108,15 +94,7 @@ def test_a_refused_direct_read_at_a_target_goes_buffered_and_stales_the_targets(
     # As tests/io/test_reader_start.py's: a destination wrongly taken for aligned is refused (EINVAL), the file is
     # reopened buffered and read again; a target planned before then is not used, one planned after reads buffered.
     root, index = store
-    backing = alloc_aligned(TINY4_RECORD + 2 * ALIGN)
-    misaligned = backing[8 : 8 + 4 * ALIGN]
-    real = ssd.prepare
-
-    def lying(buf, nbytes, where="a read"):
-        p = real(buf, nbytes, where)
-        return Prepared(p.nbytes, p.dest, (misaligned.data.cast("B"),))
-
-    monkeypatch.setattr(ssd, "prepare", lying)
+    misaligned = lying_destination(monkeypatch)
     keys = [(1, 2)]
     with SsdReader(workers=2, backend="c") as reader:
         reqs = _prepared(reader, requests_for(root, index, keys, [misaligned]))
