@@ -28,6 +28,7 @@ class Reader(Protocol):
 
     def _add_stats(self, dt: float, *, requests: int, nbytes: int, bounced: int) -> None: ...
 
+
 # After a batch is handed to the reader's threads, the loop's thread yields its CPU once (`PendingRead`). False:
 # it goes on with its turn (A/B benchmarks): ~1-2.5 % fewer tok/s on this VM (docs/measurements.md).
 _yield_after_start = True
@@ -64,7 +65,8 @@ class PendingRead:
             self._which = range(len(at))
             runner = reader._runner  # pyright: ignore[reportPrivateUsage]
             assert isinstance(runner, CRunner)
-            self._batch = runner.submit([(t.fd, offset, t.nbytes, t.bufs) for t, offset in at], notify_fd)
+            self._ops = [(t.fd, offset, t.nbytes, t.bufs) for t, offset in at]  # the plans' ops, if ever needed
+            self._batch = runner.submit(self._ops, notify_fd)
             self._whole = [t.nbytes for t, _ in at]
         self._attempts = [1] * len(self._whole)
         self.t_start = time.perf_counter()  # the reads are queued (perf_counter's clock, as t_done)
@@ -83,7 +85,7 @@ class PendingRead:
             return
         assert callable(self._ask)
         self._requests = self._ask()
-        self._plans = [ReadPlan((t.fd, offset, t.nbytes, t.bufs), t.dest, 0, None, t.mode) for t, offset in self._at]
+        self._plans = [ReadPlan(op, t.dest, 0, None, t.mode) for op, (t, _) in zip(self._ops, self._at, strict=True)]
 
     def _go(self, which: Sequence[int]) -> None:
         self._which = list(which)
